@@ -1,0 +1,74 @@
+"""The interface every hardware backend implements (see ``hookspecs.dlcore_backends``)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from dlcore.device import DeviceProfile
+
+if TYPE_CHECKING:
+    from dlcore.implementation import Implementation
+    from dlcore.signature import Signature
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether a backend can run here, and if not, why."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+class Backend:
+    """A hardware backend: owns torch device types, describes devices, times code.
+
+    Subclasses set ``name`` and ``device_types`` and override what differs. Nothing here may
+    probe a device or import a vendor runtime before ``available()`` is called.
+    """
+
+    name: str = ""
+    device_types: tuple[str, ...] = ()
+    #: implementation kinds this backend can run ("triton", "torch")
+    kinds: tuple[str, ...] = ("triton", "torch")
+
+    def available(self) -> Availability:
+        """Whether the runtime is present and a device can be used; the reason when not."""
+        return Availability(True)
+
+    def profile(self, device: torch.device) -> DeviceProfile:
+        """Describe ``device``. Called lazily, once per device."""
+        raise NotImplementedError
+
+    def accepts(self, impl: Implementation, signature: Signature) -> str | None:
+        """``None`` if this backend can run ``impl`` on ``signature``, else the reason it cannot."""
+        if impl.kind not in self.kinds:
+            return f"the {self.name} backend does not run {impl.kind} implementations"
+        return None
+
+    def synchronize(self, device: torch.device) -> None:
+        """Wait for all work queued on ``device``."""
+
+    def timer(self, fn: Callable[[], object], device: torch.device, *, warmup: int = 1, reps: int = 5) -> float:
+        """Median wall time of ``fn()`` in milliseconds, warm-up excluded."""
+        for _ in range(warmup):
+            fn()
+        self.synchronize(device)
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            self.synchronize(device)
+            times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} devices={self.device_types}>"

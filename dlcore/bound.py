@@ -1,0 +1,58 @@
+"""The callable that ``get_op`` returns."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dlcore.device import DeviceProfile
+from dlcore.implementation import Implementation
+from dlcore.op import Op
+from dlcore.selection import Selection
+from dlcore.signature import Signature
+
+
+class BoundOp:
+    """One op bound to one implementation and config, for inputs of one signature.
+
+    Calling it runs the chosen implementation directly: no lookup, no selection. It does not
+    re-validate its inputs (``get_op`` did, for the signature it was asked about); call ``get_op``
+    again for inputs of another shape, dtype, layout or device.
+    """
+
+    __slots__ = ("op", "impl", "config", "selection", "signature", "profile", "cache_key")
+
+    def __init__(self, op: Op, impl: Implementation, selection: Selection, signature: Signature,
+                 profile: DeviceProfile, cache_key: str):
+        self.op = op
+        self.impl = impl
+        self.config = selection.config
+        self.selection = selection
+        self.signature = signature
+        self.profile = profile
+        self.cache_key = cache_key
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.impl.run(self.op.bind(args, kwargs or None), self.config)
+
+    def explain(self) -> str:
+        s = self.selection
+        lines = [
+            f"op:        {self.op.name}",
+            f"inputs:    {self.signature.describe()}",
+            f"device:    {self.profile.describe()} via backend {self.profile.backend!r}",
+            f"chosen:    {self.impl.name} ({self.impl.kind}, from plugin {self.impl.plugin}) with config {self.config}",
+            f"because:   {s.how}" + (f", {s.time_ms:.4f} ms" if s.time_ms is not None else ""),
+        ]
+        for name, t in sorted(s.measured.items(), key=lambda kv: kv[1]):
+            lines.append(f"  measured  {name}: {t:.4f} ms")
+        for name, why in s.failed.items():
+            lines.append(f"  failed    {name}: {why}")
+        for name, why in s.declined.items():
+            lines.append(f"  declined  {name}: {why}")
+        if s.strategy:
+            lines.append(f"tuned:     {s.strategy}, {s.evaluations} evaluations")
+        lines.append(f"decided:   {s.when}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<BoundOp {self.op.name} -> {self.impl.name} {self.config}>"

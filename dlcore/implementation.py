@@ -1,0 +1,206 @@
+"""Implementations of operators: how an op is computed on some backend.
+
+A Triton implementation does not launch kernels itself: its ``plan(args, config)`` returns a
+:class:`LaunchPlan` (the kernels, grids, arguments and the result tensors). Running the plan
+launches it; lowering (``dlcore lower``) compiles the same plan for a target without a device;
+launch-stage passes rewrite it. One description serves all three.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dlcore.device import DeviceProfile
+    from dlcore.op import Op
+    from dlcore.signature import Signature
+    from dlcore.tuning.space import SearchSpace
+
+Config = dict[str, Any]
+
+
+@dataclass
+class KernelCall:
+    """One launch: ``kernel[grid](*args, **kwargs)``; ``kwargs`` holds constexprs, num_warps, ..."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def launch(self) -> None:
+        self.kernel[self.grid](*self.args, **self.kwargs)
+
+
+@dataclass
+class LaunchPlan:
+    calls: list[KernelCall]
+    result: Any
+
+    def run(self) -> Any:
+        for call in self.calls:
+            call.launch()
+        return self.result
+
+
+class Implementation:
+    """Base of every implementation. ``kind`` says which backends can run it (``triton``, ``torch``)."""
+
+    kind: str = ""
+
+    def __init__(self, op: str, name: str, *, dtypes: tuple | None = None, doc: str = ""):
+        self.op = op
+        self.name = name
+        self.dtypes = dtypes
+        self.doc = doc
+        #: set by the registry: the plugin that provided it
+        self.plugin: str = ""
+
+    @property
+    def qualname(self) -> str:
+        return f"{self.op}.{self.name}"
+
+    def supports(self, signature: Signature, profile: DeviceProfile) -> str | None:
+        """``None`` if this implementation handles ``signature``, else the reason it declines."""
+        if self.dtypes is not None and signature.dtype not in self.dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
+            return f"dtype {str(signature.dtype).removeprefix('torch.')} not supported (supports {names})"
+        return None
+
+    def default_config(self, signature: Signature, profile: DeviceProfile | None) -> Config:
+        """The heuristic config, used when nothing is tuned. ``profile`` is None on direct use."""
+        return {}
+
+    def space(self) -> SearchSpace | None:
+        """The declared search space, or None if there is nothing to tune."""
+        return None
+
+    def source_hash(self) -> str:
+        """Changes whenever the code that computes the result changes: part of cache keys."""
+        raise NotImplementedError
+
+    def run(self, args: tuple, config: Config) -> Any:
+        """Compute the op on bound ``args`` with ``config``."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.qualname}>"
+
+
+def _module_source_hash(obj: Any) -> str:
+    module = sys.modules.get(getattr(obj, "__module__", ""), None)
+    try:
+        source = inspect.getsource(module) if module is not None else inspect.getsource(obj)
+    except (OSError, TypeError):
+        source = getattr(obj, "__qualname__", repr(obj))
+    return hashlib.sha256(source.encode()).hexdigest()[:16]
+
+
+class ReferenceImplementation(Implementation):
+    """The op's own torch reference, registered for every op by the registry."""
+
+    kind = "torch"
+
+    def __init__(self, op: Op):
+        super().__init__(op.name, "reference", doc="torch reference")
+        self._fn = op.reference
+        self.fallback_only = True
+        self._hash = _module_source_hash(op.reference)
+
+    def source_hash(self) -> str:
+        return self._hash
+
+    def run(self, args: tuple, config: Config) -> Any:
+        return self._fn(*args)
+
+
+class TorchImplementation(Implementation):
+    """An implementation written in torch (e.g. a composite of library calls)."""
+
+    kind = "torch"
+
+    def __init__(self, op: str, name: str, fn: Callable[..., Any], **kwargs: Any):
+        super().__init__(op, name, **kwargs)
+        self._fn = fn
+        self._hash = _module_source_hash(fn)
+
+    def source_hash(self) -> str:
+        return self._hash
+
+    def run(self, args: tuple, config: Config) -> Any:
+        return self._fn(*args)
+
+
+class TritonImplementation(Implementation):
+    """An implementation made of Triton kernels.
+
+    :param plan: ``plan(args, config) -> LaunchPlan``; allocates the outputs (on the inputs'
+        device, which may be ``meta`` when lowering) and describes every launch.
+    :param kernels: the ``@triton.jit`` functions the plan launches.
+    :param default_config: ``(signature, profile | None) -> config``.
+    :param supports: optional extra ``(signature, profile) -> reason | None``.
+    :param space: optional ``() -> SearchSpace``.
+    """
+
+    kind = "triton"
+
+    def __init__(
+        self,
+        op: str,
+        name: str,
+        *,
+        plan: Callable[[tuple, Config], LaunchPlan],
+        kernels: tuple,
+        default_config: Callable[[Signature, DeviceProfile | None], Config],
+        supports: Callable[[Signature, DeviceProfile], str | None] | None = None,
+        space: Callable[[], SearchSpace] | None = None,
+        **kwargs: Any,
+    ):
+        super().__init__(op, name, **kwargs)
+        self.plan = plan
+        self.kernels = tuple(kernels)
+        self._default_config = default_config
+        self._supports = supports
+        self._space = space
+        self._hash = _module_source_hash(plan)
+
+    @property
+    def interpreted(self) -> bool:
+        """True when the kernels were created under ``TRITON_INTERPRET=1`` (they run on the CPU)."""
+        return all(type(k).__name__ == "InterpretedFunction" for k in self.kernels)
+
+    def supports(self, signature: Signature, profile: DeviceProfile) -> str | None:
+        reason = super().supports(signature, profile)
+        if reason is None and self._supports is not None:
+            reason = self._supports(signature, profile)
+        return reason
+
+    def default_config(self, signature: Signature, profile: DeviceProfile | None) -> Config:
+        return dict(self._default_config(signature, profile))
+
+    def space(self) -> SearchSpace | None:
+        return self._space() if self._space is not None else None
+
+    def source_hash(self) -> str:
+        return self._hash
+
+    def run(self, args: tuple, config: Config) -> Any:
+        return self.plan(args, config).run()
+
+
+def call_directly(op: Op, impl: Implementation, args: tuple, kwargs: dict[str, Any]) -> Any:
+    """Validate and run ``impl`` with its heuristic default config, bypassing selection.
+
+    What a kernel module's public function does: the same checks as ``get_op``, no plugin
+    discovery, no cache.
+    """
+    from dlcore.signature import make_signature
+
+    bound = op.bind(args, kwargs or None)
+    device = op.validate(bound)
+    return impl.run(bound, impl.default_config(make_signature(op, bound, device), None))

@@ -1,0 +1,189 @@
+"""Operator declarations: argument schema, validation, torch reference, key policy.
+
+An :class:`Op` is what ``get_op`` looks up by name. Its implementations are declared separately
+(see :mod:`dlcore.implementation`), possibly by other plugins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dlcore.errors import InvalidInputError
+from dlcore.layout import ACCEPTED_LAYOUT_TEXT, layout_of
+
+REQUIRED = object()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class TensorArg:
+    """A tensor argument.
+
+    ``layouts``: the stride classes accepted (see :mod:`dlcore.layout`). ``same_dtype_as``: the
+    name of an earlier tensor argument whose dtype this one must share. ``bucket``: the key policy
+    for this argument's shape in cache keys (``"rows"``: leading dimensions flattened and rounded up
+    to a power of two, last dimension exact; ``None``: exact shape).
+    """
+
+    name: str
+    dtypes: tuple[torch.dtype, ...]
+    min_rank: int = 1
+    max_rank: int | None = None
+    layouts: tuple[str, ...] = ("contiguous", "rows")
+    same_dtype_as: str | None = None
+    bucket: str | None = None
+
+
+@dataclass(frozen=True)
+class ScalarArg:
+    """A Python scalar argument. ``keyed``: its value (not only its type) selects the kernel."""
+
+    name: str
+    types: tuple[type, ...] = (float, int)
+    default: Any = REQUIRED
+    keyed: bool = False
+
+
+Arg = TensorArg | ScalarArg
+
+
+@dataclass(frozen=True)
+class Op:
+    """An operator: what it computes (``reference``) and what it accepts (``args``, ``check``).
+
+    ``reference`` takes the arguments in declared order and computes the result with torch; it is
+    the ground truth for tests and correctness checks, and it runs when no dedicated kernel accepts
+    the inputs, unless ``fallback`` is False.
+    ``check(op, args)`` raises :class:`InvalidInputError` for relations between arguments (shapes
+    that must agree); per-argument dtype, rank, layout and device checks are done from ``args``.
+    """
+
+    name: str
+    args: tuple[Arg, ...]
+    reference: Callable[..., Any]
+    doc: str = ""
+    check: Callable[[Op, dict[str, Any]], None] | None = None
+    fallback: bool = True
+    _index: dict[str, int] = field(default=None, init=False, repr=False, compare=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_index", {a.name: i for i, a in enumerate(self.args)})
+
+    # -- binding --------------------------------------------------------------------------------
+
+    def usage(self) -> str:
+        parts = []
+        for a in self.args:
+            if isinstance(a, ScalarArg) and a.default is not REQUIRED:
+                parts.append(f"{a.name}={a.default!r}")
+            else:
+                parts.append(a.name)
+        return f"{self.name}({', '.join(parts)})"
+
+    def bind(self, args: Sequence[Any], kwargs: dict[str, Any] | None = None) -> tuple:
+        """Arguments in declared order, defaults filled in."""
+        if kwargs is None and len(args) == len(self.args):
+            return tuple(args)
+        if len(args) > len(self.args):
+            raise InvalidInputError(
+                self.name, "call", f"got {len(args)} positional arguments", self.usage()
+            )
+        values = list(args) + [REQUIRED] * (len(self.args) - len(args))
+        for key, value in (kwargs or {}).items():
+            if key not in self._index:
+                raise InvalidInputError(self.name, "call", f"got an unexpected argument {key!r}", self.usage())
+            i = self._index[key]
+            if i < len(args):
+                raise InvalidInputError(self.name, "call", f"got {key!r} twice", self.usage())
+            values[i] = value
+        for i, a in enumerate(self.args):
+            if values[i] is REQUIRED:
+                default = getattr(a, "default", REQUIRED)
+                if default is REQUIRED:
+                    raise InvalidInputError(self.name, a.name, "is missing", self.usage())
+                values[i] = default
+        return tuple(values)
+
+    # -- validation -----------------------------------------------------------------------------
+
+    def validate(self, bound: tuple) -> torch.device:
+        """Check every argument; return the device the inputs live on."""
+        device = None
+        first_tensor = None
+        for spec, value in zip(self.args, bound):
+            if isinstance(spec, ScalarArg):
+                self._check_scalar(spec, value)
+                continue
+            self._check_tensor(spec, value, bound)
+            if device is None:
+                device, first_tensor = value.device, spec.name
+            elif value.device != device:
+                raise InvalidInputError(
+                    self.name, spec.name, f"is on {value.device} while {first_tensor} is on {device}",
+                    "tensors on one device", "Move all inputs to the same device.",
+                )
+        if self.check is not None:
+            self.check(self, dict(zip(self._index, bound)))
+        return device if device is not None else torch.device("cpu")
+
+    def _check_scalar(self, spec: ScalarArg, value: Any) -> None:
+        if isinstance(value, torch.Tensor) or not isinstance(value, spec.types) or (
+            isinstance(value, bool) and bool not in spec.types
+        ):
+            names = " or ".join(t.__name__ for t in spec.types)
+            raise InvalidInputError(self.name, spec.name, f"is a {type(value).__name__}", f"a {names} for {spec.name}")
+
+    def _check_tensor(self, spec: TensorArg, value: Any, bound: tuple) -> None:
+        if not isinstance(value, torch.Tensor):
+            raise InvalidInputError(self.name, spec.name, f"is a {type(value).__name__}", f"a torch.Tensor for {spec.name}")
+        if value.dtype not in spec.dtypes:
+            accepted = ", ".join(_dtype_name(d) for d in spec.dtypes)
+            raise InvalidInputError(
+                self.name, spec.name, f"has dtype {value.dtype}", accepted, f"Convert with {spec.name}.to(...)."
+            )
+        if spec.same_dtype_as is not None:
+            other = bound[self._index[spec.same_dtype_as]]
+            if isinstance(other, torch.Tensor) and other.dtype != value.dtype:
+                raise InvalidInputError(
+                    self.name, spec.name, f"has dtype {value.dtype} but {spec.same_dtype_as} has {other.dtype}",
+                    f"{spec.name} with the dtype of {spec.same_dtype_as}",
+                )
+        rank = value.dim()
+        if rank < spec.min_rank or (spec.max_rank is not None and rank > spec.max_rank):
+            if spec.max_rank == spec.min_rank:
+                want = f"{spec.min_rank}"
+            elif spec.max_rank is None:
+                want = f"at least {spec.min_rank}"
+            else:
+                want = f"{spec.min_rank} to {spec.max_rank}"
+            raise InvalidInputError(
+                self.name, spec.name, f"has {rank} dimensions (shape {tuple(value.shape)})",
+                f"{spec.name} with {want} dimensions",
+            )
+        layout = layout_of(value)
+        if layout not in spec.layouts:
+            accepted = " or ".join(ACCEPTED_LAYOUT_TEXT[k] for k in spec.layouts)
+            raise InvalidInputError(
+                self.name, spec.name, f"has strides {tuple(value.stride())} for shape {tuple(value.shape)}",
+                accepted, f"Call {spec.name}.contiguous() first.",
+            )
+
+    def expect_shape(self, name: str, value: torch.Tensor, shape: tuple[int, ...], why: str) -> None:
+        """For ``check`` functions: raise unless ``value.shape == shape``."""
+        if tuple(value.shape) != tuple(shape):
+            raise InvalidInputError(self.name, name, f"has shape {tuple(value.shape)}", f"{name} of shape {tuple(shape)} ({why})")
+
+    def tensor_args(self) -> list[TensorArg]:
+        return [a for a in self.args if isinstance(a, TensorArg)]
+
+    def dtypes(self) -> tuple[torch.dtype, ...]:
+        """The dtypes of the first tensor argument: what ``dlcore ops`` lists."""
+        tensors = self.tensor_args()
+        return tensors[0].dtypes if tensors else ()

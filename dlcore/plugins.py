@@ -1,0 +1,189 @@
+"""Plugin discovery (stevedore) and the one pluggy ``PluginManager``.
+
+Every plugin, built-in or third-party, arrives the same way: an entry point in one of
+:data:`GROUPS`. Each is loaded by stevedore with load failures caught, registered with the
+plugin manager, and validated against :mod:`dlcore.hookspecs`. A plugin that fails is recorded with
+its traceback, warned about once, and left out; everything else works.
+
+Selection by environment:
+
+- ``DLCORE_DISABLE_PLUGINS=a,b``: never load these (names are entry-point names, or
+  ``group:name``).
+- ``DLCORE_PLUGINS=a,b``: load only these, besides dlcore's own built-ins; a plugin named here
+  that is missing or fails to load raises :class:`~dlcore.errors.PluginLoadError`.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+import warnings
+from dataclasses import dataclass
+import functools
+from importlib.metadata import EntryPoint, entry_points
+
+import pluggy
+from stevedore import NamedExtensionManager
+
+from dlcore import hookspecs
+from dlcore.errors import PluginLoadError
+
+GROUPS = ("dlcore.backends", "dlcore.kernels", "dlcore.passes", "dlcore.strategies")
+CORE_DISTRIBUTION = "dlcore"
+
+
+class PluginWarning(UserWarning):
+    """A plugin failed to load or was rejected; ``dlcore plugins`` shows why."""
+
+
+@dataclass
+class PluginRecord:
+    """One entry point and what became of it."""
+
+    group: str
+    name: str
+    value: str
+    status: str = "pending"  # loaded | failed | rejected | disabled
+    error: str = ""
+    traceback: str = ""
+
+    @property
+    def id(self) -> str:
+        return f"{self.group}:{self.name}"
+
+    @property
+    def builtin(self) -> bool:
+        return self.value.split(".")[0].split(":")[0] == "dlcore"
+
+    @property
+    def distribution(self) -> str:
+        return _distributions().get((self.group, self.name, self.value), ("?", "?"))[0]
+
+    @property
+    def version(self) -> str:
+        return _distributions().get((self.group, self.name, self.value), ("?", "?"))[1]
+
+    def fail(self, status: str, exc: BaseException) -> None:
+        self.status = status
+        self.error = f"{type(exc).__name__}: {exc}"
+        self.traceback = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+
+
+@dataclass
+class PluginSet:
+    """The loaded plugins: the plugin manager and a record for every entry point seen."""
+
+    manager: pluggy.PluginManager
+    records: list[PluginRecord]
+
+    def record(self, plugin_id: str) -> PluginRecord:
+        for r in self.records:
+            if r.id == plugin_id:
+                return r
+        raise KeyError(plugin_id)
+
+    def fail(self, plugin_id: str, exc: BaseException) -> None:
+        """A loaded plugin misbehaved in a hook: unregister it and report it once."""
+        record = self.record(plugin_id)
+        record.fail("failed", exc)
+        if self.manager.get_plugin(plugin_id) is not None:
+            self.manager.unregister(name=plugin_id)
+        _warn(record)
+
+
+def _names_from_env(variable: str) -> set[str]:
+    return {n.strip() for n in os.environ.get(variable, "").split(",") if n.strip()}
+
+
+@functools.cache
+def _distributions() -> dict[tuple[str, str, str], tuple[str, str]]:
+    """(group, name, value) -> (distribution, version), for display only.
+
+    stevedore's cached entry points do not know their distribution, and scanning every installed
+    distribution costs milliseconds, so this runs only when a record is shown or warned about.
+    """
+    found = {}
+    for group in GROUPS:
+        for ep in entry_points(group=group):
+            dist = getattr(ep, "dist", None)
+            if dist is not None:
+                found[(group, ep.name, ep.value)] = (dist.metadata["Name"], dist.version)
+    return found
+
+
+def _warn(record: PluginRecord) -> None:
+    warnings.warn(
+        f"dlcore plugin {record.id} ({record.distribution} {record.version}) {record.status}: {record.error}. "
+        f"Everything else still works; `dlcore plugins` shows the traceback.",
+        PluginWarning,
+        stacklevel=2,
+    )
+
+
+def new_manager() -> pluggy.PluginManager:
+    manager = pluggy.PluginManager("dlcore")
+    manager.add_hookspecs(hookspecs)
+    return manager
+
+
+def discover() -> PluginSet:
+    """Load, register and validate every allowed plugin of every group."""
+    only = _names_from_env("DLCORE_PLUGINS")
+    disabled = _names_from_env("DLCORE_DISABLE_PLUGINS")
+    manager = new_manager()
+    plugins = PluginSet(manager, [])
+    requested_seen: set[str] = set()
+
+    for group in GROUPS:
+        records: dict[str, PluginRecord] = {}
+        allowed: list[str] = []
+        # A manager asked for no names loads nothing: it only lists the group (from stevedore's cache).
+        for ep in NamedExtensionManager(group, names=[], on_missing_entrypoints_callback=None).list_entry_points():
+            record = PluginRecord(group, ep.name, ep.value)
+            plugins.records.append(record)
+            wanted = {ep.name, record.id}
+            requested_seen |= wanted & only
+            if wanted & disabled or (only and not record.builtin and not wanted & only):
+                record.status = "disabled"
+                continue
+            records[ep.name] = record
+            allowed.append(ep.name)
+
+        def on_failure(_manager, ep: EntryPoint, exc: Exception, records=records) -> None:
+            record = records[ep.name]
+            record.fail("failed", exc)
+            _warn(record)
+
+        extensions = NamedExtensionManager(
+            group,
+            names=allowed,
+            on_load_failure_callback=on_failure,
+            on_missing_entrypoints_callback=None,
+        )
+        for ext in extensions:
+            _register(manager, records[ext.name], ext.plugin)
+
+    missing = only - requested_seen
+    if missing:
+        raise PluginLoadError(
+            f"DLCORE_PLUGINS names {', '.join(sorted(missing))}, which no installed distribution provides; "
+            f"installed: {', '.join(sorted(r.id for r in plugins.records)) or 'none'}"
+        )
+    broken = [r for r in plugins.records if r.status in ("failed", "rejected") and {r.name, r.id} & only]
+    if broken:
+        r = broken[0]
+        raise PluginLoadError(f"plugin {r.id} named in DLCORE_PLUGINS could not be loaded: {r.error}\n{r.traceback}")
+    return plugins
+
+
+def _register(manager: pluggy.PluginManager, record: PluginRecord, plugin: object) -> None:
+    try:
+        manager.register(plugin, name=record.id)
+        manager.check_pending()
+    except Exception as exc:  # noqa: BLE001 - any defect in a plugin must only reject that plugin
+        if manager.get_plugin(record.id) is not None:
+            manager.unregister(name=record.id)
+        record.fail("rejected", exc)
+        _warn(record)
+        return
+    record.status = "loaded"

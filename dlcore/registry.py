@@ -1,0 +1,150 @@
+"""Everything the plugins declared: ops, implementations, backends, passes and strategies.
+
+Built once per process from the :class:`~dlcore.plugins.PluginSet`, by calling each collecting
+hook plugin by plugin, so that a plugin whose hook raises is reported and dropped alone.
+"""
+
+from __future__ import annotations
+
+import difflib
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dlcore.backend import Backend
+from dlcore.device import DeviceProfile
+from dlcore.errors import BackendUnavailableError, UnknownOpError, UnknownStrategyError
+from dlcore.implementation import Implementation, ReferenceImplementation
+from dlcore.op import Op
+from dlcore.plugins import PluginSet, discover
+
+
+class Registry:
+    def __init__(self, plugins: PluginSet):
+        self.plugins = plugins
+        self.ops: dict[str, Op] = {}
+        self.op_plugin: dict[str, str] = {}
+        self.implementations: dict[str, list[Implementation]] = {}
+        self.backends: dict[str, Backend] = {}
+        self.backend_plugin: dict[str, str] = {}
+        self._by_device_type: dict[str, Backend] = {}
+        self.strategies: dict[str, Any] = {}
+        self.passes: list[Any] = []
+        self._profiles: dict[str, DeviceProfile] = {}
+        self._collect()
+
+    # -- building -------------------------------------------------------------------------------
+
+    def _each(self, hook_name: str, accept: Callable[[str, Any], None]) -> None:
+        """Call ``hook_name`` on each plugin; hand each returned item to ``accept(plugin, item)``."""
+        hook = getattr(self.plugins.manager.hook, hook_name)
+        for impl in list(hook.get_hookimpls()):
+            try:
+                for item in impl.function() or ():
+                    accept(impl.plugin_name, item)
+            except Exception as exc:  # noqa: BLE001 - a broken plugin must not break the others
+                self.plugins.fail(impl.plugin_name, exc)
+
+    def _collect(self) -> None:
+        self._each("dlcore_backends", self._add_backend)
+        self._each("dlcore_ops", self._add_op)
+        for op in self.ops.values():
+            reference = ReferenceImplementation(op)
+            reference.plugin = self.op_plugin[op.name]
+            self.implementations[op.name] = [reference]
+        self._each("dlcore_implementations", self._add_implementation)
+        self._each("dlcore_strategies", self._add_strategy)
+        self._each("dlcore_passes", lambda plugin, p: self.passes.append(p))
+
+    def _add_backend(self, plugin: str, backend: Backend) -> None:
+        taken = [t for t in backend.device_types if t in self._by_device_type]
+        if taken or backend.name in self.backends:
+            owner = self.backend_plugin.get(backend.name) or self._by_device_type[taken[0]].name
+            raise ValueError(f"backend {backend.name!r} claims {taken or backend.name}, already owned by {owner}")
+        self.backends[backend.name] = backend
+        self.backend_plugin[backend.name] = plugin
+        for device_type in backend.device_types:
+            self._by_device_type[device_type] = backend
+
+    def _add_op(self, plugin: str, op: Op) -> None:
+        if op.name in self.ops:
+            raise ValueError(f"op {op.name!r} is already declared by {self.op_plugin[op.name]}")
+        self.ops[op.name] = op
+        self.op_plugin[op.name] = plugin
+
+    def _add_implementation(self, plugin: str, impl: Implementation) -> None:
+        if impl.op not in self.ops:
+            raise ValueError(f"implementation {impl.name!r} is for op {impl.op!r}, which no plugin declares")
+        existing = self.implementations[impl.op]
+        if any(i.name == impl.name for i in existing):
+            raise ValueError(f"{impl.op} already has an implementation named {impl.name!r}")
+        impl.plugin = plugin
+        existing.append(impl)
+
+    def _add_strategy(self, plugin: str, strategy: Any) -> None:
+        if strategy.name in self.strategies:
+            raise ValueError(f"strategy {strategy.name!r} is already provided")
+        self.strategies[strategy.name] = strategy
+
+    # -- lookups --------------------------------------------------------------------------------
+
+    def op(self, name: str) -> Op:
+        try:
+            return self.ops[name]
+        except KeyError:
+            known = list(self.ops)
+            raise UnknownOpError(name, known, difflib.get_close_matches(name, known, n=3, cutoff=0.5)) from None
+
+    def implementations_of(self, op: str) -> list[Implementation]:
+        return self.implementations.get(op, [])
+
+    def backend_for(self, device: torch.device) -> Backend:
+        backend = self._by_device_type.get(device.type)
+        if backend is None:
+            loaded = ", ".join(f"{b.name} ({'/'.join(b.device_types)})" for b in self.backends.values()) or "none"
+            raise BackendUnavailableError(
+                f"no backend runs on device type {device.type!r}; loaded backends: {loaded}. "
+                f"Install the backend's distribution (dlc-cuda, dlc-ascend, dlc-mlu) or see `dlcore plugins`."
+            )
+        availability = backend.available()
+        if not availability:
+            raise BackendUnavailableError(f"backend {backend.name!r} is not available: {availability.reason}")
+        return backend
+
+    def profile(self, backend: Backend, device: torch.device) -> DeviceProfile:
+        key = str(device)
+        profile = self._profiles.get(key)
+        if profile is None:
+            profile = self._profiles[key] = backend.profile(device)
+        return profile
+
+    def strategy(self, name: str) -> Any:
+        try:
+            return self.strategies[name]
+        except KeyError:
+            raise UnknownStrategyError(
+                f"no search strategy {name!r}; registered: {', '.join(sorted(self.strategies)) or 'none'}"
+            ) from None
+
+
+_lock = threading.Lock()
+_registry: Registry | None = None
+
+
+def registry() -> Registry:
+    """The process's registry, built on first use (nothing is discovered at import time)."""
+    global _registry
+    if _registry is None:
+        with _lock:
+            if _registry is None:
+                _registry = Registry(discover())
+    return _registry
+
+
+def reset() -> None:
+    """Forget the registry (and everything cached with it): the next use rediscovers plugins."""
+    global _registry
+    with _lock:
+        _registry = None

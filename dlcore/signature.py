@@ -1,0 +1,94 @@
+"""The signature of a call: what selects a kernel and keys the cache.
+
+For each tensor: dtype, shape (bucketed by the argument's key policy), stride class and 16-byte
+alignment; for each scalar: its value (keyed scalars) or its type.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dlcore.layout import layout_of
+from dlcore.op import Op, ScalarArg, TensorArg
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    layout: str
+    aligned: bool
+
+    def describe(self) -> str:
+        flags = self.layout + ("" if self.aligned else ", unaligned")
+        return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)} ({flags})"
+
+
+@dataclass(frozen=True)
+class Signature:
+    op: str
+    device_type: str
+    tensors: tuple[tuple[str, TensorSpec], ...]
+    scalars: tuple[tuple[str, Any], ...]
+
+    def tensor(self, name: str) -> TensorSpec:
+        for n, spec in self.tensors:
+            if n == name:
+                return spec
+        raise KeyError(name)
+
+    def scalar(self, name: str) -> Any:
+        for n, value in self.scalars:
+            if n == name:
+                return value
+        raise KeyError(name)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the first tensor argument."""
+        return self.tensors[0][1].dtype
+
+    def key(self) -> str:
+        """A stable text form: equal for calls that may share a tuned config."""
+        parts = [f"{n}={s.describe()}" for n, s in self.tensors]
+        parts += [f"{n}={v!r}" for n, v in self.scalars]
+        return f"{self.op}[{self.device_type}]({'; '.join(parts)})"
+
+    def describe(self) -> str:
+        return self.key()
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def bucket_shape(shape: tuple[int, ...], policy: str | None) -> tuple[int, ...]:
+    if policy is None or not shape:
+        return tuple(shape)
+    if policy == "rows":
+        return (next_power_of_2(math.prod(shape[:-1])), shape[-1])
+    raise ValueError(f"unknown bucket policy {policy!r}; known: 'rows' or None")
+
+
+def _scalar_key(spec: ScalarArg, value: Any) -> Any:
+    return value if spec.keyed else type(value).__name__
+
+
+def make_signature(op: Op, bound: tuple, device: torch.device) -> Signature:
+    tensors = []
+    scalars = []
+    for spec, value in zip(op.args, bound):
+        if isinstance(spec, TensorArg):
+            tensors.append((spec.name, TensorSpec(
+                dtype=value.dtype,
+                shape=bucket_shape(tuple(value.shape), spec.bucket),
+                layout=layout_of(value),
+                aligned=value.data_ptr() % 16 == 0,
+            )))
+        else:
+            scalars.append((spec.name, _scalar_key(spec, value)))
+    return Signature(op.name, device.type, tuple(tensors), tuple(scalars))

@@ -1,0 +1,58 @@
+"""The ``npu`` backend: Ascend NPUs through torch_npu, imported only when first asked."""
+
+from __future__ import annotations
+
+import torch
+
+from dlcore import hookimpl
+from dlcore.backend import Availability, Backend
+from dlcore.device import DeviceProfile
+from dlcore.vendor import import_runtime
+
+INSTALL_HINT = "pip install 'dlc-ascend[npu]' with Huawei CANN installed and sourced"
+
+#: AI-core (cube) counts of known chips, for runtimes that do not report them
+KNOWN_CORES = {"Ascend910B1": 24, "Ascend910B2": 24, "Ascend910B3": 20, "Ascend910B4": 20, "Ascend310P3": 8}
+
+
+class AscendBackend(Backend):
+    name = "npu"
+    device_types = ("npu",)
+
+    def __init__(self) -> None:
+        self._availability: Availability | None = None
+
+    def available(self) -> Availability:
+        if self._availability is None:
+            self._availability = self._probe()
+        return self._availability
+
+    def _probe(self) -> Availability:
+        runtime, reason = import_runtime("torch_npu", INSTALL_HINT)
+        if runtime is None:
+            return Availability(False, reason)
+        npu = getattr(torch, "npu", None)
+        if npu is None or not npu.is_available():
+            return Availability(False, "torch_npu imported but torch.npu.is_available() is False (no NPU visible)")
+        return Availability(True)
+
+    def profile(self, device: torch.device) -> DeviceProfile:
+        props = torch.npu.get_device_properties(device)
+        name = getattr(props, "name", "Ascend")
+        cores = getattr(props, "cube_core_num", 0) or KNOWN_CORES.get(name, 0) or 1
+        return DeviceProfile(
+            backend=self.name,
+            vendor="huawei",
+            name=name,
+            arch=name,
+            cores=cores,
+            memory_bytes=getattr(props, "total_memory", 0),
+        )
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.npu.synchronize(device)
+
+
+@hookimpl
+def dlcore_backends() -> list[Backend]:
+    return [AscendBackend()]

@@ -1,0 +1,56 @@
+"""The ``cuda`` backend: NVIDIA GPUs through torch.cuda, timed with Triton's ``do_bench``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from dlcore import hookimpl
+from dlcore.backend import Availability, Backend
+from dlcore.device import DeviceProfile
+
+
+class CudaBackend(Backend):
+    name = "cuda"
+    device_types = ("cuda",)
+
+    def available(self) -> Availability:
+        if not torch.cuda.is_available():
+            build = "a CPU-only build of torch" if torch.version.cuda is None else "no visible GPU or driver"
+            return Availability(False, f"torch.cuda.is_available() is False ({build})")
+        try:
+            import triton  # noqa: F401
+        except ImportError as exc:
+            return Availability(False, f"triton cannot be imported: {exc}")
+        return Availability(True)
+
+    def profile(self, device: torch.device) -> DeviceProfile:
+        props = torch.cuda.get_device_properties(device)
+        if torch.version.hip is not None:
+            vendor, arch = "amd", getattr(props, "gcnArchName", "gfx").split(":")[0]
+        else:
+            vendor, arch = "nvidia", f"sm_{props.major}{props.minor}"
+        return DeviceProfile(
+            backend=self.name,
+            vendor=vendor,
+            name=props.name,
+            arch=arch,
+            cores=props.multi_processor_count,
+            memory_bytes=props.total_memory,
+        )
+
+    def synchronize(self, device: torch.device) -> None:
+        torch.cuda.synchronize(device)
+
+    def timer(self, fn: Callable[[], object], device: torch.device, *, warmup: int = 1, reps: int = 5) -> float:
+        """Median milliseconds from ``triton.testing.do_bench`` (L2 flushed between runs)."""
+        from triton.testing import do_bench
+
+        with torch.cuda.device(device):
+            return float(do_bench(fn, warmup=max(warmup, 5), rep=max(reps * 5, 25), return_mode="median"))
+
+
+@hookimpl
+def dlcore_backends() -> list[Backend]:
+    return [CudaBackend()]
