@@ -61,6 +61,37 @@ def cmd_ops(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_sizes(text: str) -> dict[str, int]:
+    """``tokens=37,hidden=256`` -> ``{"tokens": 37, "hidden": 256}``."""
+    sizes = {}
+    for part in filter(None, text.split(",")):
+        key, sep, value = part.partition("=")
+        if not sep or not value.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"bad size {part!r}: expected NAME=INTEGER, e.g. tokens=37")
+        sizes[key.strip()] = int(value)
+    return sizes
+
+
+DTYPES = {"float32": "float32", "fp32": "float32", "float16": "float16", "fp16": "float16",
+          "bfloat16": "bfloat16", "bf16": "bfloat16"}
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    import torch
+
+    from dlcore.registry import registry
+    from dlcore.verify import check_op
+
+    op = registry().op(args.op)
+    report = check_op(op, args.shape, getattr(torch, DTYPES[args.dtype]), args.device, impl=args.impl, seed=args.seed)
+    print(report.explanation)
+    sizes = ", ".join(f"{k}={v}" for k, v in report.sizes.items())
+    verdict = "OK" if report.ok else f"MISMATCH: {report.problem}"
+    print(f"\ncheck {op.name} ({sizes}, {args.dtype}) against the float64 reference: "
+          f"max abs error {report.max_abs_error:.3g}: {verdict}")
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dlcore", description="Select, tune and lower Triton kernels.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -69,7 +100,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plugins)
     p = sub.add_parser("ops", help="ops, their implementations, backends and dtypes")
     p.set_defaults(func=cmd_ops)
+    p = sub.add_parser("check", help="run get_op on random inputs, compare with the reference, explain the choice")
+    p.add_argument("op")
+    p.add_argument("--shape", type=parse_sizes, default={}, help="named sizes, e.g. tokens=37,hidden=256")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    p.add_argument("--device", default="cuda" if _cuda_available() else "cpu")
+    p.add_argument("--impl", default=None, help="run this implementation instead of selecting one")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_check)
     return parser
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -61,6 +61,9 @@ class Op:
     ``reference`` takes the arguments in declared order and computes the result with torch; it is
     the ground truth for tests and correctness checks, and it runs when no dedicated kernel accepts
     the inputs, unless ``fallback`` is False.
+    ``example(sizes, dtype, device, generator)`` builds random arguments from named sizes (e.g.
+    ``tokens``, ``hidden``), defaults in ``example_sizes``: what ``dlcore check``, ``bench`` and
+    ``tune`` run on.
     ``check(op, args)`` raises :class:`InvalidInputError` for relations between arguments (shapes
     that must agree); per-argument dtype, rank, layout and device checks are done from ``args``.
     """
@@ -71,6 +74,8 @@ class Op:
     doc: str = ""
     check: Callable[[Op, dict[str, Any]], None] | None = None
     fallback: bool = True
+    example: Callable[..., tuple] | None = None
+    example_sizes: dict[str, int] = field(default_factory=dict)
     _index: dict[str, int] = field(default=None, init=False, repr=False, compare=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:

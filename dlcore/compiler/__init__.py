@@ -1,0 +1,1 @@
+"""The compiler side: lowering kernels per target, passes, IR dumps."""

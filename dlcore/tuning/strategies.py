@@ -1,0 +1,182 @@
+"""The built-in search strategies: ``grid``, ``random`` and ``tpe``.
+
+They are registered like any third-party strategy, through the ``dlcore.strategies`` entry points
+``grid_plugin``, ``random_plugin`` and ``tpe_plugin``: one plugin object each, because pluggy
+registers an object once and a module is one object.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
+
+from dlcore.hookspecs import hookimpl
+from dlcore.tuning.space import Config, IntRange, PowerOfTwo, SearchSpace
+from dlcore.tuning.strategy import Budget, Evaluation, Objective, Runner, SearchResult, Strategy
+
+# TPE may keep proposing configs it has already seen or that break a constraint; neither costs an
+# evaluation, so this many proposals per allowed evaluation bounds the search instead.
+_PROPOSALS_PER_EVALUATION = 20
+
+
+class GridStrategy(Strategy):
+    """Every valid config in the space's stable order, until the budget is spent.
+
+    Exhaustive and reproducible: the reference the other strategies are measured against.
+    """
+
+    name = "grid"
+
+    def search(
+        self,
+        space: SearchSpace,
+        objective: Objective,
+        budget: Budget,
+        seed: int,
+        progress: Callable[[Evaluation], None] | None = None,
+    ) -> SearchResult:
+        runner = Runner(space, objective, budget, progress)
+        for config in space.configs():
+            if runner.evaluate(config) is None:
+                break
+        return runner.result(self.name, seed)
+
+
+class RandomStrategy(Strategy):
+    """Valid configs in a random order drawn from ``seed``, none twice, until the budget is spent.
+
+    A shuffled enumeration rather than repeated sampling: no config repeats and, with a large
+    enough budget, every config is reached without a coupon-collector's tail of rejected draws.
+    """
+
+    name = "random"
+
+    def search(
+        self,
+        space: SearchSpace,
+        objective: Objective,
+        budget: Budget,
+        seed: int,
+        progress: Callable[[Evaluation], None] | None = None,
+    ) -> SearchResult:
+        runner = Runner(space, objective, budget, progress)
+        order = list(space.configs())
+        random.Random(seed).shuffle(order)
+        for config in order:
+            if runner.evaluate(config) is None:
+                break
+        return runner.result(self.name, seed)
+
+
+class TPEStrategy(Strategy):
+    """hyperopt's Tree-structured Parzen Estimator: models which configs are fast and samples there.
+
+    Ordered parameters (powers of two, integer ranges) are searched as quantised positions in
+    their value list, so that TPE can generalise from a block size to its neighbours; explicit
+    choices are categorical. A config that breaks a constraint, or that was measured already, is
+    answered to TPE without calling the objective and without counting against the budget (an
+    invalid one as an infinite loss, so TPE learns to avoid its region).
+    """
+
+    name = "tpe"
+
+    def search(
+        self,
+        space: SearchSpace,
+        objective: Objective,
+        budget: Budget,
+        seed: int,
+        progress: Callable[[Evaluation], None] | None = None,
+    ) -> SearchResult:
+        # Imported here: hyperopt pulls in scipy and friends, and importing dlcore must stay fast.
+        import numpy as np
+        from hyperopt import STATUS_OK, Trials, fmin, tpe
+
+        runner = Runner(space, objective, budget, progress)
+        if runner.exhausted():
+            return runner.result(self.name, seed)
+        evaluations = min(budget.evaluations or space.size(), space.size())
+        proposals = 0
+
+        def loss(point: dict[str, Any]) -> dict[str, Any]:
+            nonlocal proposals
+            proposals += 1
+            config = _config_from_point(space, point)
+            evaluation = runner.evaluate(config) if space.is_valid(config) is None else None
+            return {"loss": evaluation.time if evaluation is not None else math.inf, "status": STATUS_OK}
+
+        def stop(trials: Trials, *args: Any) -> tuple[bool, tuple]:
+            return runner.exhausted() or proposals >= _PROPOSALS_PER_EVALUATION * evaluations, args
+
+        with _quiet("hyperopt"):
+            fmin(
+                loss,
+                _hyperopt_space(space),
+                algo=partial(tpe.suggest, n_startup_jobs=min(20, max(5, evaluations // 4)), verbose=False),
+                max_evals=_PROPOSALS_PER_EVALUATION * evaluations,
+                trials=Trials(),
+                rstate=np.random.default_rng(seed),
+                show_progressbar=False,
+                early_stop_fn=stop,
+                return_argmin=False,
+            )
+        return runner.result(self.name, seed)
+
+
+def _hyperopt_space(space: SearchSpace) -> dict[str, Any]:
+    """Each parameter as a distribution over positions 0..n-1 in its value list.
+
+    Only declared ranges are ordinal; a :class:`Choice` may hold unordered values (strings, flags).
+    """
+    from hyperopt import hp
+
+    return {
+        p.name: (
+            hp.quniform(p.name, -0.5, len(p.values) - 0.5, 1)
+            if isinstance(p, (PowerOfTwo, IntRange))
+            else hp.choice(p.name, list(range(len(p.values))))
+        )
+        for p in space.params
+    }
+
+
+def _config_from_point(space: SearchSpace, point: dict[str, Any]) -> Config:
+    config = {}
+    for param in space.params:
+        # quniform rounds a float that may land on the interval's edge; clamp it to a position.
+        position = min(max(int(round(point[param.name])), 0), len(param.values) - 1)
+        config[param.name] = param.values[position]
+    return {**config, **space.fixed}
+
+
+@contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    """Hide a library's INFO chatter (hyperopt logs every proposal) for the duration of a search."""
+    logger = logging.getLogger(logger_name)
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+class _StrategyPlugin:
+    """A plugin object that provides exactly one strategy."""
+
+    def __init__(self, strategy: Strategy):
+        self.strategy = strategy
+
+    @hookimpl
+    def dlcore_strategies(self) -> list[Strategy]:
+        return [self.strategy]
+
+
+grid_plugin = _StrategyPlugin(GridStrategy())
+random_plugin = _StrategyPlugin(RandomStrategy())
+tpe_plugin = _StrategyPlugin(TPEStrategy())

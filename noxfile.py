@@ -1,0 +1,42 @@
+"""Sessions: `nox -s demo` sets everything up and runs the main job; `nox -s test` runs the tests.
+
+Every session builds a fresh virtualenv with torch pinned (a CPU build on CPU machines) and the
+five distributions installed as real, non-editable installs, exactly as users install them.
+"""
+
+import nox
+
+TORCH = "torch==2.13.0"
+#: the GPU host's Triton, and the newest release
+TRITON_VERSIONS = ["3.6.0", "3.9.0"]
+DISTRIBUTIONS = [".", "plugins/dlc_cuda", "plugins/dlc_ascend", "plugins/dlc_mlu", "plugins/dlblas_kernels"]
+
+nox.options.sessions = ["test"]
+nox.options.reuse_existing_virtualenvs = False
+
+
+def install(session: nox.Session, triton: str) -> None:
+    session.install(TORCH, f"triton=={triton}")
+    session.install(*DISTRIBUTIONS)
+
+
+@nox.session
+@nox.parametrize("triton", TRITON_VERSIONS)
+def test(session: nox.Session, triton: str) -> None:
+    """The test suite, with Triton kernels run by the interpreter on the CPU."""
+    install(session, triton)
+    session.install("pytest", "ruff")
+    session.run("ruff", "check", ".")
+    session.run(
+        "pytest", "-p", "no:cacheprovider", *session.posargs,
+        env={"TRITON_INTERPRET": "1", "DLCORE_EXPECT_INSTALLED": "1", "TRITON_DEFAULT_FP_FUSION": "1"},
+    )
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job on this machine: get_op('ffn', ...) on real inputs, checked, explained."""
+    install(session, TRITON_VERSIONS[-1])
+    env = {"TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
+    session.run("dlcore", "plugins", env=env)
+    session.run("dlcore", "check", "ffn", "--shape", "tokens=37,hidden=256,inter=96", "--dtype", "float32", env=env)

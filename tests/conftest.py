@@ -1,0 +1,63 @@
+"""Fixtures shared by all tests.
+
+Triton kernels run in the interpreter on CPU tensors unless a CUDA device is present; the variable
+must be set before triton is first imported, hence here, at the top of the first conftest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+import dlcore.dispatch  # noqa: E402
+
+TESTS = Path(__file__).parent
+PLUGIN_SOURCES = TESTS / "plugins"
+
+
+@pytest.fixture(autouse=True)
+def fresh_dlcore(monkeypatch: pytest.MonkeyPatch):
+    """Each test discovers plugins anew and starts with no cached selection."""
+    monkeypatch.delenv("DLCORE_PLUGINS", raising=False)
+    monkeypatch.delenv("DLCORE_DISABLE_PLUGINS", raising=False)
+    dlcore.dispatch.reset()
+    yield
+    dlcore.dispatch.reset()
+
+
+@pytest.fixture(scope="session")
+def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder with the test plugin distributions pip-installed into it (real builds, real entry points)."""
+    target = tmp_path_factory.mktemp("site")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target", str(target),
+         str(PLUGIN_SOURCES / "thirdparty"), str(PLUGIN_SOURCES / "broken")],
+        check=True,
+    )
+    return target
+
+
+def run_python(code: str, site: Path | None = None, **env: str) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter (fresh plugin discovery), ``site`` on its path."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("DLCORE_")}
+    full_env.update(env)
+    if site is not None:
+        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), full_env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=600)
+
+
+def run_json(code: str, site: Path | None = None, **env: str) -> dict:
+    """Run ``code``, which prints one JSON document last; return it."""
+    done = run_python(code, site, **env)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -1,0 +1,1 @@
+raise ImportError("this plugin needs a library that is not installed")

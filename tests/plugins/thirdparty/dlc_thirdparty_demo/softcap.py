@@ -1,0 +1,58 @@
+"""A brand-new op, softcap(x, cap) = cap * tanh(x / cap), with its Triton implementation."""
+
+import torch
+import triton
+import triton.language as tl
+
+from dlcore import hookimpl
+from dlcore.implementation import KernelCall, LaunchPlan, TritonImplementation
+from dlcore.op import Op, ScalarArg, TensorArg
+
+
+@triton.jit
+def _softcap(x_ptr, y_ptr, n, cap, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    # tanh(u) = 2 * sigmoid(2u) - 1, portable (no libdevice)
+    y = cap * (2.0 * tl.sigmoid(2.0 * x / cap) - 1.0)
+    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def softcap_reference(x, cap):
+    return (cap * torch.tanh(x.float() / cap)).to(x.dtype)
+
+
+def _plan(args, config):
+    x, cap = args
+    y = torch.empty_like(x)
+    n = x.numel()
+    block = config["BLOCK"]
+    return LaunchPlan([KernelCall(_softcap, (triton.cdiv(n, block),), (x, y, n, float(cap)), {"BLOCK": block})], y)
+
+
+OP = Op(
+    "softcap",
+    args=(TensorArg("x", (torch.float16, torch.float32), layouts=("contiguous",)), ScalarArg("cap", default=30.0)),
+    reference=softcap_reference,
+    fallback=False,
+    doc="cap * tanh(x / cap)",
+    example=lambda sizes, dtype, device, generator: (
+        (torch.randn(sizes["n"], generator=generator) * 50).to(device=device, dtype=dtype), 30.0),
+    example_sizes={"n": 1000},
+)
+
+TRITON = TritonImplementation(
+    "softcap", "triton", plan=_plan, kernels=(_softcap,),
+    default_config=lambda signature, profile: {"BLOCK": 256},
+)
+
+
+@hookimpl
+def dlcore_ops():
+    return [OP]
+
+
+@hookimpl
+def dlcore_implementations():
+    return [TRITON]

@@ -1,0 +1,191 @@
+"""get_op end to end: signature -> candidates -> cache -> selection -> bound op."""
+
+import pytest
+import torch
+
+import dlblas_kernels
+import dlcore
+import dlcore.registry
+from dlcore.errors import BackendUnavailableError, NoKernelError, UnknownImplementationError, UnknownOpError
+from dlcore.implementation import KernelCall, TorchImplementation
+from dlcore.op import Op, TensorArg
+from dlcore.plugins import PluginRecord, discover
+from dlcore.registry import Registry
+
+F32 = (torch.float16, torch.float32)
+
+
+def inputs(gen, *shapes, dtype=torch.float32):
+    return tuple(torch.randn(*s, generator=gen).to(dtype) for s in shapes)
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(1234)
+
+
+def with_plugins(monkeypatch, *plugins):
+    """The real plugins plus ``plugins`` (objects with hookimpls), as the process registry."""
+    found = discover()
+    for i, plugin in enumerate(plugins):
+        record = PluginRecord("dlcore.kernels", f"test{i}", "tests")
+        record.status = "loaded"
+        found.records.append(record)
+        found.manager.register(plugin, name=record.id)
+    reg = Registry(found)
+    monkeypatch.setattr(dlcore.registry, "_registry", reg)
+    return reg
+
+
+class OpsPlugin:
+    def __init__(self, ops=(), impls=()):
+        self.ops, self.impls = list(ops), list(impls)
+
+    @dlcore.hookimpl
+    def dlcore_ops(self):
+        return self.ops
+
+    @dlcore.hookimpl
+    def dlcore_implementations(self):
+        return self.impls
+
+
+def double_op(fallback=True):
+    return Op("double", args=(TensorArg("x", F32),), reference=lambda x: x * 2, fallback=fallback)
+
+
+@pytest.mark.parametrize("name, shapes, direct", [
+    ("silu_and_mul", [(3, 5, 66)], dlblas_kernels.silu_and_mul),
+    ("rms_norm", [(7, 100), (100,)], dlblas_kernels.rms_norm),
+    ("ffn", [(9, 48), (40, 48), (40, 48), (48,)], dlblas_kernels.ffn),
+])
+def test_get_op_matches_direct_use(gen, name, shapes, direct):
+    args = inputs(gen, *shapes)
+    op = dlcore.get_op(name, args)
+    assert op.impl.name == "triton"
+    assert op.selection.how == "only candidate"
+    assert "fallback only" in op.selection.declined["reference"]
+    torch.testing.assert_close(op(*args), direct(*args), rtol=0, atol=0)
+
+
+def test_in_process_cache_returns_the_same_bound_op_per_bucket(gen):
+    x33, x40, x65 = (torch.randn(n, 64, generator=gen) for n in (33, 40, 65))
+    w = torch.randn(64, generator=gen)
+    first = dlcore.get_op("rms_norm", (x33, w))
+    assert dlcore.get_op("rms_norm", (x40, w)) is first  # 33 and 40 rows share the bucket of 64
+    assert dlcore.get_op("rms_norm", (x65, w)) is not first
+    torch.testing.assert_close(first(x40, w), dlblas_kernels.rms_norm(x40, w), rtol=0, atol=0)
+
+
+def test_keyword_arguments(gen):
+    x, w = inputs(gen, (4, 32), (32,))
+    op = dlcore.get_op("rms_norm", (x,), {"weight": w, "eps": 1e-2})
+    expected = dlblas_kernels.rms_norm(x, w, eps=1e-2)
+    torch.testing.assert_close(op(x, w, eps=1e-2), expected, rtol=0, atol=0)
+    assert not torch.equal(expected, dlblas_kernels.rms_norm(x, w))
+
+
+def test_bfloat16_on_the_interpreter_falls_back_to_the_reference(gen):
+    x, w = inputs(gen, (4, 32), (32,), dtype=torch.bfloat16)
+    op = dlcore.get_op("rms_norm", (x, w))
+    assert op.impl.name == "reference"
+    assert "bfloat16" in op.selection.declined["triton"]
+    assert op(x, w).dtype == torch.bfloat16
+
+
+def test_requested_implementation(gen):
+    x, w = inputs(gen, (4, 32), (32,))
+    assert dlcore.get_op("rms_norm", (x, w), impl="reference").impl.name == "reference"
+    with pytest.raises(UnknownImplementationError, match="has no implementation 'cublas'; it has: reference, triton"):
+        dlcore.get_op("rms_norm", (x, w), impl="cublas")
+
+
+def test_explain_says_what_and_why(gen):
+    x, w = inputs(gen, (4, 32), (32,))
+    text = dlcore.get_op("rms_norm", (x, w)).explain()
+    for expected in ("op:        rms_norm", "chosen:    triton", "only candidate", "declined  reference",
+                     "float32[4, 32]", "backend 'cpu'", "BLOCK_N"):
+        assert expected in text, text
+
+
+def test_unknown_op_suggests_the_closest_names():
+    with pytest.raises(UnknownOpError, match="Did you mean 'rms_norm'"):
+        dlcore.get_op("rmsnorm", ())
+
+
+def test_no_kernel_error_lists_every_implementation_and_why(monkeypatch, gen):
+    only_fp32 = TorchImplementation("double", "fp32_only", lambda x: x + x, dtypes=(torch.float32,))
+    with_plugins(monkeypatch, OpsPlugin([double_op(fallback=False)], [only_fp32]))
+    (x,) = inputs(gen, (8,), dtype=torch.float16)
+    with pytest.raises(NoKernelError) as info:
+        dlcore.get_op("double", (x,))
+    assert "fp32_only: dtype float16 not supported (supports float32)" in str(info.value)
+    assert "reference: double declares no fallback" in str(info.value)
+
+
+def test_selection_measures_on_clones_and_skips_failures(monkeypatch, gen):
+    def mutating(x):
+        x.add_(100)  # a careless implementation: selection must not let it touch the caller's tensor
+        return (x - 100) * 2
+
+    def broken(x):
+        raise RuntimeError("out of resources: shared memory")
+
+    impls = [TorchImplementation("double", "mutating", mutating), TorchImplementation("double", "broken", broken)]
+    with_plugins(monkeypatch, OpsPlugin([double_op()], impls))
+    (x,) = inputs(gen, (16,))
+    before = x.clone()
+    op = dlcore.get_op("double", (x,))
+    assert torch.equal(x, before)
+    assert op.selection.how == "measured"
+    assert op.impl.name == "mutating"
+    assert set(op.selection.measured) == {"mutating"}
+    assert "RuntimeError: out of resources" in op.selection.failed["broken"]
+    assert "failed    broken" in op.explain()
+
+
+def test_all_candidates_failing_is_a_no_kernel_error(monkeypatch, gen):
+    def broken(x):
+        raise RuntimeError("boom")
+
+    impls = [TorchImplementation("double", f"broken{i}", broken) for i in range(2)]
+    with_plugins(monkeypatch, OpsPlugin([double_op()], impls))
+    with pytest.raises(NoKernelError, match="broken0: RuntimeError: boom"):
+        dlcore.get_op("double", inputs(gen, (16,)))
+
+
+def test_a_lone_candidate_is_not_measured(monkeypatch, gen):
+    calls = []
+    impl = TorchImplementation("double", "counted", lambda x: calls.append(1) or x * 2)
+    with_plugins(monkeypatch, OpsPlugin([double_op()], [impl]))
+    op = dlcore.get_op("double", inputs(gen, (16,)))
+    assert op.selection.how == "only candidate" and calls == []
+
+
+def test_meta_tensors_have_no_backend():
+    x = torch.empty(4, 32, device="meta")
+    with pytest.raises(BackendUnavailableError, match="no backend runs on device type 'meta'"):
+        dlcore.get_op("rms_norm", (x, torch.empty(32, device="meta")))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+def test_unavailable_backend_says_why():
+    with pytest.raises(BackendUnavailableError, match="torch.cuda.is_available"):
+        dlcore.registry.registry().backend_for(torch.device("cuda"))
+
+
+def test_triton_kernels_need_the_interpreter_on_cpu(monkeypatch, gen):
+    monkeypatch.setattr("dlcore.implementation.TritonImplementation.interpreted", property(lambda self: False))
+    x, w = inputs(gen, (4, 32), (32,))
+    op = dlcore.get_op("rms_norm", (x, w))
+    assert op.impl.name == "reference"
+    assert "TRITON_INTERPRET=1" in op.selection.declined["triton"]
+
+
+def test_bound_op_launches_through_the_plan(monkeypatch, gen):
+    launched = []
+    original = KernelCall.launch
+    monkeypatch.setattr(KernelCall, "launch", lambda self: launched.append(self.kernel) or original(self))
+    x, w = inputs(gen, (4, 32), (32,))
+    dlcore.get_op("rms_norm", (x, w))(x, w)
+    assert len(launched) == 1

@@ -1,0 +1,147 @@
+"""Plugin discovery: built-ins through entry points, third-party plugins, broken plugins, selection by env."""
+
+from conftest import run_json, run_python
+
+from dlcore.registry import registry
+
+REPORT_RECORDS = """
+import json, warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    from dlcore.registry import registry
+    reg = registry()
+    registry()
+records = {r.id: [r.status, r.error, r.distribution] for r in reg.plugins.records}
+print(json.dumps({"records": records, "warnings": [str(w.message) for w in caught],
+                  "ops": sorted(reg.ops), "backends": sorted(reg.backends)}))
+"""
+
+
+def test_builtins_arrive_through_entry_points():
+    reg = registry()
+    status = {r.id: (r.status, r.distribution) for r in reg.plugins.records}
+    assert status["dlcore.backends:cpu"] == ("loaded", "dlcore")
+    for name in ("grid", "random", "tpe"):
+        assert status[f"dlcore.strategies:{name}"] == ("loaded", "dlcore")
+    assert status["dlcore.backends:cuda"] == ("loaded", "dlc-cuda")
+    assert status["dlcore.backends:npu"] == ("loaded", "dlc-ascend")
+    assert status["dlcore.backends:mlu"] == ("loaded", "dlc-mlu")
+    for kernel in ("silu_and_mul", "rms_norm", "ffn"):
+        assert status[f"dlcore.kernels:{kernel}"] == ("loaded", "dlblas-kernels")
+    assert {"cpu", "cuda", "npu", "mlu"} <= set(reg.backends)
+    assert {"grid", "random", "tpe"} <= set(reg.strategies)
+    assert {"silu_and_mul", "rms_norm", "ffn"} <= set(reg.ops)
+
+
+def test_third_party_plugin_adds_an_implementation_and_an_op(plugin_site):
+    result = run_json("""
+import json, torch, dlcore
+from dlcore.registry import registry
+g = torch.Generator().manual_seed(1)
+x, w = torch.randn(16, 300, generator=g), torch.randn(300, generator=g)
+op = dlcore.get_op("rms_norm", (x, w))
+ref = registry().op("rms_norm").reference(x.double(), w.double())
+forced = dlcore.get_op("rms_norm", (x, w), impl="chunked")
+s = (torch.randn(300, generator=g) * 50)
+softcap = dlcore.get_op("softcap", (s, 30.0))
+print(json.dumps({
+    "impls": [i.name for i in registry().implementations_of("rms_norm")],
+    "plugins": {i.name: i.plugin for i in registry().implementations_of("rms_norm")},
+    "chosen": op.impl.name, "how": op.selection.how, "measured": op.selection.measured,
+    "chosen_err": (op(x, w).double() - ref).abs().max().item(),
+    "forced": forced.impl.name, "forced_err": (forced(x, w).double() - ref).abs().max().item(),
+    "softcap_impl": softcap.impl.name,
+    "softcap_err": (softcap(s, 30.0).double() - 30.0 * torch.tanh(s.double() / 30.0)).abs().max().item(),
+}))
+""", plugin_site)
+    assert sorted(result["impls"]) == ["chunked", "reference", "triton"]
+    assert result["plugins"]["chunked"] == "dlcore.kernels:thirdparty_rms_norm"
+    # two dedicated candidates: both measured on cloned inputs, the faster one chosen
+    assert result["how"] == "measured"
+    assert set(result["measured"]) == {"triton", "chunked"}
+    assert result["chosen"] == min(result["measured"], key=result["measured"].get)
+    assert result["chosen"] == "triton", "the chunked implementation is slow by design"
+    assert result["chosen_err"] < 1e-4 and result["forced_err"] < 1e-4
+    assert result["forced"] == "chunked"
+    assert result["softcap_impl"] == "triton"
+    assert result["softcap_err"] < 1e-4
+
+
+def test_broken_plugins_are_isolated_and_reported(plugin_site):
+    result = run_json(REPORT_RECORDS, plugin_site)
+    records = result["records"]
+    assert records["dlcore.kernels:raises_on_import"][0] == "failed"
+    assert "ImportError: this plugin needs a library" in records["dlcore.kernels:raises_on_import"][1]
+    assert records["dlcore.kernels:unknown_hook"][0] == "rejected"
+    assert "dlcore_kernelz" in records["dlcore.kernels:unknown_hook"][1]
+    assert records["dlcore.kernels:raising_hook"][0] == "failed"
+    assert "declaring ops failed" in records["dlcore.kernels:raising_hook"][1]
+    assert records["dlcore.backends:steals_cpu"][0] == "failed"
+    assert "already owned by cpu" in records["dlcore.backends:steals_cpu"][1]
+    assert records["dlcore.kernels:raises_on_import"][2] == "dlc-broken-demo"
+    # everything else works
+    assert {"rms_norm", "ffn", "silu_and_mul", "softcap"} <= set(result["ops"])
+    assert "impostor" not in result["backends"]
+    # each failure warned about once, even though the registry was asked twice
+    broken = ["raises_on_import", "unknown_hook", "raising_hook", "steals_cpu"]
+    for name in broken:
+        assert sum(name in w for w in result["warnings"]) == 1, (name, result["warnings"])
+
+
+def test_broken_plugin_does_not_stop_get_op(plugin_site):
+    result = run_json("""
+import json, torch, dlcore
+x = torch.randn(5, 64)
+out = dlcore.get_op("silu_and_mul", (x,))(x)
+ref = torch.nn.functional.silu(x[:, :32]) * x[:, 32:]
+print(json.dumps({"err": (out - ref).abs().max().item()}))
+""", plugin_site)
+    assert result["err"] < 1e-5
+
+
+def test_cli_shows_the_load_errors(plugin_site):
+    done = run_python("import sys; from dlcore.cli import main; sys.exit(main(['plugins', '-v']))", plugin_site)
+    assert done.returncode == 0, done.stderr
+    assert "raises_on_import" in done.stdout and "ImportError" in done.stdout
+    assert "Traceback" in done.stdout
+    assert "dlc-broken-demo" in done.stdout
+
+
+def test_disable_plugins(plugin_site):
+    result = run_json(REPORT_RECORDS, plugin_site,
+                      DLCORE_DISABLE_PLUGINS="raises_on_import,dlcore.kernels:unknown_hook,raising_hook,steals_cpu,ffn")
+    records = result["records"]
+    for name in ("dlcore.kernels:raises_on_import", "dlcore.kernels:unknown_hook", "dlcore.kernels:ffn"):
+        assert records[name][0] == "disabled"
+    assert result["warnings"] == []
+    assert "ffn" not in result["ops"] and "rms_norm" in result["ops"]
+
+
+def test_only_the_named_plugins_load(plugin_site):
+    result = run_json(REPORT_RECORDS, plugin_site, DLCORE_PLUGINS="softcap")
+    records = result["records"]
+    assert records["dlcore.kernels:softcap"][0] == "loaded"
+    assert records["dlcore.kernels:rms_norm"][0] == "disabled"
+    assert records["dlcore.backends:cuda"][0] == "disabled"
+    # dlcore's own built-ins stay
+    assert records["dlcore.backends:cpu"][0] == "loaded"
+    assert result["ops"] == ["softcap"]
+
+
+def test_a_named_plugin_that_fails_raises(plugin_site):
+    done = run_python("from dlcore.registry import registry; registry()", plugin_site,
+                      DLCORE_PLUGINS="raises_on_import")
+    assert done.returncode != 0
+    assert "PluginLoadError" in done.stderr and "raises_on_import" in done.stderr
+    done = run_python("from dlcore.registry import registry; registry()", plugin_site, DLCORE_PLUGINS="no_such_plugin")
+    assert "PluginLoadError" in done.stderr and "no_such_plugin" in done.stderr
+
+
+def test_nothing_is_discovered_or_probed_at_import():
+    result = run_json("""
+import json, sys
+import dlcore, dlcore.dispatch, dlcore.registry
+print(json.dumps({"registry": dlcore.registry._registry is not None,
+                  "vendor": [m for m in ("torch_npu", "torch_mlu", "dlc_cuda", "dlblas_kernels") if m in sys.modules]}))
+""")
+    assert result == {"registry": False, "vendor": []}
