@@ -19,12 +19,12 @@ import pluggy
 
 if TYPE_CHECKING:
     from dlcore.backend import Backend
+    from dlcore.device import DeviceProfile
     from dlcore.implementation import Implementation
     from dlcore.op import Op
+    from dlcore.signature import Signature
     from dlcore.tuning.space import SearchSpace
     from dlcore.tuning.strategy import Strategy
-    from dlcore.device import DeviceProfile
-    from dlcore.signature import Signature
 
 hookspec = pluggy.HookspecMarker("dlcore")
 hookimpl = pluggy.HookimplMarker("dlcore")

@@ -147,7 +147,9 @@ class Op:
 
     def _check_tensor(self, spec: TensorArg, value: Any, bound: tuple) -> None:
         if not isinstance(value, torch.Tensor):
-            raise InvalidInputError(self.name, spec.name, f"is a {type(value).__name__}", f"a torch.Tensor for {spec.name}")
+            raise InvalidInputError(
+                self.name, spec.name, f"is a {type(value).__name__}", f"a torch.Tensor for {spec.name}"
+            )
         if value.dtype not in spec.dtypes:
             accepted = ", ".join(_dtype_name(d) for d in spec.dtypes)
             raise InvalidInputError(
@@ -183,7 +185,9 @@ class Op:
     def expect_shape(self, name: str, value: torch.Tensor, shape: tuple[int, ...], why: str) -> None:
         """For ``check`` functions: raise unless ``value.shape == shape``."""
         if tuple(value.shape) != tuple(shape):
-            raise InvalidInputError(self.name, name, f"has shape {tuple(value.shape)}", f"{name} of shape {tuple(shape)} ({why})")
+            raise InvalidInputError(
+                self.name, name, f"has shape {tuple(value.shape)}", f"{name} of shape {tuple(shape)} ({why})"
+            )
 
     def tensor_args(self) -> list[TensorArg]:
         return [a for a in self.args if isinstance(a, TensorArg)]

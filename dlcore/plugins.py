@@ -15,11 +15,11 @@ Selection by environment:
 
 from __future__ import annotations
 
+import functools
 import os
 import traceback
 import warnings
 from dataclasses import dataclass
-import functools
 from importlib.metadata import EntryPoint, entry_points
 
 import pluggy

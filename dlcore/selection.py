@@ -79,7 +79,7 @@ def by_measurement(
         config = configs[impl.name] = impl.default_config(signature, profile)
         inputs = clone_args(bound)
         try:
-            elapsed = backend.timer(lambda impl=impl, config=config: impl.run(inputs, config), device)
+            elapsed = backend.timer(lambda i=impl, a=inputs, c=config: i.run(a, c), device)
         except Exception as exc:  # noqa: BLE001 - any failure disqualifies only this candidate
             failed[impl.name] = f"{type(exc).__name__}: {exc}".splitlines()[0]
             continue

@@ -6,7 +6,6 @@ must be set before triton is first imported, hence here, at the top of the first
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -40,24 +39,8 @@ def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder with the test plugin distributions pip-installed into it (real builds, real entry points)."""
     target = tmp_path_factory.mktemp("site")
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--target", str(target),
-         str(PLUGIN_SOURCES / "thirdparty"), str(PLUGIN_SOURCES / "broken")],
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--target", str(target), str(PLUGIN_SOURCES / "thirdparty"), str(PLUGIN_SOURCES / "broken")],
         check=True,
     )
     return target
-
-
-def run_python(code: str, site: Path | None = None, **env: str) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter (fresh plugin discovery), ``site`` on its path."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("DLCORE_")}
-    full_env.update(env)
-    if site is not None:
-        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), full_env.get("PYTHONPATH")]))
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=600)
-
-
-def run_json(code: str, site: Path | None = None, **env: str) -> dict:
-    """Run ``code``, which prints one JSON document last; return it."""
-    done = run_python(code, site, **env)
-    assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -1,9 +1,9 @@
 """get_op end to end: signature -> candidates -> cache -> selection -> bound op."""
 
+import dlblas_kernels
 import pytest
 import torch
 
-import dlblas_kernels
 import dlcore
 import dlcore.registry
 from dlcore.errors import BackendUnavailableError, NoKernelError, UnknownImplementationError, UnknownOpError

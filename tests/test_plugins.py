@@ -1,6 +1,6 @@
 """Plugin discovery: built-ins through entry points, third-party plugins, broken plugins, selection by env."""
 
-from conftest import run_json, run_python
+from isolated import run_json, run_python
 
 from dlcore.registry import registry
 

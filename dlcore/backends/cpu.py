@@ -46,7 +46,8 @@ class CpuBackend(Backend):
         if reason or impl.kind != "triton":
             return reason
         if not getattr(impl, "interpreted", False):
-            return "Triton kernels run on the CPU only in the interpreter: set TRITON_INTERPRET=1 before importing triton"
+            return ("Triton kernels run on the CPU only in the interpreter: "
+                    "set TRITON_INTERPRET=1 before importing triton")
         if any(spec.dtype == torch.bfloat16 for _, spec in signature.tensors):
             return "the Triton interpreter computes bfloat16 wrongly; run bfloat16 on an accelerator"
         return None

@@ -7,6 +7,7 @@ import torch
 from dlcore import hookimpl
 from dlcore.backend import Availability, Backend
 from dlcore.device import DeviceProfile
+from dlcore.errors import BackendUnavailableError
 from dlcore.vendor import import_runtime
 
 INSTALL_HINT = "pip install 'dlc-ascend[npu]' with Huawei CANN installed and sourced"
@@ -37,6 +38,9 @@ class AscendBackend(Backend):
         return Availability(True)
 
     def profile(self, device: torch.device) -> DeviceProfile:
+        availability = self.available()  # imports the runtime, which adds torch.npu
+        if not availability:
+            raise BackendUnavailableError(f"backend {self.name!r} is not available: {availability.reason}")
         props = torch.npu.get_device_properties(device)
         name = getattr(props, "name", "Ascend")
         cores = getattr(props, "cube_core_num", 0) or KNOWN_CORES.get(name, 0) or 1

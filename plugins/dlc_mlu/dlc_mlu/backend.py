@@ -7,6 +7,7 @@ import torch
 from dlcore import hookimpl
 from dlcore.backend import Availability, Backend
 from dlcore.device import DeviceProfile
+from dlcore.errors import BackendUnavailableError
 from dlcore.vendor import import_runtime
 
 INSTALL_HINT = "install Cambricon's torch_mlu from the Neuware SDK"
@@ -34,6 +35,9 @@ class MluBackend(Backend):
         return Availability(True)
 
     def profile(self, device: torch.device) -> DeviceProfile:
+        availability = self.available()  # imports the runtime, which adds torch.mlu
+        if not availability:
+            raise BackendUnavailableError(f"backend {self.name!r} is not available: {availability.reason}")
         props = torch.mlu.get_device_properties(device)
         name = getattr(props, "name", "MLU")
         clusters = getattr(props, "cluster_count", 0)

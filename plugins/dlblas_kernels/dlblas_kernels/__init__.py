@@ -1,0 +1,17 @@
+"""Triton kernels for dlcore, one module per kernel.
+
+Each module holds a kernel's whole story: the ``@triton.jit`` kernels, the launch plan, the torch
+reference, the heuristic default config, the op declaration, the implementation, the public
+function and its registration (each module is its own ``dlcore.kernels`` entry point).
+
+The public functions validate their inputs and run the Triton kernel with its default config,
+without selection or tuning; ``dlcore.get_op(name, args)`` is the tuned, cached path.
+"""
+
+from __future__ import annotations
+
+from dlblas_kernels.ffn import ffn
+from dlblas_kernels.rms_norm import rms_norm
+from dlblas_kernels.silu_and_mul import silu_and_mul
+
+__all__ = ["ffn", "rms_norm", "silu_and_mul"]

@@ -1,0 +1,82 @@
+"""Shared fixtures of the kernel tests.
+
+Without a CUDA device the kernels run in Triton's interpreter on CPU tensors; that needs
+``TRITON_INTERPRET=1`` before triton is first imported, which is set here when it is missing.
+The interpreter gets bfloat16 math wrong, so bfloat16 is tested on a GPU only.
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+import pytest
+import torch
+
+ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") != "1"
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from dlcore.implementation import KernelCall  # noqa: E402
+from dlcore.signature import make_signature  # noqa: E402
+from dlcore.testing import poison, strided_like  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "dtype" in metafunc.fixturenames:
+        metafunc.parametrize("dtype", DTYPES, ids=[str(d).removeprefix("torch.") for d in DTYPES])
+
+
+@pytest.fixture
+def device() -> str:
+    return "cuda" if ON_GPU else "cpu"
+
+
+@pytest.fixture
+def gen(request: pytest.FixtureRequest) -> torch.Generator:
+    """A generator seeded per test (from its id): inputs differ between tests, and reruns repeat."""
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any kernel launch fails the test."""
+
+    def launch(self: KernelCall) -> None:
+        raise AssertionError(f"{self.kernel} was launched")
+
+    monkeypatch.setattr(KernelCall, "launch", launch)
+
+
+@pytest.fixture
+def run():
+    """``run(op, impl, args, config=None)``: run ``impl``'s plan on bound ``args`` with its outputs
+    poisoned (NaN) before the launch; ``config`` defaults to the one the public function uses."""
+
+    def _run(op, impl, args: tuple, config: dict | None = None) -> torch.Tensor:
+        if config is None:
+            config = impl.default_config(make_signature(op, args, args[0].device), None)
+        plan = impl.plan(args, config)
+        poison(plan.result)
+        return plan.run()
+
+    return _run
+
+
+@pytest.fixture(params=["pad", "column step"])
+def relayout(request: pytest.FixtureRequest):
+    """``relayout(t)``: a non-contiguous copy of ``t`` with the same values, in two ``rows`` layouts:
+    ``pad`` (row stride > row length) and ``column step`` (every other element of wider rows:
+    a last-dimension stride of 2)."""
+
+    def _relayout(t: torch.Tensor) -> torch.Tensor:
+        if request.param == "pad":
+            return strided_like(t, "pad")
+        wide = poison(torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device))
+        view = wide[..., ::2]
+        view.copy_(t)
+        return view
+
+    return _relayout

@@ -1,0 +1,53 @@
+"""The dlcore command line."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from dlcore.cli import main, parse_sizes
+from dlcore.registry import registry
+
+
+def test_plugins_lists_every_group(capsys):
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    for words in ("backends    cpu", "dlc-cuda", "dlc-ascend", "dlc-mlu", "strategies  tpe", "kernels     ffn",
+                  "dlblas-kernels", "torch_npu is not installed"):
+        assert words in out, out
+
+
+def test_ops_lists_implementations_backends_and_dtypes(capsys):
+    assert main(["ops"]) == 0
+    out = capsys.readouterr().out
+    assert "rms_norm      triton" in out
+    assert "reference (fallback)" in out
+    assert "float16,bfloat16,float32" in out
+
+
+@pytest.mark.parametrize("op, shape", [("silu_and_mul", "tokens=5,inter=40"), ("rms_norm", "tokens=5,hidden=40"),
+                                       ("ffn", "tokens=7,hidden=48,inter=24")])
+def test_check_runs_the_op_against_its_reference(capsys, op, shape):
+    assert main(["check", op, "--shape", shape, "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert f"check {op}" in out and ": OK" in out
+    assert "chosen:    triton" in out
+
+
+def test_check_reports_a_mismatch(capsys, monkeypatch):
+    reg = registry()
+    wrong = dataclasses.replace(reg.ops["rms_norm"], reference=lambda x, w, eps: x * 2)
+    monkeypatch.setitem(reg.ops, "rms_norm", wrong)
+    assert main(["check", "rms_norm", "--shape", "tokens=3,hidden=16"]) == 1
+    assert "MISMATCH" in capsys.readouterr().out
+
+
+def test_bad_size_syntax():
+    with pytest.raises(Exception, match="expected NAME=INTEGER"):
+        parse_sizes("tokens:5")
+
+
+def test_console_script_is_installed():
+    done = subprocess.run([sys.executable, "-m", "dlcore.cli", "--help"], capture_output=True, text=True)
+    assert done.returncode == 0 and "plugins" in done.stdout
