@@ -16,7 +16,9 @@ nox.options.reuse_existing_virtualenvs = False
 
 
 def install(session: nox.Session, triton: str) -> None:
-    session.install(TORCH, f"triton=={triton}")
+    # Triton 3.6's interpreter converts 1-element arrays with int(), which NumPy 2.4 refuses.
+    numpy = ["numpy<2.4"] if triton.startswith("3.6.") else []
+    session.install(TORCH, f"triton=={triton}", *numpy)
     session.install(*DISTRIBUTIONS)
 
 

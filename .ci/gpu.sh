@@ -14,8 +14,8 @@ mkdir -p "$OUT"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
 } | tee "$OUT/versions.txt"
-dlcore plugins | tee "$OUT/plugins.txt"
-dlcore check ffn --shape tokens=515,hidden=4096,inter=11008 --dtype bfloat16 --device cuda | tee "$OUT/check_ffn.txt"
+python3 -m dlcore.cli plugins | tee "$OUT/plugins.txt"
+python3 -m dlcore.cli check ffn --shape tokens=515,hidden=4096,inter=11008 --dtype bfloat16 --device cuda | tee "$OUT/check_ffn.txt"
 python3 -m pytest -q -p no:cacheprovider -rs tests/kernels tests/test_gpu.py tests/test_compile.py tests/test_backends.py \
     2>&1 | tee "$OUT/native.log" | tail -15
 TRITON_INTERPRET=1 python3 -m pytest -q -p no:cacheprovider tests --ignore=tests/test_gpu.py 2>&1 | tee "$OUT/interpreter.log" | tail -5

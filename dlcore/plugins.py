@@ -138,7 +138,9 @@ def discover() -> PluginSet:
         records: dict[str, PluginRecord] = {}
         allowed: list[str] = []
         # A manager asked for no names loads nothing: it only lists the group (from stevedore's cache).
-        for ep in NamedExtensionManager(group, names=[], on_missing_entrypoints_callback=None).list_entry_points():
+        listed = NamedExtensionManager(group, names=[], on_missing_entrypoints_callback=None).list_entry_points()
+        # dlcore's own plugins register first, so no plugin can take over what a built-in owns.
+        for ep in sorted(listed, key=lambda ep: not PluginRecord(group, ep.name, ep.value).builtin):
             record = PluginRecord(group, ep.name, ep.value)
             plugins.records.append(record)
             wanted = {ep.name, record.id}
@@ -157,6 +159,7 @@ def discover() -> PluginSet:
         extensions = NamedExtensionManager(
             group,
             names=allowed,
+            name_order=True,
             on_load_failure_callback=on_failure,
             on_missing_entrypoints_callback=None,
         )

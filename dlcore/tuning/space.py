@@ -228,9 +228,7 @@ class SearchSpace:
             allowed = tuple(subsets[param.name])
             outside = [v for v in allowed if v not in param.values]
             if outside:
-                raise ValueError(
-                    f"cannot restrict {param.name!r} to {outside}: it is {param.describe()}"
-                )
+                raise ValueError(f"cannot restrict {param.name!r} to {outside}: it is {param.describe()}")
             params.append(Choice(param.name, tuple(v for v in param.values if v in allowed)))
         return replace(self, params=tuple(params))
 
