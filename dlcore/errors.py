@@ -59,3 +59,7 @@ class UnknownImplementationError(DlcoreError, LookupError):
 
 class UnknownStrategyError(DlcoreError, LookupError):
     """A search strategy asked for by name is not registered."""
+
+
+class SearchSpaceError(DlcoreError, ValueError):
+    """A search space, or a config checked against one, is malformed."""

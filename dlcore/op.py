@@ -64,6 +64,12 @@ class Op:
     ``example(sizes, dtype, device, generator)`` builds random arguments from named sizes (e.g.
     ``tokens``, ``hidden``), defaults in ``example_sizes``: what ``dlcore check``, ``bench`` and
     ``tune`` run on.
+    ``cost(args) -> (bytes, flops)``: the fewest bytes the op must move through memory (each input
+    read once, each output written once) and its floating-point operations, for bound ``args``;
+    ``bench`` turns times into GB/s and TFLOP/s with it.
+    ``baselines``: name -> factory returning a callable with the op's arguments (e.g. the eager torch
+    code a model would run, ``"torch"``; a peer library's kernel, ``"liger"``), or ``None`` when
+    that baseline is not installed. Factories import lazily.
     ``check(op, args)`` raises :class:`InvalidInputError` for relations between arguments (shapes
     that must agree); per-argument dtype, rank, layout and device checks are done from ``args``.
     """
@@ -76,6 +82,8 @@ class Op:
     fallback: bool = True
     example: Callable[..., tuple] | None = None
     example_sizes: dict[str, int] = field(default_factory=dict)
+    cost: Callable[[tuple], tuple[int, int]] | None = None
+    baselines: dict[str, Callable[[], Callable[..., Any] | None]] = field(default_factory=dict)
     _index: dict[str, int] = field(default=None, init=False, repr=False, compare=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:

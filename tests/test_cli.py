@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from dlcore.cli import main, parse_sizes
+from dlcore.cli import main
+from dlcore.cli.options import parse_sizes
 from dlcore.registry import registry
 
 

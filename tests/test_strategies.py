@@ -107,6 +107,15 @@ def test_a_budget_beyond_the_space_measures_every_config_once(strategy):
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
+def test_a_space_with_nothing_to_tune_is_measured_once(strategy):
+    space = SearchSpace([], fixed={"num_warps": 4})
+    objective = Recorder(space, lambda c: 2.0)
+    result = strategy.search(space, objective, Budget(evaluations=10), seed=0)
+    assert objective.calls == [{"num_warps": 4}]
+    assert (result.best_config, result.best_time) == ({"num_warps": 4}, 2.0)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
 def test_honours_a_time_budget(strategy):
     space = kernel_space()
 
@@ -231,9 +240,8 @@ def test_tpe_keeps_hyperopt_quiet(caplog, capsys):
 
 def test_tpe_finds_the_optimum_sooner_than_grid_and_random():
     space = kernel_space()
-    seeds = range(10)
 
-    def to_optimum(strategy, budget: int) -> list[float]:
+    def to_optimum(strategy, budget: int, seeds: range) -> list[float]:
         counts = []
         for seed in seeds:
             result = strategy.search(space, kernel_time, Budget(evaluations=budget), seed=seed)
@@ -241,9 +249,12 @@ def test_tpe_finds_the_optimum_sooner_than_grid_and_random():
         return counts
 
     grid_position = list(space.configs()).index(OPTIMUM) + 1
-    # Random gets the whole space so its count is never cut short; TPE gets under a third of it.
-    random_median = statistics.median(to_optimum(RandomStrategy(), space.size()))
-    tpe_median = statistics.median(to_optimum(TPEStrategy(), 60))
+    # Random is cheap, so it gets many seeds (its median is then close to the expected 99.5) and
+    # the whole space, so its count is never cut short. TPE gets 15 seeds and under a third of the
+    # space; over 100 seeds its median was about 30, and it missed the optimum within 60
+    # evaluations 13% of the time (counted as inf, which the median tolerates).
+    random_median = statistics.median(to_optimum(RandomStrategy(), space.size(), range(100)))
+    tpe_median = statistics.median(to_optimum(TPEStrategy(), 60, range(15)))
 
     assert tpe_median < grid_position / 2
     assert tpe_median < random_median / 2

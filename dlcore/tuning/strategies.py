@@ -101,6 +101,10 @@ class TPEStrategy(Strategy):
         from hyperopt import STATUS_OK, Trials, fmin, hp, tpe
 
         runner = Runner(space, objective, budget, progress)
+        if not space.params:
+            # hyperopt cannot build an empty space, and with nothing to model there is one config.
+            for config in space.configs():
+                runner.evaluate(config)
         if runner.exhausted():
             return runner.result(self.name, seed)
         evaluations = min(budget.evaluations or space.size(), space.size())
@@ -135,7 +139,7 @@ class TPEStrategy(Strategy):
 
 @contextmanager
 def _quiet(logger_name: str) -> Iterator[None]:
-    """Hide a library's INFO chatter (hyperopt logs every proposal) for the duration of a search."""
+    """Hide a library's INFO chatter (hyperopt logs as it searches) for the duration of a search."""
     logger = logging.getLogger(logger_name)
     level = logger.level
     logger.setLevel(max(level, logging.WARNING))

@@ -1,0 +1,5 @@
+import sys
+
+from dlcore.cli import main
+
+sys.exit(main())
