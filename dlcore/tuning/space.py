@@ -23,6 +23,8 @@ from functools import cached_property
 from types import MappingProxyType
 from typing import Any, Protocol
 
+from dlcore.errors import SearchSpaceError
+
 Config = dict[str, Any]
 
 # Rejection sampling draws from the unconstrained product; this many misses in a row means the
@@ -43,9 +45,9 @@ class Param(Protocol):
 
 def _check_values(name: str, values: tuple, declared: str) -> None:
     if not values:
-        raise ValueError(f"parameter {name!r}: {declared} has no values; give at least one")
+        raise SearchSpaceError(f"parameter {name!r}: {declared} has no values; give at least one")
     if len(set(values)) != len(values):
-        raise ValueError(f"parameter {name!r}: {declared} repeats a value; list each value once")
+        raise SearchSpaceError(f"parameter {name!r}: {declared} repeats a value; list each value once")
 
 
 @dataclass(frozen=True)
@@ -77,7 +79,7 @@ class PowerOfTwo:
 
     def __post_init__(self) -> None:
         if self.low < 1:
-            raise ValueError(f"parameter {self.name!r}: PowerOfTwo low={self.low}; low must be >= 1")
+            raise SearchSpaceError(f"parameter {self.name!r}: PowerOfTwo low={self.low}; low must be >= 1")
         first = (self.low - 1).bit_length()  # exponent of the smallest power of two >= low
         values = tuple(1 << k for k in range(first, self.high.bit_length()))
         object.__setattr__(self, "values", values)
@@ -102,7 +104,7 @@ class IntRange:
 
     def __post_init__(self) -> None:
         if self.step < 1:
-            raise ValueError(f"parameter {self.name!r}: IntRange step={self.step}; step must be >= 1")
+            raise SearchSpaceError(f"parameter {self.name!r}: IntRange step={self.step}; step must be >= 1")
         values = tuple(range(self.low, self.high + 1, self.step))
         object.__setattr__(self, "values", values)
         _check_values(self.name, values, f"IntRange({self.low}, {self.high}, {self.step})")
@@ -159,10 +161,10 @@ class SearchSpace:
         names = [p.name for p in self.params]
         repeated = sorted({n for n in names if names.count(n) > 1})
         if repeated:
-            raise ValueError(f"search space declares {repeated} more than once; name each parameter once")
+            raise SearchSpaceError(f"search space declares {repeated} more than once; name each parameter once")
         both = sorted(set(names) & self.fixed.keys())
         if both:
-            raise ValueError(f"{both} are both searched and fixed; drop them from params or from fixed")
+            raise SearchSpaceError(f"{both} are both searched and fixed; drop them from params or from fixed")
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -207,7 +209,7 @@ class SearchSpace:
             if self._violated(config) is None:
                 return config
         if not self._valid:
-            raise ValueError(f"search space has no valid config: {self.to_dict()}")
+            raise SearchSpaceError(f"search space has no valid config: {self.to_dict()}")
         return dict(rng.choice(self._valid))
 
     def restrict(self, **subsets: Iterable[Any]) -> SearchSpace:
@@ -219,7 +221,7 @@ class SearchSpace:
         """
         unknown = sorted(subsets.keys() - set(self.names))
         if unknown:
-            raise ValueError(f"cannot restrict {unknown}: the space's parameters are {list(self.names)}")
+            raise SearchSpaceError(f"cannot restrict {unknown}: the space's parameters are {list(self.names)}")
         params = []
         for param in self.params:
             if param.name not in subsets:
@@ -228,7 +230,7 @@ class SearchSpace:
             allowed = tuple(subsets[param.name])
             outside = [v for v in allowed if v not in param.values]
             if outside:
-                raise ValueError(f"cannot restrict {param.name!r} to {outside}: it is {param.describe()}")
+                raise SearchSpaceError(f"cannot restrict {param.name!r} to {outside}: it is {param.describe()}")
             params.append(Choice(param.name, tuple(v for v in param.values if v in allowed)))
         return replace(self, params=tuple(params))
 
