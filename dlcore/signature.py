@@ -74,6 +74,14 @@ def bucket_shape(shape: tuple[int, ...], policy: str | None) -> tuple[int, ...]:
     raise ValueError(f"unknown bucket policy {policy!r}; known: 'rows' or None")
 
 
+def _aligned(t: torch.Tensor) -> bool:
+    """16-byte alignment of the data; tensors without storage (fake, meta) count as aligned."""
+    try:
+        return t.data_ptr() % 16 == 0
+    except (RuntimeError, NotImplementedError):
+        return True
+
+
 def _scalar_key(spec: ScalarArg, value: Any) -> Any:
     return value if spec.keyed else type(value).__name__
 
@@ -87,7 +95,7 @@ def make_signature(op: Op, bound: tuple, device: torch.device) -> Signature:
                 dtype=value.dtype,
                 shape=bucket_shape(tuple(value.shape), spec.bucket),
                 layout=layout_of(value),
-                aligned=value.data_ptr() % 16 == 0,
+                aligned=_aligned(value),
             )))
         else:
             scalars.append((spec.name, _scalar_key(spec, value)))
