@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +40,12 @@ class Backend:
     device_types: tuple[str, ...] = ()
     #: implementation kinds this backend can run ("triton", "torch")
     kinds: tuple[str, ...] = ("triton", "torch")
+
+    @property
+    def version(self) -> str:
+        """The version of the distribution that provides this backend: part of cache keys."""
+        package = type(self).__module__.split(".")[0]
+        return str(getattr(sys.modules.get(package), "__version__", "0"))
 
     def available(self) -> Availability:
         """Whether the runtime is present and a device can be used; the reason when not."""

@@ -33,6 +33,7 @@ class Registry:
         self.strategies: dict[str, Any] = {}
         self.passes: list[Any] = []
         self._profiles: dict[str, DeviceProfile] = {}
+        self._availability: dict[str, Any] = {}
         self._collect()
 
     # -- building -------------------------------------------------------------------------------
@@ -108,7 +109,9 @@ class Registry:
                 f"no backend runs on device type {device.type!r}; loaded backends: {loaded}. "
                 f"Install the backend's distribution (dlc-cuda, dlc-ascend, dlc-mlu) or see `dlcore plugins`."
             )
-        availability = backend.available()
+        availability = self._availability.get(backend.name)
+        if availability is None:
+            availability = self._availability[backend.name] = backend.available()
         if not availability:
             raise BackendUnavailableError(f"backend {backend.name!r} is not available: {availability.reason}")
         return backend
@@ -119,6 +122,14 @@ class Registry:
         if profile is None:
             profile = self._profiles[key] = backend.profile(device)
         return profile
+
+    def refine_space(self, space: Any, signature: Any, profile: DeviceProfile) -> Any:
+        """``space`` as each plugin's ``dlcore_refine_space`` hook adapts it, in registration order."""
+        for impl in self.plugins.manager.hook.dlcore_refine_space.get_hookimpls():
+            refined = impl.function(space=space, signature=signature, profile=profile)
+            if refined is not None:
+                space = refined
+        return space
 
     def strategy(self, name: str) -> Any:
         try:

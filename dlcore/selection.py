@@ -39,7 +39,7 @@ class Selection:
         return cls(**data)
 
 
-def _now() -> str:
+def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
@@ -56,7 +56,7 @@ def _clone(t: torch.Tensor) -> torch.Tensor:
 def without_measuring(impl: Implementation, signature: Signature, profile: DeviceProfile, how: str,
                       declined: dict[str, str]) -> Selection:
     return Selection(impl=impl.name, config=impl.default_config(signature, profile), how=how,
-                     declined=dict(declined), when=_now())
+                     declined=dict(declined), when=now())
 
 
 def by_measurement(
@@ -91,4 +91,4 @@ def by_measurement(
         raise NoKernelError(signature.op, signature.describe(), {**declined, **failed})
     best = min(measured, key=measured.__getitem__)
     return Selection(impl=best, config=configs[best], how="measured", time_ms=measured[best],
-                     measured=measured, failed=failed, declined=dict(declined), when=_now())
+                     measured=measured, failed=failed, declined=dict(declined), when=now())

@@ -25,6 +25,12 @@ def reference_result(op: Op, args: Sequence[Any]) -> tuple:
     return _as_tuple(op.reference(*upcast(*args)))
 
 
+def reduce_dim_of(args: Sequence[Any]) -> int:
+    """The longest last dimension among the tensor arguments: the length of the reductions an
+    output element may sum over, which scales the tolerance."""
+    return max((t.shape[-1] for t in args if isinstance(t, torch.Tensor) and t.dim()), default=1)
+
+
 def mismatch(actual: Any, expected: Sequence[torch.Tensor], reduce_dim: int = 1) -> str | None:
     """``None`` if ``actual`` matches the float64 ``expected`` within tolerance, else what differs."""
     actual = _as_tuple(actual)
@@ -71,7 +77,7 @@ def check_op(op: Op, sizes: dict[str, int], dtype: torch.dtype, device: str, imp
     bound = get_op(op.name, args, impl=impl)
     actual = _as_tuple(bound(*args))
     expected = reference_result(op, args)
-    reduce_dim = max((t.shape[-1] for t in args if isinstance(t, torch.Tensor) and t.dim()), default=1)
+    reduce_dim = reduce_dim_of(args)
     worst = max(((a.double().cpu() - e.cpu()).abs().max().item() for a, e in zip(actual, expected)
                  if a.numel()), default=0.0)
     return CheckReport(op.name, full, dtype, bound.explain(), worst, mismatch(actual, expected, reduce_dim))

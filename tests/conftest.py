@@ -25,10 +25,12 @@ PLUGIN_SOURCES = TESTS / "plugins"
 
 
 @pytest.fixture(autouse=True)
-def fresh_dlcore(monkeypatch: pytest.MonkeyPatch):
-    """Each test discovers plugins anew and starts with no cached selection."""
+def fresh_dlcore(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """Each test discovers plugins anew and starts with no cached selection, on disk or in memory."""
     monkeypatch.delenv("DLCORE_PLUGINS", raising=False)
     monkeypatch.delenv("DLCORE_DISABLE_PLUGINS", raising=False)
+    monkeypatch.delenv("DLCORE_TUNE", raising=False)
+    monkeypatch.setenv("DLCORE_CACHE_DIR", str(tmp_path / "dlcore-cache"))
     dlcore.dispatch.reset()
     yield
     dlcore.dispatch.reset()

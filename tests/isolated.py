@@ -11,7 +11,7 @@ from pathlib import Path
 
 def run_python(code: str, site: Path | None = None, **env: str) -> subprocess.CompletedProcess:
     """Run ``code`` in a fresh interpreter (fresh plugin discovery), ``site`` on its path."""
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("DLCORE_")}
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("DLCORE_") or k == "DLCORE_CACHE_DIR"}
     full_env.update(env)
     if site is not None:
         full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), full_env.get("PYTHONPATH")]))

@@ -2,4 +2,6 @@
 
 from dlc_ascend.backend import AscendBackend
 
+__version__ = "0.1.0"
+
 __all__ = ["AscendBackend"]

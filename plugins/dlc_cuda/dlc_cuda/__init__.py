@@ -2,4 +2,6 @@
 
 from dlc_cuda.backend import CudaBackend
 
+__version__ = "0.1.0"
+
 __all__ = ["CudaBackend"]

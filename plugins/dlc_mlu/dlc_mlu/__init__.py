@@ -2,4 +2,6 @@
 
 from dlc_mlu.backend import MluBackend
 
+__version__ = "0.1.0"
+
 __all__ = ["MluBackend"]

@@ -1,0 +1,56 @@
+"""What a search measures: one implementation's time for a config, on cloned inputs.
+
+The backend's timer gives the time (``do_bench`` on CUDA; synchronize + perf_counter elsewhere),
+warm-up excluded. The result is checked against the op's float64 reference on the first evaluation
+of each implementation, and the winner of a search is checked again before it is accepted, so a
+wrong-but-fast config can never win. ``check="all"`` checks every config.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dlcore.backend import Backend
+from dlcore.errors import DlcoreError
+from dlcore.implementation import Config, Implementation
+from dlcore.op import Op
+from dlcore.selection import clone_args
+from dlcore.verify import mismatch, reduce_dim_of, reference_result
+
+
+class WrongResultError(DlcoreError):
+    """A config computed a result that does not match the op's reference."""
+
+
+class Objective:
+    """``objective(config) -> milliseconds`` for one implementation on one set of inputs."""
+
+    def __init__(self, op: Op, impl: Implementation, bound: tuple, backend: Backend, device: torch.device,
+                 check: str = "first"):
+        if check not in ("first", "all", "none"):
+            raise ValueError(f"check={check!r}; use 'first', 'all' or 'none'")
+        self.op = op
+        self.impl = impl
+        self.backend = backend
+        self.device = device
+        self.check = check
+        self._inputs = clone_args(bound)
+        self._pristine = clone_args(bound)
+        self._expected: tuple | None = None
+        self._evaluations = 0
+
+    def verify(self, config: Config) -> None:
+        """Raise :class:`WrongResultError` unless ``config`` reproduces the reference."""
+        if self._expected is None:
+            self._expected = reference_result(self.op, self._pristine)
+        actual = self.impl.run(clone_args(self._pristine), config)
+        problem = mismatch(actual, self._expected, reduce_dim_of(self._pristine))
+        if problem is not None:
+            raise WrongResultError(f"wrong result: {problem}")
+
+    def __call__(self, config: Config) -> float:
+        if self.check == "all" or (self.check == "first" and self._evaluations == 0):
+            self.verify(config)
+        self._evaluations += 1
+        inputs = self._inputs
+        return self.backend.timer(lambda: self.impl.run(inputs, config), self.device)
