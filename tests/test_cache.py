@@ -155,7 +155,8 @@ def test_get_op_remembers_a_measured_selection_across_processes(monkeypatch):
 
     from dlcore.implementation import TorchImplementation
 
-    impls = [TorchImplementation("double", "add", lambda x: x + x), TorchImplementation("double", "mul", lambda x: x * 2)]
+    impls = [TorchImplementation("double", "add", lambda x: x + x),
+             TorchImplementation("double", "mul", lambda x: x * 2)]
     with_plugins(monkeypatch, OpsPlugin([double_op()], impls))
     x = torch.randn(64)
     first = dlcore.get_op("double", (x,))

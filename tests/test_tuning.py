@@ -4,13 +4,13 @@ import time
 
 import pytest
 import torch
+from test_dispatch import OpsPlugin, double_op, with_plugins
 
 import dlcore
 import dlcore.dispatch
 from dlcore.implementation import Implementation
 from dlcore.registry import registry
 from dlcore.tuning.space import Choice, Constraint, PowerOfTwo, SearchSpace
-from test_dispatch import OpsPlugin, double_op, with_plugins
 
 BEST = {"BLOCK": 64, "WARPS": 4}
 WRONG_BUT_FASTEST = {"BLOCK": 8, "WARPS": 1}
