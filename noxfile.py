@@ -27,7 +27,7 @@ def install(session: nox.Session, triton: str) -> None:
 def test(session: nox.Session, triton: str) -> None:
     """The test suite, with Triton kernels run by the interpreter on the CPU."""
     install(session, triton)
-    session.install("pytest", "ruff")
+    session.install("pytest", "ruff", "matplotlib")
     session.run("ruff", "check", ".")
     session.run(
         "pytest", "-p", "no:cacheprovider", *session.posargs,

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from dlcore.backend import Backend
 from dlcore.bound import BoundOp
@@ -17,7 +20,7 @@ from dlcore.registry import reset as reset_registry
 from dlcore.selection import Selection, by_measurement, without_measuring
 from dlcore.signature import Signature, make_signature
 from dlcore.tuning.policy import TunePolicy, resolve, satisfies
-from dlcore.tuning.strategy import Evaluation
+from dlcore.tuning.strategy import Evaluation, SearchResult
 
 _memory = MemoryCache()
 _disk: DiskCache | None = None
@@ -75,6 +78,41 @@ def get_op(
     :raises BackendUnavailableError: no usable backend for the inputs' device.
     :raises NoKernelError: every implementation declined or failed.
     """
+    call = prepare(name, args, kwargs, impl)
+    policy = resolve(tune, strategy, budget)
+    memo_key = (call.signature, call.device, impl, policy)
+    hit = _bound.get(memo_key)
+    if hit is not None:
+        return hit
+    selection = _cached(call, policy)
+    if selection is None:
+        selection = remember(call, _select(call, policy, impl, progress))
+    bound_op = _bound[memo_key] = call.bind(selection)
+    return bound_op
+
+
+@dataclass
+class Call:
+    """Everything known about one call before anything is chosen."""
+
+    op: Op
+    bound: tuple
+    device: torch.device
+    backend: Backend
+    profile: DeviceProfile
+    signature: Signature
+    candidates: list[Implementation]
+    declined: dict[str, str]
+    parts: dict[str, str]
+    key: str
+
+    def bind(self, selection: Selection) -> BoundOp:
+        chosen = next(c for c in self.candidates if c.name == selection.impl)
+        return BoundOp(self.op, chosen, selection, self.signature, self.profile, self.key)
+
+
+def prepare(name: str, args: tuple | list, kwargs: dict[str, Any] | None = None, impl: str | None = None) -> Call:
+    """Validate the arguments and find the candidates and the cache key of a call."""
     reg = registry()
     op = reg.op(name)
     bound = op.bind(args, kwargs)
@@ -82,55 +120,67 @@ def get_op(
     backend = reg.backend_for(device)
     profile = reg.profile(backend, device)
     signature = make_signature(op, bound, device)
-    policy = resolve(tune, strategy, budget)
-
-    memo_key = (signature, device, impl, policy)
-    hit = _bound.get(memo_key)
-    if hit is not None:
-        return hit
-
     candidates, declined = find_candidates(reg, op, signature, backend, profile, impl)
     parts = key_parts(signature, profile, backend.version, candidates)
-    key = cache_key(parts, op.name)
-    selection = _cached(key, candidates, policy)
-    if selection is None:
-        selection = _select(reg, op, candidates, bound, signature, backend, profile, device, policy, impl,
-                            declined, progress)
-        record = make_record(op.name, parts, selection)
-        _memory.put(key, record)
-        if selection.how not in ("only candidate", "requested"):
-            disk_cache().put(key, record)
-    chosen = next(c for c in candidates if c.name == selection.impl)
-    bound_op = _bound[memo_key] = BoundOp(op, chosen, selection, signature, profile, key)
-    return bound_op
+    return Call(op, bound, device, backend, profile, signature, candidates, declined, parts,
+                cache_key(parts, op.name))
 
 
-def _cached(key: str, candidates: list[Implementation], policy: TunePolicy) -> Selection | None:
+def remember(call: Call, selection: Selection) -> Selection:
+    """Keep ``selection`` for ``call`` in memory, and on disk unless it was made without measuring."""
+    record = make_record(call.op.name, call.parts, selection)
+    _memory.put(call.key, record)
+    if selection.how not in ("only candidate", "requested"):
+        disk_cache().put(call.key, record)
+    for memo_key in [k for k, v in _bound.items() if v.cache_key == call.key]:
+        del _bound[memo_key]
+    return selection
+
+
+def tune_op(name: str, args: tuple | list, *, strategy: str, budget: int | None = None, tune: str = "full",
+            progress: Callable[[Evaluation], None] | None = None) -> tuple[BoundOp, dict[str, SearchResult]]:
+    """Tune now, whatever is cached, and remember the result: what ``dlcore tune`` runs."""
+    from dlcore.tuning.tune import tune as search
+
+    call = prepare(name, args)
+    policy = resolve(tune, strategy, budget)
+    reg = registry()
+    selection, results = search(call.op, call.candidates, call.bound, call.signature, call.backend, call.profile,
+                                call.device, policy, reg.strategy(policy.strategy), reg.refine_space,
+                                call.declined, progress)
+    known = _memory.get(call.key) or disk_cache().get(call.key)
+    if known is not None and known.time_ms is not None and known.time_ms < selection.time_ms \
+            and satisfies(known.how, policy):
+        selection = known
+    return call.bind(remember(call, selection)), results
+
+
+def _cached(call: Call, policy: TunePolicy) -> Selection | None:
     """A remembered selection good enough for ``policy`` whose implementation is still a candidate."""
-    selection = _memory.get(key) or disk_cache().get(key)
+    selection = _memory.get(call.key) or disk_cache().get(call.key)
     if selection is None or not satisfies(selection.how, policy):
         return None
-    if not any(c.name == selection.impl for c in candidates):
+    if not any(c.name == selection.impl for c in call.candidates):
         return None
     return selection
 
 
-def _select(
-    reg: Registry, op: Op, candidates: list[Implementation], bound: tuple, signature: Signature,
-    backend: Backend, profile: DeviceProfile, device: Any, policy: TunePolicy, requested: str | None,
-    declined: dict[str, str], progress: Callable[[Evaluation], None] | None,
-) -> Selection:
+def _select(call: Call, policy: TunePolicy, requested: str | None,
+            progress: Callable[[Evaluation], None] | None) -> Selection:
     if policy.level != "off":
         from dlcore.tuning.tune import tune
 
-        selection, _ = tune(op, candidates, bound, signature, backend, profile, device, policy,
-                            reg.strategy(policy.strategy), reg.refine_space, declined, progress)
+        reg = registry()
+        selection, _ = tune(call.op, call.candidates, call.bound, call.signature, call.backend, call.profile,
+                            call.device, policy, reg.strategy(policy.strategy), reg.refine_space, call.declined,
+                            progress)
         return selection
     if requested is not None:
-        return without_measuring(candidates[0], signature, profile, "requested", declined)
-    if len(candidates) == 1:
-        return without_measuring(candidates[0], signature, profile, "only candidate", declined)
-    return by_measurement(candidates, bound, signature, backend, profile, device, declined)
+        return without_measuring(call.candidates[0], call.signature, call.profile, "requested", call.declined)
+    if len(call.candidates) == 1:
+        return without_measuring(call.candidates[0], call.signature, call.profile, "only candidate", call.declined)
+    return by_measurement(call.candidates, call.bound, call.signature, call.backend, call.profile, call.device,
+                          call.declined)
 
 
 def find_candidates(

@@ -6,9 +6,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from dlcore.cli import check, inventory
+from dlcore.cli import cache, check, inventory, tune
 
-COMMANDS = (inventory, check)
+COMMANDS = (inventory, check, tune, cache)
 
 
 def build_parser() -> argparse.ArgumentParser:

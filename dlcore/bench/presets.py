@@ -1,0 +1,172 @@
+"""The shapes a benchmark runs: model presets and explicit sizes, mapped onto an op's size names.
+
+An op names its sizes in ``example_sizes`` (``tokens``, ``hidden``, ``inter``, ...). A model
+preset knows the dimensions of a real model under canonical names; each of the op's size names is
+matched to one of them through :data:`ALIASES`, the token axis takes every value of the token list,
+a batch axis is 1 (the tokens are all in the sequence), and a name no alias knows keeps the op's
+example value. A model that lacks a dimension the op needs (LLaMA has no MLA rope dimension) does
+not apply to that op and is left out with a note.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+#: tokens of one forward pass: decode (1) to long prefill (16384)
+TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
+
+#: canonical dimension -> the size names ops may give it (lower case)
+ALIASES: dict[str, tuple[str, ...]] = {
+    "tokens": ("tokens", "num_tokens", "rows", "m", "seq", "seq_len", "seqlen", "s", "l"),
+    "batch": ("batch", "batch_size", "bs", "b"),
+    "hidden": ("hidden", "hidden_size", "d_model"),
+    "inter": ("inter", "intermediate", "intermediate_size", "ffn", "ffn_dim"),
+    "heads": ("heads", "num_heads", "n_heads", "q_heads", "num_q_heads", "hq"),
+    "kv_heads": ("kv_heads", "num_kv_heads", "n_kv_heads", "num_key_value_heads", "hk"),
+    "head_dim": ("head_dim", "head_size", "d"),
+    "nope_dim": ("nope_dim", "nope", "qk_nope_head_dim"),
+    "rope_dim": ("rope_dim", "rope", "qk_rope_head_dim"),
+    "v_dim": ("v_dim", "v", "v_head_dim"),
+}
+_CANONICAL = {alias: name for name, aliases in ALIASES.items() for alias in aliases}
+
+#: model -> its dimensions under canonical names (from each model's published config.json)
+MODELS: dict[str, dict[str, int]] = {
+    "llama3-8b": {"hidden": 4096, "inter": 14336, "heads": 32, "kv_heads": 8, "head_dim": 128},
+    "llama3-70b": {"hidden": 8192, "inter": 28672, "heads": 64, "kv_heads": 8, "head_dim": 128},
+    "qwen2.5-7b": {"hidden": 3584, "inter": 18944, "heads": 28, "kv_heads": 4, "head_dim": 128},
+    # MLA: the rotary embedding covers the 64 rope dimensions of 128 query heads and of one shared
+    # key head (q_pe [.., 128, 64], k_pe [.., 1, 64]); nope 128 and v 128 for the MLA layout.
+    "deepseek-v3": {"hidden": 7168, "inter": 18432, "heads": 128, "kv_heads": 1, "head_dim": 64,
+                    "nope_dim": 128, "rope_dim": 64, "v_dim": 128},
+    # the routed experts' FFN width
+    "deepseek-v3-moe": {"hidden": 7168, "inter": 2048},
+}
+
+#: preset name -> models; every model is a preset on its own
+PRESETS: dict[str, tuple[str, ...]] = {"all": tuple(MODELS), **{name: (name,) for name in MODELS}}
+DEFAULT_PRESET = "all"
+
+_DIMS = re.compile(r"\d+(x\d+)*")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One set of sizes for ``op.example``, and the models it comes from (none when given explicitly)."""
+
+    sizes: dict[str, int]
+    models: tuple[str, ...] = ()
+
+    def label(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.sizes.items())
+
+
+def canonical(size_name: str) -> str | None:
+    """The canonical dimension an op's size name stands for, or None if no alias matches."""
+    return _CANONICAL.get(size_name.lower())
+
+
+def shapes_for(example_sizes: dict[str, int], text: str | None, tokens: tuple[int, ...] = TOKENS,
+               ) -> tuple[list[Shape], list[str]]:
+    """Parse ``--shapes`` for an op whose sizes default to ``example_sizes``; return shapes and notes.
+
+    ``text``: a preset (``all``, ``llama3-8b``, ...), several joined by commas; named sizes, one set
+    per ``;`` (``tokens=4096,hidden=4096;tokens=1,hidden=4096``; names left out keep their example
+    value); or ``MxN`` dimensions mapped onto the op's size names in order, several joined by commas
+    (``4096x4096,1x4096``). ``None``: the default preset.
+    :raises ValueError: unknown preset or size name, malformed sizes.
+    """
+    text = (text or DEFAULT_PRESET).strip()
+    shapes: list[Shape] = []
+    notes: list[str] = []
+    for chunk in filter(None, (c.strip() for c in text.split(";"))):
+        if "=" in chunk:
+            shapes.append(Shape(_named_sizes(example_sizes, chunk)))
+            continue
+        for item in filter(None, (i.strip() for i in chunk.split(","))):
+            if _DIMS.fullmatch(item):
+                shapes.append(Shape(_positional_sizes(example_sizes, item)))
+            elif item in PRESETS:
+                found, why = preset_shapes(example_sizes, PRESETS[item], tokens)
+                shapes += found
+                notes += why
+            else:
+                raise ValueError(f"--shapes: {item!r} is neither a preset ({', '.join(PRESETS)}), nor NAME=SIZE "
+                                 f"sizes, nor MxN dimensions; e.g. --shapes llama3-8b or --shapes 4096x4096")
+    if not shapes:
+        raise ValueError(f"--shapes {text!r} gives no shape to run" + (f": {'; '.join(notes)}" if notes else ""))
+    return _unique(shapes), _unique_notes(notes)
+
+
+def preset_shapes(example_sizes: dict[str, int], models: tuple[str, ...], tokens: tuple[int, ...] = TOKENS,
+                  ) -> tuple[list[Shape], list[str]]:
+    """The shapes of ``models`` (times ``tokens``) for an op with ``example_sizes``, and notes."""
+    notes = []
+    names = {name: canonical(name) for name in example_sizes}
+    unknown = [name for name, dim in names.items() if dim is None]
+    if unknown:
+        notes.append(f"size {', '.join(unknown)} is not a model dimension the presets know: "
+                     f"kept at the op's example value")
+    has_tokens = "tokens" in names.values()
+    if not has_tokens:
+        notes.append("the op has no token size: one shape per model")
+    shapes = []
+    for model in models:
+        dims = MODELS[model]
+        lacking = [name for name, dim in names.items() if dim not in (None, "tokens", "batch") and dim not in dims]
+        if lacking:
+            notes.append(f"{model} has no {', '.join(lacking)}: left out")
+            continue
+        for count in tokens if has_tokens else tokens[:1]:
+            shapes.append(Shape({name: _model_size(example_sizes[name], dim, dims, count, has_tokens)
+                                 for name, dim in names.items()}, (model,)))
+    return shapes, notes
+
+
+def _model_size(example: int, dim: str | None, dims: dict[str, int], tokens: int, has_tokens: bool) -> int:
+    if dim is None:
+        return example
+    if dim == "tokens":
+        return tokens
+    if dim == "batch":
+        return 1 if has_tokens else example
+    return dims[dim]
+
+
+def _named_sizes(example_sizes: dict[str, int], text: str) -> dict[str, int]:
+    sizes = dict(example_sizes)
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = part.partition("=")
+        key = key.strip()
+        if not sep or not value.strip().isdigit():
+            raise ValueError(f"--shapes: bad size {part!r}: expected NAME=INTEGER, e.g. tokens=4096")
+        if key not in example_sizes:
+            raise ValueError(f"--shapes: the op has no size {key!r}; its sizes are {', '.join(example_sizes)}")
+        sizes[key] = int(value)
+    return sizes
+
+
+def _positional_sizes(example_sizes: dict[str, int], text: str) -> dict[str, int]:
+    values = [int(v) for v in text.split("x")]
+    names = list(example_sizes)
+    if len(values) > len(names):
+        raise ValueError(f"--shapes: {text!r} gives {len(values)} sizes; the op has {len(names)} "
+                         f"({'x'.join(names)})")
+    return {**example_sizes, **dict(zip(names, values))}
+
+
+def _unique(shapes: list[Shape]) -> list[Shape]:
+    """One shape per set of sizes, in first-seen order, with the models of its duplicates merged."""
+    merged: dict[tuple, Shape] = {}
+    for shape in shapes:
+        key = tuple(shape.sizes.items())
+        seen = merged.get(key)
+        models = shape.models if seen is None else seen.models + tuple(m for m in shape.models
+                                                                       if m not in seen.models)
+        merged[key] = Shape(shape.sizes, models)
+    return list(merged.values())
+
+
+def _unique_notes(notes: list[str]) -> list[str]:
+    return list(dict.fromkeys(notes))

@@ -1,0 +1,113 @@
+"""`dlcore tune`: search an op's configs for given shapes, remember the winners, show the curves."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+
+from dlcore.cli.options import DTYPES, default_device, parse_sizes
+from dlcore.cli.table import table
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("tune", help="tune an op for shapes; the winners go to the cache")
+    p.add_argument("op", nargs="?", help="the op (omit with --all)")
+    p.add_argument("--shape", type=parse_sizes, action="append", default=[],
+                   help="named sizes, e.g. tokens=4096,hidden=4096; repeat for several shapes")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--device", default=None, help="cuda when available, else cpu")
+    p.add_argument("--strategy", default="tpe", help="one or several, comma-separated: grid,random,tpe")
+    p.add_argument("--budget", type=int, default=None, help="evaluations per implementation")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="best-so-far time against evaluations")
+    p.add_argument("--all", action="store_true", help="every op, on the preset model shapes")
+    p.set_defaults(func=run_tune)
+
+
+def _shapes_for(op, args: argparse.Namespace) -> list[dict[str, int]]:
+    if args.shape:
+        return args.shape
+    if args.all:
+        from dlcore.bench.presets import preset_sizes
+
+        return preset_sizes(op)
+    return [dict(op.example_sizes)]
+
+
+class Progress:
+    """One status line per search, rewritten after each evaluation."""
+
+    def __init__(self, label: str, total: int | None):
+        self.label, self.total, self.done, self.best = label, total, 0, math.inf
+
+    def __call__(self, evaluation) -> None:
+        self.done += 1
+        self.best = min(self.best, evaluation.time)
+        total = f"/{self.total}" if self.total else ""
+        best = f"{self.best:.4f} ms" if math.isfinite(self.best) else "-"
+        sys.stderr.write(f"\r  {self.label}: {self.done}{total} evaluations, best {best}   ")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    from dlcore.dispatch import tune_op
+    from dlcore.registry import registry
+
+    reg = registry()
+    if not args.op and not args.all:
+        raise SystemExit("dlcore tune: name an op, or give --all")
+    ops = sorted(reg.ops) if args.all and not args.op else [args.op]
+    strategies = [s.strip() for s in args.strategy.split(",") if s.strip()]
+    device = torch.device(default_device(args.device))
+    rows, curves = [], {}
+    for name in ops:
+        op = reg.op(name)
+        if op.example is None:
+            print(f"{name}: declares no example inputs; skipped", file=sys.stderr)
+            continue
+        for sizes in _shapes_for(op, args):
+            full = {**op.example_sizes, **sizes}
+            inputs = op.example(full, DTYPES[args.dtype], device, torch.Generator().manual_seed(0))
+            shape = ",".join(f"{k}={v}" for k, v in full.items())
+            for strategy in strategies:
+                progress = Progress(f"{name} {shape} [{strategy}]", args.budget)
+                bound, results = tune_op(name, inputs, strategy=strategy, budget=args.budget, progress=progress)
+                progress.close()
+                for impl, result in results.items():
+                    curves.setdefault(f"{name} {shape}", {})[f"{strategy}:{impl}"] = result.best_so_far()
+                    rows.append((name, shape, strategy, impl, len(result.evaluations),
+                                 f"{result.best_time:.4f}" if math.isfinite(result.best_time) else "failed",
+                                 result.best_config))
+                rows.append((name, shape, "-> kept", bound.impl.name, "", f"{bound.selection.time_ms:.4f}",
+                             bound.config))
+    print(table(rows, ("op", "shape", "strategy", "implementation", "evaluations", "best ms", "config")))
+    if args.plot:
+        plot_curves(curves, args.plot)
+        print(f"plot written to {args.plot}")
+    return 0
+
+
+def plot_curves(curves: dict[str, dict[str, list[float]]], path: str) -> None:
+    """Best-so-far time against evaluations, one panel per (op, shape), one line per strategy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(curves), 1, figsize=(7, 3.2 * len(curves)), squeeze=False)
+    for ax, (title, lines) in zip(axes[:, 0], curves.items()):
+        for label, best in lines.items():
+            finite = [t if math.isfinite(t) else None for t in best]
+            ax.plot(range(1, len(best) + 1), finite, label=label, marker=".")
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("evaluations")
+        ax.set_ylabel("best time so far (ms)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,46 @@
+"""`dlcore tune` and `dlcore cache` from the command line."""
+
+import json
+
+from dlcore.cli import main
+
+
+def test_tune_then_list_export_import_and_clear(capsys, tmp_path, monkeypatch):
+    plot = tmp_path / "curves.png"
+    assert main(["tune", "rms_norm", "--shape", "tokens=4,hidden=64", "--dtype", "fp32",
+                 "--strategy", "grid,random", "--budget", "2", "--plot", str(plot)]) == 0
+    out = capsys.readouterr()
+    assert "rms_norm" in out.out and "-> kept" in out.out and "grid" in out.out and "random" in out.out
+    assert "evaluations, best" in out.err  # the progress line
+    assert plot.exists() and plot.stat().st_size > 1000
+
+    assert main(["cache", "list"]) == 0
+    listing = capsys.readouterr().out
+    assert "rms_norm:" in listing and "1 entries" in listing
+    key = next(word for word in listing.split() if word.startswith("rms_norm:"))
+
+    assert main(["cache", "show", key]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["selection"]["impl"] == "triton" and shown["selection"]["strategy"] in ("grid", "random")
+
+    exported = tmp_path / "tuned.json"
+    assert main(["cache", "export", str(exported)]) == 0
+    assert main(["cache", "clear"]) == 0
+    assert "deleted 1 entries" in capsys.readouterr().out
+    assert main(["cache", "show", key]) == 1
+    assert main(["cache", "import", str(exported)]) == 0
+    assert "imported 1 entries" in capsys.readouterr().out
+    assert main(["cache", "show", key]) == 0
+
+
+def test_tuned_result_is_used_by_get_op(capsys):
+    import torch
+
+    import dlcore
+    import dlcore.dispatch
+
+    assert main(["tune", "rms_norm", "--shape", "tokens=4,hidden=64", "--dtype", "fp32", "--strategy", "grid"]) == 0
+    dlcore.dispatch.clear_caches()
+    x, w = torch.randn(4, 64), torch.randn(64)
+    op = dlcore.get_op("rms_norm", (x, w))
+    assert op.selection.how == "tuned (full, grid)"
