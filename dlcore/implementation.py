@@ -34,7 +34,9 @@ class KernelCall:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     def launch(self) -> None:
-        self.kernel[self.grid](*self.args, **self.kwargs)
+        from dlcore.launcher import launch
+
+        launch(self)
 
 
 @dataclass

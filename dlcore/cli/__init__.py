@@ -6,9 +6,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from dlcore.cli import cache, check, inventory, tune
+from dlcore.cli import bench, cache, check, inventory, tune
 
-COMMANDS = (inventory, check, tune, cache)
+COMMANDS = (inventory, check, tune, cache, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,616 @@
+"""Timing an op against its baselines, shape by shape, on the same inputs; the numbers that come out.
+
+For each shape the op's example inputs are built once. The op (through ``get_op``, named
+``dlcore``) and each baseline (``torch`` and ``liger`` from ``op.baselines``; ``compile``: the
+``torch`` baseline through ``torch.compile``, compiled afresh for each shape) are warmed up once,
+then timed in rounds: each round times every implementation once, starting one further along each
+round, so that a clock or thermal drift spreads over all of them alike. An implementation's time is
+the median of its rounds; each round is one timer call (``triton.testing.do_bench``'s median on
+CUDA, the backend's timer elsewhere).
+
+Rates come from ``op.cost(args) -> (bytes, flops)``: GB/s for memory-bound shapes, with the
+fraction of the device's copy bandwidth measured in the same run, and TFLOP/s for shapes above
+:data:`RIDGE` flops per byte. A baseline that is missing or fails is left out with a note, never
+replaced by something else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import inspect
+import math
+import platform
+import statistics
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dlcore.bench.presets import Shape
+from dlcore.cli.table import table
+from dlcore.errors import DlcoreError
+from dlcore.op import Op
+
+Timer = Callable[[Callable[[], object]], float]
+
+#: the op's own column: what ``get_op`` chooses
+OWN = "dlcore"
+COMPILE = "compile"
+#: baselines every op may declare; ``compile`` is built from ``torch``
+KNOWN_BASELINES = ("torch", COMPILE, "liger")
+MODES = ("fwd", "bwd", "fwd+bwd")
+#: flops per byte above which a shape is compute-bound and reported in TFLOP/s. Between the ridge
+#: points of an H100/H200 in float32 on CUDA cores (~14) and in bfloat16 on tensor cores (~200):
+#: norms and activations sit below 10, GEMMs of a few hundred tokens and more well above.
+RIDGE = 100.0
+
+
+# -- the numbers ---------------------------------------------------------------------------------
+
+def gbps(nbytes: float, ms: float) -> float:
+    """Bytes moved in ``ms`` milliseconds, in GB/s (1e9 bytes per second)."""
+    return nbytes / ms / 1e6
+
+
+def tflops(flops: float, ms: float) -> float:
+    return flops / ms / 1e9
+
+
+def geomean(values: list[float]) -> float | None:
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
+
+
+def bound_of(nbytes: int | None, flops: int | None) -> str | None:
+    """``memory`` or ``compute``, by arithmetic intensity; None without a cost."""
+    if not nbytes:
+        return None
+    return "compute" if (flops or 0) / nbytes > RIDGE else "memory"
+
+
+@dataclass
+class ShapeResult:
+    """One shape: each implementation's per-round times and what they mean."""
+
+    shape: Shape
+    nbytes: int | None = None
+    flops: int | None = None
+    rounds: dict[str, list[float]] = field(default_factory=dict)
+    max_abs_diff: dict[str, float] = field(default_factory=dict)
+    chosen: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def bound(self) -> str | None:
+        return bound_of(self.nbytes, self.flops)
+
+    def ms(self, name: str) -> float | None:
+        times = self.rounds.get(name)
+        return statistics.median(times) if times else None
+
+    def gbps(self, name: str) -> float | None:
+        ms = self.ms(name)
+        return gbps(self.nbytes, ms) if ms and self.nbytes else None
+
+    def tflops(self, name: str) -> float | None:
+        ms = self.ms(name)
+        return tflops(self.flops, ms) if ms and self.flops else None
+
+    def copy_fraction(self, name: str, copy_gbps: float | None) -> float | None:
+        """GB/s over the device copy bandwidth, for memory-bound shapes."""
+        rate = self.gbps(name)
+        return rate / copy_gbps if rate and copy_gbps and self.bound == "memory" else None
+
+    def speedup(self, baseline: str) -> float | None:
+        """The baseline's time over the op's: above 1, the op is faster."""
+        own, other = self.ms(OWN), self.ms(baseline)
+        return other / own if own and other else None
+
+
+@dataclass
+class Report:
+    op: str
+    mode: str
+    dtype: torch.dtype
+    device: dict[str, Any]
+    baselines: list[str]
+    copy_bytes: int
+    copy_gbps: list[float] = field(default_factory=list)
+    shapes: list[ShapeResult] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    timer: str = ""
+    rounds: int = 0
+    command: str = ""
+    date: str = ""
+    versions: dict[str, str | None] = field(default_factory=dict)
+
+    @property
+    def copy_bandwidth(self) -> float | None:
+        """The best device-to-device copy of the run, in GB/s (read + written bytes)."""
+        return max(self.copy_gbps) if self.copy_gbps else None
+
+    @property
+    def implementations(self) -> list[str]:
+        return [OWN, *self.baselines]
+
+    def speedups(self, baseline: str) -> list[float]:
+        return [s for r in self.shapes if (s := r.speedup(baseline)) is not None]
+
+    def geomean(self, baseline: str) -> float | None:
+        return geomean(self.speedups(baseline))
+
+    def worst(self, baseline: str) -> float | None:
+        return min(self.speedups(baseline), default=None)
+
+    # -- output ---------------------------------------------------------------------------------
+
+    def table(self) -> str:
+        header = ["model", "shape", "MiB", f"{OWN} ms", "rate", "%copy"]
+        for b in self.baselines:
+            header += [f"{b} ms", f"vs {b}"]
+        rows = [self._row(r) for r in self.shapes]
+        for label, summary in (("geomean", self.geomean), ("min", self.worst)):
+            row = [label, "", "", "", "", ""]
+            for b in self.baselines:
+                row += ["", _ratio(summary(b))]
+            rows.append(row)
+        dtype = str(self.dtype).removeprefix("torch.")
+        copy = self.copy_bandwidth
+        lines = [
+            f"{self.op} {self.mode} {dtype} on {self.device.get('name', '?')} ({self.device.get('backend', '?')}); "
+            f"timer: {self.timer}, median of {self.rounds} alternating rounds",
+            "copy bandwidth: " + (f"{copy:.0f} GB/s ({self.copy_bytes / 2**20:.0f} MiB device-to-device copy, "
+                                  f"bytes read + written)" if copy else "not measured"),
+            "",
+            table(rows, header),
+        ]
+        lines += [f"note: {n}" for n in self.notes]
+        where: dict[str, list[str]] = {}
+        for r in self.shapes:
+            for n in r.notes:
+                where.setdefault(n, []).append(r.shape.label())
+        for n, labels in where.items():
+            shapes = "; ".join(labels) if len(labels) <= 2 else f"{len(labels)} shapes"
+            lines.append(f"note: {n} ({shapes})")
+        return "\n".join(lines)
+
+    def _row(self, r: ShapeResult) -> list[str]:
+        rate = r.tflops(OWN) if r.bound == "compute" else r.gbps(OWN)
+        unit = "TFLOP/s" if r.bound == "compute" else "GB/s"
+        row = [",".join(r.shape.models), r.shape.label(), _num(r.nbytes / 2**20 if r.nbytes else None),
+               _num(r.ms(OWN)), f"{_num(rate)} {unit}" if rate else "-",
+               _percent(r.copy_fraction(OWN, self.copy_bandwidth))]
+        for b in self.baselines:
+            row += [_num(r.ms(b)), _ratio(r.speedup(b))]
+        return row
+
+    def to_json(self) -> dict[str, Any]:
+        copy = self.copy_bandwidth
+        return {
+            "op": self.op,
+            "mode": self.mode,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": self.device,
+            "gpu": self.device.get("name") if self.device.get("backend") == "cuda" else None,
+            "versions": self.versions,
+            "command": self.command,
+            "date": self.date,
+            "timer": self.timer,
+            "rounds": self.rounds,
+            "implementations": self.implementations,
+            "copy_bandwidth_gbps": copy,
+            "copy_bandwidth_runs_gbps": self.copy_gbps,
+            "copy_bytes": self.copy_bytes,
+            "ridge_flops_per_byte": RIDGE,
+            "notes": self.notes,
+            "shapes": [self._shape_json(r, copy) for r in self.shapes],
+            "geomean_speedup": {b: self.geomean(b) for b in self.baselines},
+            "min_speedup": {b: self.worst(b) for b in self.baselines},
+        }
+
+    def _shape_json(self, r: ShapeResult, copy: float | None) -> dict[str, Any]:
+        return {
+            "sizes": r.shape.sizes,
+            "models": list(r.shape.models),
+            "bytes": r.nbytes,
+            "flops": r.flops,
+            "bound": r.bound,
+            "chosen": r.chosen,
+            "results": {name: {"ms": r.ms(name), "rounds_ms": times, "gbps": r.gbps(name),
+                               "tflops": r.tflops(name), "copy_fraction": r.copy_fraction(name, copy)}
+                        for name, times in r.rounds.items()},
+            "speedup": {b: r.speedup(b) for b in self.baselines},
+            "max_abs_diff_vs_dlcore": r.max_abs_diff,
+            "notes": r.notes,
+        }
+
+
+def _num(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.0f}" if abs(x) >= 1000 else f"{x:.4g}"
+
+
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def _percent(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+# -- timing ----------------------------------------------------------------------------------------
+
+def time_round_robin(work: dict[str, Callable[[], object]], timer: Timer, rounds: int,
+                     ) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """Time each callable once per round; round ``r`` starts at the ``r``-th one (mod their number).
+
+    Returns the times (ms) per name, and why each one that raised stopped being timed.
+    """
+    names = list(work)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    failed: dict[str, str] = {}
+    for r in range(rounds):
+        start = r % len(names) if names else 0
+        for name in names[start:] + names[:start]:
+            if name in failed:
+                continue
+            try:
+                times[name].append(timer(work[name]))
+            except Exception as exc:  # noqa: BLE001 - one failing implementation must not end the run
+                failed[name] = _first_line(exc)
+    return {n: t for n, t in times.items() if n not in failed}, failed
+
+
+def default_timer(device: torch.device, backend: Any, warmup_ms: float = 10, rep_ms: float = 40,
+                  ) -> tuple[Timer, str]:
+    """``do_bench``'s median on CUDA (L2 flushed before each run), else the backend's timer."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        def timer(fn: Callable[[], object]) -> float:
+            with torch.cuda.device(device):
+                return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+        return timer, f"triton.testing.do_bench median (warmup {warmup_ms:g} ms, rep {rep_ms:g} ms)"
+    return (lambda fn: backend.timer(fn, device)), f"the {backend.name} backend's timer"
+
+
+def copy_bandwidth(device: torch.device, timer: Timer, nbytes: int) -> float:
+    """GB/s of one ``nbytes`` device-to-device copy, counting the bytes read and the bytes written."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
+    dst = torch.empty_like(src)
+    ms = timer(lambda: dst.copy_(src))
+    return gbps(2 * src.nbytes, ms)
+
+
+def default_copy_bytes(device: torch.device) -> int:
+    """Far larger than any cache of the device: 1 GiB on accelerators, 64 MiB on the CPU."""
+    return 2**26 if device.type == "cpu" else 2**30
+
+
+# -- the implementations ---------------------------------------------------------------------------
+
+def load_baselines(op: Op, names: list[str]) -> tuple[dict[str, Callable[..., Any]], list[str]]:
+    """The requested baselines available here (``compile`` needs ``torch``), and a note per missing one."""
+    found: dict[str, Callable[..., Any]] = {}
+    notes: list[str] = []
+    wanted = [n for n in names if n != COMPILE]
+    if COMPILE in names and "torch" not in wanted:
+        wanted.append("torch")
+    for name in wanted:
+        fn, why = _load(op, name)
+        if fn is not None:
+            found[name] = fn
+        elif name in names:
+            notes.append(f"{name}: {why}; skipped")
+    if COMPILE in names and "torch" not in found:
+        notes.append(f"{COMPILE}: needs the op's 'torch' baseline, which is not available; skipped")
+    return found, notes
+
+
+def _load(op: Op, name: str) -> tuple[Callable[..., Any] | None, str]:
+    factory = op.baselines.get(name)
+    if factory is None:
+        return None, f"{op.name} declares no {name!r} baseline"
+    try:
+        fn = factory()
+    except Exception as exc:  # noqa: BLE001 - a broken optional library is a note, not a crash
+        return None, f"failed to load ({_first_line(exc)})"
+    return fn, "not installed here"
+
+
+def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compile(fn)`` for one static shape, starting from an empty Dynamo cache.
+
+    Resetting first keeps each shape's graph static and out of the recompile limit (past it,
+    Dynamo silently runs the function eagerly).
+    """
+    torch._dynamo.reset()
+    return torch.compile(fn, dynamic=False)
+
+
+@contextlib.contextmanager
+def _retainable_compiled_backward() -> Iterator[None]:
+    """Compiled backwards that may run more than once per forward (``retain_graph=True``): with
+    donated buffers, AOTAutograd frees saved tensors during the first one."""
+    import torch._functorch.config as functorch_config
+
+    if not hasattr(functorch_config, "donated_buffer"):
+        yield
+        return
+    with functorch_config.patch(donated_buffer=False):
+        yield
+
+
+# -- one run -----------------------------------------------------------------------------------------
+
+@dataclass
+class Bench:
+    """What a run needs besides the shapes; :func:`run_bench` builds it."""
+
+    op: Op
+    dtype: torch.dtype
+    device: torch.device
+    mode: str
+    timer: Timer
+    rounds: int
+    seed: int
+    baselines: dict[str, Callable[..., Any]]
+    want_compile: bool
+    #: notes about the whole run, each once
+    notes: list[str] = field(default_factory=list)
+
+    def note(self, text: str) -> None:
+        if text not in self.notes:
+            self.notes.append(text)
+
+    def cost(self, args: tuple) -> tuple[int | None, int | None]:
+        """Bytes and flops of this mode; None when the op does not say."""
+        cost = self.op.cost
+        if cost is None:
+            self.note(f"{self.op.name} declares no cost: no GB/s, TFLOP/s or copy fraction")
+            return None, None
+        if self.mode == "fwd":
+            return cost(args)
+        if "mode" not in inspect.signature(cost).parameters:
+            self.note(f"{self.op.name}'s cost(args) gives forward bytes only; declare "
+                      f"cost(args, mode='fwd'|'bwd') for the rates of its backward")
+            return None, None
+        nbytes, flops = cost(args, mode="bwd")
+        if self.mode == "fwd+bwd":
+            fwd_bytes, fwd_flops = cost(args, mode="fwd")
+            nbytes, flops = nbytes + fwd_bytes, flops + fwd_flops
+        return nbytes, flops
+
+    def implementations(self, args: tuple, result: ShapeResult) -> dict[str, Callable[..., Any]]:
+        """The op through ``get_op`` and the baselines, for these inputs (``compile`` built afresh)."""
+        from dlcore.dispatch import get_op
+
+        bound = get_op(self.op.name, args)
+        result.chosen = f"{bound.impl.name} {bound.config}"
+        if getattr(bound.impl, "fallback_only", False):
+            result.notes.append(f"{OWN} ran {bound.impl.name}: no dedicated kernel accepts these inputs here")
+        impls: dict[str, Callable[..., Any]] = {OWN: bound}
+        for name, fn in self.baselines.items():
+            impls[name] = fn
+            if name == "torch" and self.want_compile:
+                impls[COMPILE] = compiled(fn)
+        return impls
+
+    def run_shape(self, shape: Shape, requested: list[str]) -> ShapeResult:
+        result = ShapeResult(shape)
+        args = self.op.example(shape.sizes, self.dtype, self.device, torch.Generator().manual_seed(self.seed))
+        result.nbytes, result.flops = self.cost(args)
+        try:
+            impls = self.implementations(args, result)
+        except DlcoreError as exc:
+            result.notes.append(f"{OWN}: {_first_line(exc)}; shape skipped")
+            return result
+        impls = {name: impls[name] for name in [OWN, *requested] if name in impls}
+        work = self.workloads(impls, args, result)
+        if OWN not in work:
+            return result
+        result.rounds, failed = time_round_robin(work, self.timer, self.rounds)
+        result.notes += [f"{name}: failed while timed ({why}); left out" for name, why in failed.items()]
+        return result
+
+    def workloads(self, impls: dict[str, Callable[..., Any]], args: tuple,
+                  result: ShapeResult) -> dict[str, Callable[[], object]]:
+        """A no-argument callable per implementation doing this mode's work, each run once already."""
+        if self.mode == "fwd":
+            prepare = _forward(args)
+        else:
+            try:
+                prepare = self._backward(impls[OWN], args, result)
+            except Exception as exc:  # noqa: BLE001 - reported like any failure of the op
+                result.notes.append(f"{OWN}: failed ({_first_line(exc)}); shape skipped")
+                return {}
+            if prepare is None:
+                return {}
+        work: dict[str, Callable[[], object]] = {}
+        reference: tuple = ()
+        for name, fn in impls.items():
+            try:
+                run = prepare(fn)
+                out = _tensors(run())
+            except Exception as exc:  # noqa: BLE001 - a failing baseline is a note, never a crash
+                result.notes.append(f"{name}: failed ({_first_line(exc)}); left out")
+                if name == OWN:
+                    return {}
+                continue
+            if name == OWN:
+                reference = out
+            else:
+                diff = _max_abs_diff(reference, out)
+                if diff is None:
+                    result.notes.append(f"{name}: its results do not have the shapes of {OWN}'s; left out")
+                    continue
+                result.max_abs_diff[name] = diff
+            work[name] = run
+        return work
+
+    def _backward(self, own: Callable[..., Any], args: tuple,
+                  result: ShapeResult) -> Callable[[Callable[..., Any]], Callable[[], object]] | None:
+        """How to time this mode's backward, with inputs requiring grad where the op's backward gives one."""
+        floats = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
+        probe_args = _with_grad(args, floats)
+        outs = [t for t in _tensors(own(*probe_args)) if t.requires_grad]
+        if not outs:
+            result.notes.append(f"{OWN}: {self.op.name} has no backward (its outputs carry no autograd graph); "
+                                f"{self.mode} skipped")
+            return None
+        generator = torch.Generator().manual_seed(self.seed + 1)
+        grads = [torch.randn(t.shape, generator=generator).to(device=t.device, dtype=t.dtype) for t in outs]
+        probe = torch.autograd.grad(outs, [probe_args[i] for i in floats], grads, allow_unused=True)
+        differentiable = [i for i, g in zip(floats, probe) if g is not None]
+        grad_args = _with_grad(args, differentiable)
+        inputs = [grad_args[i] for i in differentiable]
+        if self.mode == "bwd":
+            return _backward_only(grad_args, inputs, grads)
+        return _forward_backward(grad_args, inputs, grads)
+
+
+def _forward(args: tuple) -> Callable[[Callable[..., Any]], Callable[[], object]]:
+    def prepare(fn: Callable[..., Any]) -> Callable[[], object]:
+        def run() -> object:
+            with torch.no_grad():
+                return fn(*args)
+        return run
+    return prepare
+
+
+def _backward_only(args: tuple, inputs: list[torch.Tensor],
+                   grads: list[torch.Tensor]) -> Callable[[Callable[..., Any]], Callable[[], object]]:
+    """The forward runs once, outside the timing; each timed call runs the backward of its graph."""
+    def prepare(fn: Callable[..., Any]) -> Callable[[], object]:
+        outs = _differentiable_outputs(fn(*args), len(grads))
+        return lambda: torch.autograd.grad(outs, inputs, grads, retain_graph=True)
+    return prepare
+
+
+def _forward_backward(args: tuple, inputs: list[torch.Tensor],
+                      grads: list[torch.Tensor]) -> Callable[[Callable[..., Any]], Callable[[], object]]:
+    def prepare(fn: Callable[..., Any]) -> Callable[[], object]:
+        return lambda: torch.autograd.grad(_differentiable_outputs(fn(*args), len(grads)), inputs, grads)
+    return prepare
+
+
+def _differentiable_outputs(out: object, count: int) -> list[torch.Tensor]:
+    outs = [t for t in _tensors(out) if t.requires_grad]
+    if len(outs) != count:
+        raise RuntimeError(f"{len(outs)} outputs require grad, expected {count}")
+    return outs
+
+
+def _with_grad(args: tuple, indices: list[int]) -> tuple:
+    """Fresh leaves with the values of ``args``; those at ``indices`` require grad."""
+    return tuple(a.detach().clone().requires_grad_(i in indices) if isinstance(a, torch.Tensor) else a
+                 for i, a in enumerate(args))
+
+
+def _tensors(out: object) -> tuple[torch.Tensor, ...]:
+    items = out if isinstance(out, (tuple, list)) else (out,)
+    return tuple(t for t in items if isinstance(t, torch.Tensor))
+
+
+def _max_abs_diff(reference: tuple, out: tuple) -> float | None:
+    """The largest absolute difference between matching tensors; None if the shapes differ."""
+    if len(reference) != len(out) or any(a.shape != b.shape for a, b in zip(reference, out)):
+        return None
+    worst = 0.0
+    for a, b in zip(reference, out):
+        if a.numel():
+            worst = max(worst, (a.detach().float() - b.detach().float()).abs().max().item())
+    return worst
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+def versions() -> dict[str, str | None]:
+    from importlib import metadata
+
+    found: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__,
+                                    "cuda": torch.version.cuda}
+    for dist in ("triton", "dlcore", "dlblas-kernels", "liger-kernel"):
+        try:
+            found[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            found[dist] = None
+    return found
+
+
+def run_bench(
+    op: Op,
+    shapes: list[Shape],
+    *,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    mode: str = "fwd",
+    baselines: tuple[str, ...] | list[str] = ("torch", COMPILE, "liger"),
+    timer: Timer | None = None,
+    timer_name: str = "",
+    rounds: int = 3,
+    seed: int = 0,
+    copy_bytes: int | None = None,
+    notes: list[str] | None = None,
+    command: str = "",
+    progress: Callable[[str], None] | None = None,
+) -> Report:
+    """Time ``op`` and ``baselines`` on each of ``shapes``; see the module docstring.
+
+    :param timer: milliseconds of a no-argument callable; default :func:`default_timer`.
+    :param notes: notes so far (from choosing the shapes), kept in the report.
+    :raises ValueError: the op declares no example inputs, an unknown mode or baseline.
+    :raises DlcoreError: no backend for ``device``.
+    """
+    from dlcore.registry import registry
+
+    if op.example is None:
+        raise ValueError(f"op {op.name!r} declares no example inputs; `dlcore bench` cannot build them")
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+    unknown = [b for b in baselines if b not in KNOWN_BASELINES and b not in op.baselines]
+    if unknown:
+        known = ", ".join(dict.fromkeys([*KNOWN_BASELINES, *op.baselines]))
+        raise ValueError(f"unknown baseline {', '.join(map(repr, unknown))}; {op.name} can be compared with {known}")
+    device = torch.device(device)
+    reg = registry()
+    backend = reg.backend_for(device)
+    if timer is None:
+        timer, timer_name = default_timer(device, backend)
+    copy_bytes = copy_bytes or default_copy_bytes(device)
+    loaded, missing = load_baselines(op, list(baselines))
+    requested = [b for b in baselines if b in loaded or (b == COMPILE and "torch" in loaded)]
+    report = Report(op.name, mode, dtype, reg.profile(backend, device).as_dict(), requested, copy_bytes,
+                    timer=timer_name, rounds=rounds, command=command,
+                    date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                    versions=versions())
+    bench = Bench(op, dtype, device, mode, timer, rounds, seed, loaded, COMPILE in requested,
+                  notes=[*(notes or []), *missing])
+    report.copy_gbps.append(copy_bandwidth(device, timer, copy_bytes))
+    with _retainable_compiled_backward():
+        for i, shape in enumerate(shapes, 1):
+            result = bench.run_shape(shape, requested)
+            report.shapes.append(result)
+            if progress is not None:
+                progress(f"[{i}/{len(shapes)}] {shape.label()}: {_progress_line(result, requested)}")
+    report.copy_gbps.append(copy_bandwidth(device, timer, copy_bytes))
+    report.notes = bench.notes
+    return report
+
+
+def _progress_line(result: ShapeResult, baselines: list[str]) -> str:
+    own = result.ms(OWN)
+    if own is None:
+        return "skipped" + (f" ({result.notes[-1]})" if result.notes else "")
+    parts = [f"{OWN} {own:.4g} ms"]
+    for b in baselines:
+        ms = result.ms(b)
+        if ms is not None:
+            parts.append(f"{b} {ms:.4g} ms ({result.speedup(b):.2f}x)")
+    return ", ".join(parts)

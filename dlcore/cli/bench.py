@@ -1,0 +1,102 @@
+"""`dlcore bench`: time an op against its baselines on model shapes; table, JSON and plot."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+
+from dlcore.bench.harness import KNOWN_BASELINES, MODES, OWN
+from dlcore.cli.options import DTYPES, default_device
+
+
+def _names(text: str) -> tuple[str, ...]:
+    """``torch,compile`` -> ``("torch", "compile")``; ``none`` or nothing: no baseline."""
+    return () if text.strip().lower() in ("", "none") else tuple(n.strip() for n in text.split(",") if n.strip())
+
+
+def _counts(text: str) -> tuple[int, ...]:
+    try:
+        counts = tuple(int(n) for n in text.split(",") if n.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad token counts {text!r}: expected integers, e.g. 1,64,4096") from None
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"bad token counts {text!r}: expected positive integers")
+    return counts
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "bench", help="time an op against torch, torch.compile and Liger on model shapes: GB/s, TFLOP/s, speedups",
+        description="Times the op (through get_op) and each baseline on the same inputs, alternating round by "
+                    "round; reports time, GB/s or TFLOP/s, the fraction of the device copy bandwidth measured in "
+                    "the same run, and the speedup over each baseline with its geometric mean.",
+    )
+    p.add_argument("op")
+    p.add_argument("--shapes", default=None,
+                   help="a preset: all (default), llama3-8b, llama3-70b, qwen2.5-7b, deepseek-v3, deepseek-v3-moe "
+                        "(several joined by commas); or named sizes, one set per ';' "
+                        "(tokens=4096,hidden=4096;tokens=1,hidden=4096); or MxN in the order of the op's sizes "
+                        "(4096x4096,1x4096)")
+    p.add_argument("--tokens", type=_counts, default=None,
+                   help="token counts of the presets (default 1,16,64,256,1024,4096,16384)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--mode", choices=MODES, default="fwd",
+                   help="fwd; bwd: the backward alone (inputs requiring grad, a fixed grad_output); fwd+bwd")
+    p.add_argument("--vs", type=_names, default=KNOWN_BASELINES,
+                   help="baselines, joined by commas (default torch,compile,liger; none for none)")
+    p.add_argument("--device", default=None, help="cuda when available, else cpu")
+    p.add_argument("--rounds", type=int, default=3, help="alternating rounds per shape (default 3)")
+    p.add_argument("--warmup", type=float, default=10, help="do_bench warm-up per round, ms (default 10)")
+    p.add_argument("--rep", type=float, default=40, help="do_bench measuring time per round, ms (default 40)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", dest="json_path", metavar="FILE", default=None, help="write everything as JSON")
+    p.add_argument("--plot", metavar="FILE.png", default=None, help="draw each implementation per shape")
+    p.set_defaults(func=run_bench_command)
+
+
+def command_line(args: argparse.Namespace) -> str:
+    """The command that repeats this run, every option spelled out."""
+    parts = ["dlcore", "bench", args.op, "--shapes", args.shapes or "all", "--dtype", args.dtype,
+             "--mode", args.mode, "--vs", ",".join(args.vs) or "none", "--device", args.device,
+             "--rounds", str(args.rounds), "--warmup", f"{args.warmup:g}", "--rep", f"{args.rep:g}",
+             "--seed", str(args.seed)]
+    if args.tokens:
+        parts += ["--tokens", ",".join(map(str, args.tokens))]
+    return shlex.join(parts)
+
+
+def run_bench_command(args: argparse.Namespace) -> int:
+    import torch
+
+    from dlcore.bench.harness import default_timer, run_bench
+    from dlcore.bench.presets import TOKENS, shapes_for
+    from dlcore.errors import DlcoreError
+    from dlcore.registry import registry
+
+    args.device = default_device(args.device)
+    try:
+        op = registry().op(args.op)
+        shapes, notes = shapes_for(op.example_sizes, args.shapes, args.tokens or TOKENS)
+        device = torch.device(args.device)
+        timer, timer_name = default_timer(device, registry().backend_for(device), args.warmup, args.rep)
+        report = run_bench(
+            op, shapes, dtype=DTYPES[args.dtype], device=device, mode=args.mode, baselines=args.vs,
+            timer=timer, timer_name=timer_name, rounds=args.rounds, seed=args.seed, notes=notes,
+            command=command_line(args), progress=lambda line: print(line, file=sys.stderr, flush=True),
+        )
+    except (DlcoreError, ValueError) as exc:
+        print(f"dlcore bench: error: {exc}", file=sys.stderr)
+        return 2
+    print(report.table())
+    if args.json_path:
+        with open(args.json_path, "w") as f:
+            json.dump(report.to_json(), f, indent=2)
+        print(f"wrote {args.json_path}")
+    if args.plot:
+        from dlcore.bench.plot import plot
+
+        plot(report, args.plot)
+        print(f"wrote {args.plot}")
+    return 0 if any(r.ms(OWN) is not None for r in report.shapes) else 1

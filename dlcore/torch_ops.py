@@ -1,0 +1,84 @@
+"""PyTorch integration of Triton implementations: custom ops, autograd and ``torch.compile``.
+
+A kernel module registers its op as a PyTorch custom op (``torch.library.custom_op``, with a fake
+implementation and an autograd formula) whose trailing ``int`` arguments are the launch config
+(all zero: the heuristic default). Three paths reach the kernels:
+
+- inference (no input requires grad, or grad mode off): the launch plan runs directly, with no
+  dispatcher in between; this is what ``get_op``'s bound op and the public functions do then;
+- training: the same call goes through the custom op, with the config ``get_op`` selected passed
+  as those trailing integers, so autograd records it and its backward kernels run later;
+- ``torch.compile`` tracing: the public functions call only the custom op, which dynamo records as
+  one node; its fake implementation validates the inputs, so bad inputs raise while tracing.
+
+:class:`CustomOpTritonImplementation` makes that choice in ``run``; :func:`call` is what a public
+function does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from dlcore.implementation import Config, TritonImplementation, call_directly
+from dlcore.op import Op
+
+
+def needs_autograd(args: Sequence[Any]) -> bool:
+    """True when a call must go through its custom op: while ``torch.compile`` traces, or when grad
+    mode is on and a tensor argument requires grad."""
+    if torch.compiler.is_compiling():
+        return True
+    if not torch.is_grad_enabled():
+        return False
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+
+
+def config_ints(config: Config | None, keys: Sequence[str]) -> list[int]:
+    """``config``'s values for ``keys``, as the custom op's trailing arguments; ``None``: all zero
+    (the custom op then computes its heuristic default from the actual shapes)."""
+    if config is None:
+        return [0] * len(keys)
+    return [int(config[k]) for k in keys]
+
+
+def config_from_ints(keys: Sequence[str], values: Sequence[int], default: Callable[[], Config]) -> Config:
+    """The inverse of :func:`config_ints`: all zero means ``default()``."""
+    if not any(values):
+        return default()
+    return dict(zip(keys, values))
+
+
+class CustomOpTritonImplementation(TritonImplementation):
+    """A Triton implementation whose op is also a PyTorch custom op.
+
+    :param custom_op: ``custom_op(args, config | None)`` computes bound ``args`` through the custom
+        op with ``config`` (``None``: the custom op's own default), so that autograd and
+        ``torch.compile`` see it; the other parameters are :class:`TritonImplementation`'s.
+
+    ``run`` launches the plan directly unless :func:`needs_autograd` says otherwise: the inference
+    path costs no more than a plain Triton implementation's.
+    """
+
+    def __init__(self, op: str, name: str, *, custom_op: Callable[[tuple, Config | None], Any], **kwargs: Any):
+        super().__init__(op, name, **kwargs)
+        self.custom_op = custom_op
+
+    def run(self, args: tuple, config: Config) -> Any:
+        if needs_autograd(args):
+            return self.custom_op(args, config)
+        return self.plan(args, config).run()
+
+
+def call(op: Op, impl: CustomOpTritonImplementation, args: tuple) -> Any:
+    """What a kernel module's public function does with its (positional, complete) ``args``.
+
+    Under ``torch.compile`` tracing: the custom op alone, so dynamo records one node and no graph
+    break (its fake implementation validates). Otherwise: validation, the default config and
+    ``impl.run`` (:func:`dlcore.implementation.call_directly`).
+    """
+    if torch.compiler.is_compiling():
+        return impl.custom_op(args, None)
+    return call_directly(op, impl, args, {})
