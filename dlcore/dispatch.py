@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,8 @@ from dlcore.tuning.strategy import Evaluation, SearchResult
 _memory = MemoryCache()
 _disk: DiskCache | None = None
 _bound: dict[tuple, BoundOp] = {}
+_exact: dict[tuple, BoundOp] = {}
+_environ = os.environ
 
 
 def disk_cache() -> DiskCache:
@@ -40,6 +43,7 @@ def clear_caches() -> None:
     global _disk
     _memory.clear()
     _bound.clear()
+    _exact.clear()
     if _disk is not None:
         _disk.close()
         _disk = None
@@ -78,17 +82,41 @@ def get_op(
     :raises BackendUnavailableError: no usable backend for the inputs' device.
     :raises NoKernelError: every implementation declined or failed.
     """
+    exact = _exact_key(name, args, kwargs, impl, tune, strategy, budget)
+    hit = _exact.get(exact) if exact is not None else None
+    if hit is not None:
+        return hit
     call = prepare(name, args, kwargs, impl)
     policy = resolve(tune, strategy, budget)
     memo_key = (call.signature, call.device, impl, policy)
-    hit = _bound.get(memo_key)
-    if hit is not None:
-        return hit
-    selection = _cached(call, policy)
-    if selection is None:
-        selection = remember(call, _select(call, policy, impl, progress))
-    bound_op = _bound[memo_key] = call.bind(selection)
+    bound_op = _bound.get(memo_key)
+    if bound_op is None:
+        selection = _cached(call, policy)
+        if selection is None:
+            selection = remember(call, _select(call, policy, impl, progress))
+        bound_op = _bound[memo_key] = call.bind(selection)
+    if exact is not None:
+        _exact[exact] = bound_op
     return bound_op
+
+
+def _exact_key(name: str, args: tuple | list, kwargs: dict[str, Any] | None, *options: Any) -> tuple | None:
+    """A key for the in-process hit path, cheap to compute: everything validation and the signature
+    depend on (dtype, shape, strides, device, alignment of each tensor; scalar values), exactly.
+
+    Inputs seen before with the same key were validated then, so the bound op is returned at once.
+    """
+    if kwargs:
+        return None
+    key: list[Any] = [name, options, _environ.get("DLCORE_TUNE"), _environ.get("DLCORE_TUNE_STRATEGY")]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.shape, a.stride(), a.device, a.data_ptr() % 16 == 0))
+        elif isinstance(a, (int, float, bool, str)) or a is None:
+            key.append((type(a), a))
+        else:
+            return None
+    return tuple(key)
 
 
 @dataclass
@@ -132,8 +160,9 @@ def remember(call: Call, selection: Selection) -> Selection:
     _memory.put(call.key, record)
     if selection.how not in ("only candidate", "requested"):
         disk_cache().put(call.key, record)
-    for memo_key in [k for k, v in _bound.items() if v.cache_key == call.key]:
-        del _bound[memo_key]
+    for memo in (_bound, _exact):
+        for memo_key in [k for k, v in memo.items() if v.cache_key == call.key]:
+            del memo[memo_key]
     return selection
 
 

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 
-from dlcore.cli import bench, cache, check, inventory, tune
-
-COMMANDS = (inventory, check, tune, cache, bench)
+#: the subcommand modules of dlcore.cli, in help order; each has ``add_parsers(subparsers)``.
+#: Imported when the parser is built, so that other modules may import dlcore.cli.table freely.
+COMMANDS = ("inventory", "check", "tune", "cache", "bench")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dlcore", description="Select, tune and lower Triton kernels.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in COMMANDS:
-        command.add_parsers(sub)
+    for name in COMMANDS:
+        importlib.import_module(f"dlcore.cli.{name}").add_parsers(sub)
     return parser
 
 

@@ -1,0 +1,120 @@
+"""What dlcore costs per call, apart from the kernel: ``python -m dlcore.bench.overhead``.
+
+- ``warm`` (GPU): a tiny launch through the bound op against ``kernel[grid](...)`` of the same
+  compiled kernel, microseconds of host time per call, median of 10^4 calls.
+- ``hot``: ``get_op`` on an in-process cache hit (the signature is computed, the bound op found).
+- ``cold``: ``get_op`` in a new process on a disk-cache hit, plugin discovery included (torch and
+  triton are imported first: a process that runs kernels has them anyway).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+CALLS = 10_000
+
+
+def per_call_us(fn: Callable[[], object], calls: int = CALLS) -> float:
+    """Median host microseconds of one ``fn()`` call (each call timed on its own)."""
+    for _ in range(100):
+        fn()
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter_ns()
+        fn()
+        times.append(time.perf_counter_ns() - start)
+    return statistics.median(times) / 1e3
+
+
+def warm(device: str = "cuda") -> dict[str, float]:
+    """silu_and_mul on one row of 256: the launch is all there is."""
+    from dlblas_kernels import silu_and_mul as silu_module
+
+    import dlcore
+
+    module = sys.modules["dlblas_kernels.silu_and_mul"]
+    x = torch.randn(1, 512, device=device, dtype=torch.float16)
+    bound = dlcore.get_op("silu_and_mul", (x,))
+    plan = module.TRITON.plan((x,), bound.config)
+    (call,) = plan.calls
+    out = plan.result
+
+    def triton_launch():
+        call.kernel[call.grid](*call.args, **call.kwargs)
+
+    def triton_launch_with_output():
+        o = torch.empty_like(out)
+        call.kernel[call.grid](x, o, *call.args[2:], **call.kwargs)
+
+    results = {
+        "kernel[grid](...) (output preallocated)": per_call_us(triton_launch),
+        "kernel[grid](...) + torch.empty output": per_call_us(triton_launch_with_output),
+        "bound op (get_op result)": per_call_us(lambda: bound(x)),
+        "dlblas_kernels.silu_and_mul (validates each call)": per_call_us(lambda: silu_module(x)),
+    }
+    torch.cuda.synchronize()
+    return results
+
+
+def hot(device: str) -> dict[str, float]:
+    import dlcore
+
+    x = torch.randn(8, 256, device=device)
+    w = torch.randn(256, device=device)
+    dlcore.get_op("rms_norm", (x, w))
+    return {"get_op in-process hit (rms_norm)": per_call_us(lambda: dlcore.get_op("rms_norm", (x, w)), 2000)}
+
+
+COLD = """
+import json, sys, time, torch, triton
+x = torch.randn(8, 256, device=sys.argv[1]); w = torch.randn(256, device=sys.argv[1])
+start = time.perf_counter()
+import dlcore
+op = dlcore.get_op("rms_norm", (x, w))
+elapsed = time.perf_counter() - start
+print(json.dumps({"ms": elapsed * 1e3, "how": op.selection.how}))
+"""
+
+
+def cold(device: str, runs: int = 5) -> dict[str, float]:
+    """A first ``dlcore tune`` fills the disk cache; new processes then hit it."""
+    env = dict(os.environ)
+    subprocess.run([sys.executable, "-m", "dlcore.cli", "tune", "rms_norm", "--shape", "tokens=8,hidden=256",
+                    "--dtype", "float32", "--device", device, "--strategy", "grid", "--budget", "2"],
+                   check=True, capture_output=True, env=env)
+    times, how = [], ""
+    for _ in range(runs):
+        done = subprocess.run([sys.executable, "-c", COLD, device], check=True, capture_output=True, text=True,
+                              env=env)
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        times.append(result["ms"])
+        how = result["how"]
+    return {f"get_op in a new process, disk hit ({how}), ms": statistics.median(times)}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dlcore.bench.overhead")
+    parser.add_argument("what", nargs="+", choices=("warm", "hot", "cold"))
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    results: dict[str, float] = {}
+    for what in args.what:
+        results.update(warm(args.device) if what == "warm" else hot(args.device) if what == "hot"
+                       else cold(args.device))
+    for name, value in results.items():
+        unit = "" if name.endswith("ms") else " us"
+        print(f"{name:60s} {value:10.2f}{unit}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
