@@ -40,3 +40,20 @@ def test_selection_times_candidates_with_do_bench():
     assert 0 < elapsed < 100
     bound = dlcore.get_op("rms_norm", args, impl="reference")
     assert "cuda" in bound.explain()
+
+
+def test_warm_path_respects_every_specialization():
+    """The launcher reuses compiled kernels only for arguments Triton would specialize alike."""
+    from dlcore.launcher import _layouts
+
+    op = registry().op("rms_norm")
+    for rows in (1, 16, 17, 64):
+        for offset in (0, 1, 8):
+            flat = torch.randn(rows * 4096 + offset, device="cuda", dtype=torch.float16)
+            x = flat[offset:].view(rows, 4096)
+            w = torch.randn(4096, device="cuda", dtype=torch.float16)
+            expected = reference_result(op, (x, w, 1e-6))
+            for _ in range(3):
+                out = dlcore.get_op("rms_norm", (x, w))(x, w)
+                assert mismatch(out, expected, 4096) is None, (rows, offset)
+    assert any(layout.compiled for layout in _layouts.values())
