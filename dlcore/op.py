@@ -66,7 +66,8 @@ class Op:
     ``tune`` run on.
     ``cost(args) -> (bytes, flops)``: the fewest bytes the op must move through memory (each input
     read once, each output written once) and its floating-point operations, for bound ``args``;
-    ``bench`` turns times into GB/s and TFLOP/s with it.
+    ``bench`` turns times into GB/s and TFLOP/s with it. ``cost`` may take ``mode="fwd"|"bwd"``;
+    ``bench`` asks for ``bwd`` to rate a backward.
     ``baselines``: name -> factory returning a callable with the op's arguments (e.g. the eager torch
     code a model would run, ``"torch"``; a peer library's kernel, ``"liger"``), or ``None`` when
     that baseline is not installed. Factories import lazily.

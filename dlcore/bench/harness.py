@@ -20,6 +20,7 @@ import contextlib
 import datetime
 import inspect
 import math
+import os
 import platform
 import statistics
 from collections.abc import Callable, Iterator
@@ -124,6 +125,8 @@ class Report:
     command: str = ""
     date: str = ""
     versions: dict[str, str | None] = field(default_factory=dict)
+    #: the variables that change what runs: DLCORE_* (tuning policy, plugins) and TRITON_INTERPRET
+    environment: dict[str, str] = field(default_factory=dict)
 
     @property
     def copy_bandwidth(self) -> float | None:
@@ -150,11 +153,14 @@ class Report:
         for b in self.baselines:
             header += [f"{b} ms", f"vs {b}"]
         rows = [self._row(r) for r in self.shapes]
-        for label, summary in (("geomean", self.geomean), ("min", self.worst)):
-            row = [label, "", "", "", "", ""]
-            for b in self.baselines:
-                row += ["", _ratio(summary(b))]
-            rows.append(row)
+        if self.baselines:
+            for label, summary in (("geomean", self.geomean), ("min", self.worst)):
+                row = ["", label, "", "", "", ""]
+                for b in self.baselines:
+                    row += ["", _ratio(summary(b))]
+                rows.append(row)
+        if not any(r.shape.models for r in self.shapes):
+            header, rows = header[1:], [row[1:] for row in rows]
         dtype = str(self.dtype).removeprefix("torch.")
         copy = self.copy_bandwidth
         lines = [
@@ -194,6 +200,7 @@ class Report:
             "device": self.device,
             "gpu": self.device.get("name") if self.device.get("backend") == "cuda" else None,
             "versions": self.versions,
+            "environment": self.environment,
             "command": self.command,
             "date": self.date,
             "timer": self.timer,
@@ -233,11 +240,15 @@ def _num(x: float | None) -> str:
 
 
 def _ratio(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}x"
+    if x is None:
+        return "-"
+    return f"{x:.2f}x" if x >= 0.1 else f"{x:.2g}x"
 
 
 def _percent(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.0f}%"
+    if x is None:
+        return "-"
+    return f"{100 * x:.0f}%" if x >= 0.01 else f"{100 * x:.2g}%"
 
 
 # -- timing ----------------------------------------------------------------------------------------
@@ -483,17 +494,22 @@ def _forward(args: tuple) -> Callable[[Callable[..., Any]], Callable[[], object]
 
 def _backward_only(args: tuple, inputs: list[torch.Tensor],
                    grads: list[torch.Tensor]) -> Callable[[Callable[..., Any]], Callable[[], object]]:
-    """The forward runs once, outside the timing; each timed call runs the backward of its graph."""
+    """The forward runs once, outside the timing; each timed call runs the backward of its graph.
+
+    Each implementation gets its own copy of ``grads``: some backwards (Liger's) write into them.
+    """
     def prepare(fn: Callable[..., Any]) -> Callable[[], object]:
         outs = _differentiable_outputs(fn(*args), len(grads))
-        return lambda: torch.autograd.grad(outs, inputs, grads, retain_graph=True)
+        own = [g.clone() for g in grads]
+        return lambda: torch.autograd.grad(outs, inputs, own, retain_graph=True)
     return prepare
 
 
 def _forward_backward(args: tuple, inputs: list[torch.Tensor],
                       grads: list[torch.Tensor]) -> Callable[[Callable[..., Any]], Callable[[], object]]:
     def prepare(fn: Callable[..., Any]) -> Callable[[], object]:
-        return lambda: torch.autograd.grad(_differentiable_outputs(fn(*args), len(grads)), inputs, grads)
+        own = [g.clone() for g in grads]
+        return lambda: torch.autograd.grad(_differentiable_outputs(fn(*args), len(grads)), inputs, own)
     return prepare
 
 
@@ -589,7 +605,8 @@ def run_bench(
     report = Report(op.name, mode, dtype, reg.profile(backend, device).as_dict(), requested, copy_bytes,
                     timer=timer_name, rounds=rounds, command=command,
                     date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                    versions=versions())
+                    versions=versions(), environment={k: v for k, v in os.environ.items()
+                                                      if k.startswith("DLCORE_") or k == "TRITON_INTERPRET"})
     bench = Bench(op, dtype, device, mode, timer, rounds, seed, loaded, COMPILE in requested,
                   notes=[*(notes or []), *missing])
     report.copy_gbps.append(copy_bandwidth(device, timer, copy_bytes))
@@ -612,5 +629,5 @@ def _progress_line(result: ShapeResult, baselines: list[str]) -> str:
     for b in baselines:
         ms = result.ms(b)
         if ms is not None:
-            parts.append(f"{b} {ms:.4g} ms ({result.speedup(b):.2f}x)")
+            parts.append(f"{b} {ms:.4g} ms ({_ratio(result.speedup(b))})")
     return ", ".join(parts)

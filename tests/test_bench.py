@@ -1,0 +1,394 @@
+"""`dlcore bench`: shapes and presets, the report's numbers on a fake timer, alternation, skipped
+baselines, JSON and plot output, and one real run of rms_norm through the command line."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from dlcore.bench import harness
+from dlcore.bench.harness import OWN, ShapeResult, bound_of, geomean, run_bench, time_round_robin
+from dlcore.bench.presets import MODELS, TOKENS, Shape, shapes_for
+from dlcore.cli import main
+from dlcore.implementation import ReferenceImplementation
+from dlcore.op import Op, TensorArg
+from dlcore.registry import registry
+
+ROTARY_SIZES = {"batch": 2, "seq": 8, "heads": 4, "kv_heads": 2, "head_dim": 16}
+MLA_SIZES = {"tokens": 4, "heads": 2, "nope_dim": 8, "rope_dim": 4, "v_dim": 8}
+
+
+# -- shapes ----------------------------------------------------------------------------------------
+
+def test_a_model_preset_varies_tokens_and_takes_the_model_dimensions():
+    shapes, notes = shapes_for({"tokens": 37, "hidden": 256}, "llama3-8b")
+    assert [s.sizes for s in shapes] == [{"tokens": t, "hidden": 4096} for t in TOKENS]
+    assert all(s.models == ("llama3-8b",) for s in shapes) and notes == []
+
+
+def test_the_all_preset_merges_models_of_equal_shapes():
+    shapes, _ = shapes_for({"tokens": 37, "hidden": 256}, None)
+    assert len(shapes) == 4 * len(TOKENS)  # DeepSeek-V3's experts share its hidden size
+    assert {s.sizes["hidden"] for s in shapes} == {4096, 8192, 3584, 7168}
+    assert shapes[-1].models == ("deepseek-v3", "deepseek-v3-moe")
+    inter = {s.sizes["inter"] for s in shapes_for({"tokens": 37, "inter": 128}, "all")[0]}
+    assert inter == {14336, 28672, 18944, 18432, 2048}
+
+
+def test_rotary_sizes_get_heads_and_batch_one():
+    shapes, notes = shapes_for(ROTARY_SIZES, "llama3-8b,deepseek-v3-moe", tokens=(1, 4096))
+    assert [s.sizes for s in shapes] == [
+        {"batch": 1, "seq": 1, "heads": 32, "kv_heads": 8, "head_dim": 128},
+        {"batch": 1, "seq": 4096, "heads": 32, "kv_heads": 8, "head_dim": 128},
+    ]
+    assert notes == ["deepseek-v3-moe has no heads, kv_heads, head_dim: left out"]
+
+
+def test_mla_sizes_come_from_deepseek_only():
+    shapes, notes = shapes_for(MLA_SIZES, "all", tokens=(16,))
+    assert [s.sizes for s in shapes] == [{"tokens": 16, "heads": 128, "nope_dim": 128, "rope_dim": 64, "v_dim": 128}]
+    assert sum("left out" in n for n in notes) == len(MODELS) - 1
+
+
+def test_unknown_size_names_keep_their_example_value():
+    shapes, notes = shapes_for({"tokens": 5, "vocab": 100}, "qwen2.5-7b", tokens=(1, 2))
+    assert [s.sizes for s in shapes] == [{"tokens": 1, "vocab": 100}, {"tokens": 2, "vocab": 100}]
+    assert "vocab is not a model dimension" in notes[0]
+
+
+def test_explicit_named_and_positional_sizes():
+    example = {"tokens": 37, "hidden": 256}
+    shapes, _ = shapes_for(example, "tokens=4096,hidden=4096; tokens=1")
+    assert [s.sizes for s in shapes] == [{"tokens": 4096, "hidden": 4096}, {"tokens": 1, "hidden": 256}]
+    shapes, _ = shapes_for(example, "4096x4096,1x4096,8")
+    assert [s.sizes for s in shapes] == [{"tokens": 4096, "hidden": 4096}, {"tokens": 1, "hidden": 4096},
+                                         {"tokens": 8, "hidden": 256}]
+    assert shapes[0].label() == "tokens=4096,hidden=4096" and shapes[0].models == ()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("tokn=3", "has no size 'tokn'; its sizes are tokens, hidden"),
+    ("tokens=x", "expected NAME=INTEGER"),
+    ("1x2x3", "gives 3 sizes; the op has 2"),
+    ("llama-3", "neither a preset"),
+])
+def test_bad_shapes_say_what_is_expected(text, message):
+    with pytest.raises(ValueError, match=message):
+        shapes_for({"tokens": 37, "hidden": 256}, text)
+
+
+# -- the numbers -----------------------------------------------------------------------------------
+
+def test_rates_speedups_and_geomean():
+    result = ShapeResult(Shape({"tokens": 1}), nbytes=2 * 10**9, flops=10**9,
+                         rounds={OWN: [2.0, 1.0, 9.0], "torch": [3.0, 3.0, 3.0]})
+    assert result.ms(OWN) == 2.0  # the median of the rounds
+    assert result.gbps(OWN) == pytest.approx(1000.0) and result.tflops(OWN) == pytest.approx(0.5)
+    assert result.copy_fraction(OWN, 4000.0) == pytest.approx(0.25)
+    assert result.speedup("torch") == pytest.approx(1.5) and result.speedup("liger") is None
+    assert geomean([2.0, 8.0]) == pytest.approx(4.0) and geomean([]) is None
+    assert bound_of(100, 10**5) == "compute" and bound_of(100, 100) == "memory" and bound_of(None, 5) is None
+    compute = ShapeResult(Shape({}), nbytes=10, flops=10**6, rounds={OWN: [1.0]})
+    assert compute.copy_fraction(OWN, 4000.0) is None
+
+
+def test_round_robin_alternates_and_rotates_the_start():
+    order = []
+    work = {name: (lambda name=name: order.append(name)) for name in "abc"}
+    times, failed = time_round_robin(work, lambda fn: fn() or 1.0, rounds=3)
+    assert order == list("abc" "bca" "cab")
+    assert times == {n: [1.0] * 3 for n in "abc"} and failed == {}
+
+
+def test_round_robin_drops_what_raises():
+    def broken():
+        raise RuntimeError("out of memory\nmore")
+
+    times, failed = time_round_robin({"a": lambda: None, "b": broken}, lambda fn: fn() or 1.0, rounds=2)
+    assert times == {"a": [1.0, 1.0]} and failed == {"b": "RuntimeError: out of memory"}
+
+
+# -- a fake op, timed by a fake timer ---------------------------------------------------------------
+
+COPY_BYTES = 2**20
+COPY_GBPS = 2000.0
+#: per shape (tokens) and implementation: the milliseconds the fake timer reports
+FAKE_MS = {1: {OWN: 1.0, "torch": 2.0, "compile": 4.0, "peer": 3.0},
+           2: {OWN: 1.0, "torch": 8.0, "compile": 1.0, "peer": 3.0}}
+
+
+class Log:
+    """What ran, in order: each implementation appends its name and the inputs it got."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, tuple]] = []
+
+    def logged(self, name, fn):
+        def run(*args):
+            self.calls.append((name, args))
+            return fn(*args)
+        return run
+
+    def timer(self, timed: list[str]):
+        def timer(fn):
+            before = len(self.calls)
+            fn()
+            if "copy_bandwidth" in fn.__qualname__:
+                return 2 * COPY_BYTES / COPY_GBPS / 1e6
+            if len(self.calls) == before:  # a backward alone: no forward ran
+                return 1.0
+            name, args = self.calls[before]
+            timed.append(name)
+            return FAKE_MS[args[0].shape[0]][name]
+        return timer
+
+
+def scale(x, s):
+    """The fake op: x * s, differentiable in x only."""
+    return x * s.detach()
+
+
+def fake_op(log: Log, baselines=None, cost=True, differentiable=True) -> Op:
+    def example(sizes, dtype, device, generator):
+        x = torch.randn(sizes["tokens"], sizes["hidden"], generator=generator)
+        return x.to(device=device, dtype=dtype), torch.full((sizes["hidden"],), 2.0, dtype=dtype, device=device)
+
+    def fake_cost(args, mode="fwd"):
+        return (10**9 if mode == "fwd" else 3 * 10**9), 10
+
+    reference = scale if differentiable else (lambda x, s: scale(x, s).detach())
+    if baselines is None:
+        baselines = {"torch": lambda: log.logged("torch", scale), "liger": lambda: None}
+    return Op(
+        name="fake",
+        args=(TensorArg("x", (torch.float32,)), TensorArg("s", (torch.float32,), max_rank=1)),
+        reference=log.logged(OWN, reference),
+        example=example,
+        example_sizes={"tokens": 1, "hidden": 8},
+        cost=fake_cost if cost else None,
+        baselines=baselines,
+    )
+
+
+@pytest.fixture
+def log(monkeypatch):
+    """A fresh log; ``torch.compile`` replaced by a logging wrapper, counted per call."""
+    log = Log()
+    log.compiles = 0
+    resets = []
+
+    def fake_compile(fn, dynamic):
+        log.compiles += 1
+        assert dynamic is False and resets, "compiled without resetting Dynamo"
+        resets.clear()
+        return log.logged("compile", fn)
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+    return log
+
+
+def register(monkeypatch, op: Op) -> Op:
+    reg = registry()
+    monkeypatch.setitem(reg.ops, op.name, op)
+    monkeypatch.setitem(reg.implementations, op.name, [ReferenceImplementation(op)])
+    return op
+
+
+def bench(op, log, timed=None, mode="fwd", baselines=("torch", "compile", "liger"), tokens=(1, 2)):
+    shapes = [Shape({"tokens": t, "hidden": 8}) for t in tokens]
+    return run_bench(op, shapes, dtype=torch.float32, device="cpu", mode=mode, baselines=baselines,
+                     timer=log.timer([] if timed is None else timed), timer_name="fake", rounds=3,
+                     copy_bytes=COPY_BYTES)
+
+
+def test_report_numbers_on_a_fake_timer(monkeypatch, log):
+    op = register(monkeypatch, fake_op(log))
+    report = bench(op, log)
+    assert report.baselines == ["torch", "compile"]  # liger is not installed: no column
+    assert report.copy_bandwidth == pytest.approx(COPY_GBPS) and len(report.copy_gbps) == 2
+    first, second = report.shapes
+    assert first.ms(OWN) == 1.0 and first.gbps(OWN) == pytest.approx(1000.0)
+    assert first.copy_fraction(OWN, report.copy_bandwidth) == pytest.approx(0.5)
+    assert first.speedup("torch") == 2.0 and second.speedup("torch") == 8.0
+    assert report.geomean("torch") == pytest.approx(4.0) and report.worst("torch") == 2.0
+    assert report.geomean("compile") == pytest.approx(2.0) and report.worst("compile") == 1.0
+    assert log.compiles == 2  # compiled once per shape
+    table = report.table()
+    assert "1000 GB/s" in table and "50%" in table and "4.00x" in table
+    assert "note: liger: not installed here; skipped" in table
+
+
+def test_implementations_alternate_on_the_same_inputs(monkeypatch, log):
+    op = register(monkeypatch, fake_op(log))
+    timed = []
+    bench(op, log, timed, tokens=(1,))
+    assert timed == [OWN, "torch", "compile", "torch", "compile", OWN, "compile", OWN, "torch"]
+    inputs = {tuple(id(a) for a in args) for _, args in log.calls}
+    assert len(inputs) == 1, "every implementation gets the very same tensors"
+
+
+def test_missing_and_failing_baselines_are_skipped_with_a_note(monkeypatch, log):
+    def broken():
+        raise ImportError("No module named 'liger_kernel'")
+
+    def wrong_shape(x, s):
+        return x[:1]
+
+    op = register(monkeypatch, fake_op(log, baselines={"liger": broken, "peer": lambda: wrong_shape}))
+    report = bench(op, log, baselines=("torch", "compile", "liger", "peer"), tokens=(1, 2))
+    assert report.baselines == ["peer"]
+    assert report.notes == [
+        "torch: fake declares no 'torch' baseline; skipped",
+        "liger: failed to load (ImportError: No module named 'liger_kernel'); skipped",
+        "compile: needs the op's 'torch' baseline, which is not available; skipped",
+    ]
+    # tokens=1: one row either way; tokens=2: the result has another shape, so it is left out
+    assert report.shapes[1].ms("peer") is None and "peer: its results do not have the shapes" in report.table()
+    assert all(r.ms(OWN) for r in report.shapes) and log.compiles == 0
+
+
+def test_a_compile_failure_is_a_note(monkeypatch, log):
+    def broken(*args):
+        raise RuntimeError("inductor: no C++ compiler")
+
+    monkeypatch.setattr(torch, "compile", lambda fn, dynamic: broken)
+    op = register(monkeypatch, fake_op(log))
+    report = bench(op, log, baselines=("torch", "compile"), tokens=(1,))
+    assert report.shapes[0].ms("compile") is None and report.shapes[0].ms("torch") == 2.0
+    assert "compile: failed (RuntimeError: inductor: no C++ compiler); left out" in report.shapes[0].notes
+
+
+def test_unknown_baseline_is_an_error(monkeypatch, log):
+    op = register(monkeypatch, fake_op(log))
+    with pytest.raises(ValueError, match="unknown baseline 'ligre'; fake can be compared with torch, compile, liger"):
+        bench(op, log, baselines=("ligre",))
+
+
+def test_backward_times_the_backward_alone(monkeypatch, log):
+    op = register(monkeypatch, fake_op(log))
+    seen = []
+    monkeypatch.setitem(op.baselines, "torch", lambda: lambda x, s: seen.append((x.requires_grad, s.requires_grad))
+                        or scale(x, s))
+    report = bench(op, log, mode="bwd", baselines=("torch",), tokens=(1,))
+    calls = [name for name, _ in log.calls]
+    assert calls == [OWN, OWN], "one forward to find the differentiable inputs, one to keep the graph; none timed"
+    assert seen == [(True, False)], "only the inputs the op differentiates require grad"
+    result = report.shapes[0]
+    assert len(result.rounds[OWN]) == 3 and len(result.rounds["torch"]) == 3
+    assert result.nbytes == 3 * 10**9 and result.max_abs_diff == {"torch": 0.0}
+
+
+class InPlaceBackward(torch.autograd.Function):
+    """x * s whose backward writes into its grad_output, as Liger's do."""
+
+    @staticmethod
+    def forward(ctx, x, s):
+        ctx.save_for_backward(s)
+        return x * s
+
+    @staticmethod
+    def backward(ctx, grad):
+        (s,) = ctx.saved_tensors
+        return grad.mul_(s), None
+
+
+def test_a_backward_writing_into_grad_output_does_not_change_the_others(monkeypatch, log):
+    op = register(monkeypatch, fake_op(log, baselines={"peer": lambda: InPlaceBackward.apply,
+                                                       "torch": lambda: scale}))
+    report = bench(op, log, mode="bwd", baselines=("peer", "torch"), tokens=(1,))
+    assert report.shapes[0].max_abs_diff == {"peer": 0.0, "torch": 0.0}
+
+
+def test_forward_and_backward_are_timed_together(monkeypatch, log):
+    op = register(monkeypatch, fake_op(log))
+    report = bench(op, log, mode="fwd+bwd", baselines=(), tokens=(1,))
+    assert [name for name, _ in log.calls].count(OWN) == 2 + 3  # probe, warm-up, then one per round
+    assert report.shapes[0].nbytes == 4 * 10**9
+
+
+def test_an_op_without_backward_skips_the_mode(monkeypatch, log):
+    op = register(monkeypatch, fake_op(log, differentiable=False))
+    report = bench(op, log, mode="bwd", baselines=("torch",), tokens=(1,))
+    assert report.shapes[0].rounds == {}
+    assert "dlcore: fake has no backward (its outputs carry no autograd graph); bwd skipped" in report.table()
+
+
+def test_an_op_without_cost_reports_times_only(monkeypatch, log):
+    op = register(monkeypatch, fake_op(log, cost=False))
+    report = bench(op, log, baselines=("torch",), tokens=(1,))
+    assert report.shapes[0].gbps(OWN) is None and report.shapes[0].speedup("torch") == 2.0
+    assert report.notes == ["fake declares no cost: no GB/s, TFLOP/s or copy fraction"]
+
+
+def test_json_holds_everything(monkeypatch, log, tmp_path):
+    op = register(monkeypatch, fake_op(log))
+    data = bench(op, log).to_json()
+    json.dumps(data)  # serialisable as it is
+    assert data["op"] == "fake" and data["dtype"] == "float32" and data["mode"] == "fwd"
+    assert data["versions"]["torch"] == torch.__version__ and "triton" in data["versions"]
+    assert data["date"] and data["gpu"] is None and data["device"]["backend"] == "cpu"
+    assert data["environment"].get("TRITON_INTERPRET") == "1"
+    assert data["copy_bandwidth_gbps"] == pytest.approx(COPY_GBPS)
+    first = data["shapes"][0]
+    assert first["sizes"] == {"tokens": 1, "hidden": 8} and first["bound"] == "memory"
+    assert first["results"][OWN]["rounds_ms"] == [1.0, 1.0, 1.0]
+    assert first["results"][OWN]["copy_fraction"] == pytest.approx(0.5)
+    assert first["speedup"] == {"torch": 2.0, "compile": 4.0}
+    assert first["chosen"].startswith("reference")
+    assert math.isclose(data["geomean_speedup"]["torch"], 4.0) and data["min_speedup"]["compile"] == 1.0
+
+
+def test_plot_draws_each_implementation(monkeypatch, log, tmp_path):
+    pytest.importorskip("matplotlib")
+    from dlcore.bench.plot import plot
+
+    op = register(monkeypatch, fake_op(log))
+    path = tmp_path / "bench.png"
+    plot(bench(op, log), path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# -- the command line ------------------------------------------------------------------------------
+
+def test_cli_writes_json_with_the_command(monkeypatch, log, tmp_path, capsys):
+    monkeypatch.setattr(harness, "default_copy_bytes", lambda device: COPY_BYTES)
+    register(monkeypatch, fake_op(log))
+    out = tmp_path / "fake.json"
+    assert main(["bench", "fake", "--shapes", "3x8", "--vs", "torch,liger", "--dtype", "fp32",
+                 "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["command"] == ("dlcore bench fake --shapes 3x8 --dtype fp32 --mode fwd --vs torch,liger "
+                               "--device cpu --rounds 3 --warmup 10 --rep 40 --seed 0")
+    assert data["shapes"][0]["sizes"] == {"tokens": 3, "hidden": 8}
+    assert data["shapes"][0]["results"]["torch"]["ms"] > 0
+    captured = capsys.readouterr()
+    assert "[1/1] tokens=3,hidden=8: dlcore" in captured.err and "liger: not installed here" in captured.out
+
+
+def test_cli_errors_are_one_line(capsys):
+    assert main(["bench", "rms_norm", "--shapes", "tokens=1,hiden=4"]) == 2
+    assert "dlcore bench: error: --shapes: the op has no size 'hiden'" in capsys.readouterr().err
+
+
+def test_rms_norm_end_to_end_in_the_interpreter(tmp_path, capsys):
+    op = registry().op("rms_norm")
+    out = tmp_path / "rms_norm.json"
+    assert main(["bench", "rms_norm", "--shapes", "tokens=3,hidden=64", "--vs", "torch", "--dtype", "fp32",
+                 "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    (shape,) = data["shapes"]
+    assert shape["sizes"] == {"tokens": 3, "hidden": 64} and "tokens=3,hidden=64" in table
+    assert shape["chosen"].startswith("triton"), "the Triton kernel ran, in the interpreter"
+    assert shape["results"][OWN]["ms"] > 0 and data["copy_bandwidth_gbps"] > 0
+    if "torch" in op.baselines:
+        assert shape["results"]["torch"]["ms"] > 0 and shape["max_abs_diff_vs_dlcore"]["torch"] < 1e-4
+        assert data["geomean_speedup"]["torch"] > 0
+    else:
+        assert "torch: rms_norm declares no 'torch' baseline; skipped" in table
+    if op.cost is not None:
+        assert shape["bytes"] >= 2 * 3 * 64 * 4 and shape["results"][OWN]["gbps"] > 0
