@@ -50,19 +50,48 @@ def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(KernelCall, "launch", launch)
 
 
+def _tensors(result) -> list[torch.Tensor]:
+    return [t for t in (result if isinstance(result, (tuple, list)) else (result,)) if isinstance(t, torch.Tensor)]
+
+
 @pytest.fixture
-def run():
+def launch():
+    """``launch(plan)``: run a launch plan with its outputs poisoned (NaN) first; return its result.
+    Not for plans that write into their inputs (in-place ops)."""
+
+    def _launch(plan):
+        for t in _tensors(plan.result):
+            poison(t)
+        return plan.run()
+
+    return _launch
+
+
+@pytest.fixture
+def run(launch):
     """``run(op, impl, args, config=None)``: run ``impl``'s plan on bound ``args`` with its outputs
     poisoned (NaN) before the launch; ``config`` defaults to the one the public function uses."""
 
-    def _run(op, impl, args: tuple, config: dict | None = None) -> torch.Tensor:
+    def _run(op, impl, args: tuple, config: dict | None = None):
         if config is None:
             config = impl.default_config(make_signature(op, args, args[0].device), None)
-        plan = impl.plan(args, config)
-        poison(plan.result)
-        return plan.run()
+        return launch(impl.plan(args, config))
 
     return _run
+
+
+@pytest.fixture
+def launches(monkeypatch: pytest.MonkeyPatch) -> list:
+    """The kernel launches of the test so far, as ``(kernel name, kwargs)``; the launches still run."""
+    seen: list = []
+    original = KernelCall.launch
+
+    def launch(self: KernelCall) -> None:
+        seen.append((self.kernel.__name__, dict(self.kwargs)))
+        original(self)
+
+    monkeypatch.setattr(KernelCall, "launch", launch)
+    return seen
 
 
 @pytest.fixture(params=["pad", "column step"])

@@ -3,9 +3,18 @@ from __future__ import annotations
 import dlblas_kernels
 import pytest
 import torch
-from dlblas_kernels.rms_norm import OP, TRITON, rms_norm, rms_norm_reference
+from dlblas_kernels.rms_norm import (
+    OP,
+    TRITON,
+    backward_plan,
+    rms_norm,
+    rms_norm_backward_reference,
+    rms_norm_reference,
+)
+from gradients import check_backward
 
 from dlcore import InvalidInputError
+from dlcore.signature import make_signature
 from dlcore.testing import assert_close, randn, upcast
 
 
@@ -38,7 +47,7 @@ def test_non_contiguous_inputs(dtype, device, gen, run, relayout):
     assert not x_strided.is_contiguous() and w_strided.stride() == (2,)
     args = (x_strided, w_strided, 1e-6)
     assert_close(run(OP, TRITON, args), expected(x, w), dtype)
-    assert_close(run(OP, TRITON, args, {"BLOCK_N": 32, "num_warps": 1}), expected(x, w), dtype)  # looping
+    assert_close(run(OP, TRITON, args, {"BLOCK_M": 2, "BLOCK_N": 32, "num_warps": 1}), expected(x, w), dtype)  # looping
 
 
 def test_eps_is_applied(device, gen, run):
@@ -47,11 +56,11 @@ def test_eps_is_applied(device, gen, run):
     assert_close(run(OP, TRITON, (x, w, 0.01)), expected(x, w, 0.01), torch.float32)
 
 
-@pytest.mark.parametrize("block_n, num_warps", [(16, 1), (32, 2), (64, 1), (128, 4)])
-def test_configs_agree(block_n, num_warps, dtype, device, gen, run):
-    x, w = inputs((3,), 100, dtype, device, gen)
+@pytest.mark.parametrize("block_m, block_n, num_warps", [(1, 16, 1), (2, 32, 2), (1, 64, 1), (4, 128, 4)])
+def test_configs_agree(block_m, block_n, num_warps, dtype, device, gen, run):
+    x, w = inputs((7,), 100, dtype, device, gen)
     args = (x, w, 1e-6)
-    out = run(OP, TRITON, args, {"BLOCK_N": block_n, "num_warps": num_warps})
+    out = run(OP, TRITON, args, {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": num_warps})
     assert_close(out, expected(x, w), dtype)
     assert_close(out, run(OP, TRITON, args).double(), dtype)
 
@@ -72,10 +81,75 @@ def test_zero_rows_launch_nothing(device, no_launch):
 
 def test_plan_on_meta_tensors_reads_no_data():
     x, w = torch.empty(6, 4, 100, device="meta"), torch.empty(100, device="meta", dtype=torch.float16)
-    plan = TRITON.plan((x, w, 1e-6), {"BLOCK_N": 64, "num_warps": 2})
+    plan = TRITON.plan((x, w, 1e-6), {"BLOCK_M": 4, "BLOCK_N": 64, "num_warps": 2})
     assert plan.result.device.type == "meta" and plan.result.shape == x.shape
     (call,) = plan.calls
-    assert call.grid == (24,) and call.kwargs == {"BLOCK_N": 64, "ONE_BLOCK": False, "num_warps": 2}
+    assert call.grid == (6,) and call.kwargs == {"BLOCK_M": 4, "BLOCK_N": 64, "ONE_BLOCK": False, "num_warps": 2}
+    dx, dw = backward_plan((x, x, w, None, 1e-6), {"BLOCK_M": 4, "BLOCK_N": 64, "num_warps": 2}).result
+    assert dx.shape == x.shape and dw.shape == w.shape and dw.dtype == torch.float16
+
+
+def test_default_config_packs_short_rows():
+    sig = make_signature(OP, (torch.empty(8192, 128, device="meta"), torch.empty(128, device="meta"), 1e-6),
+                         torch.device("meta"))
+    assert TRITON.default_config(sig, None) == {"BLOCK_M": 8, "BLOCK_N": 128, "num_warps": 2}
+    sig = make_signature(OP, (torch.empty(3, 5000, device="meta"), torch.empty(5000, device="meta"), 1e-6),
+                         torch.device("meta"))
+    assert TRITON.default_config(sig, None) == {"BLOCK_M": 1, "BLOCK_N": 8192, "num_warps": 16}
+
+
+# -- backward --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lead, k", [((7,), 33), ((3, 5), 100), ((), 65), ((40,), 8)])
+def test_backward_matches_reference(lead, k, dtype, device, gen):
+    x, w = inputs(lead, k, dtype, device, gen)
+    check_backward(rms_norm, rms_norm_reference, (x, w, 1e-6), (0, 1), gen, reduce_dim=max(k, x.numel() // k))
+
+
+@pytest.mark.parametrize("config", [
+    {"BLOCK_M": 4, "BLOCK_N": 128, "num_warps": 2},  # several rows per tile, ragged last tile
+    {"BLOCK_M": 1, "BLOCK_N": 32, "num_warps": 1},  # rows longer than a block
+    {"BLOCK_M": 2, "BLOCK_N": 16, "num_warps": 1},
+], ids=lambda c: "{BLOCK_M}x{BLOCK_N}".format(**c))
+def test_backward_plan_writes_every_output(config, dtype, device, gen, launch):
+    x, w = inputs((3, 9), 100, dtype, device, gen)
+    dy, dres = (randn(*x.shape, dtype=dtype, device=device, generator=gen) for _ in range(2))
+    for extra in (None, dres):
+        dx, dw = launch(backward_plan((dy, x, w, extra, 1e-6), config))
+        ref_dx, ref_dw = rms_norm_backward_reference(*upcast(dy, x, w, extra), 1e-6)
+        assert_close(dx, ref_dx, dtype, reduce_dim=100)
+        assert_close(dw, ref_dw, dtype, reduce_dim=27)
+
+
+def test_backward_non_contiguous_inputs(dtype, device, gen, relayout):
+    x, w = inputs((3, 5), 100, dtype, device, gen)
+    w_strided = torch.stack([w, torch.full_like(w, float("nan"))], dim=1)[:, 0]
+    check_backward(rms_norm, rms_norm_reference, (relayout(x), w_strided, 1e-6), (0, 1), gen, reduce_dim=100)
+
+
+def test_backward_weight_in_another_dtype(device, gen):
+    x, w = inputs((5,), 48, torch.float16, device, gen, w_dtype=torch.float32)
+    dx, dw = check_backward(rms_norm, rms_norm_reference, (x, w, 1e-6), (0, 1), gen, reduce_dim=48)
+    assert dx.dtype == torch.float16 and dw.dtype == torch.float32
+
+
+def test_backward_of_a_broadcast_gradient(device, gen):
+    """``y.sum().backward()`` hands the kernel an expanded gradient (all strides 0)."""
+    x, w = inputs((4, 3), 40, torch.float32, device, gen)
+    x.requires_grad_()
+    rms_norm(x, w).sum().backward()
+    x64 = x.detach().double().requires_grad_()
+    rms_norm_reference(x64, w.double()).sum().backward()
+    assert_close(x.grad, x64.grad, torch.float32, reduce_dim=40)
+
+
+def test_inference_records_no_graph(device, gen):
+    x, w = inputs((3,), 40, torch.float32, device, gen)
+    with torch.no_grad():
+        assert rms_norm(x, w.requires_grad_()).grad_fn is None
+    assert rms_norm(x, w.detach()).grad_fn is None
+    assert rms_norm(x, w.requires_grad_()).grad_fn is not None
 
 
 @pytest.mark.parametrize("case", ["int32 x", "int32 weight", "rank-0 x", "2-D weight", "weight size",

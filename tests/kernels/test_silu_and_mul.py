@@ -3,7 +3,15 @@ from __future__ import annotations
 import dlblas_kernels
 import pytest
 import torch
-from dlblas_kernels.silu_and_mul import OP, TRITON, silu_and_mul, silu_and_mul_reference
+from dlblas_kernels.silu_and_mul import (
+    OP,
+    TRITON,
+    backward_plan,
+    silu_and_mul,
+    silu_and_mul_backward_reference,
+    silu_and_mul_reference,
+)
+from gradients import check_backward
 
 from dlcore import InvalidInputError
 from dlcore.testing import assert_close, randn, upcast
@@ -54,6 +62,27 @@ def test_plan_on_meta_tensors_reads_no_data():
     assert plan.result.dtype == torch.bfloat16
     (call,) = plan.calls
     assert call.grid == (24, 2)
+    dx = backward_plan((plan.result, x), {"BLOCK_N": 64, "num_warps": 2}).result
+    assert dx.shape == x.shape and dx.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("lead, n", [((7,), 33), ((3, 5), 100), ((), 50)])
+def test_backward_matches_reference(lead, n, dtype, device, gen):
+    x = randn(*lead, 2 * n, dtype=dtype, device=device, generator=gen, scale=3.0)
+    check_backward(silu_and_mul, silu_and_mul_reference, (x,), (0,), gen)
+
+
+@pytest.mark.parametrize("block_n, num_warps", [(16, 1), (64, 2)])
+def test_backward_plan_writes_every_output(block_n, num_warps, dtype, device, gen, launch, relayout):
+    x = relayout(randn(3, 5, 2 * 100, dtype=dtype, device=device, generator=gen, scale=3.0))
+    dy = randn(3, 5, 100, dtype=dtype, device=device, generator=gen)
+    dx = launch(backward_plan((dy, x), {"BLOCK_N": block_n, "num_warps": num_warps}))
+    assert_close(dx, silu_and_mul_backward_reference(*upcast(dy, x)), dtype)
+
+
+def test_backward_non_contiguous_input(dtype, device, gen, relayout):
+    x = relayout(randn(3, 5, 2 * 100, dtype=dtype, device=device, generator=gen, scale=3.0))
+    check_backward(silu_and_mul, silu_and_mul_reference, (x,), (0,), gen)
 
 
 @pytest.mark.parametrize("case", ["int32 x", "float64 x", "rank-0 x", "odd last dim", "interleaved rows"])

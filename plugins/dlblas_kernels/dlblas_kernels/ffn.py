@@ -9,6 +9,9 @@ two products of ``x * rms_w`` with its tiles of ``w1`` and ``w3`` and the sum of
 rows during the same K loop, then scales both accumulators by ``rstd`` at the end.
 The ``tl.dot`` inputs keep the input dtype (float16 / bfloat16 tensor cores, exact float32 for
 float32 inputs), accumulating in float32.
+
+Forward only: ``dlblas::ffn`` is a PyTorch custom op (one node under ``torch.compile``) without an
+autograd formula, so a backward through it raises.
 """
 
 from __future__ import annotations
@@ -21,12 +24,14 @@ import triton.language as tl
 
 from dlcore import InvalidInputError, hookimpl
 from dlcore.device import DeviceProfile
-from dlcore.implementation import Config, KernelCall, LaunchPlan, TritonImplementation, call_directly
+from dlcore.implementation import Config, KernelCall, LaunchPlan
 from dlcore.layout import as_rows
 from dlcore.op import Op, ScalarArg, TensorArg
-from dlcore.signature import Signature, next_power_of_2
+from dlcore.signature import Signature, make_signature, next_power_of_2
+from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 
 
 @triton.jit
@@ -163,6 +168,23 @@ def example(sizes: dict[str, int], dtype: torch.dtype, device: torch.device,
     return (*(t.to(device=device, dtype=dtype) for t in (x, w1, w3, rms_w)), 1e-6)
 
 
+def cost(args: tuple) -> tuple[int, int]:
+    """Read x, w1, w3 and rms_w, write the output; two GEMMs of 2*M*N*K flops each."""
+    x, w1, w3, rms_w, _ = args
+    m, k, n = x.numel() // max(x.shape[-1], 1), x.shape[-1], w1.shape[0]
+    moved = (x.numel() * x.element_size() + (w1.numel() + w3.numel()) * w1.element_size()
+             + rms_w.numel() * rms_w.element_size() + m * n * x.element_size())
+    return moved, 4 * m * n * k
+
+
+def torch_ffn(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, rms_w: torch.Tensor,
+              eps: float = 1e-6) -> torch.Tensor:
+    """What a model runs in eager torch: LlamaRMSNorm, then LlamaMLP's ``act_fn(gate_proj(h)) * up_proj(h)``."""
+    h = x.to(torch.float32)
+    h = rms_w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return torch.nn.functional.silu(h @ w1.T) * (h @ w3.T)
+
+
 OP = Op(
     name="ffn",
     args=(
@@ -177,13 +199,42 @@ OP = Op(
     check=check,
     example=example,
     example_sizes={"tokens": 37, "hidden": 256, "inter": 96},
+    cost=cost,
+    baselines={"torch": lambda: torch_ffn},
 )
 
-TRITON = TritonImplementation(
+
+# -- PyTorch custom op -----------------------------------------------------------------------------
+
+
+@torch.library.custom_op("dlblas::ffn", mutates_args=())
+def ffn_op(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, rms_w: torch.Tensor, eps: float,
+           block_m: int, block_n: int, block_k: int, group_m: int, num_warps: int,
+           num_stages: int) -> torch.Tensor:
+    """``ffn`` with the launch config as trailing ints (all zero: the default); forward only."""
+    args = (x, w1, w3, rms_w, eps)
+    config = config_from_ints(CONFIG_KEYS, (block_m, block_n, block_k, group_m, num_warps, num_stages),
+                              lambda: default_config(make_signature(OP, args, x.device), None))
+    return plan(args, config).run()
+
+
+@ffn_op.register_fake
+def _ffn_fake(x, w1, w3, rms_w, eps, block_m, block_n, block_k, group_m, num_warps, num_stages):
+    OP.validate((x, w1, w3, rms_w, eps))
+    return torch.empty(*x.shape[:-1], w1.shape[0], dtype=x.dtype, device=x.device)
+
+
+def custom_op(args: tuple, config: Config | None) -> torch.Tensor:
+    x, w1, w3, rms_w, eps = args
+    return torch.ops.dlblas.ffn(x, w1, w3, rms_w, float(eps), *config_ints(config, CONFIG_KEYS))
+
+
+TRITON = CustomOpTritonImplementation(
     "ffn", "triton",
     plan=plan,
     kernels=(ffn_kernel,),
     default_config=default_config,
+    custom_op=custom_op,
     dtypes=DTYPES,
     doc="one tiled GEMM with two accumulators; the RMSNorm scale applied after the K loop",
 )
@@ -191,8 +242,9 @@ TRITON = TritonImplementation(
 
 def ffn(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, rms_w: torch.Tensor,
         eps: float = 1e-6) -> torch.Tensor:
-    """``silu(xn @ w1.T) * (xn @ w3.T)`` with ``xn = rms_norm(x, rms_w, eps)``: one fused Triton kernel."""
-    return call_directly(OP, TRITON, (x, w1, w3, rms_w, eps), {})
+    """``silu(xn @ w1.T) * (xn @ w3.T)`` with ``xn = rms_norm(x, rms_w, eps)``: one fused Triton kernel;
+    one node under ``torch.compile``, forward only."""
+    return call(OP, TRITON, (x, w1, w3, rms_w, eps))
 
 
 @hookimpl
@@ -201,5 +253,5 @@ def dlcore_ops() -> list[Op]:
 
 
 @hookimpl
-def dlcore_implementations() -> list[TritonImplementation]:
+def dlcore_implementations() -> list[CustomOpTritonImplementation]:
     return [TRITON]

@@ -1,7 +1,13 @@
 """silu_and_mul: the SwiGLU activation, ``silu(x[..., :N]) * x[..., N:]`` for ``x`` of shape ``[..., 2N]``.
 
 The input is viewed as ``[rows, 2N]``; each program handles one row and ``BLOCK_N`` output columns,
-reading the gate half and the up half of that row. Math in float32, output in the input dtype.
+reading the gate half and the up half of that row. The backward has the same layout: it reads the
+gate, the up and the output gradient and writes both halves of ``dx``::
+
+    d gate = dy * up * s * (1 + gate * (1 - s)),   s = sigmoid(gate)
+    d up   = dy * gate * s
+
+Math in float32, outputs in the input dtype.
 """
 
 from __future__ import annotations
@@ -14,15 +20,17 @@ import triton.language as tl
 
 from dlcore import InvalidInputError, hookimpl
 from dlcore.device import DeviceProfile
-from dlcore.implementation import Config, KernelCall, LaunchPlan, TritonImplementation, call_directly
+from dlcore.implementation import Config, KernelCall, LaunchPlan
 from dlcore.layout import as_rows
 from dlcore.op import Op, TensorArg
-from dlcore.signature import Signature, next_power_of_2
+from dlcore.signature import Signature, make_signature, next_power_of_2
+from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Widest column block one program handles; wider rows are split across programs (grid axis 1).
 MAX_BLOCK_N = 1024
+CONFIG_KEYS = ("BLOCK_N", "num_warps")
 
 
 @triton.jit
@@ -47,6 +55,31 @@ def silu_and_mul_kernel(
              out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def silu_and_mul_backward_kernel(
+    dy_ptr, x_ptr, dx_ptr,
+    N,
+    stride_dy_row, stride_dy_col,
+    stride_x_row, stride_x_col,
+    stride_dx_row, stride_dx_col,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < N
+
+    x_row = x_ptr + row * stride_x_row
+    gate = tl.load(x_row + cols * stride_x_col, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(x_row + (cols + N) * stride_x_col, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + row * stride_dy_row + cols * stride_dy_col, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(gate)
+    d_gate = dy * up * s * (1.0 + gate * (1.0 - s))
+    d_up = dy * gate * s
+    dx_row = dx_ptr + row * stride_dx_row
+    tl.store(dx_row + cols * stride_dx_col, d_gate.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dx_row + (cols + N) * stride_dx_col, d_up.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
 def plan(args: tuple, config: Config) -> LaunchPlan:
     (x,) = args
     n = x.shape[-1] // 2
@@ -64,11 +97,39 @@ def plan(args: tuple, config: Config) -> LaunchPlan:
     return LaunchPlan(calls=[call], result=out)
 
 
+def backward_plan(args: tuple, config: Config) -> LaunchPlan:
+    """The launch for ``dx`` from ``args = (dy, x)``."""
+    dy, x = args
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    n = x.shape[-1] // 2
+    if dy.numel() == 0:
+        return LaunchPlan(calls=[], result=dx.zero_())
+    x2, dx2 = as_rows(x), as_rows(dx)
+    # dy comes from autograd in any layout (even expanded); reshape copies only when it must.
+    dy2 = dy.reshape(x2.shape[0], n)
+    block_n = config["BLOCK_N"]
+    call = KernelCall(
+        silu_and_mul_backward_kernel, (x2.shape[0], triton.cdiv(n, block_n)),
+        (dy2, x2, dx2, n, dy2.stride(0), dy2.stride(1), x2.stride(0), x2.stride(1), dx2.stride(0), dx2.stride(1)),
+        {"BLOCK_N": block_n, "num_warps": config["num_warps"]},
+    )
+    return LaunchPlan(calls=[call], result=dx)
+
+
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` computed in float32 (or wider) and returned in ``x``'s dtype."""
     compute = torch.promote_types(x.dtype, torch.float32)
     gate, up = x.to(compute).chunk(2, dim=-1)
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+
+
+def silu_and_mul_backward_reference(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The backward formulas of the module docstring in torch, in float32 (or wider)."""
+    compute = torch.promote_types(x.dtype, torch.float32)
+    gate, up = x.to(compute).chunk(2, dim=-1)
+    dyf = dy.to(compute)
+    s = torch.sigmoid(gate)
+    return torch.cat([dyf * up * s * (1 + gate * (1 - s)), dyf * gate * s], dim=-1).to(x.dtype)
 
 
 def default_config(sig: Signature, profile: DeviceProfile | None) -> Config:
@@ -94,6 +155,36 @@ def example(sizes: dict[str, int], dtype: torch.dtype, device: torch.device,
     return (x.to(device=device, dtype=dtype),)
 
 
+def cost(args: tuple, mode: str = "fwd") -> tuple[int, int]:
+    """Forward: read x ([..., 2N]), write the [..., N] output; about 4 flops per output element.
+    Backward: read dy ([..., N]) and x, write dx; about 8 flops per element of dy."""
+    (x,) = args
+    x_bytes = x.numel() * x.element_size()
+    if mode == "bwd":
+        return x_bytes * 5 // 2, 4 * x.numel()
+    return x_bytes * 3 // 2, 2 * x.numel()
+
+
+def torch_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """What a model runs in eager torch: ``act_fn(gate) * up`` of transformers' LlamaMLP, in x's dtype."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def liger_silu_and_mul():
+    try:
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
+    except ImportError:
+        return None
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        # Liger takes the gate and the up projection as two tensors (and makes each contiguous).
+        gate, up = x.chunk(2, dim=-1)
+        return LigerSiLUMulFunction.apply(gate, up)
+
+    return run
+
+
 OP = Op(
     name="silu_and_mul",
     args=(TensorArg("x", DTYPES, bucket="rows"),),
@@ -102,21 +193,81 @@ OP = Op(
     check=check,
     example=example,
     example_sizes={"tokens": 37, "inter": 128},
+    cost=cost,
+    baselines={"torch": lambda: torch_silu_and_mul, "liger": liger_silu_and_mul},
 )
 
-TRITON = TritonImplementation(
+
+# -- PyTorch custom ops ----------------------------------------------------------------------------
+
+
+def _config(x: torch.Tensor, values: tuple[int, ...]) -> Config:
+    return config_from_ints(CONFIG_KEYS, values, lambda: default_config(make_signature(OP, (x,), x.device), None))
+
+
+@torch.library.custom_op("dlblas::silu_and_mul", mutates_args=())
+def silu_and_mul_op(x: torch.Tensor, block_n: int, num_warps: int) -> torch.Tensor:
+    """``silu_and_mul`` with the launch config as trailing ints (all zero: the default). float64
+    inputs take the torch reference (the path ``torch.autograd.gradcheck`` runs)."""
+    if x.dtype == torch.float64:
+        return silu_and_mul_reference(x)
+    return plan((x,), _config(x, (block_n, num_warps))).run()
+
+
+@silu_and_mul_op.register_fake
+def _silu_and_mul_fake(x, block_n, num_warps):
+    if x.dtype != torch.float64:
+        OP.validate((x,))
+    return torch.empty(*x.shape[:-1], x.shape[-1] // 2, dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("dlblas::silu_and_mul_backward", mutates_args=())
+def silu_and_mul_backward_op(dy: torch.Tensor, x: torch.Tensor, block_n: int, num_warps: int) -> torch.Tensor:
+    """``dx`` of ``silu_and_mul`` for the output gradient ``dy``."""
+    if x.dtype == torch.float64:
+        return silu_and_mul_backward_reference(dy, x)
+    return backward_plan((dy, x), _config(x, (block_n, num_warps))).run()
+
+
+@silu_and_mul_backward_op.register_fake
+def _silu_and_mul_backward_fake(dy, x, block_n, num_warps):
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    x, *config = inputs
+    ctx.save_for_backward(x)
+    ctx.config = config
+
+
+def _backward(ctx: Any, dy: torch.Tensor) -> tuple:
+    (x,) = ctx.saved_tensors
+    return torch.ops.dlblas.silu_and_mul_backward(dy, x, *ctx.config), None, None
+
+
+silu_and_mul_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def custom_op(args: tuple, config: Config | None) -> torch.Tensor:
+    (x,) = args
+    return torch.ops.dlblas.silu_and_mul(x, *config_ints(config, CONFIG_KEYS))
+
+
+TRITON = CustomOpTritonImplementation(
     "silu_and_mul", "triton",
     plan=plan,
-    kernels=(silu_and_mul_kernel,),
+    kernels=(silu_and_mul_kernel, silu_and_mul_backward_kernel),
     default_config=default_config,
+    custom_op=custom_op,
     dtypes=DTYPES,
-    doc="one program per (row, column block); math in float32",
+    doc="one program per (row, column block); math in float32; backward of the same layout",
 )
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(x[..., :N]) * x[..., N:]``: the Triton kernel with its default config."""
-    return call_directly(OP, TRITON, (x,), {})
+    """``silu(x[..., :N]) * x[..., N:]`` with the Triton kernel and its default config; differentiable,
+    and one node under ``torch.compile``."""
+    return call(OP, TRITON, (x,))
 
 
 @hookimpl
@@ -125,5 +276,5 @@ def dlcore_ops() -> list[Op]:
 
 
 @hookimpl
-def dlcore_implementations() -> list[TritonImplementation]:
+def dlcore_implementations() -> list[CustomOpTritonImplementation]:
     return [TRITON]
