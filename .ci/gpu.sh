@@ -1,21 +1,50 @@
 #!/usr/bin/env bash
-# Run on the GPU host (device tool): install the five distributions as real installs next to the
-# wheels carried in .whl/ (stevedore, diskcache, hyperopt), then run the suite natively on CUDA
-# (bfloat16 included) and once more the CPU path (interpreter), writing logs under $OUT.
+# Run on the GPU host (device tool), from the repository root, with .whl/ carried (stevedore,
+# diskcache, hyperopt, liger-kernel). Stages, in the order given:
+#   tests      the suite natively on CUDA (bfloat16 included) and the compile checks
+#   overhead   dlcore's own per-call costs (warm launch, in-process hit, cold disk hit)
+#   landscapes every config of the matmul and ffn spaces timed, JSON for tests/data
+#   bench      dlcore bench of the memory-bound ops against torch, torch.compile and Liger
+#   compiler   grid folding measurements and the `dlcore lower --all --report` table
+# e.g. bash .ci/gpu.sh tests overhead. Results land under $OUT.
 set -o pipefail
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --target /tmp/site \
-    . plugins/dlc_cuda plugins/dlc_ascend plugins/dlc_mlu plugins/dlblas_kernels || exit 1
-export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target /tmp/site \
+    . plugins/dlc_cuda plugins/dlc_ascend plugins/dlc_mlu plugins/dlblas_kernels || exit 1
+export PYTHONPATH=/tmp/site DLCORE_CACHE_DIR=/tmp/dlcore-cache
 {
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
   python3 -c "import sys, torch, triton; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
 } | tee "$OUT/versions.txt"
-python3 -m dlcore.cli plugins | tee "$OUT/plugins.txt"
-python3 -m dlcore.cli check ffn --shape tokens=515,hidden=4096,inter=11008 --dtype bfloat16 --device cuda | tee "$OUT/check_ffn.txt"
-python3 -m pytest -q -p no:cacheprovider -rs tests/kernels tests/test_gpu.py tests/test_compile.py tests/test_backends.py \
-    2>&1 | tee "$OUT/native.log" | tail -15
-TRITON_INTERPRET=1 python3 -m pytest -q -p no:cacheprovider tests --ignore=tests/test_gpu.py 2>&1 | tee "$OUT/interpreter.log" | tail -5
+
+for stage in "$@"; do
+  case $stage in
+    tests)
+      python3 -m pytest -q -p no:cacheprovider -rs tests/kernels tests/test_gpu.py tests/test_compile.py \
+          tests/test_backends.py tests/test_tuning.py 2>&1 | tee "$OUT/tests.log" | tail -12 ;;
+    overhead)
+      python3 -m dlcore.bench.overhead warm hot cold 2>&1 | tee "$OUT/overhead.txt" ;;
+    landscapes)
+      python3 -m dlcore.tuning.landscape record matmul --shape tokens=4096,hidden=4096,inter=4096 \
+          --dtype bfloat16 --workers 14 --out "$OUT/landscape_matmul.json" 2>&1 | tail -2
+      python3 -m dlcore.tuning.landscape record ffn --shape tokens=2048,hidden=4096,inter=14336 \
+          --dtype bfloat16 --workers 14 --out "$OUT/landscape_ffn.json" 2>&1 | tail -2 ;;
+    bench)
+      mkdir -p /tmp/bench
+      python3 - <<'PY' 2>&1 | tee /tmp/bench/bench.log | grep -v '^\['
+from dlcore.cli import main
+runs = [("rms_norm", "fwd"), ("rms_norm", "bwd"), ("add_rms_norm", "fwd"), ("silu_and_mul", "fwd"),
+        ("silu_and_mul", "bwd"), ("apply_rotary_pos_emb", "fwd")]
+for op, mode in runs:
+    stem = f"/tmp/bench/{op}_{mode}"
+    main(["bench", op, "--mode", mode, "--dtype", "bf16", "--shapes", "llama3-8b,llama3-70b,qwen2.5-7b,deepseek-v3",
+          "--tokens", "1,16,64,1024,4096,16384", "--rounds", "2", "--json", stem + ".json", "--plot", stem + ".png"])
+PY
+      tar czf "$OUT/bench.tgz" -C /tmp/bench . ;;
+    compiler)
+      bash .ci/gpu_compiler.sh 2>&1 | tee "$OUT/compiler.log" | tail -40 ;;
+  esac
+done

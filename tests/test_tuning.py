@@ -140,3 +140,25 @@ def test_triton_kernel_tuning_in_the_interpreter():
     op = dlcore.get_op("rms_norm", (x, w), tune="quick", strategy="random", budget=3)
     assert op.selection.evaluations == 3
     torch.testing.assert_close(op(x, w), registry().op("rms_norm").reference(x, w), rtol=1e-4, atol=1e-4)
+
+
+SPACED_OPS = ["silu_and_mul", "rms_norm", "add_rms_norm", "ffn", "matmul", "apply_rotary_pos_emb", "partial_rotary_emb"]
+
+
+@pytest.mark.parametrize("name", SPACED_OPS)
+def test_sampled_configs_of_every_space_compute_the_op(name):
+    """Every declared space is real: configs drawn from it run and match the reference."""
+    import random
+
+    from dlcore.tuning.objective import Objective
+
+    reg = registry()
+    op = reg.op(name)
+    impl = next(i for i in reg.implementations_of(name) if i.name == "triton")
+    space = impl.space()
+    assert space is not None and space.size() >= 20
+    args = op.example(op.example_sizes, torch.float32, torch.device("cpu"), torch.Generator().manual_seed(0))
+    backend = reg.backend_for(torch.device("cpu"))
+    objective = Objective(op, impl, args, backend, torch.device("cpu"), check="all")
+    for config in random.Random(0).sample(list(space.configs()), 3):
+        objective.verify(config)

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dlblas_kernels.rms_norm import heuristic_config, rms_norm_reference, torch_rms_norm
+from dlblas_kernels.rms_norm import heuristic_config, rms_norm_reference, space, torch_rms_norm
 from dlcore import hookimpl
 from dlcore.device import DeviceProfile
 from dlcore.implementation import Config, KernelCall, LaunchPlan
@@ -236,6 +236,7 @@ TRITON = CustomOpTritonImplementation(
     plan=plan,
     kernels=(add_rms_norm_kernel,),
     default_config=default_config,
+    space=space,
     custom_op=custom_op,
     dtypes=DTYPES,
     doc="one pass: residual add, residual_out stored, RMSNorm; backward through rms_norm's kernels",

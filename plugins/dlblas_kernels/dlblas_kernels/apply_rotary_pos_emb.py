@@ -33,6 +33,7 @@ from dlcore.implementation import Config, KernelCall, LaunchPlan
 from dlcore.op import Op, ScalarArg, TensorArg
 from dlcore.signature import Signature, make_signature, next_power_of_2
 from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints
+from dlcore.tuning.space import PowerOfTwo, SearchSpace, num_warps
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ANY_LAYOUT = ("contiguous", "rows", "strided")
@@ -249,6 +250,11 @@ def default_config(sig: Signature, profile: DeviceProfile | None) -> Config:
     return {"BLOCK_H": block_h, "num_warps": min(max(block_h * next_power_of_2(d) // 256, 1), 8)}
 
 
+def space() -> SearchSpace:
+    """Heads per program and warps."""
+    return SearchSpace([PowerOfTwo("BLOCK_H", 1, 64), num_warps(1, 2, 4, 8)])
+
+
 def check(op: Op, args: dict[str, Any]) -> None:
     q, k, cos, sin = args["q"], args["k"], args["cos"], args["sin"]
     d = q.shape[-1]
@@ -433,6 +439,7 @@ TRITON = CustomOpTritonImplementation(
     plan=plan,
     kernels=(rotary_kernel,),
     default_config=default_config,
+    space=space,
     custom_op=custom_op,
     dtypes=DTYPES,
     doc="one program per (token, block of q or k heads); the backward is the same kernel, rotation transposed",

@@ -29,6 +29,7 @@ from dlcore.layout import as_rows
 from dlcore.op import Op, ScalarArg, TensorArg
 from dlcore.signature import Signature, make_signature, next_power_of_2
 from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints
+from dlcore.tuning.space import Choice, Constraint, PowerOfTwo, SearchSpace, num_stages, num_warps
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
@@ -145,6 +146,49 @@ def default_config(sig: Signature, profile: DeviceProfile | None) -> Config:
     return {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
 
 
+# The most shared memory one block may use on an H100 / H200 (228 KiB per SM, 1 KiB of it reserved).
+SHARED_MEMORY_BYTES = 227 * 1024
+# Declared for 16-bit inputs; a float32 config that overflows shared memory fails to compile and the
+# tuner records it as failed.
+SPACE_ELEMENT_BYTES = 2
+
+
+def _shared_memory_fits(c: Config) -> bool:
+    # Per stage: the x tile, the w1 and w3 tiles and the BLOCK_K slice of rms_w.
+    stage_elements = (c["BLOCK_M"] + 2 * c["BLOCK_N"] + 1) * c["BLOCK_K"]
+    return c["num_stages"] * stage_elements * SPACE_ELEMENT_BYTES <= SHARED_MEMORY_BYTES
+
+
+def _accumulators_per_thread(c: Config) -> float:
+    # Two float32 accumulators (gate and up), BLOCK_M x BLOCK_N each.
+    return 2 * c["BLOCK_M"] * c["BLOCK_N"] / (32 * c["num_warps"])
+
+
+def space() -> SearchSpace:
+    """Tile shapes, program order, warps and pipelining depth of the fused GEMM, as fit an H100 / H200."""
+    return SearchSpace(
+        [
+            PowerOfTwo("BLOCK_M", 16, 128),
+            PowerOfTwo("BLOCK_N", 32, 256),
+            PowerOfTwo("BLOCK_K", 32, 128),
+            Choice("GROUP_M", (1, 8)),
+            num_warps(4, 8),
+            num_stages(2, 3, 4),
+        ],
+        [
+            Constraint(
+                f"num_stages * (BLOCK_M + 2 * BLOCK_N + 1) * BLOCK_K * {SPACE_ELEMENT_BYTES} bytes <= "
+                f"{SHARED_MEMORY_BYTES} (the pipelined x, w1, w3 and rms_w tiles fit in shared memory)",
+                _shared_memory_fits,
+            ),
+            Constraint("2 * BLOCK_M * BLOCK_N / (32 * num_warps) <= 128 (both float32 accumulators fit in registers)",
+                       lambda c: _accumulators_per_thread(c) <= 128),
+            Constraint("2 * BLOCK_M * BLOCK_N / (32 * num_warps) >= 16 (every warp has enough of the tile to work on)",
+                       lambda c: _accumulators_per_thread(c) >= 16),
+        ],
+    )
+
+
 def check(op: Op, args: dict[str, Any]) -> None:
     x, w1 = args["x"], args["w1"]
     k = x.shape[-1]
@@ -234,6 +278,7 @@ TRITON = CustomOpTritonImplementation(
     plan=plan,
     kernels=(ffn_kernel,),
     default_config=default_config,
+    space=space,
     custom_op=custom_op,
     dtypes=DTYPES,
     doc="one tiled GEMM with two accumulators; the RMSNorm scale applied after the K loop",

@@ -33,6 +33,7 @@ from dlcore.layout import as_rows
 from dlcore.op import Op, ScalarArg, TensorArg
 from dlcore.signature import Signature, make_signature, next_power_of_2
 from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints
+from dlcore.tuning.space import Constraint, PowerOfTwo, SearchSpace, num_warps
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -294,6 +295,25 @@ def default_config(sig: Signature, profile: DeviceProfile | None) -> Config:
     return heuristic_config(rows, k)
 
 
+def _elements_per_thread(c: Config) -> float:
+    return c["BLOCK_M"] * c["BLOCK_N"] / (32 * c["num_warps"])
+
+
+def space() -> SearchSpace:
+    """Rows per program, row block width and warps. Rows wider than BLOCK_N loop (two passes)."""
+    return SearchSpace(
+        [PowerOfTwo("BLOCK_M", 1, 128), PowerOfTwo("BLOCK_N", 16, 16384), num_warps(1, 2, 4, 8, 16, 32)],
+        [
+            Constraint("BLOCK_M * BLOCK_N / (32 * num_warps) >= 2 (every thread has at least two elements)",
+                       lambda c: _elements_per_thread(c) >= 2),
+            # The backward runs with the same config and keeps about five float32 values per
+            # element (x, dy, xhat, dx, the dweight partial): 32 elements fill 160 registers.
+            Constraint("BLOCK_M * BLOCK_N / (32 * num_warps) <= 32 (the tile fits in registers, backward included)",
+                       lambda c: _elements_per_thread(c) <= 32),
+        ],
+    )
+
+
 def check(op: Op, args: dict[str, Any]) -> None:
     x = args["x"]
     op.expect_shape("weight", args["weight"], (x.shape[-1],), "one scale per feature of x's last dimension")
@@ -417,6 +437,7 @@ TRITON = CustomOpTritonImplementation(
     plan=plan,
     kernels=(rms_norm_kernel, rms_norm_backward_kernel, column_sum_kernel),
     default_config=default_config,
+    space=space,
     custom_op=custom_op,
     dtypes=DTYPES,
     doc="BLOCK_M rows per program, each in registers up to BLOCK_N, two passes beyond; "

@@ -25,6 +25,7 @@ from dlcore.layout import as_rows
 from dlcore.op import Op, TensorArg
 from dlcore.signature import Signature, make_signature, next_power_of_2
 from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints
+from dlcore.tuning.space import Constraint, PowerOfTwo, SearchSpace, num_warps
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -137,6 +138,22 @@ def default_config(sig: Signature, profile: DeviceProfile | None) -> Config:
     block_n = min(max(next_power_of_2(n), 16), MAX_BLOCK_N)
     # About 8 elements per thread once the block is wide; one warp for narrow rows.
     return {"BLOCK_N": block_n, "num_warps": min(max(block_n // 256, 1), 8)}
+
+
+def _elements_per_thread(c: Config) -> float:
+    return c["BLOCK_N"] / (32 * c["num_warps"])
+
+
+def space() -> SearchSpace:
+    """Output columns per program and warps."""
+    return SearchSpace(
+        [PowerOfTwo("BLOCK_N", 32, 16384), num_warps(1, 2, 4, 8, 16, 32)],
+        [
+            Constraint("BLOCK_N / (32 * num_warps) >= 1 (no thread idle)", lambda c: _elements_per_thread(c) >= 1),
+            Constraint("BLOCK_N / (32 * num_warps) <= 64 (the gate, up and output tiles fit in registers)",
+                       lambda c: _elements_per_thread(c) <= 64),
+        ],
+    )
 
 
 def check(op: Op, args: dict[str, Any]) -> None:
@@ -258,6 +275,7 @@ TRITON = CustomOpTritonImplementation(
     plan=plan,
     kernels=(silu_and_mul_kernel, silu_and_mul_backward_kernel),
     default_config=default_config,
+    space=space,
     custom_op=custom_op,
     dtypes=DTYPES,
     doc="one program per (row, column block); math in float32; backward of the same layout",
