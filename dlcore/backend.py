@@ -14,7 +14,9 @@ import torch
 from dlcore.device import DeviceProfile
 
 if TYPE_CHECKING:
-    from dlcore.implementation import Implementation
+    from dlcore.compiler.lowering import Lowering
+    from dlcore.compiler.passes import Pipeline
+    from dlcore.implementation import Implementation, KernelCall
     from dlcore.signature import Signature
 
 
@@ -76,6 +78,23 @@ class Backend:
             self.synchronize(device)
             times.append((time.perf_counter() - start) * 1e3)
         return statistics.median(times)
+
+    def lower(self, call: KernelCall, target: str, passes: Pipeline | None = None) -> Lowering:
+        """What one kernel launch becomes for ``target`` at each IR stage, without the hardware.
+
+        :param call: a launch of a plan (built on ``meta`` tensors is enough): its kernel and
+            arguments give the kernel's signature and constexprs; its grid is not used.
+        :param target: ``BACKEND:ARCH`` for this backend, e.g. ``cuda:90`` or ``npu:Ascend910B``.
+        :param passes: the pipeline whose IR passes run; default: this backend's registered passes
+            (``ast`` and ``launch`` passes are applied to the plan before, see
+            :func:`dlcore.compiler.passes.apply_launch_passes`).
+        :raises LoweringError: the target is not this backend's, or the kernel cannot be compiled.
+        :raises ToolchainMissingError: the pipeline stops where a compiler is not installed; its
+            ``partial`` holds the stages reached.
+        """
+        from dlcore.compiler.lowering import LoweringError
+
+        raise LoweringError(f"the {self.name} backend has no compiler pipeline: it cannot lower for {target}")
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} devices={self.device_types}>"

@@ -19,6 +19,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from dlcore.backend import Backend
+    from dlcore.compiler.passes import Pass
     from dlcore.device import DeviceProfile
     from dlcore.implementation import Implementation
     from dlcore.op import Op
@@ -99,13 +100,37 @@ def dlcore_implementations() -> list[Implementation]:
 
 
 @hookspec
-def dlcore_passes() -> list[object]:
+def dlcore_passes() -> list[Pass]:
     """Provide compiler passes.
 
-    Called once, when the plugins are loaded. Each pass names its stage (``ast``, an IR stage such
-    as ``ttir``, or ``launch``), the backends it applies to and its order.
+    Called once, when the plugins are loaded (dlcore's own ``grid_folding`` and ``ir_dump`` arrive
+    this way too). Each :class:`dlcore.compiler.passes.Pass` declares its ``name`` (unique), its
+    ``stage``, the ``backends`` it applies to (empty: all), whether it is on by default
+    (``default_on``: everywhere, nowhere, or on the listed backends) and its ``order`` within the
+    stage. Users switch passes off with ``DLCORE_DISABLE_PASSES=a,b`` and opt-in passes on with
+    ``DLCORE_ENABLE_PASSES=a,b`` (or ``dlcore lower --pass/--no-pass``).
 
-    :return: pass objects.
+    What ``run`` receives depends on the stage:
+
+    - ``"ast"``: ``run(tree, kernel)`` with the kernel's ``ast.FunctionDef`` (decorators removed)
+      and the ``@triton.jit`` function; returns a rewritten tree, or ``None`` for no change. The
+      rewritten kernel is built once per kernel and keeps its module globals.
+    - ``"launch"``: ``run(call, profile)`` with a :class:`~dlcore.implementation.KernelCall` of a
+      plan and the :class:`~dlcore.device.DeviceProfile` it will run on; returns a new call (kernel,
+      grid, arguments), or ``None`` to leave it. Called before every launch of a plan and before
+      lowering it; it must be cheap when it declines.
+    - an IR stage of the backend's compiler (``ttir``, ``ttgir``, ``llir``, ``ptx``, ``cubin``,
+      ``linalg``, ...) or ``"*"`` for every stage: ``run(module, stage)`` after that stage ran,
+      with its output (an MLIR module, text or bytes) and a
+      :class:`~dlcore.compiler.stages.StageContext` (stage name and position, kernel name, backend,
+      Triton's metadata, a per-compile scratch dict); returns a replacement, or ``None`` when the
+      module was only read or changed in place. A pass that only reads IR must say
+      ``changes_ir=False``; every other IR pass is part of Triton's compile cache key.
+
+    A pass that raises fails the launch or compile it ran on, with the pass named in the error.
+
+    :return: :class:`~dlcore.compiler.passes.Pass` objects; anything else is warned about and
+        left out, as is a second pass with a name already taken.
     """
 
 

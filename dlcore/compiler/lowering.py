@@ -3,17 +3,32 @@
 A :class:`~dlcore.implementation.LaunchPlan` built on ``meta`` tensors names every kernel with its
 real arguments; from those, each kernel's Triton signature and constexprs are derived and
 ``triton.compile`` runs for a ``GPUTarget`` (no device needed), giving every IR stage.
+
+:func:`lower_with_triton` is what a backend's ``lower`` runs: a real compile (Triton's cache is not
+read) with the pipeline's IR passes, every stage's output and time recorded, optionally stopped
+after a stage. :func:`launches` builds the plans ``dlcore lower`` compiles: each op's example
+inputs on ``meta`` tensors, the default config, the ``ast`` and ``launch`` passes applied.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
-from dataclasses import dataclass
-from typing import Any
+import shutil
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
+from dlcore.device import DeviceProfile
+from dlcore.errors import DlcoreError
 from dlcore.implementation import KernelCall
+
+if TYPE_CHECKING:
+    from dlcore.compiler.passes import Pipeline
+    from dlcore.compiler.stages import StageOutput
+    from dlcore.registry import Registry
 
 TRITON_TYPES = {
     torch.float64: "fp64",
@@ -88,3 +103,255 @@ def compile_call(call: KernelCall, target: Any) -> Any:
     sig = kernel_signature(call)
     source = ASTSource(call.kernel, sig.types, constexprs=sig.constexprs)
     return triton.compile(source, target=target, options=sig.options)
+
+
+# --------------------------------------------------------------------------------------------
+# lowering one launch
+# --------------------------------------------------------------------------------------------
+
+
+class LoweringError(DlcoreError):
+    """A kernel could not be lowered for a target; ``partial`` holds the stages it reached, if any."""
+
+    def __init__(self, message: str, partial: Lowering | None = None):
+        super().__init__(message)
+        self.partial = partial
+
+
+class ToolchainMissingError(LoweringError):
+    """Lowering stopped where a compiler the target needs is not installed; the message names it."""
+
+    def __init__(self, message: str, partial: Lowering | None = None, missing: tuple[str, ...] = ()):
+        super().__init__(message, partial)
+        #: the executables not found
+        self.missing = missing
+
+
+@dataclass
+class Resources:
+    """What the binary asks of the hardware (``None``: not known for this target)."""
+
+    registers: int | None = None
+    spill_stores: int | None = None
+    spill_loads: int | None = None
+    shared: int | None = None
+
+
+@dataclass
+class Lowering:
+    """What one kernel launch became for one target, stage by stage."""
+
+    kernel: str
+    target: str
+    #: in order: ``python`` (the kernel's source after ast passes), ``source`` (Triton's first IR),
+    #: then each stage the compile reached
+    stages: list[StageOutput]
+    #: every stage of the target's pipeline, reached or not
+    planned: tuple[str, ...]
+    seconds: float
+    passes: tuple[str, ...] = ()
+    resources: Resources = field(default_factory=Resources)
+    #: Triton's compiled kernel, when the pipeline ran to its end
+    compiled: Any = None
+
+    @property
+    def reached(self) -> list[str]:
+        """The pipeline stages that ran (``python`` and ``source`` excluded)."""
+        return [s.stage for s in self.stages if s.stage in self.planned]
+
+    def stage(self, name: str) -> StageOutput:
+        for s in self.stages:
+            if s.stage == name:
+                return s
+        have = [s.stage for s in self.stages]
+        raise KeyError(f"{self.kernel} for {self.target} has no stage {name!r}; it has {have}")
+
+
+def parse_target(target: str) -> tuple[str, str]:
+    """``"cuda:90"`` -> ``("cuda", "90")``."""
+    backend, sep, arch = target.partition(":")
+    if not sep or not backend or not arch:
+        raise LoweringError(f"target {target!r} is not BACKEND:ARCH (e.g. cuda:80, cuda:90, cuda:100, npu:Ascend910B)")
+    return backend, arch
+
+
+def cuda_capability(target: str) -> int:
+    backend, arch = parse_target(target)
+    digits = arch.removeprefix("sm_").rstrip("a")
+    if backend != "cuda" or not digits.isdigit():
+        raise LoweringError(f"target {target!r} is not a CUDA target; expected cuda:CAPABILITY, e.g. cuda:90")
+    return int(digits)
+
+
+def _require_compilable(call: KernelCall) -> None:
+    if type(call.kernel).__name__ == "InterpretedFunction":
+        raise LoweringError(
+            f"{call.kernel.fn.__name__} was created under TRITON_INTERPRET=1, which replaces Triton's compiler "
+            "with the interpreter; lower kernels in a process without TRITON_INTERPRET (unset it or set it to 0)"
+        )
+
+
+def lower_with_triton(call: KernelCall, gpu_target: Any, target: str, passes: Pipeline,
+                      stop_after: str | None = None) -> Lowering:
+    """Compile ``call`` for ``gpu_target`` (a Triton ``GPUTarget``), recording every stage.
+
+    :param target: the dlcore name of the target, e.g. ``cuda:90``.
+    :param passes: the pipeline whose IR passes run during the compile.
+    :param stop_after: end the compile after this stage (the stages after it are not run).
+    """
+    import triton
+    from triton import knobs
+    from triton.compiler import ASTSource
+
+    from dlcore.compiler import source, stages
+
+    _require_compilable(call)
+    sig = kernel_signature(call)
+    src = ASTSource(call.kernel, sig.types, constexprs=sig.constexprs)
+    python = stages.StageOutput("python", source.source_of(call.kernel), 0.0)
+    compiled = None
+    with knobs.compilation.scope(), stages.capturing(passes, stop_after) as capture:
+        knobs.compilation.always_compile = True  # a cache hit would skip every stage
+        start = time.perf_counter()
+        try:
+            compiled = triton.compile(src, target=gpu_target, options=sig.options)
+        except stages.StopCompile:
+            pass
+        seconds = time.perf_counter() - start
+    ir_passes = tuple(p.name for p in passes.passes if p.is_ir)
+    lowering = Lowering(sig.name, target, [python, *capture.outputs], capture.planned, seconds, ir_passes,
+                        compiled=compiled)
+    if compiled is not None:
+        lowering.resources.shared = getattr(compiled.metadata, "shared", None)
+    return lowering
+
+
+def ttir_then_missing(call: KernelCall, target: str, passes: Pipeline, later: tuple[str, ...],
+                      tools: dict[str, str]) -> NoReturn:
+    """Lower ``call`` to ttir with upstream Triton, then raise :class:`ToolchainMissingError`.
+
+    For backends whose own pipeline is not wired yet: the ttir comes from Triton's
+    target-independent ttir passes (run through its NVIDIA backend, the one upstream ships).
+
+    :param later: the target's stages after ttir, e.g. ``("linalg", "hivm", "bin")``.
+    :param tools: each executable those stages need -> what provides it; looked up on ``PATH``.
+    """
+    from triton.backends.compiler import GPUTarget
+
+    lowering = lower_with_triton(call, GPUTarget("cuda", 80, 32), target, passes, stop_after="ttir")
+    lowering.planned = ("ttir", *later)
+    missing = tuple(tool for tool in tools if shutil.which(tool) is None)
+    if missing:
+        named = ", ".join(f"{tool} (from {tools[tool]})" for tool in missing)
+        why = f"{later[0]} and later stages need {named}, not found on PATH"
+    else:
+        why = f"the tools for {later[0]} and later stages are installed, but dlcore does not drive them yet"
+    raise ToolchainMissingError(f"{lowering.kernel} for {target}: lowered as far as ttir; {why}", lowering, missing)
+
+
+# --------------------------------------------------------------------------------------------
+# the launches `dlcore lower` compiles
+# --------------------------------------------------------------------------------------------
+
+#: nominal devices for targets that need not be present: what launch passes size grids for
+NOMINAL = {
+    ("cuda", "75"): ("NVIDIA T4", 40),
+    ("cuda", "80"): ("NVIDIA A100", 108),
+    ("cuda", "86"): ("NVIDIA A40", 84),
+    ("cuda", "89"): ("NVIDIA L40S", 142),
+    ("cuda", "90"): ("NVIDIA H100 SXM", 132),
+    ("cuda", "100"): ("NVIDIA B200", 148),
+    ("cuda", "120"): ("NVIDIA RTX 5090", 170),
+}
+#: vendor and core count of each backend's targets when the arch is not listed in NOMINAL
+NOMINAL_BACKENDS = {"cuda": ("nvidia", 1), "npu": ("huawei", 24), "mlu": ("cambricon", 8)}
+
+
+def target_profile(target: str) -> DeviceProfile:
+    """A nominal :class:`DeviceProfile` for ``target`` (no device is asked)."""
+    backend, arch = parse_target(target)
+    vendor, cores = NOMINAL_BACKENDS.get(backend, (backend, 1))
+    name, cores = NOMINAL.get((backend, arch.removeprefix("sm_")), (f"{target} (nominal)", cores))
+    arch_name = f"sm_{arch.removeprefix('sm_')}" if backend == "cuda" else arch
+    return DeviceProfile(backend=backend, vendor=vendor, name=name, arch=arch_name, cores=cores)
+
+
+@dataclass
+class Launch:
+    """One kernel launch of one op's plan, ready to lower."""
+
+    op: str
+    impl: str
+    dtype: torch.dtype
+    call: KernelCall
+    #: the kernel the plan launched, before ast and launch passes
+    original: Any
+    #: what the ast / launch passes did, or why they declined
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return f"{self.op}.{self.impl}"
+
+
+def launches(reg: Registry, selector: str | None, dtype: torch.dtype, sizes: dict[str, int],
+             profile: DeviceProfile, passes: Pipeline) -> tuple[list[Launch], list[str]]:
+    """The launches to lower, and a note for each kernel or implementation that has none.
+
+    :param selector: an op name, ``op.impl``, or a kernel's function name; ``None``: every op.
+    """
+    from dlcore.compiler import source
+    from dlcore.compiler.passes import apply_launch_passes
+    from dlcore.signature import make_signature
+
+    found: list[Launch] = []
+    skipped: list[str] = []
+    matched = False
+    meta = torch.device("meta")
+    for name in sorted(reg.ops):
+        op = reg.ops[name]
+        for impl in reg.implementations_of(name):
+            if impl.kind != "triton":
+                continue
+            names = [source.kernel_name(k) for k in impl.kernels]
+            wanted = selector is None or selector in (name, f"{name}.{impl.name}") or selector in names
+            if not wanted:
+                continue
+            matched = True
+            if impl.dtypes is not None and dtype not in impl.dtypes:
+                skipped.append(f"{name}.{impl.name}: no {str(dtype).removeprefix('torch.')} support")
+                continue
+            if op.example is None:
+                skipped.append(f"{name}.{impl.name}: the op declares no example inputs to build a plan from")
+                continue
+            args = op.example({**op.example_sizes, **sizes}, dtype, meta, torch.Generator().manual_seed(0))
+            config = impl.default_config(make_signature(op, args, meta), profile)
+            plan = impl.plan(args, config)
+            lowered = apply_launch_passes(plan, profile, passes)
+            launched = set()
+            for before, after in zip(plan.calls, lowered.calls):
+                kernel = source.kernel_name(before.kernel)
+                launched.add(kernel)
+                if selector in names and selector != kernel:
+                    continue
+                found.append(Launch(name, impl.name, dtype, after, before.kernel, _notes(before, after, passes)))
+            for kernel in names:
+                if kernel not in launched and (selector in (None, name, f"{name}.{impl.name}", kernel)):
+                    skipped.append(f"{name}.{impl.name}/{kernel}: not launched by the plan for these inputs")
+    if selector is not None and not matched:
+        raise LoweringError(f"{selector!r} is no op, op.implementation or Triton kernel name; "
+                            f"ops: {', '.join(sorted(reg.ops)) or 'none'}")
+    return found, skipped
+
+
+def _notes(before: KernelCall, after: KernelCall, passes: Pipeline) -> list[str]:
+    from dlcore.compiler import folding, source
+
+    notes = []
+    if after.kernel is not before.kernel or after.grid != before.grid:
+        notes.append(f"{source.kernel_name(before.kernel)} grid {before.grid} -> "
+                     f"{source.kernel_name(after.kernel)} grid {after.grid}")
+    elif folding.NAME in passes.names:
+        reason = folding.check(before.kernel) or "the grid fits on the device at once"
+        notes.append(f"{folding.NAME} left it as is: {reason}")
+    return notes

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from dlcore import hookimpl
@@ -9,6 +11,11 @@ from dlcore.backend import Availability, Backend
 from dlcore.device import DeviceProfile
 from dlcore.errors import BackendUnavailableError
 from dlcore.vendor import import_runtime
+
+if TYPE_CHECKING:
+    from dlcore.compiler.lowering import Lowering
+    from dlcore.compiler.passes import Pipeline
+    from dlcore.implementation import KernelCall
 
 INSTALL_HINT = "pip install 'dlc-ascend[npu]' with Huawei CANN installed and sourced"
 
@@ -55,6 +62,20 @@ class AscendBackend(Backend):
 
     def synchronize(self, device: torch.device) -> None:
         torch.npu.synchronize(device)
+
+    def lower(self, call: KernelCall, target: str, passes: Pipeline | None = None) -> Lowering:
+        """ttir from upstream Triton; linalg (``triton-adapter-opt``), HIVM (``bishengir-compile``) and the
+        device binary (CANN's ``hivmc``) come with the Ascend pipeline: until then this raises
+        :class:`~dlcore.compiler.lowering.ToolchainMissingError` naming the missing tools, with the
+        ttir in its ``partial``."""
+        from dlcore.compiler.lowering import LoweringError, parse_target, ttir_then_missing
+        from dlcore.compiler.passes import default_pipeline
+
+        if parse_target(target)[0] != self.name:
+            raise LoweringError(f"target {target!r} is not a {self.name} target (e.g. npu:Ascend910B)")
+        passes = passes if passes is not None else default_pipeline(self.name)
+        tools = {"triton-adapter-opt": "triton-ascend", "bishengir-compile": "ascendnpu-ir", "hivmc": "Huawei CANN"}
+        ttir_then_missing(call, target, passes, ("linalg", "hivm", "bin"), tools)
 
 
 @hookimpl

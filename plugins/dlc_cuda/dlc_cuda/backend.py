@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from dlcore import hookimpl
 from dlcore.backend import Availability, Backend
 from dlcore.device import DeviceProfile
+
+if TYPE_CHECKING:
+    from dlcore.compiler.lowering import Lowering
+    from dlcore.compiler.passes import Pipeline
+    from dlcore.implementation import KernelCall
 
 
 class CudaBackend(Backend):
@@ -49,6 +55,29 @@ class CudaBackend(Backend):
 
         with torch.cuda.device(device):
             return float(do_bench(fn, warmup=max(warmup, 5), rep=max(reps * 5, 25), return_mode="median"))
+
+    def lower(self, call: KernelCall, target: str, passes: Pipeline | None = None) -> Lowering:
+        """``triton.compile`` for ``cuda:CAPABILITY`` (``cuda:80``, ``cuda:90``, ``cuda:100``), no GPU
+        needed: ttir, ttgir, llir, ptx and cubin, with registers and spills from ptxas's report."""
+        import contextlib
+        import io
+
+        from triton import knobs
+        from triton.backends.compiler import GPUTarget
+
+        from dlcore.compiler.lowering import cuda_capability, lower_with_triton
+        from dlcore.compiler.passes import default_pipeline
+        from dlcore.compiler.report import ptxas_resources
+
+        gpu_target = GPUTarget("cuda", cuda_capability(target), 32)
+        passes = passes if passes is not None else default_pipeline(self.name)
+        log = io.StringIO()
+        # Triton prints ptxas's -v report to stdout when asked; it is the only place spills appear.
+        with knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+            knobs.nvidia.dump_ptxas_log = True
+            lowering = lower_with_triton(call, gpu_target, target, passes)
+        lowering.resources = ptxas_resources(log.getvalue(), shared=lowering.resources.shared)
+        return lowering
 
 
 @hookimpl

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from dlcore import hookimpl
@@ -9,6 +11,11 @@ from dlcore.backend import Availability, Backend
 from dlcore.device import DeviceProfile
 from dlcore.errors import BackendUnavailableError
 from dlcore.vendor import import_runtime
+
+if TYPE_CHECKING:
+    from dlcore.compiler.lowering import Lowering
+    from dlcore.compiler.passes import Pipeline
+    from dlcore.implementation import KernelCall
 
 INSTALL_HINT = "install Cambricon's torch_mlu from the Neuware SDK"
 
@@ -54,6 +61,20 @@ class MluBackend(Backend):
 
     def synchronize(self, device: torch.device) -> None:
         torch.mlu.synchronize(device)
+
+    def lower(self, call: KernelCall, target: str, passes: Pipeline | None = None) -> Lowering:
+        """ttir from upstream Triton; the later stages need Cambricon's toolchain (``triton-linalg-opt``,
+        Neuware's ``cncc``): until the MLU pipeline is wired this raises
+        :class:`~dlcore.compiler.lowering.ToolchainMissingError` naming the missing tools, with the
+        ttir in its ``partial``."""
+        from dlcore.compiler.lowering import LoweringError, parse_target, ttir_then_missing
+        from dlcore.compiler.passes import default_pipeline
+
+        if parse_target(target)[0] != self.name:
+            raise LoweringError(f"target {target!r} is not a {self.name} target (e.g. mlu:MLU370)")
+        passes = passes if passes is not None else default_pipeline(self.name)
+        tools = {"triton-linalg-opt": "Cambricon triton-linalg", "cncc": "the Cambricon Neuware SDK"}
+        ttir_then_missing(call, target, passes, ("linalg", "bin"), tools)
 
 
 @hookimpl

@@ -1,0 +1,117 @@
+"""`dlcore lower`: every IR stage of an op's kernels for a target, printed or written; `--report`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from dlcore.cli.options import DTYPES, parse_sizes
+
+DEFAULT_TARGET = "cuda:90"
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "lower",
+        help="every IR stage of an op's kernels for a target (no device needed); --report: registers, spills, "
+             "shared memory, stages, compile time",
+    )
+    p.add_argument("name", nargs="?", help="an op, op.implementation, or kernel function name (or --all)")
+    p.add_argument("--all", action="store_true", help="every op's Triton kernels")
+    p.add_argument("--target", action="append", metavar="BACKEND:ARCH",
+                   help=f"cuda:80, cuda:90, cuda:100, npu:Ascend910B, ...; repeatable (default {DEFAULT_TARGET})")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float16", help="dtype of the example inputs")
+    p.add_argument("--shape", type=parse_sizes, default={}, help="named sizes of the example inputs, e.g. tokens=4096")
+    p.add_argument("--stage", action="append", metavar="STAGE", help="print only this stage (repeatable), e.g. ttgir")
+    p.add_argument("--dump", metavar="DIR", type=Path,
+                   help="write the stages to DIR/<kernel>-<target>/<nn>-<stage>.<ext> instead of printing them")
+    p.add_argument("--pass", dest="enable", action="append", default=[], metavar="NAME",
+                   help="turn on an opt-in pass (e.g. grid_folding on cuda)")
+    p.add_argument("--no-pass", dest="disable", action="append", default=[], metavar="NAME",
+                   help="turn a pass off")
+    p.add_argument("--report", action="store_true",
+                   help="one row per kernel and target instead of the IR")
+    p.set_defaults(func=run_lower)
+
+
+def run_lower(args: argparse.Namespace) -> int:
+    from dlcore.cli.table import table
+    from dlcore.compiler import report
+    from dlcore.compiler.lowering import LoweringError, ToolchainMissingError, launches, parse_target, target_profile
+    from dlcore.compiler.passes import pipeline
+    from dlcore.registry import registry
+
+    if not args.name and not args.all:
+        print("dlcore lower: name an op, op.implementation or kernel, or pass --all", file=sys.stderr)
+        return 2
+    reg = registry()
+    dtype = DTYPES[args.dtype]
+    rows, failed, said = [], False, set()
+    for target in args.target or [DEFAULT_TARGET]:
+        backend_name, _ = parse_target(target)
+        backend = reg.backends.get(backend_name)
+        if backend is None:
+            print(f"dlcore lower: no backend {backend_name!r} is installed (loaded: {', '.join(reg.backends)}); "
+                  "install dlc-cuda, dlc-ascend or dlc-mlu", file=sys.stderr)
+            return 2
+        passes = pipeline(backend_name, args.enable, args.disable)
+        todo, skipped = launches(reg, None if args.all else args.name, dtype, args.shape, target_profile(target),
+                                 passes)
+        for note in skipped:
+            if note not in said:
+                said.add(note)
+                print(f"skipped {note}", file=sys.stderr)
+        for launch in todo:
+            notes = list(launch.notes)
+            try:
+                lowering = backend.lower(launch.call, target, passes)
+            except LoweringError as exc:
+                failed = True
+                print(f"dlcore lower: {launch.name}: {exc}", file=sys.stderr)
+                lowering = exc.partial
+                missing = getattr(exc, "missing", ()) if isinstance(exc, ToolchainMissingError) else ()
+                notes.append(f"needs {', '.join(missing)}" if missing else "stopped early (see above)")
+                if lowering is None:
+                    continue
+            if args.dump is not None:
+                _write(lowering, args.dump, args.stage)
+            elif not args.report:
+                _print(lowering, launch, passes.names, args.stage)
+            rows.append(report.row(lowering, launch.name, args.dtype, notes))
+    if args.report:
+        print(table(rows, report.HEADER))
+    return 1 if failed else 0
+
+
+def _selected(lowering, stages: list[str] | None) -> list:
+    return [s for s in lowering.stages if not stages or s.stage in stages]
+
+
+def _print(lowering, launch, pass_names: tuple[str, ...], stages: list[str] | None) -> None:
+    for s in _selected(lowering, stages):
+        dtype = str(launch.dtype).removeprefix("torch.")
+        print(f"// ===== {launch.name}: {lowering.kernel} for {lowering.target} ({dtype}), stage {s.stage}; "
+              f"passes: {', '.join(pass_names) or 'none'} =====")
+        for note in launch.notes:
+            print(f"// {note}")
+        if isinstance(s.ir, bytes):
+            print(f"// {len(s.ir)} bytes of {s.stage}; write it with --dump DIR")
+        else:
+            print(s.ir.rstrip("\n"))
+        print()
+
+
+def file_name(lowering, stage) -> str:
+    """``<nn>-<stage>.<ext>``: nn the stage's place in the target's pipeline, 00 before it."""
+    index = lowering.planned.index(stage.stage) + 1 if stage.stage in lowering.planned else 0
+    return f"{index:02d}-{stage.stage}.{stage.extension}"
+
+
+def _write(lowering, root: Path, stages: list[str] | None) -> None:
+    from dlcore.compiler.dump import write_new
+
+    folder = root / f"{lowering.kernel}-{lowering.target.replace(':', '')}"
+    folder.mkdir(parents=True, exist_ok=True)
+    written = [write_new(folder / file_name(lowering, s), s.ir).name for s in _selected(lowering, stages)]
+    print(f"{folder}: {' '.join(written)}")

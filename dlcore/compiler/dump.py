@@ -1,0 +1,79 @@
+"""The IR dump pass: ``DLC_DUMP_IR=1`` writes every stage of every kernel compiled in the process.
+
+Files go to ``DLC_DUMP_DIR`` (default ``./dlc_ir``), one folder per compile,
+``<kernel>-<hash>/<nn>-<stage>.<ext>``: ``<hash>`` the start of Triton's hash of the compile,
+``<nn>`` the stage's position in the pipeline (``01-ttir.ttir``, ``02-ttgir.ttgir``,
+``03-llir.ll``, ``04-ptx.ptx``, ``05-cubin.cubin`` on CUDA; later ``linalg``, ``hivm`` on Ascend).
+
+The pass only reads IR, so while it is on Triton's cache is not read (see
+:mod:`dlcore.compiler.stages`): every compile runs and is dumped. It deletes and overwrites
+nothing: a file already there with other content stays, and the new one is written beside it as
+``<nn>-<stage>.<k>.<ext>``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from dlcore.compiler.passes import EVERY_IR_STAGE, Pass
+from dlcore.compiler.stages import StageContext, extension, ir_text
+from dlcore.hookspecs import hookimpl
+
+NAME = "ir_dump"
+
+
+def requested() -> bool:
+    """``DLC_DUMP_IR`` is set to something other than empty or ``0``."""
+    return os.environ.get("DLC_DUMP_IR", "").strip() not in ("", "0")
+
+
+def dump_root() -> Path:
+    return Path(os.environ.get("DLC_DUMP_DIR") or "dlc_ir")
+
+
+def write_new(path: Path, data: str | bytes) -> Path:
+    """Write ``data`` at ``path`` or, if another file is there, beside it; return where it went."""
+    payload = data.encode() if isinstance(data, str) else data
+    stem, suffix = path.name.split(".", 1) if "." in path.name else (path.name, "")
+    candidate, k = path, 0
+    while True:
+        try:
+            with open(candidate, "xb") as f:
+                f.write(payload)
+            return candidate
+        except FileExistsError:
+            if candidate.read_bytes() == payload:
+                return candidate
+        k += 1
+        candidate = path.with_name(f"{stem}.{k}.{suffix}" if suffix else f"{stem}.{k}")
+
+
+def folder_for(stage: StageContext) -> Path:
+    """This compile's folder, created on its first stage."""
+    folder = stage.compile.scratch.get(NAME)
+    if folder is None:
+        folder = dump_root() / f"{stage.kernel}-{stage.hash[:16]}"
+        folder.mkdir(parents=True, exist_ok=True)
+        stage.compile.scratch[NAME] = folder
+    return folder
+
+
+def dump_stage(module: Any, stage: StageContext) -> None:
+    ir = ir_text(module)
+    write_new(folder_for(stage) / f"{stage.index:02d}-{stage.stage}.{extension(stage.stage, ir)}", ir)
+
+
+@hookimpl
+def dlcore_passes() -> list[Pass]:
+    return [Pass(
+        name=NAME,
+        stage=EVERY_IR_STAGE,
+        run=dump_stage,
+        default_on=requested(),
+        # last in every stage: the dump shows what the next stage receives
+        order=1_000_000,
+        changes_ir=False,
+        doc="DLC_DUMP_IR=1: every stage of every kernel compiled, under DLC_DUMP_DIR (default ./dlc_ir)",
+    )]

@@ -1,0 +1,43 @@
+"""Compile reports: what each kernel asks of the hardware per target, and how long it compiled.
+
+``dlcore lower --report`` prints one row per kernel and target: registers and spills (from
+``ptxas``'s own report on CUDA), shared memory (Triton's metadata), the stages reached and the
+compile time.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from dlcore.compiler.lowering import Lowering, Resources
+
+HEADER = ("kernel", "op", "target", "dtype", "regs", "spills (st/ld B)", "smem B", "stages", "compile ms", "notes")
+
+_REGISTERS = re.compile(r"Used (\d+) registers")
+_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def ptxas_resources(log: str, shared: int | None = None) -> Resources:
+    """Registers and spills from a ``ptxas -v`` log (Triton prints it with ``TRITON_DUMP_PTXAS_LOG``)."""
+    registers = _REGISTERS.search(log)
+    spills = _SPILLS.search(log)
+    return Resources(
+        registers=int(registers.group(1)) if registers else None,
+        spill_stores=int(spills.group(1)) if spills else None,
+        spill_loads=int(spills.group(2)) if spills else None,
+        shared=shared,
+    )
+
+
+def _known(value: int | None) -> str:
+    return "?" if value is None else str(value)
+
+
+def row(lowering: Lowering, op: str, dtype: str, notes: Sequence[str] = ()) -> tuple[str, ...]:
+    r = lowering.resources
+    spills = "?" if r.spill_stores is None else f"{r.spill_stores}/{r.spill_loads}"
+    reached = lowering.reached
+    stages = f"{len(reached)}/{len(lowering.planned)} ({reached[-1] if reached else 'none'})"
+    return (lowering.kernel, op, lowering.target, dtype, _known(r.registers), spills, _known(r.shared), stages,
+            f"{lowering.seconds * 1e3:.0f}", "; ".join(notes))

@@ -1,0 +1,177 @@
+"""`Backend.lower` and `dlcore lower`: every stage of every kernel for cuda:80 and cuda:90 on this
+CPU-only machine, folded kernels included, the Ascend stub, the report and the dump.
+
+Lowering needs Triton's real compiler: those cases run in fresh processes without
+``TRITON_INTERPRET``; the rest run here.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from isolated import run_json
+
+from dlcore.compiler.lowering import (
+    LoweringError,
+    cuda_capability,
+    launches,
+    lower_with_triton,
+    parse_target,
+    target_profile,
+)
+from dlcore.compiler.passes import Pipeline, pipeline
+from dlcore.registry import registry
+
+LOWER_ALL = """
+import json
+import torch
+from dlcore.compiler.lowering import ToolchainMissingError, launches, target_profile
+from dlcore.compiler.passes import pipeline
+from dlcore.registry import registry
+
+reg = registry()
+found = {}
+for target, enable in (("cuda:80", []), ("cuda:90", []), ("cuda:90", ["grid_folding"])):
+    passes = pipeline("cuda", enable=enable)
+    todo, _ = launches(reg, None, torch.float16, {"tokens": 20000}, target_profile(target), passes)
+    for launch in todo:
+        lowered = reg.backends["cuda"].lower(launch.call, target, passes)
+        found[f"{launch.op}/{lowered.kernel}/{target}"] = {
+            "stages": [s.stage for s in lowered.stages], "planned": list(lowered.planned),
+            "kinds": [type(s.ir).__name__ for s in lowered.stages],
+            "registers": lowered.resources.registers, "spills": lowered.resources.spill_stores,
+            "shared": lowered.resources.shared, "seconds": lowered.seconds, "notes": launch.notes,
+            "grid": list(launch.call.grid),
+        }
+passes = pipeline("npu")
+todo, _ = launches(reg, "rms_norm", torch.float16, {}, target_profile("npu:Ascend910B"), passes)
+try:
+    reg.backends["npu"].lower(todo[0].call, "npu:Ascend910B", passes)
+except ToolchainMissingError as exc:
+    found["npu"] = {"message": str(exc), "stages": [s.stage for s in exc.partial.stages],
+                    "planned": list(exc.partial.planned), "missing": list(exc.missing)}
+print(json.dumps(found))
+"""
+
+PIPELINE = ["python", "source", "ttir", "ttgir", "llir", "ptx", "cubin"]
+
+
+def lower_cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DLCORE_")}
+    env.update(TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    return subprocess.run([sys.executable, "-m", "dlcore.cli", "lower", *args], capture_output=True, text=True,
+                          env=env, cwd=cwd, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def lowered(tmp_path_factory):
+    return run_json(LOWER_ALL, None, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1",
+                    TRITON_CACHE_DIR=str(tmp_path_factory.mktemp("triton-cache")))
+
+
+@pytest.mark.parametrize("op", ["silu_and_mul", "rms_norm", "ffn"])
+@pytest.mark.parametrize("target", ["cuda:80", "cuda:90"])
+def test_every_stage_of_each_kernel(lowered, op, target):
+    keys = [k for k in lowered if k.startswith(f"{op}/") and k.endswith(f"/{target}") and "_folded" not in k]
+    assert keys, sorted(lowered)
+    for key in keys:
+        found = lowered[key]
+        assert found["stages"] == PIPELINE, key
+        assert found["planned"] == PIPELINE[2:]
+        assert found["kinds"] == ["str"] * 6 + ["bytes"]
+        assert 0 < found["registers"] <= 255 and found["spills"] is not None and found["shared"] is not None
+        assert found["seconds"] > 0
+
+
+@pytest.mark.parametrize("op,kernel", [("silu_and_mul", "silu_and_mul_kernel"), ("rms_norm", "rms_norm_kernel")])
+def test_folded_kernels_lower_to_cubin(lowered, op, kernel):
+    found = lowered[f"{op}/{kernel}_folded/cuda:90"]
+    assert found["stages"] == PIPELINE
+    assert len(found["grid"]) == 1 and found["grid"][0] <= 132 * 32
+    assert any(f"-> {kernel}_folded grid" in note for note in found["notes"])
+
+
+def test_ascend_stops_after_ttir_naming_the_missing_tools(lowered):
+    npu = lowered["npu"]
+    assert npu["stages"] == ["python", "source", "ttir"]
+    assert npu["planned"] == ["ttir", "linalg", "hivm", "bin"]
+    assert "lowered as far as ttir" in npu["message"] and "triton-adapter-opt (from triton-ascend)" in npu["message"]
+    assert set(npu["missing"]) <= {"triton-adapter-opt", "bishengir-compile", "hivmc"}
+
+
+def test_cli_report_for_every_kernel():
+    done = lower_cli("--all", "--report", "--target", "cuda:80", "--target", "cuda:90")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0].split()[:5] == ["kernel", "op", "target", "dtype", "regs"]
+    for op in ("silu_and_mul", "rms_norm", "ffn"):
+        for target in ("cuda:80", "cuda:90"):
+            rows = [line for line in lines if f" {op}.triton " in line and f" {target} " in line]
+            assert rows and all("5/5 (cubin)" in row for row in rows), (op, target, done.stdout)
+
+
+def test_cli_prints_one_stage_and_dumps_files(tmp_path):
+    done = lower_cli("rms_norm", "--target", "cuda:90", "--stage", "ttgir", "--pass", "grid_folding",
+                     "--shape", "tokens=20000")
+    assert done.returncode == 0, done.stderr
+    assert "rms_norm_kernel_folded for cuda:90 (float16), stage ttgir; passes: grid_folding" in done.stdout
+    assert "tt.func public @rms_norm_kernel_folded" in done.stdout and "ttg.num-warps" in done.stdout
+    assert "stage ttir" not in done.stdout
+
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "mine.txt").write_text("kept")
+    done = lower_cli("silu_and_mul_kernel", "--target", "cuda:80", "--dump", str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    folder = tmp_path / "out" / "silu_and_mul_kernel-cuda80"
+    assert sorted(p.name for p in folder.iterdir()) == ["00-python.py", "00-source.mlir", "01-ttir.ttir",
+                                                        "02-ttgir.ttgir", "03-llir.ll", "04-ptx.ptx", "05-cubin.cubin"]
+    assert (tmp_path / "out" / "mine.txt").read_text() == "kept"
+
+
+def test_cli_lowers_as_far_as_it_can_and_says_why():
+    done = lower_cli("silu_and_mul", "--target", "npu:Ascend910B", "--stage", "ttir")
+    assert done.returncode == 1
+    assert "tt.func public @silu_and_mul_kernel_folded" in done.stdout  # folded by default on npu
+    assert "lowered as far as ttir" in done.stderr and "bishengir-compile" in done.stderr
+
+
+def test_cli_refuses_unknown_names():
+    done = lower_cli("no_such_op", "--target", "cuda:90")
+    assert done.returncode != 0 and "'no_such_op' is no op, op.implementation or Triton kernel name" in done.stderr
+    done = lower_cli("rms_norm", "--no-pass", "nope")
+    assert done.returncode != 0 and "no pass named nope" in done.stderr
+
+
+# -- here, in the interpreter's process -----------------------------------------------------------------
+
+
+def test_targets_parse():
+    assert parse_target("cuda:90") == ("cuda", "90")
+    assert cuda_capability("cuda:sm_90a") == 90
+    with pytest.raises(LoweringError, match="is not BACKEND:ARCH"):
+        parse_target("cuda")
+    with pytest.raises(LoweringError, match="is not a CUDA target"):
+        cuda_capability("npu:Ascend910B")
+    assert target_profile("cuda:90").cores == 132 and target_profile("cuda:90").arch == "sm_90"
+    assert target_profile("npu:Ascend910B").backend == "npu"
+
+
+def test_interpreted_kernels_are_not_lowered_here():
+    todo, _ = launches(registry(), "rms_norm", torch.float32, {}, target_profile("cuda:90"), Pipeline("cuda"))
+    with pytest.raises(LoweringError, match="created under TRITON_INTERPRET=1"):
+        lower_with_triton(todo[0].call, None, "cuda:90", Pipeline("cuda"))
+
+
+def test_kernels_outside_the_plan_are_named():
+    _, skipped = launches(registry(), "rms_norm", torch.float32, {}, target_profile("cuda:90"), pipeline("cuda"))
+    assert any("rms_norm_backward_kernel: not launched by the plan" in s for s in skipped)
+
+
+def test_backends_without_a_pipeline_refuse_to_lower():
+    todo, _ = launches(registry(), "rms_norm", torch.float32, {}, target_profile("cuda:90"), Pipeline("cuda"))
+    with pytest.raises(LoweringError, match="the cpu backend has no compiler pipeline"):
+        registry().backends["cpu"].lower(todo[0].call, "cpu:x86_64")
