@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dlcore.device import DeviceProfile
-from dlcore.implementation import Implementation
+from dlcore.implementation import Implementation, PlanTransform
 from dlcore.op import Op
 from dlcore.selection import Selection
 from dlcore.signature import Signature
@@ -19,10 +19,10 @@ class BoundOp:
     again for inputs of another shape, dtype, layout or device.
     """
 
-    __slots__ = ("op", "impl", "config", "selection", "signature", "profile", "cache_key")
+    __slots__ = ("op", "impl", "config", "selection", "signature", "profile", "cache_key", "_run", "_nargs")
 
     def __init__(self, op: Op, impl: Implementation, selection: Selection, signature: Signature,
-                 profile: DeviceProfile, cache_key: str):
+                 profile: DeviceProfile, cache_key: str, transform: PlanTransform | None = None):
         self.op = op
         self.impl = impl
         self.config = selection.config
@@ -30,9 +30,13 @@ class BoundOp:
         self.signature = signature
         self.profile = profile
         self.cache_key = cache_key
+        self._run = impl.runner(self.config, transform)
+        self._nargs = len(op.args)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.impl.run(self.op.bind(args, kwargs or None), self.config)
+        if not kwargs and len(args) == self._nargs:
+            return self._run(args)
+        return self._run(self.op.bind(args, kwargs or None))
 
     def explain(self) -> str:
         s = self.selection

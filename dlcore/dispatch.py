@@ -14,7 +14,7 @@ from dlcore.bound import BoundOp
 from dlcore.cache import DiskCache, MemoryCache, cache_key, key_parts, make_record
 from dlcore.device import DeviceProfile
 from dlcore.errors import NoKernelError, UnknownImplementationError
-from dlcore.implementation import Implementation
+from dlcore.implementation import Implementation, PlanTransform
 from dlcore.op import Op
 from dlcore.registry import Registry, registry
 from dlcore.registry import reset as reset_registry
@@ -134,9 +134,11 @@ class Call:
     parts: dict[str, str]
     key: str
 
+    transform: PlanTransform | None = None
+
     def bind(self, selection: Selection) -> BoundOp:
         chosen = next(c for c in self.candidates if c.name == selection.impl)
-        return BoundOp(self.op, chosen, selection, self.signature, self.profile, self.key)
+        return BoundOp(self.op, chosen, selection, self.signature, self.profile, self.key, self.transform)
 
 
 def prepare(name: str, args: tuple | list, kwargs: dict[str, Any] | None = None, impl: str | None = None) -> Call:
@@ -151,7 +153,22 @@ def prepare(name: str, args: tuple | list, kwargs: dict[str, Any] | None = None,
     candidates, declined = find_candidates(reg, op, signature, backend, profile, impl)
     parts = key_parts(signature, profile, backend.version, candidates)
     return Call(op, bound, device, backend, profile, signature, candidates, declined, parts,
-                cache_key(parts, op.name))
+                cache_key(parts, op.name), plan_transform(profile))
+
+
+def plan_transform(profile: DeviceProfile) -> PlanTransform | None:
+    """The ``ast`` and ``launch`` compiler passes for ``profile``'s backend, as a plan rewrite
+    (None when no pass rewrites plans there)."""
+    from dlcore.compiler.passes import apply_launch_passes, default_pipeline
+
+    passes = default_pipeline(profile.backend)
+    if passes.has_ir_passes:
+        from dlcore.compiler import stages
+
+        stages.ensure_installed()
+    if not passes.rewrites_plans:
+        return None
+    return lambda plan: apply_launch_passes(plan, profile, passes)
 
 
 def remember(call: Call, selection: Selection) -> Selection:
@@ -176,7 +193,7 @@ def tune_op(name: str, args: tuple | list, *, strategy: str, budget: int | None 
     reg = registry()
     selection, results = search(call.op, call.candidates, call.bound, call.signature, call.backend, call.profile,
                                 call.device, policy, reg.strategy(policy.strategy), reg.refine_space,
-                                call.declined, progress)
+                                call.declined, progress, call.transform)
     known = _memory.get(call.key) or disk_cache().get(call.key)
     if known is not None and known.time_ms is not None and known.time_ms < selection.time_ms \
             and satisfies(known.how, policy):
@@ -202,14 +219,14 @@ def _select(call: Call, policy: TunePolicy, requested: str | None,
         reg = registry()
         selection, _ = tune(call.op, call.candidates, call.bound, call.signature, call.backend, call.profile,
                             call.device, policy, reg.strategy(policy.strategy), reg.refine_space, call.declined,
-                            progress)
+                            progress, call.transform)
         return selection
     if requested is not None:
         return without_measuring(call.candidates[0], call.signature, call.profile, "requested", call.declined)
     if len(call.candidates) == 1:
         return without_measuring(call.candidates[0], call.signature, call.profile, "only candidate", call.declined)
     return by_measurement(call.candidates, call.bound, call.signature, call.backend, call.profile, call.device,
-                          call.declined)
+                          call.declined, call.transform)
 
 
 def find_candidates(

@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from dlcore.tuning.space import SearchSpace
 
 Config = dict[str, Any]
+#: rewrites a launch plan before it runs (the ``ast`` and ``launch`` compiler passes)
+PlanTransform = Callable[["LaunchPlan"], "LaunchPlan"]
 
 
 @dataclass
@@ -89,6 +91,10 @@ class Implementation:
     def run(self, args: tuple, config: Config) -> Any:
         """Compute the op on bound ``args`` with ``config``."""
         raise NotImplementedError
+
+    def runner(self, config: Config, transform: PlanTransform | None = None) -> Callable[[tuple], Any]:
+        """``run`` with ``config`` bound; ``transform`` rewrites launch plans (compiler passes)."""
+        return lambda args: self.run(args, config)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.qualname}>"
@@ -193,6 +199,11 @@ class TritonImplementation(Implementation):
 
     def run(self, args: tuple, config: Config) -> Any:
         return self.plan(args, config).run()
+
+    def runner(self, config: Config, transform: PlanTransform | None = None) -> Callable[[tuple], Any]:
+        if transform is None:
+            return lambda args: self.plan(args, config).run()
+        return lambda args: transform(self.plan(args, config)).run()
 
 
 def call_directly(op: Op, impl: Implementation, args: tuple, kwargs: dict[str, Any]) -> Any:

@@ -12,7 +12,7 @@ import torch
 from dlcore.backend import Backend
 from dlcore.device import DeviceProfile
 from dlcore.errors import NoKernelError
-from dlcore.implementation import Implementation
+from dlcore.implementation import Implementation, PlanTransform
 from dlcore.signature import Signature
 
 
@@ -67,6 +67,7 @@ def by_measurement(
     profile: DeviceProfile,
     device: torch.device,
     declined: dict[str, str],
+    transform: PlanTransform | None = None,
 ) -> Selection:
     """Time each candidate with its default config on cloned inputs; the fastest wins.
 
@@ -79,7 +80,8 @@ def by_measurement(
         config = configs[impl.name] = impl.default_config(signature, profile)
         inputs = clone_args(bound)
         try:
-            elapsed = backend.timer(lambda i=impl, a=inputs, c=config: i.run(a, c), device)
+            run = impl.runner(config, transform)
+            elapsed = backend.timer(lambda r=run, a=inputs: r(a), device)
         except Exception as exc:  # noqa: BLE001 - any failure disqualifies only this candidate
             failed[impl.name] = f"{type(exc).__name__}: {exc}".splitlines()[0]
             continue

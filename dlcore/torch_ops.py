@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from dlcore.implementation import Config, TritonImplementation, call_directly
+from dlcore.implementation import Config, PlanTransform, TritonImplementation, call_directly
 from dlcore.op import Op
 
 
@@ -70,6 +70,17 @@ class CustomOpTritonImplementation(TritonImplementation):
         if needs_autograd(args):
             return self.custom_op(args, config)
         return self.plan(args, config).run()
+
+    def runner(self, config: Config, transform: PlanTransform | None = None) -> Callable[[tuple], Any]:
+        if transform is None:
+            return lambda args: self.run(args, config)
+
+        def run(args: tuple) -> Any:
+            if needs_autograd(args):
+                return self.custom_op(args, config)
+            return transform(self.plan(args, config)).run()
+
+        return run
 
 
 def call(op: Op, impl: CustomOpTritonImplementation, args: tuple) -> Any:

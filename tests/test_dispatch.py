@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import dlcore
+import dlcore.dispatch
 import dlcore.registry
 from dlcore.errors import BackendUnavailableError, NoKernelError, UnknownImplementationError, UnknownOpError
 from dlcore.implementation import KernelCall, TorchImplementation
@@ -189,3 +190,20 @@ def test_bound_op_launches_through_the_plan(monkeypatch, gen):
     x, w = inputs(gen, (4, 32), (32,))
     dlcore.get_op("rms_norm", (x, w))(x, w)
     assert len(launched) == 1
+
+
+def test_launch_passes_apply_to_bound_ops(monkeypatch, gen):
+    """With grid folding enabled, the bound op launches the folded kernel on P programs, same results."""
+    x = torch.randn(64, 96, generator=gen)
+    plain = dlcore.get_op("silu_and_mul", (x,))(x)
+    dlcore.dispatch.reset()
+    monkeypatch.setenv("DLCORE_ENABLE_PASSES", "grid_folding")
+    launched = []
+    original = KernelCall.launch
+    monkeypatch.setattr(KernelCall, "launch", lambda self: launched.append(self) or original(self))
+    folded = dlcore.get_op("silu_and_mul", (x,))(x)
+    assert torch.equal(plain, folded)
+    (call,) = launched
+    cores = dlcore.registry.registry().profile(dlcore.registry.registry().backend_for(x.device), x.device).cores
+    assert call.grid[0] <= cores, call.grid
+    assert call.kernel.__name__.endswith("folded"), call.kernel.__name__

@@ -12,7 +12,7 @@ import torch
 
 from dlcore.backend import Backend
 from dlcore.errors import DlcoreError
-from dlcore.implementation import Config, Implementation
+from dlcore.implementation import Config, Implementation, PlanTransform
 from dlcore.op import Op
 from dlcore.selection import clone_args
 from dlcore.verify import mismatch, reduce_dim_of, reference_result
@@ -26,7 +26,7 @@ class Objective:
     """``objective(config) -> milliseconds`` for one implementation on one set of inputs."""
 
     def __init__(self, op: Op, impl: Implementation, bound: tuple, backend: Backend, device: torch.device,
-                 check: str = "first"):
+                 check: str = "first", transform: PlanTransform | None = None):
         if check not in ("first", "all", "none"):
             raise ValueError(f"check={check!r}; use 'first', 'all' or 'none'")
         self.op = op
@@ -34,6 +34,7 @@ class Objective:
         self.backend = backend
         self.device = device
         self.check = check
+        self.transform = transform
         self._inputs = clone_args(bound)
         self._pristine = clone_args(bound)
         self._expected: tuple | None = None
@@ -43,7 +44,7 @@ class Objective:
         """Raise :class:`WrongResultError` unless ``config`` reproduces the reference."""
         if self._expected is None:
             self._expected = reference_result(self.op, self._pristine)
-        actual = self.impl.run(clone_args(self._pristine), config)
+        actual = self.impl.runner(config, self.transform)(clone_args(self._pristine))
         problem = mismatch(actual, self._expected, reduce_dim_of(self._pristine))
         if problem is not None:
             raise WrongResultError(f"wrong result: {problem}")
@@ -52,5 +53,5 @@ class Objective:
         if self.check == "all" or (self.check == "first" and self._evaluations == 0):
             self.verify(config)
         self._evaluations += 1
-        inputs = self._inputs
-        return self.backend.timer(lambda: self.impl.run(inputs, config), self.device)
+        inputs, run = self._inputs, self.impl.runner(config, self.transform)
+        return self.backend.timer(lambda: run(inputs), self.device)

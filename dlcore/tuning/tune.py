@@ -10,7 +10,7 @@ import torch
 from dlcore.backend import Backend
 from dlcore.device import DeviceProfile
 from dlcore.errors import NoKernelError
-from dlcore.implementation import Implementation
+from dlcore.implementation import Implementation, PlanTransform
 from dlcore.op import Op
 from dlcore.selection import Selection, now
 from dlcore.signature import Signature
@@ -33,6 +33,7 @@ def tune(
     refine: Callable[[SearchSpace, Signature, DeviceProfile], SearchSpace],
     declined: dict[str, str],
     progress: Callable[[Evaluation], None] | None = None,
+    transform: PlanTransform | None = None,
 ) -> tuple[Selection, dict[str, SearchResult]]:
     """Search every candidate's space with ``strategy``; the fastest verified config wins."""
     results: dict[str, SearchResult] = {}
@@ -40,7 +41,7 @@ def tune(
     failed: dict[str, str] = {}
     evaluations = 0
     for impl in candidates:
-        objective = Objective(op, impl, bound, backend, device, check=policy.check)
+        objective = Objective(op, impl, bound, backend, device, check=policy.check, transform=transform)
         space = impl.space()
         if space is None:
             space = SearchSpace(params=(), fixed=impl.default_config(signature, profile))
