@@ -36,6 +36,12 @@ def fresh_dlcore(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     dlcore.dispatch.reset()
 
 
+@pytest.fixture
+def kernel_device() -> str:
+    """Where Triton kernels run in this session: the GPU, or the CPU under the interpreter."""
+    return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available() else "cuda"
+
+
 @pytest.fixture(scope="session")
 def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder with the test plugin distributions pip-installed into it (real builds, real entry points)."""

@@ -132,8 +132,8 @@ def test_refine_space_hook(sleepy, monkeypatch):
     assert op.config["BLOCK"] in (16, 32)
 
 
-def test_triton_kernel_tuning_in_the_interpreter():
-    x, w = torch.randn(8, 96), torch.randn(96)
+def test_triton_kernel_tuning(kernel_device):
+    x, w = torch.randn(8, 96, device=kernel_device), torch.randn(96, device=kernel_device)
     space = registry().implementations_of("rms_norm")[1].space()
     if space is None:
         pytest.skip("rms_norm declares no search space yet")
@@ -146,7 +146,7 @@ SPACED_OPS = ["silu_and_mul", "rms_norm", "add_rms_norm", "ffn", "matmul", "appl
 
 
 @pytest.mark.parametrize("name", SPACED_OPS)
-def test_sampled_configs_of_every_space_compute_the_op(name):
+def test_sampled_configs_of_every_space_compute_the_op(name, kernel_device):
     """Every declared space is real: configs drawn from it run and match the reference."""
     import random
 
@@ -157,8 +157,8 @@ def test_sampled_configs_of_every_space_compute_the_op(name):
     impl = next(i for i in reg.implementations_of(name) if i.name == "triton")
     space = impl.space()
     assert space is not None and space.size() >= 20
-    args = op.example(op.example_sizes, torch.float32, torch.device("cpu"), torch.Generator().manual_seed(0))
-    backend = reg.backend_for(torch.device("cpu"))
-    objective = Objective(op, impl, args, backend, torch.device("cpu"), check="all")
+    device = torch.device(kernel_device)
+    args = op.example(op.example_sizes, torch.float32, device, torch.Generator().manual_seed(0))
+    objective = Objective(op, impl, args, reg.backend_for(device), device, check="all")
     for config in random.Random(0).sample(list(space.configs()), 3):
         objective.verify(config)

@@ -12,8 +12,10 @@ import argparse
 import datetime
 import json
 import math
+import random
 import statistics
 import sys
+import time
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -107,8 +109,13 @@ def _compile_chunk(job: tuple[str, str, dict[str, int], str, list[Config]]) -> i
     return compiled
 
 
-def record(op_name: str, sizes: dict[str, int], dtype: str, impl_name: str = "triton", workers: int = 8) -> dict:
-    """Measure every config of ``impl_name``'s space for ``op_name`` at ``sizes`` on the current GPU."""
+def record(op_name: str, sizes: dict[str, int], dtype: str, impl_name: str = "triton", workers: int = 8,
+           seconds: float | None = None) -> dict:
+    """Measure every config of ``impl_name``'s space for ``op_name`` at ``sizes`` on the current GPU.
+
+    The configs are measured in a seeded random order, so that a recording cut short by ``seconds``
+    is a uniform sample of the space (``complete`` says whether it covers all of it).
+    """
     import torch
     import triton
 
@@ -125,6 +132,7 @@ def record(op_name: str, sizes: dict[str, int], dtype: str, impl_name: str = "tr
     signature = make_signature(op, op.bind(args), device)
     space = reg.refine_space(impl.space(), signature, reg.profile(backend, device))
     configs = list(space.configs())
+    random.Random(0).shuffle(configs)
     if workers > 1:
         chunks = [configs[i::workers] for i in range(workers)]
         jobs = [(op_name, impl_name, sizes, dtype, chunk) for chunk in chunks]
@@ -134,7 +142,10 @@ def record(op_name: str, sizes: dict[str, int], dtype: str, impl_name: str = "tr
             list(pool.map(_compile_chunk, jobs))
     objective = Objective(op, impl, args, backend, device, check="all")
     evaluations = []
+    start = time.perf_counter()
     for i, config in enumerate(configs):
+        if seconds is not None and time.perf_counter() - start > seconds:
+            break
         try:
             time_ms, reason = objective(config), ""
         except Exception as exc:  # noqa: BLE001 - a failing config is part of the landscape
@@ -147,7 +158,7 @@ def record(op_name: str, sizes: dict[str, int], dtype: str, impl_name: str = "tr
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "recorded": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "timer": "triton.testing.do_bench median, results checked against the float64 reference",
-        "space": space.to_dict(), "evaluations": evaluations,
+        "space": space.to_dict(), "complete": len(evaluations) == len(configs), "evaluations": evaluations,
     }
 
 
@@ -159,6 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rec.add_argument("--shape", required=True, help="e.g. tokens=4096,hidden=4096,inter=14336")
     rec.add_argument("--dtype", default="bfloat16")
     rec.add_argument("--workers", type=int, default=8, help="processes compiling configs ahead of timing")
+    rec.add_argument("--seconds", type=float, default=None, help="stop timing after this long (a random sample)")
     rec.add_argument("--out", required=True)
     rep = sub.add_parser("replay", help="median evaluations each strategy needs to come within 5%% of the best")
     rep.add_argument("files", nargs="+")
@@ -167,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "record":
         from dlcore.cli.options import parse_sizes
 
-        data = record(args.op, parse_sizes(args.shape), args.dtype, workers=args.workers)
+        data = record(args.op, parse_sizes(args.shape), args.dtype, workers=args.workers, seconds=args.seconds)
         Path(args.out).write_text(json.dumps(data, indent=1))
         ok = [e for e in data["evaluations"] if e["time_ms"] is not None]
         best = min(e["time_ms"] for e in ok)
