@@ -48,6 +48,7 @@ for op, mode in runs:
 PY
       tar czf "$OUT/bench.tgz" -C /tmp/bench . ;;
     compiler)
-      bash .ci/gpu_compiler.sh 2>&1 | tee "$OUT/compiler.log" | tail -40 ;;
+      OUT=/tmp/compiler bash .ci/gpu_compiler.sh 2>&1 | tee "$OUT/compiler.log" | tail -25
+      tar czf "$OUT/compiler.tgz" -C /tmp/compiler . ;;
   esac
 done
