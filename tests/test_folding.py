@@ -238,12 +238,31 @@ def _silu_plan(tokens=37):
     return impl.plan(args, impl.default_config(make_signature(op, args, torch.device("cpu")), None))
 
 
-def test_the_pass_is_on_by_default_for_npu_and_mlu_only(monkeypatch):
+def test_the_pass_is_on_by_default_for_npu_and_mlu_and_for_small_programs_on_cuda(monkeypatch):
     assert "grid_folding" in default_pipeline("npu").names
     assert "grid_folding" in default_pipeline("mlu").names
     assert "grid_folding" not in default_pipeline("cuda").names
+    assert "grid_folding_small_programs" in default_pipeline("cuda").names
+    assert "grid_folding_small_programs" not in default_pipeline("npu").names
     monkeypatch.setenv("DLCORE_ENABLE_PASSES", "grid_folding")
     assert "grid_folding" in default_pipeline("cuda").names
+
+
+def test_on_cuda_only_one_warp_launches_fold_by_default():
+    """The rule the H200 measurements support: one-warp programs win, bigger ones lose."""
+    import dataclasses
+
+    from dlcore.compiler.folding import fold_launch, fold_small_programs
+    from dlcore.device import DeviceProfile
+
+    h200 = DeviceProfile("cuda", "nvidia", "NVIDIA H200", "sm_90", 132)
+    (call,) = _silu_plan().calls
+    grid = (100_000, 1)
+    one_warp = dataclasses.replace(call, grid=grid, kwargs={**call.kwargs, "num_warps": 1})
+    four_warps = dataclasses.replace(call, grid=grid, kwargs={**call.kwargs, "num_warps": 4})
+    assert fold_small_programs(one_warp, h200).grid == (132 * 32,)
+    assert fold_small_programs(four_warps, h200) is None
+    assert fold_launch(four_warps, h200).grid == (132 * 16,)  # grid_folding itself, when asked for
 
 
 def test_the_pass_folds_a_large_grid_and_keeps_results():

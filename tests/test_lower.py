@@ -36,7 +36,7 @@ from dlcore.registry import registry
 reg = registry()
 found = {}
 for target, enable in (("cuda:80", []), ("cuda:90", []), ("cuda:90", ["grid_folding"])):
-    passes = pipeline("cuda", enable=enable)
+    passes = pipeline("cuda", enable=enable, disable=[] if enable else ["grid_folding_small_programs"])
     todo, _ = launches(reg, None, torch.float16, {"tokens": 20000}, target_profile(target), passes)
     for launch in todo:
         lowered = reg.backends["cuda"].lower(launch.call, target, passes)
