@@ -2,6 +2,7 @@
 # Run on the GPU host (device tool), from the repository root, with .whl/ carried (stevedore,
 # diskcache, hyperopt, liger-kernel). Stages, in the order given:
 #   tests      the suite natively on CUDA (bfloat16 included) and the compile checks
+#   tests-quick  the GPU tests of get_op, tuning, rms_norm and silu_and_mul only
 #   overhead   dlcore's own per-call costs (warm launch, in-process hit, cold disk hit)
 #   landscape-matmul, landscape-ffn
 #              every config of a space timed (ffn: a random sample within LANDSCAPE_SECONDS)
@@ -26,6 +27,9 @@ for stage in "$@"; do
     tests)
       python3 -m pytest -q -p no:cacheprovider -rs tests/kernels tests/test_gpu.py tests/test_compile.py \
           tests/test_backends.py tests/test_tuning.py 2>&1 | tee "$OUT/tests.log" | tail -12 ;;
+    tests-quick)
+      python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_tuning.py tests/kernels/test_rms_norm.py \
+          tests/kernels/test_silu_and_mul.py 2>&1 | tee "$OUT/tests_quick.log" | tail -6 ;;
     overhead)
       python3 -m dlcore.bench.overhead warm hot cold 2>&1 | tee "$OUT/overhead.txt" ;;
     landscape-matmul)

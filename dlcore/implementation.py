@@ -36,9 +36,16 @@ class KernelCall:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     def launch(self) -> None:
-        from dlcore.launcher import launch
+        _launch(self)
 
-        launch(self)
+
+def _launch(call: KernelCall) -> None:
+    """The launcher, imported on first use (it needs triton) and then called directly."""
+    global _launch
+    from dlcore.launcher import launch
+
+    _launch = launch
+    launch(call)
 
 
 @dataclass

@@ -21,7 +21,7 @@ import torch
 
 from dlcore.implementation import KernelCall
 
-LAUNCH_OPTIONS = frozenset(("num_warps", "num_stages", "num_ctas", "maxnreg"))
+LAUNCH_OPTIONS_ORDER = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 
 
 class _KernelLayout:
@@ -55,38 +55,54 @@ def _int_class(v: int) -> int:
 
 def _spec_key(values: list[Any], layout: _KernelLayout, call: KernelCall, device: int, hook: Any) -> tuple:
     key: list[Any] = [device, id(hook)]
+    append = key.append
     for value, is_constexpr in zip(values, layout.constexpr):
+        kind = type(value)
         if is_constexpr:
-            key.append(value)
+            append(value)
+        elif kind is int:
+            append(_int_class(value))
         elif isinstance(value, torch.Tensor):
-            key.append((value.dtype, value.data_ptr() % 16 == 0))
-        elif isinstance(value, bool):
-            key.append(("b", value))
-        elif isinstance(value, int):
-            key.append(_int_class(value))
-        elif value is None:
-            key.append(None)
+            append((value.dtype, value.data_ptr() % 16 == 0))
+        elif kind is bool:
+            append(("b", value))
         else:
-            key.append(type(value))
-    key.extend(sorted((k, v) for k, v in call.kwargs.items() if k in LAUNCH_OPTIONS))
+            append(kind)
+    kwargs = call.kwargs
+    for option in LAUNCH_OPTIONS_ORDER:
+        if option in kwargs:
+            append((option, kwargs[option]))
     return tuple(key)
+
+
+class _Triton:
+    """Triton's runtime knobs and active driver, looked up once (imports cost per call)."""
+
+    runtime: Any = None
+    driver: Any = None
+
+    @classmethod
+    def load(cls) -> None:
+        from triton import knobs
+        from triton.runtime import driver
+
+        cls.runtime, cls.driver = knobs.runtime, driver.active
 
 
 def launch(call: KernelCall) -> None:
     """Launch ``call``: directly through its compiled kernel when this specialization ran before."""
     kernel = call.kernel
-    if type(kernel).__name__ != "JITFunction":
-        kernel[call.grid](*call.args, **call.kwargs)
-        return
-    from triton import knobs
-    from triton.runtime import driver
-
     layout = _layouts.get(kernel)
     if layout is None:
+        if type(kernel).__name__ != "JITFunction":
+            kernel[call.grid](*call.args, **call.kwargs)
+            return
         layout = _layouts[kernel] = _KernelLayout(kernel)
+        _Triton.load()
+    runtime, active = _Triton.runtime, _Triton.driver
     values = layout.values(call.args, call.kwargs)
-    device = driver.active.get_current_device()
-    key = _spec_key(values, layout, call, device, knobs.runtime.add_stages_inspection_hook)
+    device = active.get_current_device()
+    key = _spec_key(values, layout, call, device, runtime.add_stages_inspection_hook)
     compiled = layout.compiled.get(key)
     if compiled is None:
         compiled = kernel[call.grid](*call.args, **call.kwargs)
@@ -94,8 +110,8 @@ def launch(call: KernelCall) -> None:
             layout.compiled[key] = compiled
         return
     grid = call.grid
-    stream = driver.active.get_current_stream(device)
-    enter, leave = knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook
+    stream = active.get_current_stream(device)
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
     metadata = compiled.launch_metadata(grid, stream, *values) if enter is not None else None
     compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
                  compiled.function, compiled.packed_metadata, metadata, enter, leave, *values)
