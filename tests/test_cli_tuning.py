@@ -44,3 +44,16 @@ def test_tuned_result_is_used_by_get_op(capsys):
     x, w = torch.randn(4, 64), torch.randn(64)
     op = dlcore.get_op("rms_norm", (x, w))
     assert op.selection.how == "tuned (full, grid)"
+
+
+def test_all_tunes_the_preset_model_shapes():
+    import argparse
+
+    from dlcore.cli.tune import ALL_TOKENS, _shapes_for
+    from dlcore.registry import registry
+
+    op = registry().op("rms_norm")
+    shapes = _shapes_for(op, argparse.Namespace(shape=[], all=True))
+    assert {"tokens": 4096, "hidden": 4096} in shapes  # LLaMA-3-8B prefill
+    assert {"tokens": 1, "hidden": 8192} in shapes  # LLaMA-3-70B decoding
+    assert {s["tokens"] for s in shapes} == set(ALL_TOKENS)

@@ -26,13 +26,18 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_tune)
 
 
+#: token counts of the preset model shapes that ``--all`` tunes: decoding, a small batch, prefill
+ALL_TOKENS = (1, 64, 4096)
+
+
 def _shapes_for(op, args: argparse.Namespace) -> list[dict[str, int]]:
     if args.shape:
         return args.shape
     if args.all:
-        from dlcore.bench.presets import preset_sizes
+        from dlcore.bench.presets import shapes_for
 
-        return preset_sizes(op)
+        shapes, _ = shapes_for(op.example_sizes, "all", tokens=ALL_TOKENS)
+        return [shape.sizes for shape in shapes]
     return [dict(op.example_sizes)]
 
 

@@ -175,6 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rep = sub.add_parser("replay", help="median evaluations each strategy needs to come within 5%% of the best")
     rep.add_argument("files", nargs="+")
     rep.add_argument("--seeds", type=int, default=20)
+    rep.add_argument("--budget", type=int, default=None,
+                     help="evaluations per search (default: the whole space); a search short of 5%% counts as inf")
     args = parser.parse_args(argv)
     if args.command == "record":
         from dlcore.cli.options import parse_sizes
@@ -192,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     for path in args.files:
         landscape = json.loads(Path(path).read_text())
-        for name, r in replay(landscape, strategies, seeds=args.seeds).items():
+        for name, r in replay(landscape, strategies, seeds=args.seeds, budget=args.budget).items():
             rows.append((Path(path).name, landscape["gpu"], r["space_size"], name, r["median_evaluations"],
                          f"{100 * r['fraction_of_space']:.1f}%", r["worst"]))
     print(table(rows, ("landscape", "gpu", "configs", "strategy", "median evals to 5%", "of space", "worst")))
