@@ -198,6 +198,14 @@ class Op:
                 self.name, name, f"has shape {tuple(value.shape)}", f"{name} of shape {tuple(shape)} ({why})"
             )
 
+    def example_inputs(self, sizes: dict[str, int], dtype: torch.dtype, device: torch.device | str,
+                       seed: int = 0) -> tuple:
+        """Random arguments from ``example``: ``sizes`` over ``example_sizes``, drawn from ``seed``."""
+        if self.example is None:
+            raise ValueError(f"op {self.name!r} declares no example inputs")
+        return self.example({**self.example_sizes, **sizes}, dtype, torch.device(device),
+                            torch.Generator().manual_seed(seed))
+
     def tensor_args(self) -> list[TensorArg]:
         return [a for a in self.args if isinstance(a, TensorArg)]
 

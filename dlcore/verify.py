@@ -69,11 +69,8 @@ def check_op(op: Op, sizes: dict[str, int], dtype: torch.dtype, device: str, imp
     """Run ``get_op`` on random inputs of ``sizes`` and compare with the float64 reference."""
     from dlcore.dispatch import get_op
 
-    if op.example is None:
-        raise ValueError(f"op {op.name!r} declares no example inputs; `dlcore check` cannot build them")
     full = {**op.example_sizes, **sizes}
-    generator = torch.Generator().manual_seed(seed)
-    args = op.example(full, dtype, torch.device(device), generator)
+    args = op.example_inputs(sizes, dtype, device, seed)
     bound = get_op(op.name, args, impl=impl)
     actual = _as_tuple(bound(*args))
     expected = reference_result(op, args)

@@ -412,7 +412,7 @@ class Bench:
 
     def run_shape(self, shape: Shape, requested: list[str]) -> ShapeResult:
         result = ShapeResult(shape)
-        args = self.op.example(shape.sizes, self.dtype, self.device, torch.Generator().manual_seed(self.seed))
+        args = self.op.example_inputs(shape.sizes, self.dtype, self.device, self.seed)
         result.nbytes, result.flops = self.cost(args)
         try:
             impls = self.implementations(args, result)

@@ -77,7 +77,7 @@ def run_tune(args: argparse.Namespace) -> int:
             continue
         for sizes in _shapes_for(op, args):
             full = {**op.example_sizes, **sizes}
-            inputs = op.example(full, DTYPES[args.dtype], device, torch.Generator().manual_seed(0))
+            inputs = op.example_inputs(full, DTYPES[args.dtype], device)
             shape = ",".join(f"{k}={v}" for k, v in full.items())
             for strategy in strategies:
                 progress = Progress(f"{name} {shape} [{strategy}]", args.budget)

@@ -324,7 +324,7 @@ def launches(reg: Registry, selector: str | None, dtype: torch.dtype, sizes: dic
             if op.example is None:
                 skipped.append(f"{name}.{impl.name}: the op declares no example inputs to build a plan from")
                 continue
-            args = op.example({**op.example_sizes, **sizes}, dtype, meta, torch.Generator().manual_seed(0))
+            args = op.example_inputs(sizes, dtype, meta)
             config = impl.default_config(make_signature(op, args, meta), profile)
             plan = impl.plan(args, config)
             lowered = apply_launch_passes(plan, profile, passes)

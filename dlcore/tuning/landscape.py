@@ -96,8 +96,7 @@ def _compile_chunk(job: tuple[str, str, dict[str, int], str, list[Config]]) -> i
     reg = registry()
     op = reg.op(op_name)
     impl = next(i for i in reg.implementations_of(op_name) if i.name == impl_name)
-    args = op.example({**op.example_sizes, **sizes}, getattr(torch, dtype), torch.device("cuda"),
-                      torch.Generator().manual_seed(0))
+    args = op.example_inputs(sizes, getattr(torch, dtype), "cuda")
     compiled = 0
     for config in configs:
         try:
@@ -127,7 +126,7 @@ def record(op_name: str, sizes: dict[str, int], dtype: str, impl_name: str = "tr
     op = reg.op(op_name)
     impl = next(i for i in reg.implementations_of(op_name) if i.name == impl_name)
     device = torch.device("cuda")
-    args = op.example({**op.example_sizes, **sizes}, getattr(torch, dtype), device, torch.Generator().manual_seed(0))
+    args = op.example_inputs(sizes, getattr(torch, dtype), device)
     backend = reg.backend_for(device)
     signature = make_signature(op, op.bind(args), device)
     space = reg.refine_space(impl.space(), signature, reg.profile(backend, device))
