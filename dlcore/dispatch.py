@@ -186,24 +186,33 @@ def remember(call: Call, selection: Selection) -> Selection:
 def tune_op(name: str, args: tuple | list, *, strategy: str, budget: int | None = None, tune: str = "full",
             progress: Callable[[Evaluation], None] | None = None) -> tuple[BoundOp, dict[str, SearchResult]]:
     """Tune now, whatever is cached, and remember the result: what ``dlcore tune`` runs."""
-    from dlcore.tuning.tune import tune as search
-
     call = prepare(name, args)
     policy = resolve(tune, strategy, budget)
-    reg = registry()
-    selection, results = search(call.op, call.candidates, call.bound, call.signature, call.backend, call.profile,
-                                call.device, policy, reg.strategy(policy.strategy), reg.refine_space,
-                                call.declined, progress, call.transform)
-    known = _memory.get(call.key) or disk_cache().get(call.key)
+    selection, results = _search(call, policy, progress)
+    known = _remembered(call.key)
     if known is not None and known.time_ms is not None and known.time_ms < selection.time_ms \
             and satisfies(known.how, policy):
         selection = known
     return call.bind(remember(call, selection)), results
 
 
+def _search(call: Call, policy: TunePolicy,
+            progress: Callable[[Evaluation], None] | None) -> tuple[Selection, dict[str, SearchResult]]:
+    """Tune every candidate of ``call`` with ``policy``'s strategy and budget."""
+    from dlcore.tuning.tune import tune
+
+    reg = registry()
+    return tune(call.op, call.candidates, call.bound, call.signature, call.backend, call.profile, call.device,
+                policy, reg.strategy(policy.strategy), reg.refine_space, call.declined, progress, call.transform)
+
+
+def _remembered(key: str) -> Selection | None:
+    return _memory.get(key) or disk_cache().get(key)
+
+
 def _cached(call: Call, policy: TunePolicy) -> Selection | None:
     """A remembered selection good enough for ``policy`` whose implementation is still a candidate."""
-    selection = _memory.get(call.key) or disk_cache().get(call.key)
+    selection = _remembered(call.key)
     if selection is None or not satisfies(selection.how, policy):
         return None
     if not any(c.name == selection.impl for c in call.candidates):
@@ -214,13 +223,7 @@ def _cached(call: Call, policy: TunePolicy) -> Selection | None:
 def _select(call: Call, policy: TunePolicy, requested: str | None,
             progress: Callable[[Evaluation], None] | None) -> Selection:
     if policy.level != "off":
-        from dlcore.tuning.tune import tune
-
-        reg = registry()
-        selection, _ = tune(call.op, call.candidates, call.bound, call.signature, call.backend, call.profile,
-                            call.device, policy, reg.strategy(policy.strategy), reg.refine_space, call.declined,
-                            progress, call.transform)
-        return selection
+        return _search(call, policy, progress)[0]
     if requested is not None:
         return without_measuring(call.candidates[0], call.signature, call.profile, "requested", call.declined)
     if len(call.candidates) == 1:

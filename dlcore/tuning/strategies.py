@@ -41,9 +41,7 @@ class GridStrategy(Strategy):
         progress: Callable[[Evaluation], None] | None = None,
     ) -> SearchResult:
         runner = Runner(space, objective, budget, progress)
-        for config in space.configs():
-            if runner.evaluate(config) is None:
-                break
+        runner.evaluate_in_order(space.configs())
         return runner.result(self.name, seed)
 
 
@@ -67,9 +65,7 @@ class RandomStrategy(Strategy):
         runner = Runner(space, objective, budget, progress)
         order = list(space.configs())
         random.Random(seed).shuffle(order)
-        for config in order:
-            if runner.evaluate(config) is None:
-                break
+        runner.evaluate_in_order(order)
         return runner.result(self.name, seed)
 
 
@@ -103,8 +99,7 @@ class TPEStrategy(Strategy):
         runner = Runner(space, objective, budget, progress)
         if not space.params:
             # hyperopt cannot build an empty space, and with nothing to model there is one config.
-            for config in space.configs():
-                runner.evaluate(config)
+            runner.evaluate_in_order(space.configs())
         if runner.exhausted():
             return runner.result(self.name, seed)
         evaluations = min(budget.evaluations or space.size(), space.size())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from dlcore.tuning.space import Config, SearchSpace
@@ -162,6 +162,12 @@ class Runner:
         if self.progress is not None:
             self.progress(evaluation)
         return evaluation
+
+    def evaluate_in_order(self, configs: Iterable[Config]) -> None:
+        """Measure ``configs`` one after another until the search must stop."""
+        for config in configs:
+            if self.evaluate(config) is None:
+                return
 
     def result(self, strategy: str, seed: int) -> SearchResult:
         """The search's outcome; ties go to the config measured first."""
