@@ -115,8 +115,3 @@ def launch(call: KernelCall) -> None:
     metadata = compiled.launch_metadata(grid, stream, *values) if enter is not None else None
     compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
                  compiled.function, compiled.packed_metadata, metadata, enter, leave, *values)
-
-
-def forget() -> None:
-    """Drop every kept compiled kernel (e.g. after changing compiler passes)."""
-    _layouts.clear()
