@@ -160,6 +160,10 @@ class TritonImplementation(Implementation):
     :param default_config: ``(signature, profile | None) -> config``.
     :param supports: optional extra ``(signature, profile) -> reason | None``.
     :param space: optional ``() -> SearchSpace``.
+    :param replayable: the plan's launches depend only on the inputs' shapes, strides, dtypes,
+        device and alignment (not on their values), and it allocates its results uninitialised
+        (``torch.empty``) for its kernels to write in full. A bound op then records its launches
+        once per exact input and replays them (:mod:`dlcore.replay`).
     """
 
     kind = "triton"
@@ -174,10 +178,12 @@ class TritonImplementation(Implementation):
         default_config: Callable[[Signature, DeviceProfile | None], Config],
         supports: Callable[[Signature, DeviceProfile], str | None] | None = None,
         space: Callable[[], SearchSpace] | None = None,
+        replayable: bool = False,
         **kwargs: Any,
     ):
         super().__init__(op, name, **kwargs)
         self.plan = plan
+        self.replayable = replayable
         self.kernels = tuple(kernels)
         self._default_config = default_config
         self._supports = supports
@@ -208,6 +214,10 @@ class TritonImplementation(Implementation):
         return self.plan(args, config).run()
 
     def runner(self, config: Config, transform: PlanTransform | None = None) -> Callable[[tuple], Any]:
+        if self.replayable and not self.interpreted:
+            from dlcore.replay import Replay
+
+            return Replay(self.plan, config, transform)
         if transform is None:
             return lambda args: self.plan(args, config).run()
         return lambda args: transform(self.plan(args, config)).run()

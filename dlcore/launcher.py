@@ -24,7 +24,7 @@ from dlcore.implementation import KernelCall
 LAUNCH_OPTIONS_ORDER = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 
 
-class _KernelLayout:
+class KernelLayout:
     """A kernel's parameters, in order, with their defaults and constexpr flags (computed once)."""
 
     __slots__ = ("names", "constexpr", "defaults", "compiled")
@@ -43,7 +43,7 @@ class _KernelLayout:
         return values
 
 
-_layouts: dict[Any, _KernelLayout] = {}
+_layouts: dict[Any, KernelLayout] = {}
 
 
 def _int_class(v: int) -> int:
@@ -53,7 +53,7 @@ def _int_class(v: int) -> int:
     return (2 if in_i32 else 3) + (4 if v % 16 == 0 else 0)
 
 
-def _spec_key(values: list[Any], layout: _KernelLayout, call: KernelCall, device: int, hook: Any) -> tuple:
+def _spec_key(values: list[Any], layout: KernelLayout, call: KernelCall, device: int, hook: Any) -> tuple:
     key: list[Any] = [device, id(hook)]
     append = key.append
     for value, is_constexpr in zip(values, layout.constexpr):
@@ -97,7 +97,7 @@ def launch(call: KernelCall) -> None:
         if type(kernel).__name__ != "JITFunction":
             kernel[call.grid](*call.args, **call.kwargs)
             return
-        layout = _layouts[kernel] = _KernelLayout(kernel)
+        layout = _layouts[kernel] = KernelLayout(kernel)
         _Triton.load()
     runtime, active = _Triton.runtime, _Triton.driver
     values = layout.values(call.args, call.kwargs)

@@ -72,13 +72,12 @@ class CustomOpTritonImplementation(TritonImplementation):
         return self.plan(args, config).run()
 
     def runner(self, config: Config, transform: PlanTransform | None = None) -> Callable[[tuple], Any]:
-        if transform is None:
-            return lambda args: self.run(args, config)
+        launch = super().runner(config, transform)
 
         def run(args: tuple) -> Any:
             if needs_autograd(args):
                 return self.custom_op(args, config)
-            return transform(self.plan(args, config)).run()
+            return launch(args)
 
         return run
 

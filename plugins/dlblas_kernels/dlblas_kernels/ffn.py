@@ -279,6 +279,7 @@ TRITON = CustomOpTritonImplementation(
     kernels=(ffn_kernel,),
     default_config=default_config,
     space=space,
+    replayable=True,
     custom_op=custom_op,
     dtypes=DTYPES,
     doc="one tiled GEMM with two accumulators; the RMSNorm scale applied after the K loop",

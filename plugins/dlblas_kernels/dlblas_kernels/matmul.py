@@ -212,6 +212,7 @@ TRITON = TritonImplementation(
     kernels=(matmul_kernel,),
     default_config=default_config,
     space=space,
+    replayable=True,
     dtypes=DTYPES,
     doc="classic tiled GEMM: grouped program order, float32 accumulator, any strides",
 )

@@ -276,6 +276,7 @@ TRITON = CustomOpTritonImplementation(
     kernels=(silu_and_mul_kernel, silu_and_mul_backward_kernel),
     default_config=default_config,
     space=space,
+    replayable=True,
     custom_op=custom_op,
     dtypes=DTYPES,
     doc="one program per (row, column block); math in float32; backward of the same layout",

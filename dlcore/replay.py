@@ -1,0 +1,218 @@
+"""Launch templates: a bound op's launches, recorded once per exact input and replayed after.
+
+A bound op's plan depends only on its inputs' shapes, strides, dtypes, device and pointer
+alignment (the contract of a *replayable* implementation, see
+:class:`dlcore.implementation.TritonImplementation`). So the first call with given exact input
+metadata runs the plan (and the launch passes) as usual, launching through Triton, and records
+what it did: for each launch its compiled kernel, grid and arguments, each tensor argument traced
+back to an input or a result; for each result its shape, strides and dtype. Later calls with the
+same metadata allocate the results and call the compiled kernels directly with those arguments:
+no plan, no pass, no specialization key (the approach of FlagGems' LibEntry, taken one step
+further).
+
+A call is not recorded (and keeps taking the plan's path) when a launch argument is a tensor that
+is neither an input nor a result at offset zero (a scratch buffer, a copy, a view at an offset),
+when two results share memory, or when Triton does not hand back a compiled kernel. Templates
+are recorded for at most :data:`LIMIT` exact inputs per bound op, the oldest dropped first. A
+template is dropped when the installed compiler-stage hook changes (the compiled kernels would).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from dlcore.implementation import Config, KernelCall, LaunchPlan, PlanTransform
+
+#: exact inputs remembered per bound op
+LIMIT = 64
+
+_MISSING = object()
+
+
+def exact_key(args: tuple) -> tuple:
+    """Everything a replayable plan may depend on, exactly: per tensor its dtype, shape, strides,
+    device and 16-byte alignment; other arguments by type and value."""
+    key: list[Any] = []
+    append = key.append
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            append((a.dtype, a.shape, a.stride(), a.device, a.data_ptr() & 15))
+        else:
+            append((type(a), a))
+    return tuple(key)
+
+
+class _Triton:
+    """Triton's runtime knobs and active driver, looked up once."""
+
+    runtime: Any = None
+    driver: Any = None
+
+    @classmethod
+    def load(cls) -> None:
+        if cls.runtime is None:
+            from triton import knobs
+            from triton.runtime import driver
+
+            cls.runtime, cls.driver = knobs.runtime, driver.active
+
+
+class _Launch:
+    """One recorded launch: ``compiled.run`` with the grid and arguments of the first call;
+    ``slots`` says which arguments are taken from the call's inputs or results."""
+
+    __slots__ = ("compiled", "grid", "values", "slots")
+
+    def __init__(self, compiled: Any, grid: tuple[int, int, int], values: list[Any], slots: list[tuple[int, int]]):
+        self.compiled = compiled
+        self.grid = grid
+        self.values = values
+        self.slots = slots
+
+
+class Template:
+    """The launches of one exact input, ready to replay."""
+
+    __slots__ = ("launches", "results", "single", "from_input", "device", "hook")
+
+    def __init__(self, launches: list[_Launch], results: list[tuple], single: bool, from_input: dict[int, int],
+                 device: int, hook: Any):
+        self.launches = launches
+        #: per result: (shape, strides, dtype, device) to allocate, or None when it is an input
+        self.results = results
+        self.single = single
+        self.from_input = from_input
+        self.device = device
+        self.hook = hook
+
+    def run(self, args: tuple) -> Any:
+        outs: list[Any] = []
+        for i, spec in enumerate(self.results):
+            if spec is None:
+                outs.append(args[self.from_input[i]])
+            else:
+                shape, strides, dtype, device = spec
+                outs.append(torch.empty_strided(shape, strides, dtype=dtype, device=device))
+        runtime, active = _Triton.runtime, _Triton.driver
+        stream = active.get_current_stream(self.device)
+        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+        sources = (args, outs)
+        for launch in self.launches:
+            values = launch.values
+            if launch.slots:
+                values = list(values)
+                for position, (kind, index) in launch.slots:
+                    values[position] = sources[kind][index]
+            compiled = launch.compiled
+            metadata = compiled.launch_metadata(launch.grid, stream, *values) if enter is not None else None
+            g0, g1, g2 = launch.grid
+            compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, metadata, enter, leave,
+                         *values)
+        return outs[0] if self.single else tuple(outs)
+
+
+class NotReplayable(Exception):
+    """Why a call's launches cannot be recorded (internal: the call keeps the plan's path)."""
+
+
+def _flat_results(result: Any) -> tuple[list[torch.Tensor], bool]:
+    if isinstance(result, torch.Tensor):
+        return [result], True
+    if isinstance(result, tuple) and all(isinstance(r, torch.Tensor) for r in result):
+        return list(result), False
+    raise NotReplayable(f"result of type {type(result).__name__}")
+
+
+def _layout_values(kernel: Any, call: KernelCall) -> list[Any]:
+    from dlcore.launcher import KernelLayout
+
+    return KernelLayout(kernel).values(call.args, call.kwargs)
+
+
+def record(args: tuple, plan: LaunchPlan) -> tuple[Any, Template | None]:
+    """Run ``plan`` through Triton, and record it when it can be replayed; returns the plan's
+    result (computed either way) and the template or None."""
+    _Triton.load()
+    try:
+        results, single = _flat_results(plan.result)
+        inputs = [a for a in args if isinstance(a, torch.Tensor)]
+        input_index = {id(a): i for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
+        specs: list[tuple | None] = []
+        from_input: dict[int, int] = {}
+        pointers: dict[int, tuple[int, int]] = {}
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                pointers.setdefault(a.data_ptr(), (0, i))
+        for i, r in enumerate(results):
+            if id(r) in input_index:
+                specs.append(None)
+                from_input[i] = input_index[id(r)]
+                continue
+            if r.storage_offset() != 0 or r.data_ptr() in pointers or any(
+                    r.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for x in inputs):
+                raise NotReplayable("a result shares memory with an input or another result")
+            pointers[r.data_ptr()] = (1, i)
+            specs.append((tuple(r.shape), r.stride(), r.dtype, r.device))
+    except NotReplayable:
+        return plan.run(), None
+    launches: list[_Launch] = []
+    replayable = True
+    device = _Triton.driver.get_current_device()
+    hook = _Triton.runtime.add_stages_inspection_hook
+    for call in plan.calls:
+        compiled = call.kernel[call.grid](*call.args, **call.kwargs)
+        if not replayable:
+            continue
+        if compiled is None or not hasattr(compiled, "packed_metadata"):
+            replayable = False
+            continue
+        values = _layout_values(call.kernel, call)
+        slots = []
+        for position, v in enumerate(values):
+            if isinstance(v, torch.Tensor):
+                source = pointers.get(v.data_ptr())
+                if source is None:
+                    replayable = False
+                    break
+                slots.append((position, source))
+                values[position] = None
+        grid = tuple(call.grid) + (1,) * (3 - len(call.grid))
+        launches.append(_Launch(compiled, grid, values, slots))
+    if not replayable:
+        return plan.result, None
+    return plan.result, Template(launches, specs, single, from_input, device, hook)
+
+
+class Replay:
+    """The run function of a bound op whose implementation is replayable (see the module doc)."""
+
+    __slots__ = ("plan", "config", "transform", "templates")
+
+    def __init__(self, plan: Callable[[tuple, Config], LaunchPlan], config: Config,
+                 transform: PlanTransform | None):
+        self.plan = plan
+        self.config = config
+        self.transform = transform
+        self.templates: dict[tuple, Template | None] = {}
+
+    def __call__(self, args: tuple) -> Any:
+        key = exact_key(args)
+        template = self.templates.get(key, _MISSING)
+        if template is None:
+            return self._planned(args).run()
+        if template is not _MISSING and template.hook is _Triton.runtime.add_stages_inspection_hook:
+            return template.run(args)
+        result, template = record(args, self._planned(args))
+        templates = self.templates
+        templates.pop(key, None)
+        if len(templates) >= LIMIT:
+            del templates[next(iter(templates))]
+        templates[key] = template
+        return result
+
+    def _planned(self, args: tuple) -> LaunchPlan:
+        plan = self.plan(args, self.config)
+        return plan if self.transform is None else self.transform(plan)

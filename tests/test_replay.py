@@ -1,0 +1,217 @@
+"""Launch templates (dlcore.replay), with a stand-in for Triton's compiled kernels: no GPU needed.
+
+The stand-in kernel computes ``out = x * scale`` in torch from the tensors it is handed, and counts
+how it was reached: through ``kernel[grid](...)`` (the plan's path) or ``compiled.run`` (a replay).
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dlcore import replay
+from dlcore.implementation import KernelCall, LaunchPlan, TritonImplementation
+
+
+class Param(SimpleNamespace):
+    pass
+
+
+class Compiled:
+    packed_metadata = "meta"
+    function = "fn"
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def launch_metadata(self, grid, stream, *values):
+        return ("metadata", grid)
+
+    def run(self, g0, g1, g2, stream, function, packed, metadata, enter, leave, *values):
+        self.kernel.replays.append((g0, g1, g2, stream, metadata))
+        self.kernel.compute(*values)
+
+
+class FakeKernel:
+    """``scale_kernel(x_ptr, out_ptr, n, scale, BLOCK: tl.constexpr = 64)``."""
+
+    arg_names = ["x_ptr", "out_ptr", "n", "scale", "BLOCK"]
+    params = [Param(is_constexpr=c) for c in (False, False, False, False, True)]
+
+    def __init__(self):
+        self.planned: list[tuple] = []
+        self.replays: list[tuple] = []
+        self.compiled = Compiled(self)
+
+        def fn(x_ptr, out_ptr, n, scale, BLOCK=64):
+            pass
+
+        self.fn = fn
+
+    @staticmethod
+    def compute(x, out, n, scale, block):
+        assert block == 64
+        if x.shape == out.shape:
+            out.copy_(x * scale)
+        else:
+            out.view(-1)[:n].copy_(x.reshape(-1)[:n] * scale)
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.planned.append(grid)
+            values = list(args) + [kwargs.get("BLOCK", 64)]
+            self.compute(*values)
+            return self.compiled
+
+        return launch
+
+
+class Runtime(SimpleNamespace):
+    pass
+
+
+@pytest.fixture
+def triton_runtime(monkeypatch):
+    runtime = Runtime(add_stages_inspection_hook=None, launch_enter_hook=None, launch_exit_hook=None)
+    driver = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 1234)
+    monkeypatch.setattr(replay._Triton, "runtime", runtime)
+    monkeypatch.setattr(replay._Triton, "driver", driver)
+    return runtime
+
+
+def scale_plan(kernel, *, view=False, scratch=False, offset=False, inplace=False, pair=False):
+    def plan(args, config):
+        (x,) = args
+        out = x if inplace else torch.empty_like(x)
+        src = x.reshape(-1) if view else x[1:] if offset else x
+        calls = [KernelCall(kernel, (x.numel(),), (src, out, x.numel() - (1 if offset else 0), config["scale"]),
+                            {"BLOCK": 64})]
+        if scratch:
+            tmp = torch.empty_like(x)
+            calls = [KernelCall(kernel, (1,), (x, tmp, x.numel(), config["scale"])),
+                     KernelCall(kernel, (1,), (tmp, out, x.numel(), 1.0))]
+        result = out
+        if pair:
+            out2 = torch.empty_like(x)
+            calls.append(KernelCall(kernel, (2, 3), (x, out2, x.numel(), 3.0)))
+            result = (out, out2)
+        return LaunchPlan(calls, result)
+
+    return plan
+
+
+def test_first_call_records_then_replays_with_fresh_results(triton_runtime):
+    kernel = FakeKernel()
+    run = replay.Replay(scale_plan(kernel, view=True), {"scale": 2.0}, None)
+    outs = []
+    for _ in range(4):
+        x = torch.randn(3, 5)
+        out = run((x,))
+        torch.testing.assert_close(out, x * 2, rtol=0, atol=0)
+        outs.append(out)
+    assert len(kernel.planned) == 1 and len(kernel.replays) == 3
+    assert kernel.replays[0] == (15, 1, 1, 1234, None)
+    assert len({o.data_ptr() for o in outs}) == 4, "each call gets its own result"
+
+
+def test_another_shape_stride_or_alignment_is_another_template(triton_runtime):
+    kernel = FakeKernel()
+    run = replay.Replay(scale_plan(kernel), {"scale": 2.0}, None)
+    base = torch.randn(40)
+    inputs = [torch.randn(3, 5), torch.randn(5, 3), torch.randn(5, 3).t(), base[:15], base[1:16], base[:15]]
+    for x in inputs:
+        torch.testing.assert_close(run((x,)), x * 2, rtol=0, atol=0)
+    assert len(kernel.planned) == 5 and len(kernel.replays) == 1
+    assert replay.exact_key((base[:15],)) != replay.exact_key((base[1:16],))
+    assert replay.exact_key((base[:15], 1.0)) != replay.exact_key((base[:15], 2.0))
+
+
+@pytest.mark.parametrize("what", ["scratch", "offset"])
+def test_launches_that_cannot_be_traced_keep_the_plan_path(triton_runtime, what):
+    kernel = FakeKernel()
+    run = replay.Replay(scale_plan(kernel, **{what: True}), {"scale": 2.0}, None)
+    for _ in range(3):
+        x = torch.randn(16)
+        out = run((x,))
+        expected = x * 2 if what == "scratch" else torch.cat([(x[1:] * 2), out[-1:]])
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    assert kernel.replays == [] and len(kernel.planned) == (6 if what == "scratch" else 3)
+
+
+def test_a_result_that_is_an_input_is_returned_itself(triton_runtime):
+    kernel = FakeKernel()
+    run = replay.Replay(scale_plan(kernel, inplace=True), {"scale": 2.0}, None)
+    for _ in range(3):
+        x = torch.randn(8)
+        expected = x * 2
+        assert run((x,)) is x
+        torch.testing.assert_close(x, expected, rtol=0, atol=0)
+    assert len(kernel.replays) == 2
+
+
+def test_tuple_results_and_several_launches(triton_runtime):
+    kernel = FakeKernel()
+    run = replay.Replay(scale_plan(kernel, pair=True), {"scale": 2.0}, None)
+    for _ in range(3):
+        x = torch.randn(7)
+        a, b = run((x,))
+        torch.testing.assert_close(a, x * 2, rtol=0, atol=0)
+        torch.testing.assert_close(b, x * 3, rtol=0, atol=0)
+    assert len(kernel.replays) == 4 and kernel.replays[-1][:3] == (2, 3, 1)
+
+
+def test_launch_hooks_get_metadata(triton_runtime):
+    kernel = FakeKernel()
+    run = replay.Replay(scale_plan(kernel), {"scale": 2.0}, None)
+    run((torch.randn(4),))
+    triton_runtime.launch_enter_hook = lambda metadata: None
+    run((torch.randn(4),))
+    assert kernel.replays[-1][-1] == ("metadata", (4, 1, 1))
+
+
+def test_a_new_stages_hook_records_again(triton_runtime):
+    kernel = FakeKernel()
+    run = replay.Replay(scale_plan(kernel), {"scale": 2.0}, None)
+    x = torch.randn(4)
+    run((x,))
+    run((x,))
+    triton_runtime.add_stages_inspection_hook = lambda *a: None
+    run((x,))
+    run((x,))
+    assert len(kernel.planned) == 2 and len(kernel.replays) == 2
+
+
+def test_the_transform_runs_when_recording_only(triton_runtime):
+    kernel = FakeKernel()
+    seen = []
+
+    def transform(plan):
+        seen.append(plan)
+        return plan
+
+    run = replay.Replay(scale_plan(kernel), {"scale": 2.0}, transform)
+    for _ in range(3):
+        run((torch.randn(4),))
+    assert len(seen) == 1
+
+
+def test_templates_are_bounded(triton_runtime, monkeypatch):
+    monkeypatch.setattr(replay, "LIMIT", 3)
+    kernel = FakeKernel()
+    run = replay.Replay(scale_plan(kernel), {"scale": 2.0}, None)
+    for n in range(1, 8):
+        run((torch.randn(n),))
+    assert len(run.templates) == 3
+    assert [k[0][1] for k in run.templates] == [torch.Size([5]), torch.Size([6]), torch.Size([7])]
+
+
+def test_only_compiled_replayable_implementations_replay():
+    def make(replayable, kernel):
+        return TritonImplementation("op", "t", plan=scale_plan(kernel), kernels=(kernel,),
+                                    default_config=lambda s, p: {}, replayable=replayable)
+
+    kernel = FakeKernel()
+    assert isinstance(make(True, kernel).runner({"scale": 1.0}), replay.Replay)
+    assert not isinstance(make(False, kernel).runner({"scale": 1.0}), replay.Replay)
+    Interpreted = type("InterpretedFunction", (FakeKernel,), {})
+    assert not isinstance(make(True, Interpreted()).runner({"scale": 1.0}), replay.Replay)
