@@ -27,6 +27,8 @@ _memory = MemoryCache()
 _disk: DiskCache | None = None
 _bound: dict[tuple, BoundOp] = {}
 _exact: dict[tuple, BoundOp] = {}
+#: exact inputs remembered for the in-process hit path; the oldest are forgotten first
+EXACT_LIMIT = 4096
 _environ = os.environ
 
 
@@ -96,6 +98,8 @@ def get_op(
             selection = remember(call, _select(call, policy, impl, progress))
         bound_op = _bound[memo_key] = call.bind(selection)
     if exact is not None:
+        if len(_exact) >= EXACT_LIMIT:
+            del _exact[next(iter(_exact))]
         _exact[exact] = bound_op
     return bound_op
 

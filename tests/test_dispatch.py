@@ -78,6 +78,16 @@ def test_in_process_cache_returns_the_same_bound_op_per_bucket(gen):
     torch.testing.assert_close(first(x40, w), dlblas_kernels.rms_norm(x40, w), rtol=0, atol=0)
 
 
+def test_the_exact_input_memo_is_bounded(gen, monkeypatch):
+    monkeypatch.setattr(dlcore.dispatch, "EXACT_LIMIT", 3)
+    w = torch.randn(16, generator=gen)
+    first = [torch.randn(rows, 16, generator=gen) for rows in (1, 2, 3, 4, 5)]
+    bound = [dlcore.get_op("rms_norm", (x, w)) for x in first]
+    assert len(dlcore.dispatch._exact) == 3
+    assert dlcore.get_op("rms_norm", (first[4], w)) is bound[4]
+    assert dlcore.get_op("rms_norm", (first[0], w)) is bound[0]  # recomputed: same bucket, same bound op
+
+
 def test_keyword_arguments(gen):
     x, w = inputs(gen, (4, 32), (32,))
     op = dlcore.get_op("rms_norm", (x,), {"weight": w, "eps": 1e-2})
