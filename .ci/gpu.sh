@@ -40,15 +40,20 @@ for stage in "$@"; do
           --dtype bfloat16 --workers 15 --seconds "${LANDSCAPE_SECONDS:-150}" --out "$OUT/landscape_ffn.json" \
           2>&1 | tail -1 ;;
     bench)
+      # BENCH_OPS and BENCH_MODES narrow the runs (default: every memory-bound op, fwd and bwd)
       mkdir -p /tmp/bench
-      python3 - <<'PY' 2>&1 | tee /tmp/bench/bench.log | grep -v '^\['
+      python3 - <<'PY' 2>&1 | tee -a /tmp/bench/bench.log | grep -v '^\['
+import os
 from dlcore.cli import main
-runs = [("rms_norm", "fwd"), ("rms_norm", "bwd"), ("add_rms_norm", "fwd"), ("silu_and_mul", "fwd"),
-        ("apply_rotary_pos_emb", "fwd")]
-for op, mode in runs:
-    stem = f"/tmp/bench/{op}_{mode}"
-    main(["bench", op, "--mode", mode, "--dtype", "bf16", "--shapes", "llama3-8b,llama3-70b",
-          "--tokens", "1,64,4096,16384", "--rounds", "2", "--json", stem + ".json", "--plot", stem + ".png"])
+shapes = {"rms_norm": "gqa,deepseek-v3", "add_rms_norm": "gqa,deepseek-v3", "silu_and_mul": "gqa,deepseek-v3",
+          "apply_rotary_pos_emb": "gqa", "partial_rotary_emb": "mla"}
+ops = os.environ.get("BENCH_OPS", " ".join(shapes)).split()
+modes = os.environ.get("BENCH_MODES", "fwd bwd").split()
+for op in ops:
+    for mode in modes:
+        stem = f"/tmp/bench/{op}_{mode}"
+        main(["bench", op, "--mode", mode, "--dtype", "bf16", "--shapes", shapes[op],
+              "--tokens", "1,64,4096,16384", "--rounds", "2", "--json", stem + ".json", "--plot", stem + ".png"])
 PY
       tar czf "$OUT/bench.tgz" -C /tmp/bench . ;;
     compiler)
