@@ -62,6 +62,12 @@ class Signature:
         return self.key()
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for positive ints. Not ``triton.cdiv`` on the host: that is a JIT function
+    whose call costs microseconds, which a launch plan pays per call."""
+    return -(-a // b)
+
+
 def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import sys
+
 import dlblas_kernels
 import pytest
 import torch
@@ -9,6 +11,8 @@ from gradients import check_backward
 
 from dlcore import InvalidInputError
 from dlcore.testing import assert_close, randn, upcast
+
+rms_norm_module = sys.modules["dlblas_kernels.rms_norm"]  # the package exports the function as rms_norm
 
 
 def inputs(lead, k, dtype, device, gen):
@@ -63,6 +67,19 @@ def test_backward_matches_reference(lead, k, dtype, device, gen):
     x, w, residual = inputs(lead, k, dtype, device, gen)
     dx, _, dresidual = check_backward(add_rms_norm, add_rms_norm_reference, (x, w, residual, 1e-6), (0, 1, 2), gen,
                                       reduce_dim=max(k, x.numel() // k))
+    assert torch.equal(dx, dresidual)
+
+
+@pytest.mark.parametrize("config", [
+    {"BLOCK_M": 2, "BLOCK_N": 64, "num_warps": 1},  # rows in one block, dweight share in registers
+    {"BLOCK_M": 1, "BLOCK_N": 16, "num_warps": 1},  # two passes, dweight share read back
+], ids=["one-block", "two-pass"])
+def test_backward_with_looping_programs(config, dtype, device, gen, monkeypatch):
+    """Two programs over nine rows: each loops over several row blocks, adding residual_out's gradient."""
+    monkeypatch.setattr(rms_norm_module, "backward_programs", lambda blocks, *_: min(blocks, 2))
+    x, w, residual = inputs((9,), 40, dtype, device, gen)
+    dx, _, dresidual = check_backward(lambda *a: TRITON.run(a, config), add_rms_norm_reference,
+                                      (x, w, residual, 1e-6), (0, 1, 2), gen, reduce_dim=40)
     assert torch.equal(dx, dresidual)
 
 

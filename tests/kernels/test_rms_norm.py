@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import sys
+
 import dlblas_kernels
 import pytest
 import torch
@@ -15,7 +17,9 @@ from gradients import check_backward
 
 from dlcore import InvalidInputError
 from dlcore.signature import make_signature
-from dlcore.testing import assert_close, randn, upcast
+from dlcore.testing import assert_close, poison, randn, upcast
+
+rms_norm_module = sys.modules["dlblas_kernels.rms_norm"]  # the package exports the function as rms_norm
 
 
 def inputs(lead, k, dtype, device, gen, w_dtype=None):
@@ -172,3 +176,122 @@ def test_bad_inputs_raise_before_launch(case, device, no_launch):
         eps = torch.tensor(1e-6)
     with pytest.raises(InvalidInputError):
         rms_norm(x, w, eps)
+
+
+# -- backward launch: persistent grid, prefetch, partials ------------------------------------------
+
+
+@pytest.mark.parametrize("lead, k, config, programs", [
+    ((29,), 100, {"BLOCK_M": 1, "BLOCK_N": 128, "num_warps": 4}, 1),  # one program, 29 row blocks
+    ((29,), 100, {"BLOCK_M": 1, "BLOCK_N": 128, "num_warps": 4}, 3),  # 10, 10 and 9 row blocks
+    ((3, 9), 100, {"BLOCK_M": 4, "BLOCK_N": 128, "num_warps": 1}, 2),  # ragged last block, 7 blocks
+    ((5, 7), 100, {"BLOCK_M": 2, "BLOCK_N": 32, "num_warps": 1}, 3),  # two passes, partials read back
+    ((5, 7), 100, {"BLOCK_M": 2, "BLOCK_N": 32, "num_warps": 1}, 1),  # two passes, one program
+    ((1,), 100, {"BLOCK_M": 1, "BLOCK_N": 32, "num_warps": 1}, 1),  # two passes, one row block
+    ((2,), 70, {"BLOCK_M": 8, "BLOCK_N": 16384, "num_warps": 1}, 1),  # tile narrowed, rows < BLOCK_M
+], ids=["prefetch-1", "prefetch-3", "ragged", "two-pass-3", "two-pass-1", "two-pass-direct", "narrowed"])
+def test_backward_persistent_programs(lead, k, config, programs, dtype, device, gen, monkeypatch):
+    monkeypatch.setattr(rms_norm_module, "backward_programs", lambda blocks, *_: min(blocks, programs))
+    x, w = inputs(lead, k, dtype, device, gen)
+    dy, dres = (randn(*x.shape, dtype=dtype, device=device, generator=gen) for _ in range(2))
+    rows = x.numel() // k
+    for extra in (None, dres):
+        plan = backward_plan((dy, x, w, extra, 1e-6), config)
+        main = plan.calls[0]
+        assert main.grid == (programs,)
+        # One program writes dweight itself when nothing accumulates across row blocks in memory.
+        one_block, blocks = k <= main.kwargs["BLOCK_N"], -(-rows // main.kwargs["BLOCK_M"])
+        assert len(plan.calls) == (1 if programs == 1 and (one_block or blocks == 1) else 2)
+        dx, dw = plan.result
+        # Outputs and the partials' buffer poisoned: each element must be written before it is read.
+        for t in (dx, dw, main.args[5]):
+            poison(t)
+        plan.run()
+        ref_dx, ref_dw = rms_norm_backward_reference(*upcast(dy, x, w, extra), 1e-6)
+        assert_close(dx, ref_dx, dtype, reduce_dim=k)
+        assert_close(dw, ref_dw, dtype, reduce_dim=rows)
+
+
+def test_backward_more_programs_than_rows(dtype, device, gen):
+    """Rows fewer than the programs the device holds: one program per row block, none idle."""
+    x, w = inputs((3,), 64, dtype, device, gen)
+    dy = randn(*x.shape, dtype=dtype, device=device, generator=gen)
+    plan = backward_plan((dy, x, w, None, 1e-6), {"BLOCK_M": 1, "BLOCK_N": 64, "num_warps": 1})
+    assert plan.calls[0].grid == (3,) and plan.calls[1].kernel.__name__ == "column_sum_kernel"
+    dx, dw = plan.result
+    for t in (dx, dw, plan.calls[0].args[5]):
+        poison(t)
+    plan.run()
+    ref_dx, ref_dw = rms_norm_backward_reference(*upcast(dy, x, w, None), 1e-6)
+    assert_close(dx, ref_dx, dtype, reduce_dim=64)
+    assert_close(dw, ref_dw, dtype, reduce_dim=3)
+
+
+def test_backward_launch_for_llama_shapes():
+    """The default configs of hidden 4096 and 8192 give the backward 16 elements per thread (no
+    spills on sm_90: 117-128 registers), a whole row in registers, and a grid the device holds at
+    once: two programs per multiprocessor at 8 warps, one at 16."""
+    for k, warps, per_sm in ((4096, 8, 2), (8192, 16, 1)):
+        config = rms_norm_module.heuristic_config(4096, k)
+        assert rms_norm_module.backward_config(config) == (1, k, warps)
+        assert rms_norm_module.backward_programs(4096, k, warps, torch.device("meta")) == 4 * per_sm
+        assert rms_norm_module.backward_programs(3, k, warps, torch.device("meta")) == 3
+    # A wide forward tile is narrowed, and gets warps for 16 elements per thread at most.
+    assert rms_norm_module.backward_config({"BLOCK_M": 4, "BLOCK_N": 4096, "num_warps": 16}) == (2, 4096, 16)
+    assert rms_norm_module.backward_config({"BLOCK_M": 1, "BLOCK_N": 16384, "num_warps": 16}) == (1, 8192, 16)
+    assert rms_norm_module.backward_config({"BLOCK_M": 8, "BLOCK_N": 128, "num_warps": 1}) == (8, 128, 2)
+
+
+def test_eager_backward_skips_the_dispatcher(device, gen, monkeypatch):
+    """Plain eager autograd launches the backward plan directly; a graph being built (create_graph)
+    or a tracer goes through the custom op."""
+    x, w = inputs((4,), 48, torch.float32, device, gen)
+    x, w = x.requires_grad_(), w.requires_grad_()
+    through_op = []
+    op = torch.ops.dlblas.rms_norm_backward
+    monkeypatch.setattr(torch.ops.dlblas, "rms_norm_backward",
+                        lambda *a: through_op.append(1) or op(*a), raising=False)
+    y = rms_norm(x, w)
+    torch.autograd.grad(y, (x, w), torch.ones_like(y), retain_graph=True)
+    assert not through_op
+    torch.autograd.grad(y, (x, w), torch.ones_like(y), create_graph=True)
+    assert through_op
+    with torch.no_grad():
+        assert rms_norm_module._plain_eager((x, x, w, None))
+    assert not rms_norm_module._plain_eager((x, x, w, None))  # grad mode on
+    fake = torch._subclasses.FakeTensorMode().from_tensor(x.detach())
+    with torch.no_grad():
+        assert not rms_norm_module._plain_eager((fake, fake, w, None))  # a tensor subclass
+    with torch.no_grad():
+        assert not rms_norm_module._plain_eager((x.double(), x.double(), w, None))
+
+
+COMPILE_SCRIPT = """
+import importlib, json, torch
+from triton.backends.compiler import GPUTarget
+from dlcore.compiler.lowering import compile_call
+
+rms = importlib.import_module("dlblas_kernels.rms_norm")
+found = {}
+for dtype, capability in ((torch.bfloat16, 90), (torch.float16, 80), (torch.float32, 80)):
+    for rows, k, config in ((4096, 4096, None), (64, 8192, None), (1, 4096, None),
+                            (37, 300, {"BLOCK_M": 2, "BLOCK_N": 128, "num_warps": 2})):
+        x, w = torch.empty(rows, k, device="meta", dtype=dtype), torch.empty(k, device="meta", dtype=dtype)
+        for dres in (None, x):
+            plan = rms.backward_plan((x, x, w, dres, 1e-6), config or rms.heuristic_config(rows, k))
+            for call in plan.calls:
+                kernel = compile_call(call, GPUTarget("cuda", capability, 32))
+                name = f"{rows}x{k}/{dres is not None}/{call.kernel.__name__}/{str(dtype)[6:]}/sm_{capability}"
+                found[name] = len(kernel.asm.get("cubin", b""))
+print(json.dumps(found))
+"""
+
+
+def test_backward_compiles_for_nvidia_targets():
+    """Every backward variant (persistent one-block rows at hidden 4096 and 8192, one program writing
+    dweight directly, two passes, each with and without dres) compiles to a cubin for sm_80/sm_90."""
+    from isolated import run_json
+
+    found = run_json(COMPILE_SCRIPT, None, TRITON_INTERPRET="0")
+    assert len(found) == 3 * (3 * 4 + 2), sorted(found)  # the 1-row plans launch one kernel
+    assert all(size > 0 for size in found.values()), found

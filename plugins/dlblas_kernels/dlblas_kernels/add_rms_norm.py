@@ -9,8 +9,9 @@ two passes (the second recomputes the sum from ``x`` and ``residual``, now in ca
 
 Backward: the gradient reaching ``residual_out`` is the RMSNorm gradient of ``y`` plus the gradient
 of ``residual_out`` itself, and it is the gradient of both ``x`` and ``residual``. It is
-``rms_norm``'s backward kernel (``dlblas::rms_norm_backward``) on the saved ``residual_out`` with
-that second gradient added as it writes ``dx``: one output, returned for both inputs.
+``rms_norm``'s backward (:func:`dlblas_kernels.rms_norm.backward`: its kernels, through the custom
+op ``dlblas::rms_norm_backward`` where a tracer watches) on the saved ``residual_out`` with that
+second gradient added as it writes ``dx``: one output, returned for both inputs.
 """
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ import torch
 import triton
 import triton.language as tl
 
+from dlblas_kernels.rms_norm import backward as rms_norm_backward
 from dlblas_kernels.rms_norm import heuristic_config, rms_norm_reference, space, torch_rms_norm
 from dlcore import hookimpl
 from dlcore.device import DeviceProfile
 from dlcore.implementation import Config, KernelCall, LaunchPlan
 from dlcore.layout import as_rows
 from dlcore.op import Op, ScalarArg, TensorArg
-from dlcore.signature import Signature, make_signature
+from dlcore.signature import Signature, cdiv, make_signature
 from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -104,7 +106,7 @@ def plan(args: tuple, config: Config) -> LaunchPlan:
     rows, k = x2.shape
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
     call = KernelCall(
-        add_rms_norm_kernel, (triton.cdiv(rows, block_m),),
+        add_rms_norm_kernel, (cdiv(rows, block_m),),
         (x2, r2, weight, y2, h2, rows, k, float(eps),
          x2.stride(0), x2.stride(1), r2.stride(0), r2.stride(1), weight.stride(0),
          y2.stride(0), y2.stride(1), h2.stride(0), h2.stride(1)),
@@ -219,7 +221,7 @@ def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
 
 def _backward(ctx: Any, dy: torch.Tensor, d_residual_out: torch.Tensor) -> tuple:
     h, weight = ctx.saved_tensors
-    dh, dw = torch.ops.dlblas.rms_norm_backward(dy, h, weight, d_residual_out, ctx.eps, *ctx.config)
+    dh, dw = rms_norm_backward(dy, h, weight, d_residual_out, ctx.eps, ctx.config)
     return dh, dw, dh, None, None, None, None
 
 
@@ -237,6 +239,7 @@ TRITON = CustomOpTritonImplementation(
     kernels=(add_rms_norm_kernel,),
     default_config=default_config,
     space=space,
+    replayable=True,
     custom_op=custom_op,
     dtypes=DTYPES,
     doc="one pass: residual add, residual_out stored, RMSNorm; backward through rms_norm's kernels",

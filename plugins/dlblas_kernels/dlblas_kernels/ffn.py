@@ -27,7 +27,7 @@ from dlcore.device import DeviceProfile
 from dlcore.implementation import Config, KernelCall, LaunchPlan
 from dlcore.layout import as_rows
 from dlcore.op import Op, ScalarArg, TensorArg
-from dlcore.signature import Signature, make_signature, next_power_of_2
+from dlcore.signature import Signature, cdiv, make_signature, next_power_of_2
 from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints
 from dlcore.tuning.space import Choice, Constraint, PowerOfTwo, SearchSpace, num_stages, num_warps
 
@@ -113,7 +113,7 @@ def plan(args: tuple, config: Config) -> LaunchPlan:
     x2, out2 = as_rows(x), as_rows(out)
     m, k = x2.shape
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    grid = (cdiv(m, block_m) * cdiv(n, block_n),)
     call = KernelCall(
         ffn_kernel, grid,
         (x2, w1, w3, rms_w, out2, m, n, k, float(eps),

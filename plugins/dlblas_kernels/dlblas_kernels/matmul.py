@@ -22,7 +22,7 @@ from dlcore.device import DeviceProfile
 from dlcore.implementation import Config, KernelCall, LaunchPlan, TritonImplementation, call_directly
 from dlcore.layout import as_rows
 from dlcore.op import Op, TensorArg
-from dlcore.signature import Signature
+from dlcore.signature import Signature, cdiv
 from dlcore.tuning.space import Choice, Constraint, PowerOfTwo, SearchSpace, num_stages, num_warps
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -98,7 +98,7 @@ def plan(args: tuple, config: Config) -> LaunchPlan:
     a2, out2 = as_rows(a), as_rows(out)
     m, k = a2.shape
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
-    grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
+    grid = (cdiv(m, block_m) * cdiv(n, block_n),)
     call = KernelCall(
         matmul_kernel, grid,
         (a2, b, out2, m, n, k,

@@ -10,11 +10,17 @@ Backward, with ``xhat = x * rstd`` and ``g = dy * weight``::
     dx      = rstd * (g - xhat * mean(g * xhat, -1))  (+ dres, a gradient reaching x by another path)
     dweight = sum over rows of dy * xhat
 
-``rstd`` is recomputed from ``x``, which the backward reads anyway: the forward stores nothing but
-its output. Each program takes a contiguous range of rows and accumulates its share of ``dweight``
-in float32; it writes that to its own row of a ``[programs, K]`` float32 buffer, whose columns a
-second kernel sums. Math in float32; outputs in the input dtypes (``weight`` may have another float
-dtype than ``x``).
+``rstd`` is recomputed from ``x``, which the backward reads anyway (one reduction gives both
+``sum(x**2)`` and ``sum(g * x)``): the forward stores nothing but its output. The backward is
+memory-bound: it reads ``dy`` and ``x`` and writes ``dx`` (three times the size of ``x``, the
+minimum), plus a ``[programs, K]`` float32 buffer of dweight partials written and read once (4 MiB
+at hidden 4096 on 132 multiprocessors, against 96 MiB for 4096 tokens in bfloat16). Its grid is
+persistent, as many programs as the multiprocessors hold at once; each takes row blocks ``pid,
+pid + programs, ...``, issues the loads of its next row block before computing the current one,
+keeps its ``dweight`` share in registers, and writes it once at the end; a second kernel sums
+the partials' columns. With a single program the share is ``dweight`` itself: one launch. Rows
+wider than a block take two passes per row block, the second from cache. Math in float32; outputs
+in the input dtypes (``weight`` may have another float dtype than ``x``).
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from dlcore.device import DeviceProfile
 from dlcore.implementation import Config, KernelCall, LaunchPlan
 from dlcore.layout import as_rows
 from dlcore.op import Op, ScalarArg, TensorArg
-from dlcore.signature import Signature, make_signature, next_power_of_2
+from dlcore.signature import Signature, cdiv, make_signature, next_power_of_2
 from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints
 from dlcore.tuning.space import Constraint, PowerOfTwo, SearchSpace, num_warps
 
@@ -44,6 +50,16 @@ TILE = 2048
 # Fewest programs the default config keeps before it packs several short rows into one.
 MIN_PROGRAMS = 1024
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps")
+# The backward holds about three times the forward's live values per element (x, dy, the next row
+# block's x and dy, weight, the dweight share): its tile is at most this many elements, and each
+# thread holds at most BACKWARD_ELEMENTS_PER_THREAD of them (16 warps for the widest tile).
+MAX_BACKWARD_TILE = 8192
+BACKWARD_ELEMENTS_PER_THREAD = 16
+# What a multiprocessor holds (all NVIDIA GPUs since Volta), and the elements of its resident backward
+# tiles that keep enough loads in flight to stream from DRAM.
+REGISTERS_PER_MULTIPROCESSOR = 65536
+MAX_WARPS_PER_MULTIPROCESSOR = 64
+RESIDENT_ELEMENTS = 16384
 
 
 @triton.jit
@@ -88,9 +104,14 @@ def rms_norm_kernel(
 
 
 @triton.jit
+def _add_pairs(a0, b0, a1, b1):
+    return a0 + a1, b0 + b1
+
+
+@triton.jit
 def rms_norm_backward_kernel(
     dy_ptr, x_ptr, w_ptr, dres_ptr, dx_ptr, dw_ptr,
-    rows, K, eps, rows_per_program,
+    rows, K, eps,
     stride_dy_row, stride_dy_col,
     stride_x_row, stride_x_col,
     stride_w,
@@ -99,41 +120,65 @@ def rms_norm_backward_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ONE_BLOCK: tl.constexpr, HAS_DRES: tl.constexpr,
 ):
-    # This program's rows: [first, last); its dweight share goes to row `pid` of dw_ptr ([programs, K]).
+    # A persistent program: row blocks pid, pid + programs, ...; its dweight share goes to row `pid`
+    # of dw_ptr (a dense [programs, K] buffer, or dweight itself when there is one program).
     pid = tl.program_id(0)
-    first = pid.to(tl.int64) * rows_per_program
-    last = tl.minimum(first + rows_per_program, rows)
-    dw_row = dw_ptr + pid.to(tl.int64) * K
+    programs = tl.num_programs(0)
+    blocks = tl.cdiv(rows, BLOCK_M)
+    step = programs.to(tl.int64) * BLOCK_M
+    block_rows = tl.arange(0, BLOCK_M).to(tl.int64)  # 64-bit: rows * row stride may pass 2**31
     cols = tl.arange(0, BLOCK_N)
+    dw_row = dw_ptr + pid.to(tl.int64) * K
 
     if ONE_BLOCK:
+        # Rows fit in one block: the dweight share stays in registers across row blocks, and the
+        # next row block's loads are issued before this one is reduced (its DRAM latency overlaps
+        # this block's reductions, math and stores).
         col_mask = (cols < K)[None, :]
         w = tl.load(w_ptr + cols * stride_w, mask=cols < K, other=0.0).to(tl.float32)[None, :]
         dw = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for start in range(first, last, BLOCK_M):
-            row = start + tl.arange(0, BLOCK_M)
-            mask = (row < last)[:, None] & col_mask
-            x = tl.load(x_ptr + row[:, None] * stride_x_row + cols[None, :] * stride_x_col,
-                        mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + row[:, None] * stride_dy_row + cols[None, :] * stride_dy_col,
-                         mask=mask, other=0.0).to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(x * x, axis=1) / K + eps)[:, None]
-            xhat = x * rstd
-            g = dy * w
-            dx = (g - xhat * (tl.sum(g * xhat, axis=1) / K)[:, None]) * rstd
+        row = pid * BLOCK_M + block_rows
+        mask = (row < rows)[:, None] & col_mask
+        x_next = tl.load(x_ptr + row[:, None] * stride_x_row + cols[None, :] * stride_x_col, mask=mask, other=0.0)
+        dy_next = tl.load(dy_ptr + row[:, None] * stride_dy_row + cols[None, :] * stride_dy_col, mask=mask, other=0.0)
+        for block in range(pid, blocks, programs):
+            # Rows and masks from the loop index, not carried over: carried, the compiler could not
+            # prove the mask constant along a row, and would not vectorise the loads.
+            row = block * BLOCK_M + block_rows
+            mask = (row < rows)[:, None] & col_mask
+            x = x_next.to(tl.float32)
+            dy = dy_next.to(tl.float32)
+            following = row + step
+            next_mask = (following < rows)[:, None] & col_mask
+            x_next = tl.load(x_ptr + following[:, None] * stride_x_row + cols[None, :] * stride_x_col,
+                             mask=next_mask, other=0.0)
+            dy_next = tl.load(dy_ptr + following[:, None] * stride_dy_row + cols[None, :] * stride_dy_col,
+                              mask=next_mask, other=0.0)
             if HAS_DRES:
-                dx += tl.load(dres_ptr + row[:, None] * stride_dres_row + cols[None, :] * stride_dres_col,
-                              mask=mask, other=0.0).to(tl.float32)
+                # Not prefetched (registers): issued now, it overlaps this block's reductions.
+                dres = tl.load(dres_ptr + row[:, None] * stride_dres_row + cols[None, :] * stride_dres_col,
+                               mask=mask, other=0.0)
+            # Both row sums in one reduction: sum(x**2) for rstd, sum(g * x) for mean(g * xhat).
+            g = dy * w
+            sum_sq, sum_gx = tl.reduce((x * x, g * x), 1, _add_pairs)
+            rstd = tl.rsqrt(sum_sq / K + eps)
+            # dx = rstd * g - x * rstd**3 * mean(g * x)
+            coef = (sum_gx / K) * rstd * rstd * rstd
+            dx = g * rstd[:, None] - x * coef[:, None]
+            if HAS_DRES:
+                dx += dres.to(tl.float32)
             tl.store(dx_ptr + row[:, None] * stride_dx_row + cols[None, :] * stride_dx_col,
                      dx.to(dx_ptr.dtype.element_ty), mask=mask)
-            dw += dy * xhat
-        tl.store(dw_row + cols, tl.sum(dw, axis=0), mask=cols < K)
+            dw += dy * x * rstd[:, None]
+        # Written once, whole: the buffer needs no zeroing.
+        tl.store(dw_row + cols, tl.sum(dw, axis=0).to(dw_ptr.dtype.element_ty), mask=cols < K)
     else:
-        # Rows longer than a block: per row block, pass 1 sums x**2 and g*x, pass 2 writes dx and
-        # adds dy*xhat into this program's dweight row (zeroed by the plan; it stays in cache).
-        for start in range(first, last, BLOCK_M):
-            row = start + tl.arange(0, BLOCK_M)
-            row_mask = (row < last)[:, None]
+        # Rows longer than a block: per row block, pass 1 sums x**2 and g*x over the row, pass 2
+        # re-reads it (from cache), writes dx and adds dy*xhat into this program's dweight row, which
+        # the first row block stores and later ones read back (so the buffer needs no zeroing).
+        for block in range(pid, blocks, programs):
+            row = block * BLOCK_M + block_rows
+            row_mask = (row < rows)[:, None]
             sum_sq = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             sum_gx = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for c in range(0, K, BLOCK_N):
@@ -146,8 +191,9 @@ def rms_norm_backward_kernel(
                 sum_sq += x * x
                 sum_gx += dy * w[None, :] * x
             rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / K + eps)[:, None]
-            # mean(g * xhat) = rstd * mean(g * x)
-            mean_gxhat = tl.sum(sum_gx, axis=1)[:, None] / K * rstd
+            coef = (tl.sum(sum_gx, axis=1)[:, None] / K) * rstd * rstd * rstd
+            # Columns of the dweight row to read back: none in the program's first row block.
+            read_back = tl.where(block == pid, 0, K)
             for c in range(0, K, BLOCK_N):
                 mask = row_mask & (c + cols < K)[None, :]
                 x = tl.load(x_ptr + row[:, None] * stride_x_row + (c + cols)[None, :] * stride_x_col,
@@ -155,17 +201,18 @@ def rms_norm_backward_kernel(
                 dy = tl.load(dy_ptr + row[:, None] * stride_dy_row + (c + cols)[None, :] * stride_dy_col,
                              mask=mask, other=0.0).to(tl.float32)
                 w = tl.load(w_ptr + (c + cols) * stride_w, mask=c + cols < K, other=0.0).to(tl.float32)
-                xhat = x * rstd
-                dx = (dy * w[None, :] - xhat * mean_gxhat) * rstd
+                dx = dy * w[None, :] * rstd - x * coef
                 if HAS_DRES:
                     dx += tl.load(dres_ptr + row[:, None] * stride_dres_row + (c + cols)[None, :] * stride_dres_col,
                                   mask=mask, other=0.0).to(tl.float32)
                 tl.store(dx_ptr + row[:, None] * stride_dx_row + (c + cols)[None, :] * stride_dx_col,
                          dx.to(dx_ptr.dtype.element_ty), mask=mask)
-                dw = tl.load(dw_row + c + cols, mask=c + cols < K, other=0.0) + tl.sum(dy * xhat, axis=0)
-                tl.store(dw_row + c + cols, dw, mask=c + cols < K)
-                # The next row block reads this slice back, possibly from other threads of the program.
-                tl.debug_barrier()
+                col_ok = c + cols < K
+                dw = tl.sum(dy * x * rstd, axis=0)
+                dw += tl.load(dw_row + c + cols, mask=c + cols < read_back, other=0.0).to(tl.float32)
+                tl.store(dw_row + c + cols, dw.to(dw_ptr.dtype.element_ty), mask=col_ok)
+            # The next row block reads these slices back, possibly in other threads of the program.
+            tl.debug_barrier()
 
 
 @triton.jit
@@ -195,7 +242,7 @@ def plan(args: tuple, config: Config) -> LaunchPlan:
     rows, k = x2.shape
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
     call = KernelCall(
-        rms_norm_kernel, (triton.cdiv(rows, block_m),),
+        rms_norm_kernel, (cdiv(rows, block_m),),
         (x2, weight, out2, rows, k, float(eps),
          x2.stride(0), x2.stride(1), weight.stride(0), out2.stride(0), out2.stride(1)),
         {"BLOCK_M": block_m, "BLOCK_N": block_n, "ONE_BLOCK": k <= block_n, "num_warps": config["num_warps"]},
@@ -210,13 +257,31 @@ def _multiprocessors(device: torch.device) -> int:
     return 4  # the interpreter, meta tensors, other devices: few programs, each looping more
 
 
-def backward_programs(rows: int, block_m: int, num_warps: int, device: torch.device) -> tuple[int, int]:
-    """``(programs, rows_per_program)`` of the backward: enough programs to fill the device (about
-    32 warps per multiprocessor), no more, since each writes a K-wide float32 dweight partial."""
-    cap = _multiprocessors(device) * max(32 // num_warps, 1)
-    programs = min(triton.cdiv(rows, block_m), cap)
-    rows_per_program = triton.cdiv(triton.cdiv(rows, programs), block_m) * block_m
-    return triton.cdiv(rows, rows_per_program), rows_per_program
+def backward_config(config: Config) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, num_warps)`` of the backward for the op's ``config``: its tile narrowed to
+    MAX_BACKWARD_TILE elements (BLOCK_M first; rows wider than BLOCK_N take the two-pass path), and
+    at least one warp per BACKWARD_ELEMENTS_PER_THREAD * 32 elements of it."""
+    block_n = min(config["BLOCK_N"], MAX_BACKWARD_TILE)
+    block_m = max(min(config["BLOCK_M"], MAX_BACKWARD_TILE // block_n), 1)
+    tile = block_m * block_n
+    num_warps = min(max(config["num_warps"], tile // (32 * BACKWARD_ELEMENTS_PER_THREAD)), 16)
+    return block_m, block_n, num_warps
+
+
+def backward_programs(blocks: int, tile: int, num_warps: int, device: torch.device) -> int:
+    """Programs of the backward's persistent grid for ``blocks`` row blocks of ``tile`` elements.
+
+    As many as the multiprocessors hold at once, and no more: a program that waits for a free
+    multiprocessor doubles the time, and each writes a K-wide float32 dweight partial. Registers
+    bound the resident threads: ``ptxas`` gives 32-48 registers at 2-4 elements per thread, 74-93
+    at 8, 117-128 at 16 (sm_90, bfloat16; 32 + 6 per element bounds them all). Beyond
+    RESIDENT_ELEMENTS per multiprocessor, more programs would add partials and no bandwidth.
+    """
+    registers = 32 + 6 * tile // (32 * num_warps)
+    resident = REGISTERS_PER_MULTIPROCESSOR // (registers * 32 * num_warps)
+    per_multiprocessor = max(min(resident, MAX_WARPS_PER_MULTIPROCESSOR // num_warps,
+                                 cdiv(RESIDENT_ELEMENTS, tile)), 1)
+    return min(blocks, _multiprocessors(device) * per_multiprocessor)
 
 
 def backward_outputs(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,7 +290,8 @@ def backward_outputs(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tenso
 
 
 def backward_plan(args: tuple, config: Config) -> LaunchPlan:
-    """Launches for ``(dx, dweight)`` from ``args = (dy, x, weight, dres | None, eps)``."""
+    """Launches for ``(dx, dweight)`` from ``args = (dy, x, weight, dres | None, eps)``: the persistent
+    row kernel, then (with more than one program) the column sum of the dweight partials."""
     dy, x, weight, dres, eps = args
     dx, dw = backward_outputs(x, weight)
     k = x.shape[-1]
@@ -236,26 +302,38 @@ def backward_plan(args: tuple, config: Config) -> LaunchPlan:
     dy2 = dy.reshape(x2.shape)
     dres2 = dres.reshape(x2.shape) if dres is not None else dy2
     rows = x2.shape[0]
-    block_m, block_n, num_warps = config["BLOCK_M"], config["BLOCK_N"], config["num_warps"]
+    block_m, block_n, num_warps = backward_config(config)
     one_block = k <= block_n
-    programs, rows_per_program = backward_programs(rows, block_m, num_warps, x.device)
-    # Looping programs add into their partial row, so it starts at zero.
-    partial = (torch.empty if one_block else torch.zeros)((programs, k), dtype=torch.float32, device=x.device)
+    blocks = cdiv(rows, block_m)
+    programs = backward_programs(blocks, block_m * block_n, num_warps, x.device)
+    # One program with rows in one block (or one row block) writes dweight itself, in its dtype:
+    # one launch, no buffer. Otherwise each program writes a float32 partial, summed by a second kernel.
+    direct = programs == 1 and (one_block or blocks == 1)
+    partial = dw if direct else torch.empty((programs, k), dtype=torch.float32, device=x.device)
     main = KernelCall(
         rms_norm_backward_kernel, (programs,),
-        (dy2, x2, weight, dres2, dx2, partial, rows, k, float(eps), rows_per_program,
+        (dy2, x2, weight, dres2, dx2, partial, rows, k, float(eps),
          dy2.stride(0), dy2.stride(1), x2.stride(0), x2.stride(1), weight.stride(0),
          dres2.stride(0), dres2.stride(1), dx2.stride(0), dx2.stride(1)),
         {"BLOCK_M": block_m, "BLOCK_N": block_n, "ONE_BLOCK": one_block, "HAS_DRES": dres is not None,
          "num_warps": num_warps},
     )
-    block_k = min(max(next_power_of_2(k), 16), 128)
-    reduce = KernelCall(
-        column_sum_kernel, (triton.cdiv(k, block_k),),
-        (partial, dw, programs, k, dw.stride(0)),
-        {"BLOCK_P": 32, "BLOCK_K": block_k, "num_warps": 4},
+    if direct:
+        return LaunchPlan(calls=[main], result=(dx, dw))
+    return LaunchPlan(calls=[main, column_sum_call(partial, dw, x.device)], result=(dx, dw))
+
+
+def column_sum_call(partial: torch.Tensor, out: torch.Tensor, device: torch.device) -> KernelCall:
+    """``out = partial.sum(0)``: column strips narrow enough for a program per multiprocessor or more
+    (at least 32 float32 columns: whole 128-byte lines), each summed in tiles of up to 4096 elements."""
+    programs, k = partial.shape
+    block_k = min(max(next_power_of_2(cdiv(k, _multiprocessors(device))), 32), 256)
+    block_p = min(next_power_of_2(programs), 4096 // block_k)
+    return KernelCall(
+        column_sum_kernel, (cdiv(k, block_k),),
+        (partial, out, programs, k, out.stride(0)),
+        {"BLOCK_P": block_p, "BLOCK_K": block_k, "num_warps": max(min(block_p * block_k // 512, 8), 1)},
     )
-    return LaunchPlan(calls=[main, reduce], result=(dx, dw))
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -300,15 +378,16 @@ def _elements_per_thread(c: Config) -> float:
 
 
 def space() -> SearchSpace:
-    """Rows per program, row block width and warps. Rows wider than BLOCK_N loop (two passes)."""
+    """Rows per program, row block width and warps. Rows wider than BLOCK_N loop (two passes). The
+    backward derives its launch from the same config (:func:`backward_config`)."""
     return SearchSpace(
         [PowerOfTwo("BLOCK_M", 1, 128), PowerOfTwo("BLOCK_N", 16, 16384), num_warps(1, 2, 4, 8, 16, 32)],
         [
             Constraint("BLOCK_M * BLOCK_N / (32 * num_warps) >= 2 (every thread has at least two elements)",
                        lambda c: _elements_per_thread(c) >= 2),
-            # The backward runs with the same config and keeps about five float32 values per
-            # element (x, dy, xhat, dx, the dweight partial): 32 elements fill 160 registers.
-            Constraint("BLOCK_M * BLOCK_N / (32 * num_warps) <= 32 (the tile fits in registers, backward included)",
+            # The forward keeps about three float32 values per element; the backward narrows the
+            # tile and adds warps itself (backward_config).
+            Constraint("BLOCK_M * BLOCK_N / (32 * num_warps) <= 32 (the tile fits in registers)",
                        lambda c: _elements_per_thread(c) <= 32),
         ],
     )
@@ -418,9 +497,33 @@ def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
     ctx.eps, ctx.config = eps, config
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _plain_eager(tensors: tuple) -> bool:
+    """True when eager autograd runs a backward formula on plain tensors with nothing watching:
+    no graph being built (``create_graph``), no tracing (``torch.compile``, ``make_fx``), no tensor
+    subclass (fake, functional, ...), no dispatch mode or functorch transform."""
+    return (not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and all(type(t) in _PLAIN_TENSORS for t in tensors if t is not None)
+            and tensors[1].dtype != torch.float64
+            and torch._C._len_torch_dispatch_stack() == 0 and not torch._C._are_functorch_transforms_active())
+
+
+def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, dres: torch.Tensor | None, eps: float,
+             config: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dweight)`` for an autograd formula (this module's and ``add_rms_norm``'s): in plain
+    eager autograd the kernels are launched directly, as the inference path does, sparing the
+    dispatcher's tens of microseconds per call that small shapes would wait for; anywhere else
+    through the custom op ``dlblas::rms_norm_backward``, which tracers see as one node."""
+    if _plain_eager((dy, x, weight, dres)):
+        return backward_plan((dy, x, weight, dres, eps), _config((x, weight, eps), tuple(config))).run()
+    return torch.ops.dlblas.rms_norm_backward(dy, x, weight, dres, eps, *config)
+
+
 def _backward(ctx: Any, dy: torch.Tensor) -> tuple:
     x, weight = ctx.saved_tensors
-    dx, dw = torch.ops.dlblas.rms_norm_backward(dy, x, weight, None, ctx.eps, *ctx.config)
+    dx, dw = backward(dy, x, weight, None, ctx.eps, ctx.config)
     return dx, dw, None, None, None, None
 
 
@@ -438,6 +541,7 @@ TRITON = CustomOpTritonImplementation(
     kernels=(rms_norm_kernel, rms_norm_backward_kernel, column_sum_kernel),
     default_config=default_config,
     space=space,
+    replayable=True,
     custom_op=custom_op,
     dtypes=DTYPES,
     doc="BLOCK_M rows per program, each in registers up to BLOCK_N, two passes beyond; "

@@ -23,7 +23,7 @@ from dlcore.device import DeviceProfile
 from dlcore.implementation import Config, KernelCall, LaunchPlan
 from dlcore.layout import as_rows
 from dlcore.op import Op, TensorArg
-from dlcore.signature import Signature, make_signature, next_power_of_2
+from dlcore.signature import Signature, cdiv, make_signature, next_power_of_2
 from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints
 from dlcore.tuning.space import Constraint, PowerOfTwo, SearchSpace, num_warps
 
@@ -89,7 +89,7 @@ def plan(args: tuple, config: Config) -> LaunchPlan:
         return LaunchPlan(calls=[], result=out)
     x2, out2 = as_rows(x), as_rows(out)
     block_n = config["BLOCK_N"]
-    grid = (x2.shape[0], triton.cdiv(n, block_n))
+    grid = (x2.shape[0], cdiv(n, block_n))
     call = KernelCall(
         silu_and_mul_kernel, grid,
         (x2, out2, n, x2.stride(0), x2.stride(1), out2.stride(0), out2.stride(1)),
@@ -110,7 +110,7 @@ def backward_plan(args: tuple, config: Config) -> LaunchPlan:
     dy2 = dy.reshape(x2.shape[0], n)
     block_n = config["BLOCK_N"]
     call = KernelCall(
-        silu_and_mul_backward_kernel, (x2.shape[0], triton.cdiv(n, block_n)),
+        silu_and_mul_backward_kernel, (x2.shape[0], cdiv(n, block_n)),
         (dy2, x2, dx2, n, dy2.stride(0), dy2.stride(1), x2.stride(0), x2.stride(1), dx2.stride(0), dx2.stride(1)),
         {"BLOCK_N": block_n, "num_warps": config["num_warps"]},
     )
