@@ -29,7 +29,9 @@ class TensorArg:
     ``layouts``: the stride classes accepted (see :mod:`dlcore.layout`). ``same_dtype_as``: the
     name of an earlier tensor argument whose dtype this one must share. ``bucket``: the key policy
     for this argument's shape in cache keys (``"rows"``: leading dimensions flattened and rounded up
-    to a power of two, last dimension exact; ``None``: exact shape).
+    to a power of two, last dimension exact; ``None``: exact shape). ``differentiable``: whether a
+    model takes gradients with respect to this argument: False for tables and constants (rotary
+    cos and sin), which backwards need not differentiate and ``dlcore bench`` never asks gradients of.
     """
 
     name: str
@@ -39,6 +41,7 @@ class TensorArg:
     layouts: tuple[str, ...] = ("contiguous", "rows")
     same_dtype_as: str | None = None
     bucket: str | None = None
+    differentiable: bool = True
 
 
 @dataclass(frozen=True)
@@ -208,6 +211,10 @@ class Op:
 
     def tensor_args(self) -> list[TensorArg]:
         return [a for a in self.args if isinstance(a, TensorArg)]
+
+    def differentiable(self) -> tuple[int, ...]:
+        """The positions of the tensor arguments declared differentiable, in declared order."""
+        return tuple(i for i, a in enumerate(self.args) if isinstance(a, TensorArg) and a.differentiable)
 
     def dtypes(self) -> tuple[torch.dtype, ...]:
         """The dtypes of the first tensor argument: what ``dlcore ops`` lists."""

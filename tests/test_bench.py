@@ -3,6 +3,7 @@ baselines, JSON and plot output, and one real run of rms_norm through the comman
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -31,11 +32,11 @@ def test_a_model_preset_varies_tokens_and_takes_the_model_dimensions():
 
 def test_the_all_preset_merges_models_of_equal_shapes():
     shapes, _ = shapes_for({"tokens": 37, "hidden": 256}, None)
-    assert len(shapes) == 4 * len(TOKENS)  # DeepSeek-V3's experts share its hidden size
-    assert {s.sizes["hidden"] for s in shapes} == {4096, 8192, 3584, 7168}
+    assert len(shapes) == 6 * len(TOKENS)  # DeepSeek-V3's experts share its hidden size
+    assert {s.sizes["hidden"] for s in shapes} == {4096, 8192, 3584, 5120, 2048, 7168}
     assert shapes[-1].models == ("deepseek-v3", "deepseek-v3-moe")
     inter = {s.sizes["inter"] for s in shapes_for({"tokens": 37, "inter": 128}, "all")[0]}
-    assert inter == {14336, 28672, 18944, 18432, 2048}
+    assert inter == {14336, 28672, 18944, 12288, 10944, 18432, 2048}
 
 
 def test_rotary_sizes_get_heads_and_batch_one():
@@ -49,8 +50,20 @@ def test_rotary_sizes_get_heads_and_batch_one():
 
 def test_mla_sizes_come_from_deepseek_only():
     shapes, notes = shapes_for(MLA_SIZES, "all", tokens=(16,))
-    assert [s.sizes for s in shapes] == [{"tokens": 16, "heads": 128, "nope_dim": 128, "rope_dim": 64, "v_dim": 128}]
-    assert sum("left out" in n for n in notes) == len(MODELS) - 1
+    mla = {"nope_dim": 128, "rope_dim": 64, "v_dim": 128}
+    assert [(s.sizes, s.models) for s in shapes] == [
+        ({"tokens": 16, "heads": 128, **mla}, ("deepseek-v2", "deepseek-v3")),
+        ({"tokens": 16, "heads": 16, **mla}, ("deepseek-v2-lite",)),
+    ]
+    assert sum("left out" in n for n in notes) == len(MODELS) - 3
+    assert shapes_for(MLA_SIZES, "mla", tokens=(16,))[0] == shapes
+
+
+def test_the_gqa_preset_holds_llama_and_qwen():
+    shapes, notes = shapes_for(ROTARY_SIZES, "gqa", tokens=(1,))
+    assert [(s.sizes["heads"], s.sizes["kv_heads"], s.sizes["head_dim"]) for s in shapes] == [
+        (32, 8, 128), (64, 8, 128), (28, 4, 128)]
+    assert notes == []
 
 
 def test_unknown_size_names_keep_their_example_value():
@@ -151,7 +164,7 @@ def scale(x, s):
     return x * s.detach()
 
 
-def fake_op(log: Log, baselines=None, cost=True, differentiable=True) -> Op:
+def fake_op(log: Log, baselines=None, cost=True, differentiable=True, s_differentiable=False) -> Op:
     def example(sizes, dtype, device, generator):
         x = torch.randn(sizes["tokens"], sizes["hidden"], generator=generator)
         return x.to(device=device, dtype=dtype), torch.full((sizes["hidden"],), 2.0, dtype=dtype, device=device)
@@ -159,12 +172,14 @@ def fake_op(log: Log, baselines=None, cost=True, differentiable=True) -> Op:
     def fake_cost(args, mode="fwd"):
         return (10**9 if mode == "fwd" else 3 * 10**9), 10
 
-    reference = scale if differentiable else (lambda x, s: scale(x, s).detach())
+    differentiated = times if s_differentiable else scale
+    reference = differentiated if differentiable else (lambda x, s: scale(x, s).detach())
     if baselines is None:
         baselines = {"torch": lambda: log.logged("torch", scale), "liger": lambda: None}
     return Op(
         name="fake",
-        args=(TensorArg("x", (torch.float32,)), TensorArg("s", (torch.float32,), max_rank=1)),
+        args=(TensorArg("x", (torch.float32,)),
+              TensorArg("s", (torch.float32,), max_rank=1, differentiable=s_differentiable)),
         reference=log.logged(OWN, reference),
         example=example,
         example_sizes={"tokens": 1, "hidden": 8},
@@ -275,11 +290,33 @@ def test_backward_times_the_backward_alone(monkeypatch, log):
                         or scale(x, s))
     report = bench(op, log, mode="bwd", baselines=("torch",), tokens=(1,))
     calls = [name for name, _ in log.calls]
-    assert calls == [OWN, OWN], "one forward to find the differentiable inputs, one to keep the graph; none timed"
-    assert seen == [(True, False)], "only the inputs the op differentiates require grad"
+    assert calls == [OWN, OWN], "one forward to see it has a backward, one to keep the graph; none timed"
+    assert seen == [(True, False)], "only the inputs the op declares differentiable require grad"
     result = report.shapes[0]
     assert len(result.rounds[OWN]) == 3 and len(result.rounds["torch"]) == 3
     assert result.nbytes == 3 * 10**9 and result.max_abs_diff == {"torch": 0.0}
+
+
+def times(x, s):
+    return x * s
+
+
+def test_backward_asks_every_implementation_for_the_declared_gradients_only(monkeypatch, log):
+    asked = []
+    grad = torch.autograd.grad
+
+    def spy(outputs, inputs, *args, **kwargs):
+        asked.append(tuple(tuple(t.shape) for t in inputs))
+        return grad(outputs, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(torch.autograd, "grad", spy)
+    for declared, wanted in ((False, {((1, 8),)}), (True, {((1, 8), (8,))})):
+        asked.clear()
+        op = fake_op(log, s_differentiable=declared, baselines={"torch": lambda: times})
+        op = register(monkeypatch, dataclasses.replace(op, name=f"fake_{declared}"))
+        report = bench(op, log, mode="bwd", baselines=("torch",), tokens=(1,))
+        assert set(report.shapes[0].rounds) == {OWN, "torch"}, report.table()
+        assert set(asked) == wanted and len(asked) == 2 * (1 + 3), "a warm-up and 3 rounds each, same inputs"
 
 
 class InPlaceBackward(torch.autograd.Function):
@@ -367,6 +404,44 @@ def test_cli_writes_json_with_the_command(monkeypatch, log, tmp_path, capsys):
     assert data["shapes"][0]["results"]["torch"]["ms"] > 0
     captured = capsys.readouterr()
     assert "[1/1] tokens=3,hidden=8: dlcore" in captured.err and "liger: not installed here" in captured.out
+
+
+ROTARY_OPS = {
+    "apply_rotary_pos_emb": "tokens=5,heads=4,kv_heads=2,head_dim=16",
+    "partial_rotary_emb": "tokens=3,heads=2,nope_dim=8,rope_dim=4,v_dim=8",
+    "rms_norm": "tokens=3,hidden=64",
+    "add_rms_norm": "tokens=3,hidden=64",
+    "silu_and_mul": "tokens=3,inter=64",
+}
+
+
+@pytest.mark.parametrize("mode", ["fwd", "bwd"])
+@pytest.mark.parametrize("name", list(ROTARY_OPS))
+def test_every_kernel_op_benches_in_the_interpreter(name, mode, monkeypatch, tmp_path, capsys):
+    """Each op and mode end to end through the command line; the backward asks dlcore and torch for
+    the gradients of the declared differentiable inputs only (never rotary's cos and sin)."""
+    op = registry().op(name)
+    if "inter" in ROTARY_OPS[name] and "inter" not in op.example_sizes:
+        pytest.skip(f"{name} has no size 'inter'")
+    asked = []
+    grad = torch.autograd.grad
+
+    def spy(outputs, inputs, *args, **kwargs):
+        asked.append(len(inputs))
+        return grad(outputs, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(harness, "default_copy_bytes", lambda device: 2**16)
+    monkeypatch.setattr(torch.autograd, "grad", spy)
+    out = tmp_path / "bench.json"
+    assert main(["bench", name, "--shapes", ROTARY_OPS[name], "--vs", "torch", "--dtype", "fp32", "--mode", mode,
+                 "--rounds", "1", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    (shape,) = data["shapes"]
+    assert shape["chosen"].startswith("triton") and shape["results"][OWN]["ms"] > 0
+    assert shape["results"]["torch"]["ms"] > 0 and shape["max_abs_diff_vs_dlcore"]["torch"] < 1e-4
+    assert f"{name} {mode} float32" in capsys.readouterr().out
+    if mode == "bwd":
+        assert asked and set(asked) == {len(op.differentiable())}
 
 
 def test_cli_errors_are_one_line(capsys):

@@ -464,20 +464,18 @@ class Bench:
 
     def _backward(self, own: Callable[..., Any], args: tuple,
                   result: ShapeResult) -> Callable[[Callable[..., Any]], Callable[[], object]] | None:
-        """How to time this mode's backward, with inputs requiring grad where the op's backward gives one."""
-        floats = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point()]
-        probe_args = _with_grad(args, floats)
-        outs = [t for t in _tensors(own(*probe_args)) if t.requires_grad]
+        """How to time this mode's backward: the inputs the op declares differentiable (floating-point
+        tensors only) require grad, every implementation is asked for the gradients of exactly those."""
+        wrt = [i for i in self.op.differentiable() if isinstance(args[i], torch.Tensor) and args[i].is_floating_point()]
+        grad_args = _with_grad(args, wrt)
+        outs = [t for t in _tensors(own(*grad_args)) if t.requires_grad] if wrt else []
         if not outs:
             result.notes.append(f"{OWN}: {self.op.name} has no backward (its outputs carry no autograd graph); "
                                 f"{self.mode} skipped")
             return None
         generator = torch.Generator().manual_seed(self.seed + 1)
         grads = [torch.randn(t.shape, generator=generator).to(device=t.device, dtype=t.dtype) for t in outs]
-        probe = torch.autograd.grad(outs, [probe_args[i] for i in floats], grads, allow_unused=True)
-        differentiable = [i for i, g in zip(floats, probe) if g is not None]
-        grad_args = _with_grad(args, differentiable)
-        inputs = [grad_args[i] for i in differentiable]
+        inputs = [grad_args[i] for i in wrt]
         if self.mode == "bwd":
             return _backward_only(grad_args, inputs, grads)
         return _forward_backward(grad_args, inputs, grads)
@@ -494,7 +492,8 @@ def _forward(args: tuple) -> Callable[[Callable[..., Any]], Callable[[], object]
 
 def _backward_only(args: tuple, inputs: list[torch.Tensor],
                    grads: list[torch.Tensor]) -> Callable[[Callable[..., Any]], Callable[[], object]]:
-    """The forward runs once, outside the timing; each timed call runs the backward of its graph.
+    """The forward runs once, outside the timing; each timed call runs the backward of its graph,
+    ``torch.autograd.grad`` of ``inputs`` only (no ``.grad`` accumulation, nothing else differentiated).
 
     Each implementation gets its own copy of ``grads``: some backwards (Liger's) write into them.
     """

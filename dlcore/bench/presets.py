@@ -36,8 +36,13 @@ MODELS: dict[str, dict[str, int]] = {
     "llama3-8b": {"hidden": 4096, "inter": 14336, "heads": 32, "kv_heads": 8, "head_dim": 128},
     "llama3-70b": {"hidden": 8192, "inter": 28672, "heads": 64, "kv_heads": 8, "head_dim": 128},
     "qwen2.5-7b": {"hidden": 3584, "inter": 18944, "heads": 28, "kv_heads": 4, "head_dim": 128},
-    # MLA: the rotary embedding covers the 64 rope dimensions of 128 query heads and of one shared
-    # key head (q_pe [.., 128, 64], k_pe [.., 1, 64]); nope 128 and v 128 for the MLA layout.
+    # MLA: the rotary embedding covers the 64 rope dimensions of the query heads and of one shared
+    # key head (q_pe [.., H, 64], k_pe [.., 1, 64]); nope 128 and v 128 for the MLA layout. The FFN
+    # width is the dense layers'.
+    "deepseek-v2": {"hidden": 5120, "inter": 12288, "heads": 128, "kv_heads": 1, "head_dim": 64,
+                    "nope_dim": 128, "rope_dim": 64, "v_dim": 128},
+    "deepseek-v2-lite": {"hidden": 2048, "inter": 10944, "heads": 16, "kv_heads": 1, "head_dim": 64,
+                         "nope_dim": 128, "rope_dim": 64, "v_dim": 128},
     "deepseek-v3": {"hidden": 7168, "inter": 18432, "heads": 128, "kv_heads": 1, "head_dim": 64,
                     "nope_dim": 128, "rope_dim": 64, "v_dim": 128},
     # the routed experts' FFN width
@@ -45,7 +50,12 @@ MODELS: dict[str, dict[str, int]] = {
 }
 
 #: preset name -> models; every model is a preset on its own
-PRESETS: dict[str, tuple[str, ...]] = {"all": tuple(MODELS), **{name: (name,) for name in MODELS}}
+PRESETS: dict[str, tuple[str, ...]] = {
+    "all": tuple(MODELS),
+    "gqa": ("llama3-8b", "llama3-70b", "qwen2.5-7b"),
+    "mla": ("deepseek-v2", "deepseek-v2-lite", "deepseek-v3"),
+    **{name: (name,) for name in MODELS},
+}
 DEFAULT_PRESET = "all"
 
 _DIMS = re.compile(r"\d+(x\d+)*")

@@ -8,6 +8,7 @@ import shlex
 import sys
 
 from dlcore.bench.harness import KNOWN_BASELINES, MODES, OWN
+from dlcore.bench.presets import DEFAULT_PRESET, PRESETS
 from dlcore.cli.options import DTYPES, default_device
 
 
@@ -35,15 +36,16 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("op")
     p.add_argument("--shapes", default=None,
-                   help="a preset: all (default), llama3-8b, llama3-70b, qwen2.5-7b, deepseek-v3, deepseek-v3-moe "
-                        "(several joined by commas); or named sizes, one set per ';' "
+                   help=f"a preset: {', '.join(PRESETS)} (default {DEFAULT_PRESET}; several joined by commas; "
+                        "gqa: LLaMA-3 and Qwen2.5, mla: the DeepSeek models); or named sizes, one set per ';' "
                         "(tokens=4096,hidden=4096;tokens=1,hidden=4096); or MxN in the order of the op's sizes "
                         "(4096x4096,1x4096)")
     p.add_argument("--tokens", type=_counts, default=None,
                    help="token counts of the presets (default 1,16,64,256,1024,4096,16384)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--mode", choices=MODES, default="fwd",
-                   help="fwd; bwd: the backward alone (inputs requiring grad, a fixed grad_output); fwd+bwd")
+                   help="fwd; bwd: the backward alone (the forward runs once untimed, then torch.autograd.grad of "
+                        "the inputs the op declares differentiable, for a fixed grad_output); fwd+bwd")
     p.add_argument("--vs", type=_names, default=KNOWN_BASELINES,
                    help="baselines, joined by commas (default torch,compile,liger; none for none)")
     p.add_argument("--device", default=None, help="cuda when available, else cpu")

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import importlib
+
 import dlblas_kernels
 import pytest
 import torch
@@ -10,12 +12,16 @@ from dlblas_kernels.apply_rotary_pos_emb import (
     apply_rotary_pos_emb_backward_reference,
     apply_rotary_pos_emb_reference,
     backward_plan,
+    bsd_strides,
+    bshd_strides,
+    flat_stride,
     llama_cos_sin,
     torch_apply_rotary_pos_emb,
 )
 from gradients import check_backward
 
 from dlcore import InvalidInputError
+from dlcore.signature import make_signature
 from dlcore.testing import assert_close, randn, upcast
 
 INTERLEAVED = [False, True]
@@ -57,12 +63,15 @@ def test_llama_tables_match_eager_torch(interleaved, device, gen, run):
         assert_close(a, b.double(), torch.float32)
 
 
-@pytest.mark.parametrize("block_h, num_warps", [(1, 1), (2, 1), (4, 2), (64, 4)])
-def test_configs(block_h, num_warps, dtype, device, gen, run):
-    q, k, cos, sin = inputs((2,), 3, 5, 3, 12, dtype, device, gen)
+# Head steps that do not divide 5 q heads or 3 k heads; 2, 4 and 8 tokens per program (rows / 8 padded
+# q heads), which do not divide the 7 tokens.
+@pytest.mark.parametrize("block_h, num_warps", [(1, 1), (2, 1), (4, 2), (16, 1), (32, 2), (64, 4)])
+def test_configs(block_h, num_warps, dtype, device, gen, run, launches):
+    q, k, cos, sin = inputs((), 7, 5, 3, 12, dtype, device, gen)
+    config = {"BLOCK_H": block_h, "num_warps": num_warps}
     for interleaved in INTERLEAVED:
-        out = run(OP, TRITON, (q, k, cos, sin, interleaved, False), {"BLOCK_H": block_h, "num_warps": num_warps})
-        check(out, q, k, cos, sin, interleaved)
+        check(run(OP, TRITON, (q, k, cos, sin, interleaved, False), config), q, k, cos, sin, interleaved)
+    assert launches[0][1]["BLOCK_T"] == max(block_h // 8, 1)
 
 
 @pytest.mark.parametrize("layout", ["fused qkv", "heads first", "strided tables"])
@@ -124,7 +133,7 @@ def test_backward_non_contiguous_inputs(dtype, device, gen):
 @pytest.mark.parametrize("interleaved", INTERLEAVED, ids=["half", "interleaved"])
 def test_backward_plan_writes_every_output(interleaved, dtype, device, gen, launch):
     dq, dk, cos, sin = inputs((2,), 5, 3, 2, 10, dtype, device, gen)
-    out = launch(backward_plan((dq, dk, cos, sin, interleaved), {"BLOCK_H": 2, "num_warps": 1}))
+    out = launch(backward_plan((dq, dk, cos, sin, interleaved), {"BLOCK_H": 8, "num_warps": 1}))
     for a, b in zip(out, apply_rotary_pos_emb_backward_reference(*upcast(dq, dk, cos, sin), interleaved)):
         assert_close(a, b, dtype)
 
@@ -145,11 +154,54 @@ def test_zero_tokens_launch_nothing(device, no_launch):
 def test_plan_on_meta_tensors_reads_no_data():
     q, k = torch.empty(3, 10, 32, 128, device="meta"), torch.empty(3, 10, 8, 128, device="meta")
     cos = torch.empty(10, 128, device="meta")
-    plan = TRITON.plan((q, k, cos, cos, False, False), {"BLOCK_H": 16, "num_warps": 4})
+    plan = TRITON.plan((q, k, cos, cos, False, False), {"BLOCK_H": 16, "num_warps": 8})
     assert plan.result[0].shape == q.shape and plan.result[1].shape == k.shape
     (call,) = plan.calls
-    assert call.grid == (30, 2 + 1)  # 30 tokens; two blocks of q heads, one (of 8 heads) of k
-    assert call.kwargs["BLOCK_D"] == 64 and call.args[4].stride() == (0, 128, 1)  # cos shared by the batch
+    assert call.grid == (30,)  # a token per program; q's 32 heads in two steps of 16, k's 8 in one
+    assert {k: call.kwargs[k] for k in ("BLOCK_T", "BLOCK_HQ", "BLOCK_HK", "BLOCK_P", "HEAD_DIM", "num_warps")} == {
+        "BLOCK_T": 1, "BLOCK_HQ": 16, "BLOCK_HK": 8, "BLOCK_P": 64, "HEAD_DIM": 128, "num_warps": 8}
+    assert call.args[6:10] == (30, 10, 32, 8)
+    assert call.args[26:29] == (0, 128, 1)  # cos shared by the batch: batch stride 0
+    (call,) = TRITON.plan((q[:, :, :4], k[:, :, :2], cos, cos, False, False), {"BLOCK_H": 8, "num_warps": 8}).calls
+    assert call.grid == (15,) and call.kwargs["BLOCK_T"] == 2  # 4 q heads: 2 tokens per program
+    assert call.kwargs["num_warps"] == 4  # 8 rows of 128: 8 elements per thread with 4 warps
+
+
+def test_default_config_rotates_a_token_per_program_with_all_its_heads():
+    q, k = torch.empty(1, 4096, 32, 128, device="meta"), torch.empty(1, 4096, 8, 128, device="meta")
+    cos = torch.empty(1, 4096, 128, device="meta")
+    args = (q, k, cos, cos, False, False)
+    config = TRITON.default_config(make_signature(OP, args, q.device), None)
+    (call,) = TRITON.plan(args, config).calls
+    assert call.grid == (4096,)
+    assert (call.kwargs["BLOCK_HQ"], call.kwargs["BLOCK_HK"], call.kwargs["num_warps"]) == (32, 8, 8)
+    assert TRITON.space().is_valid(config) is None
+
+
+@pytest.mark.parametrize("shape, strides", [
+    ((2, 3), (3, 1)), ((2, 3), (1, 2)), ((1, 4), (100, 7)), ((4, 1), (5, 100)), ((2, 1, 3), (3, 9, 1)),
+    ((2, 2), (0, 0)), ((3, 2), (2, 0)), ((), ()), ((1, 1), (3, 5)),
+], ids=str)
+def test_flat_stride_flattens_as_view_does(shape, strides):
+    t = torch.empty(64).as_strided((*shape, 1, 1, 1), (*strides, 1, 1, 1))
+    try:
+        expected = t.view(-1, 1, 1, 1).stride(0) if t.numel() > 1 else 0
+    except RuntimeError:
+        expected = None
+    assert flat_stride(shape, strides) == expected
+    assert bshd_strides(t) == (None if expected is None else (expected, 1, 1, 1))
+
+
+def test_table_strides_broadcast_over_the_batch():
+    cos = torch.empty(5, 8)
+    assert bsd_strides(cos, (2, 3)) == (0, 8, 1)
+    assert bsd_strides(cos.expand(3, 5, 8), (2, 3)) == (0, 8, 1)
+    # Broadcast over the batch's outer dimension only: [2, 3] would flatten only with a copy.
+    assert bsd_strides(torch.empty(1, 3, 5, 8), (2, 3)) is None
+    assert bsd_strides(torch.empty(2, 1, 5, 8), (2, 3)) is None
+    assert bsd_strides(torch.empty(2, 3, 5, 8), (2, 3)) == (40, 8, 1)
+    assert bsd_strides(torch.empty(4, 5, 8), (2, 3)) is None
+    assert bsd_strides(torch.empty(1, 1, 5, 8), ()) == (0, 8, 1)
 
 
 BAD = ["odd head dim", "k head dim", "k sequence", "cos head dim", "sin shape", "cos sequence", "cos batch",
@@ -190,3 +242,45 @@ def test_bad_inputs_raise_before_launch(case, device, no_launch):
         interleaved = "yes"
     with pytest.raises(InvalidInputError):
         apply_rotary_pos_emb(q, k, cos, sin, interleaved)
+
+
+@pytest.mark.parametrize("interleaved", INTERLEAVED, ids=["half", "interleaved"])
+def test_backward_plan_takes_gradients_whose_batch_does_not_flatten(interleaved, device, gen, launch):
+    # [3, 2] storage seen as [2, 3]: the leading dimensions flatten only with a copy.
+    dq = randn(3, 2, 4, 3, 8, device=device, generator=gen).transpose(0, 1)
+    dk = randn(3, 2, 4, 1, 8, device=device, generator=gen).transpose(0, 1)
+    cos, sin = (randn(4, 8, device=device, generator=gen) for _ in range(2))
+    assert bshd_strides(dq) is None
+    out = launch(backward_plan((dq, dk, cos, sin, interleaved), TRITON.default_config(
+        make_signature(OP, (dq, dk, cos, sin, interleaved, False), dq.device), None)))
+    for a, b in zip(out, apply_rotary_pos_emb_backward_reference(*upcast(dq, dk, cos, sin), interleaved)):
+        assert_close(a, b, torch.float32)
+
+
+def test_backward_leaves_the_tables_alone_unless_asked(monkeypatch, device, gen, launches):
+    module = importlib.import_module("dlblas_kernels.apply_rotary_pos_emb")
+
+    q, k, cos, sin = inputs((2,), 5, 4, 2, 8, torch.float32, device, gen)
+    table_grads = []
+    original = module._table_grads
+    monkeypatch.setattr(module, "_table_grads", lambda *a: table_grads.append(a[-1]) or original(*a))
+    leaf_q, leaf_k = q.clone().requires_grad_(), k.clone().requires_grad_()
+    q_out, k_out = apply_rotary_pos_emb(leaf_q, leaf_k, cos, sin)
+    torch.autograd.grad((q_out, k_out), (leaf_q, leaf_k), (torch.ones_like(q_out), torch.ones_like(k_out)))
+    assert table_grads == [] and [name for name, _ in launches] == ["rotary_kernel", "rotary_kernel"]
+
+    # Only sin: no kernel for dq and dk, and cos's gradient is not computed either.
+    launches.clear()
+    leaf_sin = sin.clone().requires_grad_()
+    q_out, k_out = apply_rotary_pos_emb(q, k, cos, leaf_sin)
+    grad_q, grad_k = randn(*q.shape, generator=gen), randn(*k.shape, generator=gen)
+    (dsin,) = torch.autograd.grad((q_out, k_out), (leaf_sin,), (grad_q, grad_k))
+    assert table_grads == [(False, True)] and [name for name, _ in launches] == ["rotary_kernel"]
+    sin64 = sin.double().requires_grad_()
+    ref = apply_rotary_pos_emb_reference(q.double(), k.double(), cos.double(), sin64)
+    (expected,) = torch.autograd.grad(ref, (sin64,), (grad_q.double(), grad_k.double()))
+    assert_close(dsin, expected, torch.float32, reduce_dim=8)
+
+
+def test_only_q_and_k_are_declared_differentiable():
+    assert [OP.args[i].name for i in OP.differentiable()] == ["q", "k"]

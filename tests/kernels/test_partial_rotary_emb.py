@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import importlib
+
 import dlblas_kernels
 import pytest
 import torch
@@ -152,3 +154,17 @@ def test_bad_inputs_raise_before_launch(case, device, no_launch):
         cos = sin = cos[0]
     with pytest.raises(InvalidInputError):
         partial_rotary_emb(q, k_pe, kv, cos, sin, nope, rope, v)
+
+
+def test_backward_leaves_the_tables_alone_unless_asked(monkeypatch, device, gen):
+    module = importlib.import_module("dlblas_kernels.partial_rotary_emb")
+
+    args = inputs((2,), 3, 4, 8, 4, 8, torch.float32, device, gen)
+    monkeypatch.setattr(module, "_table_grads", lambda *a: pytest.fail("cos and sin gradients computed"))
+    check_backward(partial_rotary_emb, partial_rotary_emb_reference, args, (0, 1, 2), gen, reduce_dim=4)
+    assert [OP.args[i].name for i in OP.differentiable()] == ["q", "k_pe", "kv"]
+
+
+def test_backward_of_one_table_alone(device, gen):
+    args = inputs((2,), 3, 4, 8, 4, 8, torch.float32, device, gen)
+    check_backward(partial_rotary_emb, partial_rotary_emb_reference, args, (3,), gen, reduce_dim=16)

@@ -12,10 +12,13 @@ transposed rotation, ``(a*cos_a + b*sin_b, b*cos_b - a*sin_a)``, to the output g
 kernel serves both. cos and sin are read per element, so any values work, not only the usual
 duplicated halves.
 
-The kernel's grid is (tokens, head blocks of q, then of k): each program loads the token's cos and
-sin once and rotates ``BLOCK_H`` heads, reading each pair's two halves (or the whole interleaved
-head, split into even and odd lanes) contiguously. Math in float32; outputs in q's dtype, written to
-new tensors, or into q and k with ``inplace=True``.
+One launch, a 1-D grid over blocks of tokens: each program loads its tokens' cos and sin once, then
+rotates every head of q and then of k, ``BLOCK_H`` (token, head) rows per step (one token and all its
+q heads in one step for the usual head counts; several tokens per program when q has few heads),
+reading each pair's two halves as two contiguous loads (or the whole interleaved head in one, split
+into even and odd lanes). Every byte of q, k, cos and sin is read once and every output byte written
+once: the minimum. Math in float32; outputs in q's dtype, written to new tensors, or into q and k
+with ``inplace=True``. The plan computes strides in Python (no views on the host path).
 """
 
 from __future__ import annotations
@@ -31,15 +34,17 @@ from dlcore import InvalidInputError, hookimpl
 from dlcore.device import DeviceProfile
 from dlcore.implementation import Config, KernelCall, LaunchPlan
 from dlcore.op import Op, ScalarArg, TensorArg
-from dlcore.signature import Signature, make_signature, next_power_of_2
+from dlcore.signature import Signature, cdiv, make_signature, next_power_of_2
 from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints
 from dlcore.tuning.space import PowerOfTwo, SearchSpace, num_warps
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ANY_LAYOUT = ("contiguous", "rows", "strided")
 CONFIG_KEYS = ("BLOCK_H", "num_warps")
-# Elements of q or k a program aims to rotate (BLOCK_H heads of D).
-TILE = 2048
+# Elements of q a program rotates per step (BLOCK_T tokens of BLOCK_H heads of D): 8 KiB in bfloat16.
+TILE = 4096
+# Elements each thread holds at least: more warps than that would only hold copies of a small tile.
+MIN_PER_THREAD = 8
 
 
 @triton.jit
@@ -53,89 +58,131 @@ def rotate_pairs(a, b, cos_a, cos_b, sin_a, sin_b, BACKWARD: tl.constexpr):
 
 @triton.jit
 def _rotate_heads(
-    x_ptr, o_ptr, cos_ptr, sin_ptr,
-    H, D, head0,
-    stride_x_h, stride_x_d, stride_o_h, stride_o_d, stride_cos_d, stride_sin_d,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    x_rows, o_rows, token_mask, head0, H,
+    stride_x_h, stride_x_d, stride_o_h, stride_o_d,
+    cos_a, cos_b, sin_a, sin_b,
+    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
     INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
 ):
-    # Heads head0 .. head0 + BLOCK_H of one token; x_ptr, o_ptr, cos_ptr, sin_ptr point at that token.
-    heads = head0 + tl.arange(0, BLOCK_H)
-    x_heads = x_ptr + heads[:, None] * stride_x_h
-    o_heads = o_ptr + heads[:, None] * stride_o_h
-    cols = tl.arange(0, BLOCK_D)
+    # Heads head0 .. head0 + BLOCK_H of BLOCK_T tokens: x_rows and o_rows point at each token's first
+    # head ([BLOCK_T, 1, 1]); cos_* and sin_* are [BLOCK_T, 1, BLOCK_P], broadcast over the heads.
+    heads = head0 + tl.arange(0, BLOCK_H)[None, :, None]
+    mask = token_mask & (heads < H)
+    x_heads = x_rows + heads * stride_x_h
+    o_heads = o_rows + heads * stride_o_h
     if INTERLEAVED:
-        # The whole head in one contiguous load, split into its even (a) and odd (b) lanes.
-        mask = (heads < H)[:, None] & (cols < D)[None, :]
-        x = tl.load(x_heads + cols[None, :] * stride_x_d, mask=mask, other=0.0).to(tl.float32)
-        c = tl.load(cos_ptr + cols * stride_cos_d, mask=cols < D, other=0.0).to(tl.float32)
-        s = tl.load(sin_ptr + cols * stride_sin_d, mask=cols < D, other=0.0).to(tl.float32)
-        a, b = tl.split(tl.reshape(x, (BLOCK_H, BLOCK_D // 2, 2)))
-        cos_a, cos_b = tl.split(tl.reshape(c, (BLOCK_D // 2, 2)))
-        sin_a, sin_b = tl.split(tl.reshape(s, (BLOCK_D // 2, 2)))
-        out_a, out_b = rotate_pairs(a, b, cos_a[None, :], cos_b[None, :], sin_a[None, :], sin_b[None, :], BACKWARD)
-        out = tl.reshape(tl.join(out_a, out_b), (BLOCK_H, BLOCK_D))
-        tl.store(o_heads + cols[None, :] * stride_o_d, out.to(o_ptr.dtype.element_ty), mask=mask)
+        # Whole heads, each one contiguous load, split into the even (a) and odd (b) lanes.
+        cols = tl.arange(0, 2 * BLOCK_P)[None, None, :]
+        if 2 * BLOCK_P != HEAD_DIM:
+            mask = mask & (cols < HEAD_DIM)
+        x = tl.load(x_heads + cols * stride_x_d, mask=mask, other=0.0).to(tl.float32)
+        a, b = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_H, BLOCK_P, 2)))
+        out_a, out_b = rotate_pairs(a, b, cos_a, cos_b, sin_a, sin_b, BACKWARD)
+        out = tl.reshape(tl.join(out_a, out_b), (BLOCK_T, BLOCK_H, 2 * BLOCK_P))
+        tl.store(o_heads + cols * stride_o_d, out.to(o_rows.dtype.element_ty), mask=mask)
     else:
-        # The two halves of each head, each a contiguous load.
-        half = D // 2
-        mask = (heads < H)[:, None] & (cols < half)[None, :]
-        a = tl.load(x_heads + cols[None, :] * stride_x_d, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(x_heads + (half + cols)[None, :] * stride_x_d, mask=mask, other=0.0).to(tl.float32)
-        cos_a = tl.load(cos_ptr + cols * stride_cos_d, mask=cols < half, other=0.0).to(tl.float32)
-        cos_b = tl.load(cos_ptr + (half + cols) * stride_cos_d, mask=cols < half, other=0.0).to(tl.float32)
-        sin_a = tl.load(sin_ptr + cols * stride_sin_d, mask=cols < half, other=0.0).to(tl.float32)
-        sin_b = tl.load(sin_ptr + (half + cols) * stride_sin_d, mask=cols < half, other=0.0).to(tl.float32)
-        out_a, out_b = rotate_pairs(a, b, cos_a[None, :], cos_b[None, :], sin_a[None, :], sin_b[None, :], BACKWARD)
-        tl.store(o_heads + cols[None, :] * stride_o_d, out_a.to(o_ptr.dtype.element_ty), mask=mask)
-        tl.store(o_heads + (half + cols)[None, :] * stride_o_d, out_b.to(o_ptr.dtype.element_ty), mask=mask)
+        # The two halves of each head, each a contiguous load: pairs (p, p + D/2).
+        p = tl.arange(0, BLOCK_P)[None, None, :]
+        if BLOCK_P != HEAD_DIM // 2:
+            mask = mask & (p < HEAD_DIM // 2)
+        a = tl.load(x_heads + p * stride_x_d, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(x_heads + (p + HEAD_DIM // 2) * stride_x_d, mask=mask, other=0.0).to(tl.float32)
+        out_a, out_b = rotate_pairs(a, b, cos_a, cos_b, sin_a, sin_b, BACKWARD)
+        tl.store(o_heads + p * stride_o_d, out_a.to(o_rows.dtype.element_ty), mask=mask)
+        tl.store(o_heads + (p + HEAD_DIM // 2) * stride_o_d, out_b.to(o_rows.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def rotary_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
-    S, HQ, HK, D, Q_BLOCKS,
+    T, S, HQ, HK,
     stride_q_b, stride_q_s, stride_q_h, stride_q_d,
     stride_k_b, stride_k_s, stride_k_h, stride_k_d,
     stride_qo_b, stride_qo_s, stride_qo_h, stride_qo_d,
     stride_ko_b, stride_ko_s, stride_ko_h, stride_ko_d,
     stride_cos_b, stride_cos_s, stride_cos_d,
     stride_sin_b, stride_sin_s, stride_sin_d,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    BLOCK_P: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
 ):
-    # Program (token, j): head block j of q for j < Q_BLOCKS, else head block j - Q_BLOCKS of k.
-    token = tl.program_id(0)
+    # Program i: tokens i * BLOCK_T .. (i + 1) * BLOCK_T, every head of q then of k, with the tokens'
+    # cos and sin loaded once.
+    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_mask = (tokens < T)[:, None, None]
     # 64-bit offsets: batch * batch stride may pass 2**31 elements.
-    b = (token // S).to(tl.int64)
-    s = (token % S).to(tl.int64)
+    b = (tokens // S).to(tl.int64)[:, None, None]
+    s = (tokens % S).to(tl.int64)[:, None, None]
     cos_t = cos_ptr + b * stride_cos_b + s * stride_cos_s
     sin_t = sin_ptr + b * stride_sin_b + s * stride_sin_s
-    j = tl.program_id(1)
-    if j < Q_BLOCKS:
-        _rotate_heads(q_ptr + b * stride_q_b + s * stride_q_s, q_out_ptr + b * stride_qo_b + s * stride_qo_s,
-                      cos_t, sin_t, HQ, D, j * BLOCK_H,
-                      stride_q_h, stride_q_d, stride_qo_h, stride_qo_d, stride_cos_d, stride_sin_d,
-                      BLOCK_H, BLOCK_D, INTERLEAVED, BACKWARD)
+    if INTERLEAVED:
+        cols = tl.arange(0, 2 * BLOCK_P)[None, None, :]
+        table_mask = token_mask & (cols < HEAD_DIM)
+        c = tl.load(cos_t + cols * stride_cos_d, mask=table_mask, other=0.0).to(tl.float32)
+        t = tl.load(sin_t + cols * stride_sin_d, mask=table_mask, other=0.0).to(tl.float32)
+        cos_a, cos_b = tl.split(tl.reshape(c, (BLOCK_T, 1, BLOCK_P, 2)))
+        sin_a, sin_b = tl.split(tl.reshape(t, (BLOCK_T, 1, BLOCK_P, 2)))
     else:
-        _rotate_heads(k_ptr + b * stride_k_b + s * stride_k_s, k_out_ptr + b * stride_ko_b + s * stride_ko_s,
-                      cos_t, sin_t, HK, D, (j - Q_BLOCKS) * BLOCK_H,
-                      stride_k_h, stride_k_d, stride_ko_h, stride_ko_d, stride_cos_d, stride_sin_d,
-                      BLOCK_H, BLOCK_D, INTERLEAVED, BACKWARD)
+        p = tl.arange(0, BLOCK_P)[None, None, :]
+        table_mask = token_mask & (p < HEAD_DIM // 2)
+        cos_a = tl.load(cos_t + p * stride_cos_d, mask=table_mask, other=0.0).to(tl.float32)
+        cos_b = tl.load(cos_t + (p + HEAD_DIM // 2) * stride_cos_d, mask=table_mask, other=0.0).to(tl.float32)
+        sin_a = tl.load(sin_t + p * stride_sin_d, mask=table_mask, other=0.0).to(tl.float32)
+        sin_b = tl.load(sin_t + (p + HEAD_DIM // 2) * stride_sin_d, mask=table_mask, other=0.0).to(tl.float32)
+
+    q_rows = q_ptr + b * stride_q_b + s * stride_q_s
+    qo_rows = q_out_ptr + b * stride_qo_b + s * stride_qo_s
+    for h0 in range(0, HQ, BLOCK_HQ):
+        _rotate_heads(q_rows, qo_rows, token_mask, h0, HQ, stride_q_h, stride_q_d, stride_qo_h, stride_qo_d,
+                      cos_a, cos_b, sin_a, sin_b, HEAD_DIM, BLOCK_T, BLOCK_HQ, BLOCK_P, INTERLEAVED, BACKWARD)
+    k_rows = k_ptr + b * stride_k_b + s * stride_k_s
+    ko_rows = k_out_ptr + b * stride_ko_b + s * stride_ko_s
+    for h0 in range(0, HK, BLOCK_HK):
+        _rotate_heads(k_rows, ko_rows, token_mask, h0, HK, stride_k_h, stride_k_d, stride_ko_h, stride_ko_d,
+                      cos_a, cos_b, sin_a, sin_b, HEAD_DIM, BLOCK_T, BLOCK_HK, BLOCK_P, INTERLEAVED, BACKWARD)
 
 
 # -- layouts ---------------------------------------------------------------------------------------
 
 
-def as_bshd(t: torch.Tensor) -> torch.Tensor:
-    """``t [..., S, H, D]`` as a ``[B, S, H, D]`` view, the leading dimensions flattened into B."""
-    return t.view(math.prod(t.shape[:-3]), *t.shape[-3:])
+def flat_stride(sizes: tuple[int, ...], strides: tuple[int, ...]) -> int | None:
+    """The stride of dimensions ``sizes`` (with ``strides``) flattened into one, as ``view`` would
+    flatten them; None when they do not flatten without a copy; 0 when they hold one element."""
+    flat = step = None
+    for size, stride in zip(reversed(sizes), reversed(strides)):
+        if size == 1:
+            continue
+        if flat is None:
+            flat = stride
+        elif stride != step:
+            return None
+        step = stride * size
+    return 0 if flat is None else flat
 
 
-def as_bsd(t: torch.Tensor, batch: tuple[int, ...]) -> torch.Tensor:
-    """cos or sin ``[..., S, D]``, broadcast to the leading dimensions ``batch`` of q, as a
-    ``[B, S, D]`` view (stride 0 along B when it is shared by the whole batch)."""
-    return t.expand(*batch, *t.shape[-2:]).view(math.prod(batch), *t.shape[-2:])
+def bshd_strides(t: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """Strides of ``t [..., S, H, D]`` as ``[B, S, H, D]``, the leading dimensions flattened into B;
+    None when they do not flatten without a copy."""
+    strides = t.stride()
+    batch = flat_stride(tuple(t.shape[:-3]), strides[:-3])
+    return None if batch is None else (batch, *strides[-3:])
+
+
+def bsd_strides(t: torch.Tensor, batch: tuple[int, ...]) -> tuple[int, int, int] | None:
+    """Strides of cos or sin ``[..., S, D]``, broadcast to q's leading dimensions ``batch``, as
+    ``[B, S, D]`` (stride 0 along what is broadcast); None when they do not broadcast or flatten."""
+    lead, strides = tuple(t.shape[:-2]), t.stride()
+    extra = len(lead) - len(batch)
+    if extra > 0:
+        if any(n != 1 for n in lead[:extra]):
+            return None
+        lead, strides = lead[extra:], strides[extra:]
+    lead_strides = [0] * (len(batch) - len(lead))
+    for size, stride, want in zip(lead, strides, batch[len(batch) - len(lead):]):
+        if size != want and size != 1:
+            return None
+        lead_strides.append(stride if size == want else 0)
+    flat = flat_stride(batch, tuple(lead_strides))
+    return None if flat is None else (flat, *strides[-2:])
 
 
 def check_token_layouts(op: Op, q: torch.Tensor, others: dict[str, torch.Tensor],
@@ -144,26 +191,32 @@ def check_token_layouts(op: Op, q: torch.Tensor, others: dict[str, torch.Tensor]
     one without a copy, and the cos / sin ``tables`` (``[..., S, D]``) broadcast over them."""
     batch, seq = tuple(q.shape[:-3]), q.shape[-3]
     for name, t in {"q": q, **others}.items():
-        try:
-            as_bshd(t)
-        except RuntimeError:
+        if t.numel() and bshd_strides(t) is None:
             raise InvalidInputError(
                 op.name, name, f"has strides {tuple(t.stride())} for shape {tuple(t.shape)}",
                 f"{name} whose dimensions before the sequence flatten without a copy",
                 f"Call {name}.contiguous() first.",
-            ) from None
+            )
     for name, t in tables.items():
         if t.shape[-2] != seq:
             raise InvalidInputError(op.name, name, f"has shape {tuple(t.shape)}",
                                     f"{name} [..., S, D] with S = {seq}, the sequence length of q")
-        try:
-            as_bsd(t, batch)
-        except RuntimeError:
+        if bsd_strides(t, batch) is None:
             raise InvalidInputError(
                 op.name, name, f"has shape {tuple(t.shape)} and strides {tuple(t.stride())}",
                 f"{name} whose leading dimensions broadcast to q's {batch} and flatten without a copy",
                 f"Call {name}.contiguous(), or give it q's leading dimensions.",
-            ) from None
+            )
+
+
+def token_layout(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
+    """``t [..., S, H, D]`` and its ``[B, S, H, D]`` strides; copied first only when its leading
+    dimensions do not flatten (gradients that autograd hands over may come in any layout)."""
+    strides = bshd_strides(t)
+    if strides is None:
+        t = t.contiguous()
+        strides = bshd_strides(t)
+    return t, strides
 
 
 # -- plans -----------------------------------------------------------------------------------------
@@ -171,31 +224,33 @@ def check_token_layouts(op: Op, q: torch.Tensor, others: dict[str, torch.Tensor]
 
 def _launch(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor, interleaved: bool, backward: bool, config: Config) -> list[KernelCall]:
-    if q.numel() + k.numel() == 0:
+    shape = q.shape
+    *batch, seq, hq, d = shape
+    hk = k.shape[-2]
+    tokens = math.prod(batch) * seq
+    if tokens == 0 or d == 0 or hq + hk == 0:
         return []
-    q4, k4, qo4, ko4 = as_bshd(q), as_bshd(k), as_bshd(q_out), as_bshd(k_out)
-    batch = tuple(q.shape[:-3])
-    cos3, sin3 = as_bsd(cos, batch), as_bsd(sin, batch)
-    tokens, seq, hq, d = q4.shape
-    tokens *= seq
-    hk = k4.shape[2]
-    block_h = min(config["BLOCK_H"], next_power_of_2(max(hq, hk)))
-    block_d = max(next_power_of_2(d if interleaved else d // 2), 2)
-    q_blocks, k_blocks = triton.cdiv(hq, block_h), triton.cdiv(hk, block_h)
-    if tokens == 0 or q_blocks + k_blocks == 0:
-        return []
+    q, q_strides = token_layout(q)
+    k, k_strides = token_layout(k)
+    batch = tuple(batch)
+    block_p = next_power_of_2(d // 2)
+    # BLOCK_H (token, head) rows per step: the heads of q, and more tokens when q has fewer heads.
+    block_hq = min(config["BLOCK_H"], next_power_of_2(hq))
+    block_hk = min(config["BLOCK_H"], next_power_of_2(hk))
+    block_t = min(max(config["BLOCK_H"] // next_power_of_2(hq), 1), next_power_of_2(tokens))
+    warps = min(config["num_warps"], max(block_t * block_hq * 2 * block_p // (32 * MIN_PER_THREAD), 1))
     return [KernelCall(
-        rotary_kernel, (tokens, q_blocks + k_blocks),
-        (q4, k4, qo4, ko4, cos3, sin3, seq, hq, hk, d, q_blocks,
-         *q4.stride(), *k4.stride(), *qo4.stride(), *ko4.stride(), *cos3.stride(), *sin3.stride()),
-        {"BLOCK_H": block_h, "BLOCK_D": block_d, "INTERLEAVED": bool(interleaved), "BACKWARD": backward,
-         "num_warps": config["num_warps"]},
+        rotary_kernel, (cdiv(tokens, block_t),),
+        (q, k, q_out, k_out, cos, sin, tokens, seq, hq, hk,
+         *q_strides, *k_strides, *bshd_strides(q_out), *bshd_strides(k_out),
+         *bsd_strides(cos, batch), *bsd_strides(sin, batch)),
+        {"HEAD_DIM": d, "BLOCK_T": block_t, "BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_P": block_p,
+         "INTERLEAVED": bool(interleaved), "BACKWARD": backward, "num_warps": warps},
     )]
 
 
 def outputs(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
-            torch.empty(k.shape, dtype=k.dtype, device=k.device))
+    return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
 def plan(args: tuple, config: Config) -> LaunchPlan:
@@ -244,14 +299,15 @@ def apply_rotary_pos_emb_backward_reference(dq_out: torch.Tensor, dk_out: torch.
 
 
 def default_config(sig: Signature, profile: DeviceProfile | None) -> Config:
-    d = sig.tensor("q").shape[-1]
-    block_h = max(min(TILE // next_power_of_2(d), 16), 1)
-    # About 8 elements per thread (the plan caps BLOCK_H at the head count).
-    return {"BLOCK_H": block_h, "num_warps": min(max(block_h * next_power_of_2(d) // 256, 1), 8)}
+    """32 rows of 128 per step (LLaMA-3-8B: one token, all its q heads, 8 KiB in bfloat16), 8 warps for
+    that: 16 elements per thread, two 16-byte vectors of each half."""
+    width = next_power_of_2(sig.tensor("q").shape[-1])
+    block_h = max(min(TILE // width, 64), 1)
+    return {"BLOCK_H": block_h, "num_warps": min(max(block_h * width // 512, 1), 8)}
 
 
 def space() -> SearchSpace:
-    """Heads per program and warps."""
+    """(token, head) rows per step and warps."""
     return SearchSpace([PowerOfTwo("BLOCK_H", 1, 64), num_warps(1, 2, 4, 8)])
 
 
@@ -336,8 +392,8 @@ OP = Op(
     args=(
         TensorArg("q", DTYPES, min_rank=3, layouts=ANY_LAYOUT, bucket="rows"),
         TensorArg("k", DTYPES, min_rank=3, layouts=ANY_LAYOUT, same_dtype_as="q", bucket="rows"),
-        TensorArg("cos", DTYPES, min_rank=2, layouts=ANY_LAYOUT, bucket="rows"),
-        TensorArg("sin", DTYPES, min_rank=2, layouts=ANY_LAYOUT, bucket="rows"),
+        TensorArg("cos", DTYPES, min_rank=2, layouts=ANY_LAYOUT, bucket="rows", differentiable=False),
+        TensorArg("sin", DTYPES, min_rank=2, layouts=ANY_LAYOUT, bucket="rows", differentiable=False),
         ScalarArg("interleaved", (bool,), default=False, keyed=True),
         ScalarArg("inplace", (bool,), default=False),
     ),
@@ -395,29 +451,38 @@ def _apply_rotary_pos_emb_backward_fake(dq_out, dk_out, cos, sin, interleaved, b
     return outputs(dq_out, dk_out)
 
 
-def _table_grads(pairs: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor,
-                 interleaved: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of cos and sin (rarely wanted, so in torch): for each (output gradient, input) pair,
-    ``sum over heads of dy * x`` and ``of dy * rotate(x)``, reduced to cos's shape."""
+def _table_grads(pairs: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor, interleaved: bool,
+                 wanted: tuple[bool, bool]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The ``wanted`` gradients of cos and sin (rarely asked for, so in torch): for each (output
+    gradient, input) pair, ``sum over heads of dy * x`` and ``of dy * rotate(x)``, reduced to cos's shape."""
     compute = torch.promote_types(cos.dtype, torch.float32)
-    dcos = sum((dy.to(compute) * x.to(compute)).sum(-2) for dy, x in pairs)
-    dsin = sum((dy.to(compute) * rotate(x.to(compute), interleaved)).sum(-2) for dy, x in pairs)
-    return dcos.sum_to_size(cos.shape).to(cos.dtype), dsin.sum_to_size(cos.shape).to(cos.dtype)
+    pairs = [(dy.to(compute), x.to(compute)) for dy, x in pairs]
+    grads = []
+    for want, rotated in zip(wanted, (False, True)):
+        if not want:
+            grads.append(None)
+            continue
+        g = sum((dy * (rotate(x, interleaved) if rotated else x)).sum(-2) for dy, x in pairs)
+        grads.append(g.sum_to_size(cos.shape).to(cos.dtype))
+    return grads[0], grads[1]
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     q, k, cos, sin, interleaved, *config = inputs
-    ctx.tables_need_grad = any(ctx.needs_input_grad[2:4])
-    ctx.save_for_backward(cos, sin, *((q, k) if ctx.tables_need_grad else ()))
+    # q and k are kept only for the gradients of cos and sin, which models do not ask for.
+    ctx.save_for_backward(cos, sin, *((q, k) if any(ctx.needs_input_grad[2:4]) else ()))
     ctx.interleaved, ctx.config = interleaved, config
 
 
 def _backward(ctx: Any, dq_out: torch.Tensor, dk_out: torch.Tensor) -> tuple:
     cos, sin, *qk = ctx.saved_tensors
-    dq, dk = torch.ops.dlblas.apply_rotary_pos_emb_backward(dq_out, dk_out, cos, sin, ctx.interleaved, *ctx.config)
-    dcos = dsin = None
-    if ctx.tables_need_grad:
-        dcos, dsin = _table_grads([(dq_out, qk[0]), (dk_out, qk[1])], cos, ctx.interleaved)
+    dq = dk = dcos = dsin = None
+    if any(ctx.needs_input_grad[:2]):
+        dq, dk = torch.ops.dlblas.apply_rotary_pos_emb_backward(dq_out, dk_out, cos, sin, ctx.interleaved,
+                                                                *ctx.config)
+    if qk:
+        dcos, dsin = _table_grads([(dq_out, qk[0]), (dk_out, qk[1])], cos, ctx.interleaved,
+                                  ctx.needs_input_grad[2:4])
     return dq, dk, dcos, dsin, None, None, None
 
 
@@ -440,9 +505,11 @@ TRITON = CustomOpTritonImplementation(
     kernels=(rotary_kernel,),
     default_config=default_config,
     space=space,
+    replayable=True,
     custom_op=custom_op,
     dtypes=DTYPES,
-    doc="one program per (token, block of q or k heads); the backward is the same kernel, rotation transposed",
+    doc="one program per block of tokens, all heads of q and k, cos and sin read once; the backward is the "
+        "same kernel, rotation transposed",
 )
 
 

@@ -28,12 +28,18 @@ import torch
 import triton
 import triton.language as tl
 
-from dlblas_kernels.apply_rotary_pos_emb import as_bsd, as_bshd, check_token_layouts, llama_cos_sin, rotate_pairs
+from dlblas_kernels.apply_rotary_pos_emb import (
+    bsd_strides,
+    bshd_strides,
+    check_token_layouts,
+    llama_cos_sin,
+    rotate_pairs,
+)
 from dlcore import InvalidInputError, hookimpl
 from dlcore.device import DeviceProfile
 from dlcore.implementation import Config, KernelCall, LaunchPlan
 from dlcore.op import Op, ScalarArg, TensorArg
-from dlcore.signature import Signature, make_signature, next_power_of_2
+from dlcore.signature import Signature, cdiv, make_signature, next_power_of_2
 from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints
 from dlcore.tuning.space import PowerOfTwo, SearchSpace, num_warps
 
@@ -47,7 +53,7 @@ TILE = 4096
 @triton.jit
 def partial_rotary_kernel(
     q_ptr, k_pe_ptr, kv_ptr, cos_ptr, sin_ptr, q_out_ptr, out_kv_ptr,
-    S, H, NOPE, ROPE, V,
+    S, H, NOPE: tl.constexpr, ROPE: tl.constexpr, V: tl.constexpr,
     stride_q_b, stride_q_s, stride_q_h, stride_q_d,
     stride_k_b, stride_k_s, stride_k_d,
     stride_kv_b, stride_kv_s, stride_kv_h, stride_kv_d,
@@ -117,7 +123,7 @@ def partial_rotary_kernel(
 @triton.jit
 def partial_rotary_backward_kernel(
     dqo_ptr, dokv_ptr, cos_ptr, sin_ptr, dq_ptr, dk_pe_ptr, dkv_ptr,
-    S, H, NOPE, ROPE, V,
+    S, H, NOPE: tl.constexpr, ROPE: tl.constexpr, V: tl.constexpr,
     stride_dqo_t, stride_dqo_h, stride_dqo_d,
     stride_dokv_t, stride_dokv_kv, stride_dokv_h, stride_dokv_d,
     stride_cos_b, stride_cos_s, stride_cos_d,
@@ -199,22 +205,19 @@ def _blocks(h: int, nope: int, rope: int, v: int, config: Config) -> dict[str, i
 def plan(args: tuple, config: Config) -> LaunchPlan:
     q, k_pe, kv, cos, sin, nope, rope, v = args
     q_out, out_kv = outputs(q, nope, rope)
+    *batch, seq, h, width = q.shape
+    tokens = math.prod(batch) * seq
     if q.numel() == 0:
         return LaunchPlan(calls=[], result=(q_out, out_kv))
-    batch = tuple(q.shape[:-3])
-    q4, kv4 = as_bshd(q), as_bshd(kv)
-    k3 = as_bshd(k_pe)[:, :, 0]
-    cos3, sin3 = as_bsd(cos, batch), as_bsd(sin, batch)
-    _, seq, h, _ = q4.shape
-    tokens = q4.shape[0] * seq
-    qo3 = q_out.view(tokens, h, nope + rope)
-    okv4 = out_kv.view(tokens, 2, h, nope + rope)
+    # Strides computed here, not through views: the inputs were validated to flatten.
+    batch = tuple(batch)
+    k_b, k_s, _, k_d = bshd_strides(k_pe)
     blocks = _blocks(h, nope, rope, v, config)
     call = KernelCall(
-        partial_rotary_kernel, (tokens, triton.cdiv(h, blocks["BLOCK_H"])),
-        (q4, k3, kv4, cos3, sin3, qo3, okv4, seq, h, nope, rope, v,
-         *q4.stride(), *k3.stride(), *kv4.stride(), *cos3.stride(), *sin3.stride(),
-         qo3.stride(0), qo3.stride(1), okv4.stride(0), okv4.stride(1), okv4.stride(2)),
+        partial_rotary_kernel, (tokens, cdiv(h, blocks["BLOCK_H"])),
+        (q, k_pe, kv, cos, sin, q_out, out_kv, seq, h, nope, rope, v,
+         *bshd_strides(q), k_b, k_s, k_d, *bshd_strides(kv), *bsd_strides(cos, batch), *bsd_strides(sin, batch),
+         h * width, width, 2 * h * width, h * width, width),
         {**blocks, "BLOCK_PAD": max(next_power_of_2(nope + rope - v), 2), "num_warps": config["num_warps"]},
     )
     return LaunchPlan(calls=[call], result=(q_out, out_kv))
@@ -237,14 +240,13 @@ def backward_plan(args: tuple, config: Config) -> LaunchPlan:
     # Gradients come from autograd in any layout (even expanded); reshape copies only when it must.
     dqo3 = dq_out.reshape(tokens, h, nope + rope)
     dokv4 = dout_kv.reshape(tokens, 2, h, nope + rope)
-    cos3, sin3 = as_bsd(cos, batch), as_bsd(sin, batch)
-    dq3, dk2, dkv3 = dq.view(tokens, h, nope + rope), dk_pe.view(tokens, rope), dkv.view(tokens, h, nope + v)
     blocks = _blocks(h, nope, rope, v, config)
+    # dq, dk_pe and dkv are new contiguous tensors: [tokens, h, nope + rope], [tokens, rope], [tokens, h, nope + v].
     call = KernelCall(
         partial_rotary_backward_kernel, (tokens,),
-        (dqo3, dokv4, cos3, sin3, dq3, dk2, dkv3, seq, h, nope, rope, v,
-         *dqo3.stride(), *dokv4.stride(), *cos3.stride(), *sin3.stride(),
-         dq3.stride(0), dq3.stride(1), dk2.stride(0), dkv3.stride(0), dkv3.stride(1)),
+        (dqo3, dokv4, cos, sin, dq, dk_pe, dkv, seq, h, nope, rope, v,
+         *dqo3.stride(), *dokv4.stride(), *bsd_strides(cos, batch), *bsd_strides(sin, batch),
+         h * (nope + rope), nope + rope, rope, h * (nope + v), nope + v),
         {**blocks, "num_warps": config["num_warps"]},
     )
     return LaunchPlan(calls=[call], result=(dq, dk_pe, dkv))
@@ -388,8 +390,8 @@ OP = Op(
         TensorArg("q", DTYPES, min_rank=3, layouts=ANY_LAYOUT, bucket="rows"),
         TensorArg("k_pe", DTYPES, min_rank=3, layouts=ANY_LAYOUT, same_dtype_as="q", bucket="rows"),
         TensorArg("kv", DTYPES, min_rank=3, layouts=ANY_LAYOUT, same_dtype_as="q", bucket="rows"),
-        TensorArg("cos", DTYPES, min_rank=2, layouts=ANY_LAYOUT, bucket="rows"),
-        TensorArg("sin", DTYPES, min_rank=2, layouts=ANY_LAYOUT, bucket="rows"),
+        TensorArg("cos", DTYPES, min_rank=2, layouts=ANY_LAYOUT, bucket="rows", differentiable=False),
+        TensorArg("sin", DTYPES, min_rank=2, layouts=ANY_LAYOUT, bucket="rows", differentiable=False),
         ScalarArg("nope_dim", (int,), keyed=True),
         ScalarArg("rope_dim", (int,), keyed=True),
         ScalarArg("v_dim", (int,), keyed=True),
@@ -451,32 +453,39 @@ def _partial_rotary_emb_backward_fake(dq_out, dout_kv, cos, sin, k_pe, kv, nope_
 
 
 def _table_grads(dq_out: torch.Tensor, dout_kv: torch.Tensor, q: torch.Tensor, k_pe: torch.Tensor,
-                 cos: torch.Tensor, nope: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gradients of cos and sin (rarely wanted, so in torch): ``sum over heads of dy * x'`` and
-    ``of dy * rotate_half(x')``, x' the de-interleaved rope inputs, reduced to cos's shape."""
+                 cos: torch.Tensor, nope: int,
+                 wanted: tuple[bool, bool]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The ``wanted`` gradients of cos and sin (rarely asked for, so in torch): ``sum over heads of
+    dy * x'`` and ``of dy * rotate_half(x')``, x' the de-interleaved rope inputs, reduced to cos's shape."""
     compute = torch.promote_types(cos.dtype, torch.float32)
     pairs = [(dq_out[..., nope:], q[..., nope:]), (dout_kv.select(-3, 0)[..., nope:], k_pe)]
     xs = [(dy.to(compute), _deinterleave(x.to(compute))) for dy, x in pairs]
-    dcos = sum((dy * x).sum(-2) for dy, x in xs)
-    dsin = sum((dy * _rotate_half(x)).sum(-2) for dy, x in xs)
-    return dcos.sum_to_size(cos.shape).to(cos.dtype), dsin.sum_to_size(cos.shape).to(cos.dtype)
+    grads = []
+    for want, rotated in zip(wanted, (False, True)):
+        if not want:
+            grads.append(None)
+            continue
+        g = sum((dy * (_rotate_half(x) if rotated else x)).sum(-2) for dy, x in xs)
+        grads.append(g.sum_to_size(cos.shape).to(cos.dtype))
+    return grads[0], grads[1]
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
     q, k_pe, kv, cos, sin, nope, rope, v, *config = inputs
-    ctx.tables_need_grad = any(ctx.needs_input_grad[3:5])
-    # k_pe and kv only give the gradients' shapes unless cos or sin need gradients.
-    ctx.save_for_backward(cos, sin, k_pe, kv, *((q,) if ctx.tables_need_grad else ()))
+    # k_pe and kv give the gradients' shapes; q is kept only for the gradients of cos and sin, which
+    # models do not ask for.
+    ctx.save_for_backward(cos, sin, k_pe, kv, *((q,) if any(ctx.needs_input_grad[3:5]) else ()))
     ctx.dims, ctx.config = (nope, rope, v), config
 
 
 def _backward(ctx: Any, dq_out: torch.Tensor, dout_kv: torch.Tensor) -> tuple:
     cos, sin, k_pe, kv, *q = ctx.saved_tensors
-    dq, dk_pe, dkv = torch.ops.dlblas.partial_rotary_emb_backward(dq_out, dout_kv, cos, sin, k_pe, kv, *ctx.dims,
-                                                                  *ctx.config)
-    dcos = dsin = None
-    if ctx.tables_need_grad:
-        dcos, dsin = _table_grads(dq_out, dout_kv, q[0], k_pe, cos, ctx.dims[0])
+    dq = dk_pe = dkv = dcos = dsin = None
+    if any(ctx.needs_input_grad[:3]):
+        dq, dk_pe, dkv = torch.ops.dlblas.partial_rotary_emb_backward(dq_out, dout_kv, cos, sin, k_pe, kv,
+                                                                      *ctx.dims, *ctx.config)
+    if q:
+        dcos, dsin = _table_grads(dq_out, dout_kv, q[0], k_pe, cos, ctx.dims[0], ctx.needs_input_grad[3:5])
     return dq, dk_pe, dkv, dcos, dsin, None, None, None, None, None
 
 
@@ -494,6 +503,7 @@ TRITON = CustomOpTritonImplementation(
     kernels=(partial_rotary_kernel, partial_rotary_backward_kernel),
     default_config=default_config,
     space=space,
+    replayable=True,
     custom_op=custom_op,
     dtypes=DTYPES,
     doc="one program per (token, head block): nope copies, interleaved-in half-split-out rope, padded values; "
