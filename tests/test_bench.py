@@ -151,6 +151,8 @@ class Log:
             fn()
             if "copy_bandwidth" in fn.__qualname__:
                 return 2 * COPY_BYTES / COPY_GBPS / 1e6
+            if "copy_ms" in fn.__qualname__:  # the same-size copy: half the op's first-shape time
+                return 0.5
             if len(self.calls) == before:  # a backward alone: no forward ran
                 return 1.0
             name, args = self.calls[before]
@@ -228,12 +230,14 @@ def test_report_numbers_on_a_fake_timer(monkeypatch, log):
     first, second = report.shapes
     assert first.ms(OWN) == 1.0 and first.gbps(OWN) == pytest.approx(1000.0)
     assert first.copy_fraction(OWN, report.copy_bandwidth) == pytest.approx(0.5)
+    assert first.copy_ms == 0.5 and first.same_size_copy_fraction(OWN) == pytest.approx(0.5)
+    assert first.same_size_copy_fraction("torch") == pytest.approx(0.25)
     assert first.speedup("torch") == 2.0 and second.speedup("torch") == 8.0
     assert report.geomean("torch") == pytest.approx(4.0) and report.worst("torch") == 2.0
     assert report.geomean("compile") == pytest.approx(2.0) and report.worst("compile") == 1.0
     assert log.compiles == 2  # compiled once per shape
     table = report.table()
-    assert "1000 GB/s" in table and "50%" in table and "4.00x" in table
+    assert "1000 GB/s" in table and "50%" in table and "4.00x" in table and "%copy same size" in table
     assert "note: liger: not installed here; skipped" in table
 
 

@@ -9,7 +9,10 @@ the median of its rounds; each round is one timer call (``triton.testing.do_benc
 CUDA, the backend's timer elsewhere).
 
 Rates come from ``op.cost(args) -> (bytes, flops)``: GB/s for memory-bound shapes, with the
-fraction of the device's copy bandwidth measured in the same run, and TFLOP/s for shapes above
+fraction of the device's copy bandwidth measured in the same run (a copy far larger than any
+cache), and beside it the time of a device-to-device copy of the shape's own bytes over the op's
+(``%copy same size``: what a kernel moving those bytes can reach, launch and ramp included, at
+sizes where they count); TFLOP/s for shapes above
 :data:`RIDGE` flops per byte. A baseline that is missing or fails is left out with a note, never
 replaced by something else.
 """
@@ -81,6 +84,8 @@ class ShapeResult:
     max_abs_diff: dict[str, float] = field(default_factory=dict)
     chosen: str = ""
     notes: list[str] = field(default_factory=list)
+    #: ms of a device-to-device copy moving ``nbytes`` (read + written), timed in the same run
+    copy_ms: float | None = None
 
     @property
     def bound(self) -> str | None:
@@ -102,6 +107,11 @@ class ShapeResult:
         """GB/s over the device copy bandwidth, for memory-bound shapes."""
         rate = self.gbps(name)
         return rate / copy_gbps if rate and copy_gbps and self.bound == "memory" else None
+
+    def same_size_copy_fraction(self, name: str) -> float | None:
+        """The same-size copy's time over ``name``'s, for memory-bound shapes."""
+        ms = self.ms(name)
+        return self.copy_ms / ms if ms and self.copy_ms and self.bound == "memory" else None
 
     def speedup(self, baseline: str) -> float | None:
         """The baseline's time over the op's: above 1, the op is faster."""
@@ -149,13 +159,13 @@ class Report:
     # -- output ---------------------------------------------------------------------------------
 
     def table(self) -> str:
-        header = ["model", "shape", "MiB", f"{OWN} ms", "rate", "%copy"]
+        header = ["model", "shape", "MiB", f"{OWN} ms", "rate", "%copy", "%copy same size"]
         for b in self.baselines:
             header += [f"{b} ms", f"vs {b}"]
         rows = [self._row(r) for r in self.shapes]
         if self.baselines:
             for label, summary in (("geomean", self.geomean), ("min", self.worst)):
-                row = ["", label, "", "", "", ""]
+                row = ["", label, "", "", "", "", ""]
                 for b in self.baselines:
                     row += ["", _ratio(summary(b))]
                 rows.append(row)
@@ -186,7 +196,7 @@ class Report:
         unit = "TFLOP/s" if r.bound == "compute" else "GB/s"
         row = [",".join(r.shape.models), r.shape.label(), _num(r.nbytes / 2**20 if r.nbytes else None),
                _num(r.ms(OWN)), f"{_num(rate)} {unit}" if rate else "-",
-               _percent(r.copy_fraction(OWN, self.copy_bandwidth))]
+               _percent(r.copy_fraction(OWN, self.copy_bandwidth)), _percent(r.same_size_copy_fraction(OWN))]
         for b in self.baselines:
             row += [_num(r.ms(b)), _ratio(r.speedup(b))]
         return row
@@ -223,9 +233,11 @@ class Report:
             "bytes": r.nbytes,
             "flops": r.flops,
             "bound": r.bound,
+            "same_size_copy_ms": r.copy_ms,
             "chosen": r.chosen,
             "results": {name: {"ms": r.ms(name), "rounds_ms": times, "gbps": r.gbps(name),
-                               "tflops": r.tflops(name), "copy_fraction": r.copy_fraction(name, copy)}
+                               "tflops": r.tflops(name), "copy_fraction": r.copy_fraction(name, copy),
+                               "same_size_copy_fraction": r.same_size_copy_fraction(name)}
                         for name, times in r.rounds.items()},
             "speedup": {b: r.speedup(b) for b in self.baselines},
             "max_abs_diff_vs_dlcore": r.max_abs_diff,
@@ -294,6 +306,13 @@ def copy_bandwidth(device: torch.device, timer: Timer, nbytes: int) -> float:
     dst = torch.empty_like(src)
     ms = timer(lambda: dst.copy_(src))
     return gbps(2 * src.nbytes, ms)
+
+
+def copy_ms(device: torch.device, timer: Timer, moved: int) -> float:
+    """ms of a device-to-device copy that reads and writes ``moved`` bytes in all."""
+    src = torch.ones(max(moved // 2, 1), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return timer(lambda: dst.copy_(src))
 
 
 def default_copy_bytes(device: torch.device) -> int:
@@ -612,6 +631,8 @@ def run_bench(
     with _retainable_compiled_backward():
         for i, shape in enumerate(shapes, 1):
             result = bench.run_shape(shape, requested)
+            if result.bound == "memory" and result.rounds.get(OWN):
+                result.copy_ms = copy_ms(device, timer, result.nbytes)
             report.shapes.append(result)
             if progress is not None:
                 progress(f"[{i}/{len(shapes)}] {shape.label()}: {_progress_line(result, requested)}")
