@@ -71,7 +71,8 @@ def test_configs(block_h, num_warps, dtype, device, gen, run, launches):
     config = {"BLOCK_H": block_h, "num_warps": num_warps}
     for interleaved in INTERLEAVED:
         check(run(OP, TRITON, (q, k, cos, sin, interleaved, False), config), q, k, cos, sin, interleaved)
-    assert launches[0][1]["BLOCK_T"] == max(block_h // 8, 1)
+    assert launches[0][1]["BLOCK_TQ"] == max(block_h // 8, 1)  # 5 q heads padded to 8
+    assert launches[0][1]["BLOCK_TK"] == min(max(block_h // 4, 1), 8)  # 3 k heads padded to 4; 7 tokens
 
 
 @pytest.mark.parametrize("layout", ["fused qkv", "heads first", "strided tables"])
@@ -157,13 +158,16 @@ def test_plan_on_meta_tensors_reads_no_data():
     plan = TRITON.plan((q, k, cos, cos, False, False), {"BLOCK_H": 16, "num_warps": 8})
     assert plan.result[0].shape == q.shape and plan.result[1].shape == k.shape
     (call,) = plan.calls
-    assert call.grid == (30,)  # a token per program; q's 32 heads in two steps of 16, k's 8 in one
-    assert {k: call.kwargs[k] for k in ("BLOCK_T", "BLOCK_HQ", "BLOCK_HK", "BLOCK_P", "HEAD_DIM", "num_warps")} == {
-        "BLOCK_T": 1, "BLOCK_HQ": 16, "BLOCK_HK": 8, "BLOCK_P": 64, "HEAD_DIM": 128, "num_warps": 8}
-    assert call.args[6:10] == (30, 10, 32, 8)
-    assert call.args[26:29] == (0, 128, 1)  # cos shared by the batch: batch stride 0
+    # q: a token per program, its 32 heads in two steps of 16; k: 2 tokens of 8 heads per program
+    assert call.grid == (30 + 15,)
+    assert {k: call.kwargs[k] for k in ("BLOCK_TQ", "BLOCK_HQ", "BLOCK_TK", "BLOCK_HK", "BLOCK_P", "HEAD_DIM",
+                                        "num_warps")} == {
+        "BLOCK_TQ": 1, "BLOCK_HQ": 16, "BLOCK_TK": 2, "BLOCK_HK": 8, "BLOCK_P": 64, "HEAD_DIM": 128, "num_warps": 8}
+    assert call.args[6:11] == (30, 10, 32, 8, 30)
+    assert call.args[27:30] == (0, 128, 1)  # cos shared by the batch: batch stride 0
     (call,) = TRITON.plan((q[:, :, :4], k[:, :, :2], cos, cos, False, False), {"BLOCK_H": 8, "num_warps": 8}).calls
-    assert call.grid == (15,) and call.kwargs["BLOCK_T"] == 2  # 4 q heads: 2 tokens per program
+    # 4 q heads: 2 tokens per program (15 programs); 2 k heads: 4 tokens per program (8 programs)
+    assert call.grid == (15 + 8,) and (call.kwargs["BLOCK_TQ"], call.kwargs["BLOCK_TK"]) == (2, 4)
     assert call.kwargs["num_warps"] == 4  # 8 rows of 128: 8 elements per thread with 4 warps
 
 
@@ -173,8 +177,9 @@ def test_default_config_rotates_a_token_per_program_with_all_its_heads():
     args = (q, k, cos, cos, False, False)
     config = TRITON.default_config(make_signature(OP, args, q.device), None)
     (call,) = TRITON.plan(args, config).calls
-    assert call.grid == (4096,)
-    assert (call.kwargs["BLOCK_HQ"], call.kwargs["BLOCK_HK"], call.kwargs["num_warps"]) == (32, 8, 8)
+    assert call.grid == (4096 + 1024,)  # q: a token per program; k: 4 tokens of 8 heads
+    assert (call.kwargs["BLOCK_HQ"], call.kwargs["BLOCK_HK"], call.kwargs["BLOCK_TK"], call.kwargs["num_warps"]) == (
+        32, 8, 4, 8)
     assert TRITON.space().is_valid(config) is None
 
 

@@ -12,12 +12,14 @@ transposed rotation, ``(a*cos_a + b*sin_b, b*cos_b - a*sin_a)``, to the output g
 kernel serves both. cos and sin are read per element, so any values work, not only the usual
 duplicated halves.
 
-One launch, a 1-D grid over blocks of tokens: each program loads its tokens' cos and sin once, then
-rotates every head of q and then of k, ``BLOCK_H`` (token, head) rows per step (one token and all its
-q heads in one step for the usual head counts; several tokens per program when q has few heads),
+One launch, a 1-D grid: the first programs rotate q, the others k, each a block of tokens with every
+head, loading those tokens' cos and sin once, ``BLOCK_H`` (token, head) rows per step (one token
+and all its q heads for the usual head counts; several tokens per program for k, or for q when it has
+few heads, so that k's steps are as wide as q's and its loads as wide),
 reading each pair's two halves as two contiguous loads (or the whole interleaved head in one, split
-into even and odd lanes). Every byte of q, k, cos and sin is read once and every output byte written
-once: the minimum. Math in float32; outputs in q's dtype, written to new tensors, or into q and k
+into even and odd lanes). Every byte of q and k is read once and every output byte written once;
+cos and sin are read twice (for q's programs and for k's), 2.5% more bytes than the minimum for
+LLaMA-3-8B. Math in float32; outputs in q's dtype, written to new tensors, or into q and k
 with ``inplace=True``. The plan computes strides in Python (no views on the host path).
 """
 
@@ -93,21 +95,18 @@ def _rotate_heads(
 
 
 @triton.jit
-def rotary_kernel(
-    q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
-    T, S, HQ, HK,
-    stride_q_b, stride_q_s, stride_q_h, stride_q_d,
-    stride_k_b, stride_k_s, stride_k_h, stride_k_d,
-    stride_qo_b, stride_qo_s, stride_qo_h, stride_qo_d,
-    stride_ko_b, stride_ko_s, stride_ko_h, stride_ko_d,
+def _rotate_tokens(
+    x_ptr, o_ptr, cos_ptr, sin_ptr, block, T, S, H,
+    stride_x_b, stride_x_s, stride_x_h, stride_x_d,
+    stride_o_b, stride_o_s, stride_o_h, stride_o_d,
     stride_cos_b, stride_cos_s, stride_cos_d,
     stride_sin_b, stride_sin_s, stride_sin_d,
-    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    BLOCK_P: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
+    INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
 ):
-    # Program i: tokens i * BLOCK_T .. (i + 1) * BLOCK_T, every head of q then of k, with the tokens'
-    # cos and sin loaded once.
-    tokens = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    # Tokens block * BLOCK_T .. (block + 1) * BLOCK_T of one tensor (q or k), every head, with the
+    # tokens' cos and sin loaded once.
+    tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
     token_mask = (tokens < T)[:, None, None]
     # 64-bit offsets: batch * batch stride may pass 2**31 elements.
     b = (tokens // S).to(tl.int64)[:, None, None]
@@ -129,16 +128,41 @@ def rotary_kernel(
         sin_a = tl.load(sin_t + p * stride_sin_d, mask=table_mask, other=0.0).to(tl.float32)
         sin_b = tl.load(sin_t + (p + HEAD_DIM // 2) * stride_sin_d, mask=table_mask, other=0.0).to(tl.float32)
 
-    q_rows = q_ptr + b * stride_q_b + s * stride_q_s
-    qo_rows = q_out_ptr + b * stride_qo_b + s * stride_qo_s
-    for h0 in range(0, HQ, BLOCK_HQ):
-        _rotate_heads(q_rows, qo_rows, token_mask, h0, HQ, stride_q_h, stride_q_d, stride_qo_h, stride_qo_d,
-                      cos_a, cos_b, sin_a, sin_b, HEAD_DIM, BLOCK_T, BLOCK_HQ, BLOCK_P, INTERLEAVED, BACKWARD)
-    k_rows = k_ptr + b * stride_k_b + s * stride_k_s
-    ko_rows = k_out_ptr + b * stride_ko_b + s * stride_ko_s
-    for h0 in range(0, HK, BLOCK_HK):
-        _rotate_heads(k_rows, ko_rows, token_mask, h0, HK, stride_k_h, stride_k_d, stride_ko_h, stride_ko_d,
-                      cos_a, cos_b, sin_a, sin_b, HEAD_DIM, BLOCK_T, BLOCK_HK, BLOCK_P, INTERLEAVED, BACKWARD)
+    x_rows = x_ptr + b * stride_x_b + s * stride_x_s
+    o_rows = o_ptr + b * stride_o_b + s * stride_o_s
+    for h0 in range(0, H, BLOCK_H):
+        _rotate_heads(x_rows, o_rows, token_mask, h0, H, stride_x_h, stride_x_d, stride_o_h, stride_o_d,
+                      cos_a, cos_b, sin_a, sin_b, HEAD_DIM, BLOCK_T, BLOCK_H, BLOCK_P, INTERLEAVED, BACKWARD)
+
+
+@triton.jit
+def rotary_kernel(
+    q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
+    T, S, HQ, HK, PROGRAMS_Q,
+    stride_q_b, stride_q_s, stride_q_h, stride_q_d,
+    stride_k_b, stride_k_s, stride_k_h, stride_k_d,
+    stride_qo_b, stride_qo_s, stride_qo_h, stride_qo_d,
+    stride_ko_b, stride_ko_s, stride_ko_h, stride_ko_d,
+    stride_cos_b, stride_cos_s, stride_cos_d,
+    stride_sin_b, stride_sin_s, stride_sin_d,
+    HEAD_DIM: tl.constexpr, BLOCK_TQ: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_TK: tl.constexpr,
+    BLOCK_HK: tl.constexpr, BLOCK_P: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
+):
+    # Programs 0 .. PROGRAMS_Q rotate q, BLOCK_TQ tokens each; the others k, BLOCK_TK tokens each: each
+    # tensor in steps of about the same number of (token, head) rows, however few heads k has.
+    pid = tl.program_id(0)
+    if pid < PROGRAMS_Q:
+        _rotate_tokens(q_ptr, q_out_ptr, cos_ptr, sin_ptr, pid, T, S, HQ,
+                       stride_q_b, stride_q_s, stride_q_h, stride_q_d,
+                       stride_qo_b, stride_qo_s, stride_qo_h, stride_qo_d,
+                       stride_cos_b, stride_cos_s, stride_cos_d, stride_sin_b, stride_sin_s, stride_sin_d,
+                       HEAD_DIM, BLOCK_TQ, BLOCK_HQ, BLOCK_P, INTERLEAVED, BACKWARD)
+    else:
+        _rotate_tokens(k_ptr, k_out_ptr, cos_ptr, sin_ptr, pid - PROGRAMS_Q, T, S, HK,
+                       stride_k_b, stride_k_s, stride_k_h, stride_k_d,
+                       stride_ko_b, stride_ko_s, stride_ko_h, stride_ko_d,
+                       stride_cos_b, stride_cos_s, stride_cos_d, stride_sin_b, stride_sin_s, stride_sin_d,
+                       HEAD_DIM, BLOCK_TK, BLOCK_HK, BLOCK_P, INTERLEAVED, BACKWARD)
 
 
 # -- layouts ---------------------------------------------------------------------------------------
@@ -234,19 +258,29 @@ def _launch(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.
     k, k_strides = token_layout(k)
     batch = tuple(batch)
     block_p = next_power_of_2(d // 2)
-    # BLOCK_H (token, head) rows per step: the heads of q, and more tokens when q has fewer heads.
-    block_hq = min(config["BLOCK_H"], next_power_of_2(hq))
-    block_hk = min(config["BLOCK_H"], next_power_of_2(hk))
-    block_t = min(max(config["BLOCK_H"] // next_power_of_2(hq), 1), next_power_of_2(tokens))
-    warps = min(config["num_warps"], max(block_t * block_hq * 2 * block_p // (32 * MIN_PER_THREAD), 1))
+    # BLOCK_H (token, head) rows per step for each tensor: its heads (up to BLOCK_H), and more tokens
+    # per program when it has fewer heads than that.
+    rows = config["BLOCK_H"]
+    block_hq, block_tq = _step(rows, hq, tokens)
+    block_hk, block_tk = _step(rows, hk, tokens)
+    programs_q = cdiv(tokens, block_tq) if hq else 0
+    programs_k = cdiv(tokens, block_tk) if hk else 0
+    tile = max(block_tq * block_hq, block_tk * block_hk) * 2 * block_p
+    warps = min(config["num_warps"], max(tile // (32 * MIN_PER_THREAD), 1))
     return [KernelCall(
-        rotary_kernel, (cdiv(tokens, block_t),),
-        (q, k, q_out, k_out, cos, sin, tokens, seq, hq, hk,
+        rotary_kernel, (programs_q + programs_k,),
+        (q, k, q_out, k_out, cos, sin, tokens, seq, hq, hk, programs_q,
          *q_strides, *k_strides, *bshd_strides(q_out), *bshd_strides(k_out),
          *bsd_strides(cos, batch), *bsd_strides(sin, batch)),
-        {"HEAD_DIM": d, "BLOCK_T": block_t, "BLOCK_HQ": block_hq, "BLOCK_HK": block_hk, "BLOCK_P": block_p,
-         "INTERLEAVED": bool(interleaved), "BACKWARD": backward, "num_warps": warps},
+        {"HEAD_DIM": d, "BLOCK_TQ": block_tq, "BLOCK_HQ": block_hq, "BLOCK_TK": block_tk, "BLOCK_HK": block_hk,
+         "BLOCK_P": block_p, "INTERLEAVED": bool(interleaved), "BACKWARD": backward, "num_warps": warps},
     )]
+
+
+def _step(rows: int, heads: int, tokens: int) -> tuple[int, int]:
+    """(heads, tokens) per step of ``rows`` (token, head) rows for a tensor of ``heads`` heads."""
+    block_h = min(rows, next_power_of_2(max(heads, 1)))
+    return block_h, min(max(rows // block_h, 1), next_power_of_2(tokens))
 
 
 def outputs(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
