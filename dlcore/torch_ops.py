@@ -36,6 +36,21 @@ def needs_autograd(args: Sequence[Any]) -> bool:
     return any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def plain_eager(tensors: Sequence[torch.Tensor | None]) -> bool:
+    """True when eager autograd runs a backward formula on plain tensors with nothing watching: no
+    graph being built (``create_graph``), no tracing (``torch.compile``, ``make_fx``), no tensor
+    subclass (fake, functional, ...), no dispatch mode or functorch transform, no float64 (the
+    reference path). A formula may then launch its backward plan directly, sparing the dispatcher's
+    tens of microseconds per call that small shapes wait for; anywhere else it calls its backward
+    custom op, which tracers see as one node."""
+    return (not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+            and all(type(t) in _PLAIN_TENSORS and t.dtype != torch.float64 for t in tensors if t is not None)
+            and torch._C._len_torch_dispatch_stack() == 0 and not torch._C._are_functorch_transforms_active())
+
+
 def config_ints(config: Config | None, keys: Sequence[str]) -> list[int]:
     """``config``'s values for ``keys``, as the custom op's trailing arguments; ``None``: all zero
     (the custom op then computes its heuristic default from the actual shapes)."""

@@ -403,7 +403,7 @@ def test_cli_writes_json_with_the_command(monkeypatch, log, tmp_path, capsys):
                  "--json", str(out)]) == 0
     data = json.loads(out.read_text())
     assert data["command"] == ("dlcore bench fake --shapes 3x8 --dtype fp32 --mode fwd --vs torch,liger "
-                               "--device cpu --rounds 3 --warmup 10 --rep 40 --seed 0")
+                               "--device cpu --rounds 3 --warmup 10 --rep 40 --timer do_bench --seed 0")
     assert data["shapes"][0]["sizes"] == {"tokens": 3, "hidden": 8}
     assert data["shapes"][0]["results"]["torch"]["ms"] > 0
     captured = capsys.readouterr()
@@ -471,3 +471,13 @@ def test_rms_norm_end_to_end_in_the_interpreter(tmp_path, capsys):
         assert "torch: rms_norm declares no 'torch' baseline; skipped" in table
     if op.cost is not None:
         assert shape["bytes"] >= 2 * 3 * 64 * 4 and shape["results"][OWN]["gbps"] > 0
+
+
+def test_timers_are_named():
+    from dlcore.registry import registry
+
+    backend = registry().backend_for(torch.device("cpu"))
+    with pytest.raises(ValueError, match="unknown timer 'wall'; use one of do_bench, cudagraph"):
+        harness.default_timer(torch.device("cpu"), backend, kind="wall")
+    timer, name = harness.default_timer(torch.device("cpu"), backend, kind="cudagraph")
+    assert "cpu" in name and timer(lambda: None) >= 0  # CUDA graphs exist on CUDA only: the backend's timer

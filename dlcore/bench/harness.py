@@ -286,11 +286,27 @@ def time_round_robin(work: dict[str, Callable[[], object]], timer: Timer, rounds
     return {n: t for n, t in times.items() if n not in failed}, failed
 
 
+TIMERS = ("do_bench", "cudagraph")
+
+
 def default_timer(device: torch.device, backend: Any, warmup_ms: float = 10, rep_ms: float = 40,
-                  ) -> tuple[Timer, str]:
-    """``do_bench``'s median on CUDA (L2 flushed before each run), else the backend's timer."""
+                  kind: str = "do_bench") -> tuple[Timer, str]:
+    """On CUDA: ``do_bench``'s median (L2 flushed before each run; the host's time per call shows
+    where it exceeds the GPU's), or with ``kind="cudagraph"`` ``do_bench_cudagraph``'s median (the
+    calls captured in a CUDA graph and replayed: GPU time alone, for every implementation alike,
+    e.g. a backward whose autograd engine costs more host time than its kernels take). Elsewhere the
+    backend's timer."""
+    if kind not in TIMERS:
+        raise ValueError(f"unknown timer {kind!r}; use one of {', '.join(TIMERS)}")
     if device.type == "cuda":
-        from triton.testing import do_bench
+        from triton.testing import do_bench, do_bench_cudagraph
+
+        if kind == "cudagraph":
+            def graphed(fn: Callable[[], object]) -> float:
+                with torch.cuda.device(device):
+                    return float(do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
+
+            return graphed, f"triton.testing.do_bench_cudagraph median (rep {rep_ms:g} ms; CUDA graph replays)"
 
         def timer(fn: Callable[[], object]) -> float:
             with torch.cuda.device(device):

@@ -7,7 +7,7 @@ import json
 import shlex
 import sys
 
-from dlcore.bench.harness import KNOWN_BASELINES, MODES, OWN
+from dlcore.bench.harness import KNOWN_BASELINES, MODES, OWN, TIMERS
 from dlcore.bench.presets import DEFAULT_PRESET, PRESETS
 from dlcore.cli.options import DTYPES, default_device
 
@@ -52,6 +52,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds per shape (default 3)")
     p.add_argument("--warmup", type=float, default=10, help="do_bench warm-up per round, ms (default 10)")
     p.add_argument("--rep", type=float, default=40, help="do_bench measuring time per round, ms (default 40)")
+    p.add_argument("--timer", choices=TIMERS, default="do_bench",
+                   help="do_bench (default: host time shows where it exceeds the GPU's) or cudagraph (calls "
+                        "replayed from a CUDA graph: GPU time alone, every implementation alike)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", dest="json_path", metavar="FILE", default=None, help="write everything as JSON")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="draw each implementation per shape")
@@ -63,7 +66,7 @@ def command_line(args: argparse.Namespace) -> str:
     parts = ["dlcore", "bench", args.op, "--shapes", args.shapes or "all", "--dtype", args.dtype,
              "--mode", args.mode, "--vs", ",".join(args.vs) or "none", "--device", args.device,
              "--rounds", str(args.rounds), "--warmup", f"{args.warmup:g}", "--rep", f"{args.rep:g}",
-             "--seed", str(args.seed)]
+             "--timer", args.timer, "--seed", str(args.seed)]
     if args.tokens:
         parts += ["--tokens", ",".join(map(str, args.tokens))]
     return shlex.join(parts)
@@ -82,7 +85,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
         op = registry().op(args.op)
         shapes, notes = shapes_for(op.example_sizes, args.shapes, args.tokens or TOKENS)
         device = torch.device(args.device)
-        timer, timer_name = default_timer(device, registry().backend_for(device), args.warmup, args.rep)
+        timer, timer_name = default_timer(device, registry().backend_for(device), args.warmup, args.rep,
+                                          args.timer)
         report = run_bench(
             op, shapes, dtype=DTYPES[args.dtype], device=device, mode=args.mode, baselines=args.vs,
             timer=timer, timer_name=timer_name, rounds=args.rounds, seed=args.seed, notes=notes,

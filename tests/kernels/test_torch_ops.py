@@ -183,3 +183,25 @@ def test_compile_validates_while_tracing(device):
     while chain[-1].__cause__ is not None or chain[-1].__context__ is not None:
         chain.append(chain[-1].__cause__ or chain[-1].__context__)
     assert any(isinstance(e, InvalidInputError) for e in chain), chain
+
+
+@pytest.mark.parametrize("name", ["silu_and_mul", "apply_rotary_pos_emb", "partial_rotary_emb"])
+def test_eager_backward_launches_directly_and_tracers_see_the_backward_op(name, device, gen, monkeypatch):
+    """In plain eager autograd a backward formula launches its plan at once; with a graph being built
+    (create_graph) it goes through its backward custom op."""
+    args = example(name, torch.float32, device, gen)
+    op = registry().op(name)
+    leaves_args = leaves(args, op.differentiable())
+    through_op = []
+    backward_op = getattr(torch.ops.dlblas, f"{name}_backward")
+    monkeypatch.setattr(torch.ops.dlblas, f"{name}_backward", lambda *a: through_op.append(1) or backward_op(*a),
+                        raising=False)
+    out = getattr(dlblas_kernels, name)(*leaves_args)
+    outs = [o for o in (out if isinstance(out, tuple) else (out,))]
+    wrt = [leaves_args[i] for i in op.differentiable()]
+    first = torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs], retain_graph=True)
+    assert not through_op
+    second = torch.autograd.grad(outs, wrt, [torch.ones_like(o) for o in outs], create_graph=True)
+    assert through_op
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)

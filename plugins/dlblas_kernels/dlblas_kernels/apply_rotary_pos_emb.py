@@ -37,7 +37,7 @@ from dlcore.device import DeviceProfile
 from dlcore.implementation import Config, KernelCall, LaunchPlan
 from dlcore.op import Op, ScalarArg, TensorArg
 from dlcore.signature import Signature, cdiv, make_signature, next_power_of_2
-from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints
+from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints, plain_eager
 from dlcore.tuning.space import PowerOfTwo, SearchSpace, num_warps
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -512,8 +512,12 @@ def _backward(ctx: Any, dq_out: torch.Tensor, dk_out: torch.Tensor) -> tuple:
     cos, sin, *qk = ctx.saved_tensors
     dq = dk = dcos = dsin = None
     if any(ctx.needs_input_grad[:2]):
-        dq, dk = torch.ops.dlblas.apply_rotary_pos_emb_backward(dq_out, dk_out, cos, sin, ctx.interleaved,
-                                                                *ctx.config)
+        if plain_eager((dq_out, dk_out, cos, sin)):  # the plan at once, as the backward op would run it
+            config = _config(dq_out, dk_out, cos, tuple(ctx.config))
+            dq, dk = backward_plan((dq_out, dk_out, cos, sin, ctx.interleaved), config).run()
+        else:
+            dq, dk = torch.ops.dlblas.apply_rotary_pos_emb_backward(dq_out, dk_out, cos, sin, ctx.interleaved,
+                                                                    *ctx.config)
     if qk:
         dcos, dsin = _table_grads([(dq_out, qk[0]), (dk_out, qk[1])], cos, ctx.interleaved,
                                   ctx.needs_input_grad[2:4])

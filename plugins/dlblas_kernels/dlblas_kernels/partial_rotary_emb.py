@@ -40,7 +40,7 @@ from dlcore.device import DeviceProfile
 from dlcore.implementation import Config, KernelCall, LaunchPlan
 from dlcore.op import Op, ScalarArg, TensorArg
 from dlcore.signature import Signature, cdiv, make_signature, next_power_of_2
-from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints
+from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints, plain_eager
 from dlcore.tuning.space import PowerOfTwo, SearchSpace, num_warps
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -482,8 +482,12 @@ def _backward(ctx: Any, dq_out: torch.Tensor, dout_kv: torch.Tensor) -> tuple:
     cos, sin, k_pe, kv, *q = ctx.saved_tensors
     dq = dk_pe = dkv = dcos = dsin = None
     if any(ctx.needs_input_grad[:3]):
-        dq, dk_pe, dkv = torch.ops.dlblas.partial_rotary_emb_backward(dq_out, dout_kv, cos, sin, k_pe, kv,
-                                                                      *ctx.dims, *ctx.config)
+        if plain_eager((dq_out, dout_kv, cos, sin, k_pe, kv)):  # the plan at once, as the backward op would
+            config = _config((dq_out, k_pe, kv, cos, sin, *ctx.dims), tuple(ctx.config))
+            dq, dk_pe, dkv = backward_plan((dq_out, dout_kv, cos, sin, k_pe, kv, *ctx.dims), config).run()
+        else:
+            dq, dk_pe, dkv = torch.ops.dlblas.partial_rotary_emb_backward(dq_out, dout_kv, cos, sin, k_pe, kv,
+                                                                          *ctx.dims, *ctx.config)
     if q:
         dcos, dsin = _table_grads(dq_out, dout_kv, q[0], k_pe, cos, ctx.dims[0], ctx.needs_input_grad[3:5])
     return dq, dk_pe, dkv, dcos, dsin, None, None, None, None, None

@@ -38,7 +38,7 @@ from dlcore.implementation import Config, KernelCall, LaunchPlan
 from dlcore.layout import as_rows
 from dlcore.op import Op, ScalarArg, TensorArg
 from dlcore.signature import Signature, cdiv, make_signature, next_power_of_2
-from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints
+from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints, plain_eager
 from dlcore.tuning.space import Constraint, PowerOfTwo, SearchSpace, num_warps
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -497,26 +497,13 @@ def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
     ctx.eps, ctx.config = eps, config
 
 
-_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
-
-
-def _plain_eager(tensors: tuple) -> bool:
-    """True when eager autograd runs a backward formula on plain tensors with nothing watching:
-    no graph being built (``create_graph``), no tracing (``torch.compile``, ``make_fx``), no tensor
-    subclass (fake, functional, ...), no dispatch mode or functorch transform."""
-    return (not torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            and all(type(t) in _PLAIN_TENSORS for t in tensors if t is not None)
-            and tensors[1].dtype != torch.float64
-            and torch._C._len_torch_dispatch_stack() == 0 and not torch._C._are_functorch_transforms_active())
-
-
 def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, dres: torch.Tensor | None, eps: float,
              config: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx, dweight)`` for an autograd formula (this module's and ``add_rms_norm``'s): in plain
     eager autograd the kernels are launched directly, as the inference path does, sparing the
     dispatcher's tens of microseconds per call that small shapes would wait for; anywhere else
     through the custom op ``dlblas::rms_norm_backward``, which tracers see as one node."""
-    if _plain_eager((dy, x, weight, dres)):
+    if plain_eager((dy, x, weight, dres)):
         return backward_plan((dy, x, weight, dres, eps), _config((x, weight, eps), tuple(config))).run()
     return torch.ops.dlblas.rms_norm_backward(dy, x, weight, dres, eps, *config)
 

@@ -24,7 +24,7 @@ from dlcore.implementation import Config, KernelCall, LaunchPlan
 from dlcore.layout import as_rows
 from dlcore.op import Op, TensorArg
 from dlcore.signature import Signature, cdiv, make_signature, next_power_of_2
-from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints
+from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints, plain_eager
 from dlcore.tuning.space import Constraint, PowerOfTwo, SearchSpace, num_warps
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -259,6 +259,8 @@ def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
 
 def _backward(ctx: Any, dy: torch.Tensor) -> tuple:
     (x,) = ctx.saved_tensors
+    if plain_eager((dy, x)):  # the plan at once, as silu_and_mul_backward_op would run it
+        return backward_plan((dy, x), _config(x, tuple(ctx.config))).run(), None, None
     return torch.ops.dlblas.silu_and_mul_backward(dy, x, *ctx.config), None, None
 
 
