@@ -43,7 +43,10 @@ def test_selection_times_candidates_with_do_bench():
 
 
 def test_warm_path_respects_every_specialization():
-    """The launcher reuses compiled kernels only for arguments Triton would specialize alike."""
+    """Bound ops (launch templates) and the launcher (plans run outside bound ops: the public
+    functions, tuning) reuse compiled kernels only for arguments Triton would specialize alike."""
+    import dlblas_kernels
+
     from dlcore.launcher import _layouts
 
     op = registry().op("rms_norm")
@@ -56,6 +59,8 @@ def test_warm_path_respects_every_specialization():
             for _ in range(3):
                 out = dlcore.get_op("rms_norm", (x, w))(x, w)
                 assert mismatch(out, expected, 4096) is None, (rows, offset)
+                out = dlblas_kernels.rms_norm(x, w)
+                assert mismatch(out, expected, 4096) is None, (rows, offset, "public function")
     assert any(layout.compiled for layout in _layouts.values())
 
 

@@ -278,7 +278,7 @@ def test_backward_leaves_the_tables_alone_unless_asked(monkeypatch, device, gen,
     launches.clear()
     leaf_sin = sin.clone().requires_grad_()
     q_out, k_out = apply_rotary_pos_emb(q, k, cos, leaf_sin)
-    grad_q, grad_k = randn(*q.shape, generator=gen), randn(*k.shape, generator=gen)
+    grad_q, grad_k = randn(*q.shape, generator=gen).to(device), randn(*k.shape, generator=gen).to(device)
     (dsin,) = torch.autograd.grad((q_out, k_out), (leaf_sin,), (grad_q, grad_k))
     assert table_grads == [(False, True)] and [name for name, _ in launches] == ["rotary_kernel"]
     sin64 = sin.double().requires_grad_()
