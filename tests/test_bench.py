@@ -481,3 +481,8 @@ def test_timers_are_named():
         harness.default_timer(torch.device("cpu"), backend, kind="wall")
     timer, name = harness.default_timer(torch.device("cpu"), backend, kind="cudagraph")
     assert "cpu" in name and timer(lambda: None) >= 0  # CUDA graphs exist on CUDA only: the backend's timer
+
+
+def test_cudagraph_timer_is_for_forwards_only(capsys):
+    assert main(["bench", "rms_norm", "--mode", "bwd", "--timer", "cudagraph", "--shapes", "2x8"]) == 2
+    assert "--timer cudagraph times forwards only" in capsys.readouterr().err
