@@ -75,7 +75,7 @@ def _spec_key(values: list[Any], layout: KernelLayout, call: KernelCall, device:
     return tuple(key)
 
 
-class _Triton:
+class TritonRuntime:
     """Triton's runtime knobs and active driver, looked up once (imports cost per call)."""
 
     runtime: Any = None
@@ -83,10 +83,11 @@ class _Triton:
 
     @classmethod
     def load(cls) -> None:
-        from triton import knobs
-        from triton.runtime import driver
+        if cls.runtime is None:
+            from triton import knobs
+            from triton.runtime import driver
 
-        cls.runtime, cls.driver = knobs.runtime, driver.active
+            cls.runtime, cls.driver = knobs.runtime, driver.active
 
 
 def launch(call: KernelCall) -> None:
@@ -98,8 +99,8 @@ def launch(call: KernelCall) -> None:
             kernel[call.grid](*call.args, **call.kwargs)
             return
         layout = _layouts[kernel] = KernelLayout(kernel)
-        _Triton.load()
-    runtime, active = _Triton.runtime, _Triton.driver
+        TritonRuntime.load()
+    runtime, active = TritonRuntime.runtime, TritonRuntime.driver
     values = layout.values(call.args, call.kwargs)
     device = active.get_current_device()
     key = _spec_key(values, layout, call, device, runtime.add_stages_inspection_hook)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from dlcore.implementation import Config, KernelCall, LaunchPlan, PlanTransform
+from dlcore.launcher import KernelLayout, TritonRuntime
 
 #: exact inputs remembered per bound op
 LIMIT = 64
@@ -43,21 +44,6 @@ def exact_key(args: tuple) -> tuple:
         else:
             append((type(a), a))
     return tuple(key)
-
-
-class _Triton:
-    """Triton's runtime knobs and active driver, looked up once."""
-
-    runtime: Any = None
-    driver: Any = None
-
-    @classmethod
-    def load(cls) -> None:
-        if cls.runtime is None:
-            from triton import knobs
-            from triton.runtime import driver
-
-            cls.runtime, cls.driver = knobs.runtime, driver.active
 
 
 class _Launch:
@@ -96,7 +82,7 @@ class Template:
             else:
                 shape, strides, dtype, device = spec
                 outs.append(torch.empty_strided(shape, strides, dtype=dtype, device=device))
-        runtime, active = _Triton.runtime, _Triton.driver
+        runtime, active = TritonRuntime.runtime, TritonRuntime.driver
         stream = active.get_current_stream(self.device)
         enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
         sources = (args, outs)
@@ -127,15 +113,13 @@ def _flat_results(result: Any) -> tuple[list[torch.Tensor], bool]:
 
 
 def _layout_values(kernel: Any, call: KernelCall) -> list[Any]:
-    from dlcore.launcher import KernelLayout
-
     return KernelLayout(kernel).values(call.args, call.kwargs)
 
 
 def record(args: tuple, plan: LaunchPlan) -> tuple[Any, Template | None]:
     """Run ``plan`` through Triton, and record it when it can be replayed; returns the plan's
     result (computed either way) and the template or None."""
-    _Triton.load()
+    TritonRuntime.load()
     try:
         results, single = _flat_results(plan.result)
         inputs = [a for a in args if isinstance(a, torch.Tensor)]
@@ -160,8 +144,8 @@ def record(args: tuple, plan: LaunchPlan) -> tuple[Any, Template | None]:
         return plan.run(), None
     launches: list[_Launch] = []
     replayable = True
-    device = _Triton.driver.get_current_device()
-    hook = _Triton.runtime.add_stages_inspection_hook
+    device = TritonRuntime.driver.get_current_device()
+    hook = TritonRuntime.runtime.add_stages_inspection_hook
     for call in plan.calls:
         compiled = call.kernel[call.grid](*call.args, **call.kwargs)
         if not replayable:
@@ -203,7 +187,7 @@ class Replay:
         template = self.templates.get(key, _MISSING)
         if template is None:
             return self._planned(args).run()
-        if template is not _MISSING and template.hook is _Triton.runtime.add_stages_inspection_hook:
+        if template is not _MISSING and template.hook is TritonRuntime.runtime.add_stages_inspection_hook:
             return template.run(args)
         result, template = record(args, self._planned(args))
         templates = self.templates

@@ -74,8 +74,8 @@ class Runtime(SimpleNamespace):
 def triton_runtime(monkeypatch):
     runtime = Runtime(add_stages_inspection_hook=None, launch_enter_hook=None, launch_exit_hook=None)
     driver = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 1234)
-    monkeypatch.setattr(replay._Triton, "runtime", runtime)
-    monkeypatch.setattr(replay._Triton, "driver", driver)
+    monkeypatch.setattr(replay.TritonRuntime, "runtime", runtime)
+    monkeypatch.setattr(replay.TritonRuntime, "driver", driver)
     return runtime
 
 
