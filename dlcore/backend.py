@@ -79,7 +79,8 @@ class Backend:
             times.append((time.perf_counter() - start) * 1e3)
         return statistics.median(times)
 
-    def lower(self, call: KernelCall, target: str, passes: Pipeline | None = None) -> Lowering:
+    def lower(self, call: KernelCall, target: str, passes: Pipeline | None = None,
+              specialize: bool = True) -> Lowering:
         """What one kernel launch becomes for ``target`` at each IR stage, without the hardware.
 
         :param call: a launch of a plan (built on ``meta`` tensors is enough): its kernel and
@@ -88,6 +89,9 @@ class Backend:
         :param passes: the pipeline whose IR passes run; default: this backend's registered passes
             (``ast`` and ``launch`` passes are applied to the plan before, see
             :func:`dlcore.compiler.passes.apply_launch_passes`).
+        :param specialize: specialize the kernel on the argument values as a launch on the target
+            would (16-byte aligned pointers, integers divisible by 16, integers equal to 1; see
+            :func:`dlcore.compiler.lowering.launch_signature`); ``False``: on types and constexprs only.
         :raises LoweringError: the target is not this backend's, or the kernel cannot be compiled.
         :raises ToolchainMissingError: the pipeline stops where a compiler is not installed; its
             ``partial`` holds the stages reached.

@@ -146,6 +146,118 @@ def test_cli_refuses_unknown_names():
     assert done.returncode != 0 and "no pass named nope" in done.stderr
 
 
+# -- specialized like a launch ---------------------------------------------------------------------------
+
+SCALE_KERNEL = """
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def scale_kernel(x_ptr, out_ptr, n, stride, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(out_ptr + offs, tl.load(x_ptr + offs * stride, mask=mask) * 2, mask=mask)
+"""
+
+SPECIALIZE = """
+import importlib, json, torch
+import triton.runtime.jit
+from triton.backends.compiler import GPUTarget
+from dlcore.compiler.lowering import compile_call, launch_signature
+from dlcore.implementation import KernelCall
+from scale import scale_kernel
+
+target = GPUTarget("cuda", 90, 32)
+x = torch.empty(8192, device="meta", dtype=torch.bfloat16)
+aligned = KernelCall(scale_kernel, (4,), (x[:4096], x[4096:], 4096, 1), {"BLOCK": 1024, "num_warps": 4})
+unaligned = KernelCall(scale_kernel, (4,), (x[1:4096], x[4096:], 4095, 2), {"BLOCK": 1024, "num_warps": 4})
+found = {}
+for name, call, how in (("aligned", aligned, {}), ("plain", aligned, {"specialize": False}),
+                        ("unaligned", unaligned, {})):
+    kernel = compile_call(call, target, **how)
+    found[name] = {"ttir": kernel.asm["ttir"], "ttgir": kernel.asm["ttgir"], "ptx": kernel.asm["ptx"]}
+    sig = launch_signature(call, target)
+    found[name]["types"] = sig.types
+    found[name]["divisible"] = sorted(scale_kernel.arg_names[path[0]] for path, attr in sig.attrs.items() if attr)
+
+def described(sig):
+    return [sig.types, sorted((str(k), repr(v)) for k, v in sig.constexprs.items()),
+            sorted((str(k), v) for k, v in sig.attrs.items() if v)]
+
+rms, rope = (importlib.import_module("dlblas_kernels." + n) for n in ("rms_norm", "apply_rotary_pos_emb"))
+def calls(device):
+    x, w = torch.empty(37, 300, device=device), torch.empty(300, device=device)
+    q, k, cos = (torch.empty(*s, device=device, dtype=torch.bfloat16) for s in ((2, 7, 8, 64), (2, 7, 2, 64), (7, 64)))
+    plans = [rms.plan((x, w, 1e-6), {"BLOCK_M": 2, "BLOCK_N": 512, "num_warps": 4}),
+             rms.backward_plan((x, x, w, x, 1e-6), {"BLOCK_M": 1, "BLOCK_N": 128, "num_warps": 2}),
+             rope.plan((q, k, cos, cos, True, False), {"BLOCK_H": 4, "num_warps": 4})]
+    return [call for plan in plans for call in plan.calls] + [aligned, unaligned]
+
+by_triton = [described(launch_signature(call, target)) for call in calls("meta")]
+found["real_tensors_agree"] = by_triton[:-2] == [described(launch_signature(c, target)) for c in calls("cpu")][:-2]
+del triton.runtime.jit.create_function_from_signature  # what the rule-based fallback sees
+by_rule = [described(launch_signature(call, target)) for call in calls("meta")]
+found["rule_agrees"] = by_triton == by_rule
+found["rule_differs_at"] = [i for i, (a, b) in enumerate(zip(by_triton, by_rule)) if a != b]
+print(json.dumps(found))
+"""
+
+
+@pytest.fixture(scope="module")
+def specialized(tmp_path_factory):
+    site = tmp_path_factory.mktemp("scale")
+    (site / "scale.py").write_text(SCALE_KERNEL)
+    return run_json(SPECIALIZE, site, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1",
+                    TRITON_CACHE_DIR=str(tmp_path_factory.mktemp("triton-cache")))
+
+
+def _divisible_args(ir: str) -> set[str]:
+    """The kernel parameters that carry ``tt.divisibility = 16`` in a ttir or ttgir function header."""
+    header = next(line for line in ir.splitlines() if "tt.func public @scale_kernel" in line)
+    return {part.split(":")[0].strip().lstrip("%") for part in header.split("%")[1:] if "tt.divisibility = 16" in part}
+
+
+def test_aligned_pointers_and_sizes_carry_divisibility(specialized):
+    found = specialized["aligned"]
+    assert found["divisible"] == ["n", "out_ptr", "x_ptr"]
+    assert found["types"]["stride"] == "constexpr"  # an integer equal to 1 is a constant, as at a launch
+    for stage in ("ttir", "ttgir"):
+        assert {"x_ptr", "out_ptr", "n"} <= _divisible_args(found[stage]), found[stage]
+    # 1024 bf16 over 128 threads: 8 contiguous elements each, one 128-bit load when x_ptr is known aligned
+    assert "ld.global.v4.b32" in found["ptx"], found["ptx"]
+
+
+def test_unspecialized_compile_has_no_hints(specialized):
+    found = specialized["plain"]
+    assert "tt.divisibility" not in found["ttir"]
+    assert "ld.global.v2" not in found["ptx"] and "ld.global.v4" not in found["ptx"]
+
+
+def test_a_meta_view_off_a_16_byte_boundary_is_not_aligned(specialized):
+    found = specialized["unaligned"]
+    assert found["divisible"] == ["out_ptr"]  # x_ptr is one bf16 into its storage, n = 4095
+    assert _divisible_args(found["ttir"]) == {"out_ptr"}
+    assert found["types"]["stride"] == "i32"
+
+
+def test_meta_tensors_specialize_like_allocated_ones(specialized):
+    assert specialized["real_tensors_agree"]
+
+
+def test_the_rule_based_fallback_agrees_with_triton(specialized):
+    assert specialized["rule_agrees"], specialized["rule_differs_at"]
+
+
+def test_cli_specializes_unless_told_not_to():
+    done = lower_cli("silu_and_mul", "--target", "cuda:90", "--stage", "ttir")
+    assert done.returncode == 0, done.stderr
+    assert "tt.divisibility = 16" in done.stdout
+    done = lower_cli("silu_and_mul", "--target", "cuda:90", "--stage", "ttir", "--no-specialize")
+    assert done.returncode == 0, done.stderr
+    assert "tt.divisibility" not in done.stdout and "// not specialized (--no-specialize)" in done.stdout
+
+
 # -- here, in the interpreter's process -----------------------------------------------------------------
 
 

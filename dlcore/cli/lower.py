@@ -32,6 +32,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="turn a pass off")
     p.add_argument("--report", action="store_true",
                    help="one row per kernel and target instead of the IR")
+    p.add_argument("--no-specialize", dest="specialize", action="store_false",
+                   help="compile on the argument types only, not specialized on their values as a launch is "
+                        "(16-byte aligned pointers, integers divisible by 16, integers equal to 1 made constants)")
     p.set_defaults(func=run_lower)
 
 
@@ -63,9 +66,11 @@ def run_lower(args: argparse.Namespace) -> int:
                 said.add(note)
                 print(f"skipped {note}", file=sys.stderr)
         for launch in todo:
-            notes = list(launch.notes)
+            notes = list(launch.notes) + ([] if args.specialize else ["not specialized (--no-specialize)"])
             try:
-                lowering = backend.lower(launch.call, target, passes)
+                # specialize= only when asked off: a backend written before the option still lowers
+                lowering = backend.lower(launch.call, target, passes,
+                                         **({} if args.specialize else {"specialize": False}))
             except LoweringError as exc:
                 failed = True
                 print(f"dlcore lower: {launch.name}: {exc}", file=sys.stderr)
@@ -77,7 +82,7 @@ def run_lower(args: argparse.Namespace) -> int:
             if args.dump is not None:
                 _write(lowering, args.dump, args.stage)
             elif not args.report:
-                _print(lowering, launch, passes.names, args.stage)
+                _print(lowering, launch, notes, passes.names, args.stage)
             rows.append(report.row(lowering, launch.name, args.dtype, notes))
     if args.report:
         print(table(rows, report.HEADER))
@@ -88,12 +93,12 @@ def _selected(lowering, stages: list[str] | None) -> list:
     return [s for s in lowering.stages if not stages or s.stage in stages]
 
 
-def _print(lowering, launch, pass_names: tuple[str, ...], stages: list[str] | None) -> None:
+def _print(lowering, launch, notes: list[str], pass_names: tuple[str, ...], stages: list[str] | None) -> None:
     for s in _selected(lowering, stages):
         dtype = str(launch.dtype).removeprefix("torch.")
         print(f"// ===== {launch.name}: {lowering.kernel} for {lowering.target} ({dtype}), stage {s.stage}; "
               f"passes: {', '.join(pass_names) or 'none'} =====")
-        for note in launch.notes:
+        for note in notes:
             print(f"// {note}")
         if isinstance(s.ir, bytes):
             print(f"// {len(s.ir)} bytes of {s.stage}; write it with --dump DIR")

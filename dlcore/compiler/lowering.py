@@ -4,6 +4,11 @@ A :class:`~dlcore.implementation.LaunchPlan` built on ``meta`` tensors names eve
 real arguments; from those, each kernel's Triton signature and constexprs are derived and
 ``triton.compile`` runs for a ``GPUTarget`` (no device needed), giving every IR stage.
 
+By default a kernel is specialized on its argument values as a real launch would specialize it
+(:func:`launch_signature`): pointers and integers known divisible by 16 carry
+``tt.divisibility = 16``, integers equal to 1 become constants. Without that, loads come out
+unvectorised and register counts inflated, so the code would not be the code that runs.
+
 :func:`lower_with_triton` is what a backend's ``lower`` runs: a real compile (Triton's cache is not
 read) with the pipeline's IR passes, every stage's output and time recorded, optionally stopped
 after a stage. :func:`launches` builds the plans ``dlcore lower`` compiles: each op's example
@@ -64,12 +69,16 @@ def _scalar_type(value: Any) -> str:
 class KernelSignature:
     name: str
     types: dict[str, str]
-    constexprs: dict[str, Any]
+    #: keyed by parameter name or by Triton's argument path (``(index,)``)
+    constexprs: dict[Any, Any]
     options: dict[str, Any]
+    #: Triton's attributes by argument path, e.g. ``{(0,): [["tt.divisibility", 16]]}``
+    attrs: dict[tuple[int, ...], list] = field(default_factory=dict)
 
 
 def kernel_signature(call: KernelCall) -> KernelSignature:
-    """The Triton signature of one launch: each parameter's type, the constexpr values, the options."""
+    """The Triton signature of one launch, unspecialized: each parameter's type, the constexpr
+    values, the options; no divisibility attributes, integers equal to 1 stay arguments."""
     fn = call.kernel
     names = list(fn.arg_names)
     params = inspect.signature(fn.fn).parameters
@@ -95,13 +104,103 @@ def kernel_signature(call: KernelCall) -> KernelSignature:
     return KernelSignature(fn.__name__, types, constexprs, options)
 
 
-def compile_call(call: KernelCall, target: Any) -> Any:
-    """``triton.compile`` one launch for ``target`` (a ``GPUTarget``); returns the compiled kernel."""
-    import triton
+class _MetaPointer:
+    """A ``meta`` tensor as Triton's specialization sees a tensor argument: a dtype and an address.
+
+    A meta tensor has no storage, so the address is assumed: its storage starts 16-byte aligned,
+    as every block of the CUDA caching allocator does, and the tensor starts ``storage_offset``
+    elements into it.
+    """
+
+    def __init__(self, tensor: torch.Tensor):
+        self.dtype = tensor.dtype
+        self._address = tensor.storage_offset() * tensor.element_size()
+
+    def data_ptr(self) -> int:
+        return self._address
+
+
+def _as_launched(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.device.type == "meta":
+        return _MetaPointer(value)
+    return value
+
+
+def launch_signature(call: KernelCall, target: Any) -> KernelSignature:
+    """The Triton signature a real launch of ``call`` compiles with on ``target`` (a ``GPUTarget``).
+
+    Triton's own specialization runs on the argument values, as ``JITFunction.run`` does at a
+    launch, honouring the kernel's ``do_not_specialize`` and ``do_not_specialize_on_alignment``:
+    a tensor whose address is a multiple of 16, and an integer divisible by 16, carry
+    ``tt.divisibility = 16``; an integer equal to 1 becomes a constexpr. A ``meta`` tensor has no
+    address: it is taken to be 16-byte aligned when ``storage_offset * element_size`` is a
+    multiple of 16 (its storage assumed to start where the CUDA caching allocator's blocks do, on
+    a 16-byte boundary or better), unaligned otherwise.
+    """
+    from triton.compiler import make_backend
+
+    backend = make_backend(target)
+    args = [_as_launched(a) for a in call.args]
+    kwargs = {k: _as_launched(v) for k, v in call.kwargs.items()}
+    try:
+        from triton.runtime.jit import create_function_from_signature
+
+        pack_args = call.kernel._pack_args
+    except (ImportError, AttributeError):
+        types, constexprs, attrs = _specialize_by_rule(call.kernel, args, kwargs, backend)
+    else:
+        binder = create_function_from_signature(call.kernel.signature, call.kernel.params, backend)
+        bound, specialization, options = binder(*args, **kwargs)
+        _, types, constexprs, attrs = pack_args(backend, kwargs, bound, specialization, options)
+    options = {k: v for k, v in call.kwargs.items() if k in LAUNCH_OPTIONS}
+    return KernelSignature(call.kernel.__name__, types, constexprs, options, attrs)
+
+
+def _specialize_by_rule(fn: Any, args: list, kwargs: dict, backend: Any) -> tuple[dict, dict, dict]:
+    """What ``launch_signature`` computes, for a Triton whose binder it cannot call: the rules of
+    ``specialize_impl`` in Triton 3.6 and 3.9, for tensors and scalars (not tuples or descriptors)."""
+    params = inspect.signature(fn.fn).parameters
+    values = {**{k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty},
+              **dict(zip(fn.arg_names, args)), **kwargs}
+    types: dict[str, str] = {}
+    constexprs: dict[tuple[int, ...], Any] = {}
+    attrs: dict[tuple[int, ...], list] = {}
+    for i, (p, name) in enumerate(zip(fn.params, fn.arg_names)):
+        value = values[name]
+        annotated = p.annotation_type if isinstance(p.annotation_type, str) else ""
+        specialize = not p.do_not_specialize and not (annotated == "u1" or annotated[:2] in ("fp", "bf"))
+        aligned = specialize and not p.do_not_specialize_on_alignment
+        if p.is_constexpr or value is None or (specialize and not annotated and type(value) is int and value == 1):
+            types[name], constexprs[(i,)] = "constexpr", value
+            continue
+        if hasattr(value, "data_ptr"):
+            types[name] = ("*k" if p.is_const else "*") + TRITON_TYPES[value.dtype]
+            divisible = aligned and value.data_ptr() % 16 == 0
+        else:
+            types[name] = "u1" if isinstance(value, bool) else _scalar_type(value)
+            divisible = aligned and type(value) is int and value % 16 == 0
+        types[name] = annotated or types[name]
+        if divisible:
+            attrs[(i,)] = backend.parse_attr("D")
+    return types, constexprs, attrs
+
+
+def _ast_source(call: KernelCall, target: Any, specialize: bool) -> tuple[Any, KernelSignature]:
     from triton.compiler import ASTSource
 
-    sig = kernel_signature(call)
-    source = ASTSource(call.kernel, sig.types, constexprs=sig.constexprs)
+    sig = launch_signature(call, target) if specialize else kernel_signature(call)
+    return ASTSource(call.kernel, sig.types, constexprs=sig.constexprs, attrs=sig.attrs), sig
+
+
+def compile_call(call: KernelCall, target: Any, specialize: bool = True) -> Any:
+    """``triton.compile`` one launch for ``target`` (a ``GPUTarget``); returns the compiled kernel.
+
+    :param specialize: specialize on the argument values as a launch does (see
+        :func:`launch_signature`); ``False``: only on the types and constexprs.
+    """
+    import triton
+
+    source, sig = _ast_source(call, target, specialize)
     return triton.compile(source, target=target, options=sig.options)
 
 
@@ -192,22 +291,22 @@ def _require_compilable(call: KernelCall) -> None:
 
 
 def lower_with_triton(call: KernelCall, gpu_target: Any, target: str, passes: Pipeline,
-                      stop_after: str | None = None) -> Lowering:
+                      stop_after: str | None = None, specialize: bool = True) -> Lowering:
     """Compile ``call`` for ``gpu_target`` (a Triton ``GPUTarget``), recording every stage.
 
     :param target: the dlcore name of the target, e.g. ``cuda:90``.
     :param passes: the pipeline whose IR passes run during the compile.
     :param stop_after: end the compile after this stage (the stages after it are not run).
+    :param specialize: specialize on the argument values as a launch does (see
+        :func:`launch_signature`); ``False``: only on the types and constexprs.
     """
     import triton
     from triton import knobs
-    from triton.compiler import ASTSource
 
     from dlcore.compiler import source, stages
 
     _require_compilable(call)
-    sig = kernel_signature(call)
-    src = ASTSource(call.kernel, sig.types, constexprs=sig.constexprs)
+    src, sig = _ast_source(call, gpu_target, specialize)
     python = stages.StageOutput("python", source.source_of(call.kernel), 0.0)
     compiled = None
     with knobs.compilation.scope(), stages.capturing(passes, stop_after) as capture:
@@ -227,7 +326,7 @@ def lower_with_triton(call: KernelCall, gpu_target: Any, target: str, passes: Pi
 
 
 def ttir_then_missing(call: KernelCall, target: str, passes: Pipeline, later: tuple[str, ...],
-                      tools: dict[str, str]) -> NoReturn:
+                      tools: dict[str, str], specialize: bool = True) -> NoReturn:
     """Lower ``call`` to ttir with upstream Triton, then raise :class:`ToolchainMissingError`.
 
     For backends whose own pipeline is not wired yet: the ttir comes from Triton's
@@ -235,10 +334,12 @@ def ttir_then_missing(call: KernelCall, target: str, passes: Pipeline, later: tu
 
     :param later: the target's stages after ttir, e.g. ``("linalg", "hivm", "bin")``.
     :param tools: each executable those stages need -> what provides it; looked up on ``PATH``.
+    :param specialize: as for :func:`lower_with_triton`.
     """
     from triton.backends.compiler import GPUTarget
 
-    lowering = lower_with_triton(call, GPUTarget("cuda", 80, 32), target, passes, stop_after="ttir")
+    lowering = lower_with_triton(call, GPUTarget("cuda", 80, 32), target, passes, stop_after="ttir",
+                                 specialize=specialize)
     lowering.planned = ("ttir", *later)
     missing = tuple(tool for tool in tools if shutil.which(tool) is None)
     if missing:

@@ -63,7 +63,8 @@ class AscendBackend(Backend):
     def synchronize(self, device: torch.device) -> None:
         torch.npu.synchronize(device)
 
-    def lower(self, call: KernelCall, target: str, passes: Pipeline | None = None) -> Lowering:
+    def lower(self, call: KernelCall, target: str, passes: Pipeline | None = None,
+              specialize: bool = True) -> Lowering:
         """ttir from upstream Triton; linalg (``triton-adapter-opt``), HIVM (``bishengir-compile``) and the
         device binary (CANN's ``hivmc``) come with the Ascend pipeline: until then this raises
         :class:`~dlcore.compiler.lowering.ToolchainMissingError` naming the missing tools, with the
@@ -75,7 +76,7 @@ class AscendBackend(Backend):
             raise LoweringError(f"target {target!r} is not a {self.name} target (e.g. npu:Ascend910B)")
         passes = passes if passes is not None else default_pipeline(self.name)
         tools = {"triton-adapter-opt": "triton-ascend", "bishengir-compile": "ascendnpu-ir", "hivmc": "Huawei CANN"}
-        ttir_then_missing(call, target, passes, ("linalg", "hivm", "bin"), tools)
+        ttir_then_missing(call, target, passes, ("linalg", "hivm", "bin"), tools, specialize)
 
 
 @hookimpl

@@ -56,7 +56,8 @@ class CudaBackend(Backend):
         with torch.cuda.device(device):
             return float(do_bench(fn, warmup=max(warmup, 5), rep=max(reps * 5, 25), return_mode="median"))
 
-    def lower(self, call: KernelCall, target: str, passes: Pipeline | None = None) -> Lowering:
+    def lower(self, call: KernelCall, target: str, passes: Pipeline | None = None,
+              specialize: bool = True) -> Lowering:
         """``triton.compile`` for ``cuda:CAPABILITY`` (``cuda:80``, ``cuda:90``, ``cuda:100``), no GPU
         needed: ttir, ttgir, llir, ptx and cubin, with registers and spills from ptxas's report."""
         import contextlib
@@ -75,7 +76,7 @@ class CudaBackend(Backend):
         # Triton prints ptxas's -v report to stdout when asked; it is the only place spills appear.
         with knobs.nvidia.scope(), contextlib.redirect_stdout(log):
             knobs.nvidia.dump_ptxas_log = True
-            lowering = lower_with_triton(call, gpu_target, target, passes)
+            lowering = lower_with_triton(call, gpu_target, target, passes, specialize=specialize)
         lowering.resources = ptxas_resources(log.getvalue(), shared=lowering.resources.shared)
         return lowering
 

@@ -62,7 +62,8 @@ class MluBackend(Backend):
     def synchronize(self, device: torch.device) -> None:
         torch.mlu.synchronize(device)
 
-    def lower(self, call: KernelCall, target: str, passes: Pipeline | None = None) -> Lowering:
+    def lower(self, call: KernelCall, target: str, passes: Pipeline | None = None,
+              specialize: bool = True) -> Lowering:
         """ttir from upstream Triton; the later stages need Cambricon's toolchain (``triton-linalg-opt``,
         Neuware's ``cncc``): until the MLU pipeline is wired this raises
         :class:`~dlcore.compiler.lowering.ToolchainMissingError` naming the missing tools, with the
@@ -74,7 +75,7 @@ class MluBackend(Backend):
             raise LoweringError(f"target {target!r} is not a {self.name} target (e.g. mlu:MLU370)")
         passes = passes if passes is not None else default_pipeline(self.name)
         tools = {"triton-linalg-opt": "Cambricon triton-linalg", "cncc": "the Cambricon Neuware SDK"}
-        ttir_then_missing(call, target, passes, ("linalg", "bin"), tools)
+        ttir_then_missing(call, target, passes, ("linalg", "bin"), tools, specialize)
 
 
 @hookimpl
