@@ -12,7 +12,8 @@ further).
 
 A call is not recorded (and keeps taking the plan's path) when a launch argument is a tensor that
 is neither an input nor a result at offset zero (a scratch buffer, a copy, a view at an offset),
-when two results share memory, or when Triton does not hand back a compiled kernel. Templates
+when two inputs start at one address, when two results share memory, or when Triton does not hand
+back a compiled kernel. Templates
 are recorded for at most :data:`LIMIT` exact inputs per bound op, the oldest dropped first. A
 template is dropped when the installed compiler-stage hook changes (the compiled kernels would).
 """
@@ -129,7 +130,11 @@ def record(args: tuple, plan: LaunchPlan) -> tuple[Any, Template | None]:
         pointers: dict[int, tuple[int, int]] = {}
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
-                pointers.setdefault(a.data_ptr(), (0, i))
+                if a.data_ptr() in pointers:
+                    # Two inputs at one address (sin passed as cos, say): a launch argument could not
+                    # tell which one it is, and a later call may pass two different tensors.
+                    raise NotReplayable("two inputs share an address")
+                pointers[a.data_ptr()] = (0, i)
         for i, r in enumerate(results):
             if id(r) in input_index:
                 specs.append(None)

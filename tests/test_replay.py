@@ -149,6 +149,35 @@ def test_a_result_that_is_an_input_is_returned_itself(triton_runtime):
     assert len(kernel.replays) == 2
 
 
+def pair_plan(kernel):
+    """out = a * 2 from a launch on (a, out), then out2 = b * 3: two inputs of one shape."""
+    def plan(args, config):
+        a, b = args
+        out, out2 = torch.empty_like(a), torch.empty_like(b)
+        return LaunchPlan([KernelCall(kernel, (1,), (a, out, a.numel(), 2.0)),
+                           KernelCall(kernel, (1,), (b, out2, b.numel(), 3.0))], (out, out2))
+    return plan
+
+
+def test_inputs_at_one_address_are_not_recorded(triton_runtime):
+    """Recorded with the same tensor twice, a replay could not tell the two inputs apart later."""
+    kernel = FakeKernel()
+    run = replay.Replay(pair_plan(kernel), {}, None)
+    same = torch.randn(6)
+    for a, b in [(same, same), (torch.randn(6), torch.randn(6)), (torch.randn(6), torch.randn(6))]:
+        out, out2 = run((a, b))
+        torch.testing.assert_close(out, a * 2, rtol=0, atol=0)
+        torch.testing.assert_close(out2, b * 3, rtol=0, atol=0)
+    assert kernel.replays == []  # the exact key is the same each time: it stays on the plan's path
+    run = replay.Replay(pair_plan(kernel), {}, None)
+    a, b = torch.randn(6), torch.randn(6)
+    run((a, b))
+    out, out2 = run((same, same))  # recorded with two tensors, replayed with one twice: still right
+    torch.testing.assert_close(out, same * 2, rtol=0, atol=0)
+    torch.testing.assert_close(out2, same * 3, rtol=0, atol=0)
+    assert len(kernel.replays) == 2
+
+
 def test_tuple_results_and_several_launches(triton_runtime):
     kernel = FakeKernel()
     run = replay.Replay(scale_plan(kernel, pair=True), {"scale": 2.0}, None)
