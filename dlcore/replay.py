@@ -189,7 +189,10 @@ class Replay:
 
     def __call__(self, args: tuple) -> Any:
         key = exact_key(args)
-        template = self.templates.get(key, _MISSING)
+        try:
+            template = self.templates.get(key, _MISSING)
+        except TypeError:  # an argument that cannot be a key (a list, say): nothing to look up
+            return self._planned(args).run()
         if template is None:
             return self._planned(args).run()
         if template is not _MISSING and template.hook is TritonRuntime.runtime.add_stages_inspection_hook:

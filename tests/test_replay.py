@@ -244,3 +244,18 @@ def test_only_compiled_replayable_implementations_replay():
     assert not isinstance(make(False, kernel).runner({"scale": 1.0}), replay.Replay)
     Interpreted = type("InterpretedFunction", (FakeKernel,), {})
     assert not isinstance(make(True, Interpreted()).runner({"scale": 1.0}), replay.Replay)
+
+
+def test_an_unhashable_argument_takes_the_plan_path(triton_runtime):
+    kernel = FakeKernel()
+
+    def plan(args, config):
+        x, scales = args
+        out = torch.empty_like(x)
+        return LaunchPlan([KernelCall(kernel, (1,), (x, out, x.numel(), scales[0]))], out)
+
+    run = replay.Replay(plan, {}, None)
+    for _ in range(2):
+        x = torch.randn(4)
+        torch.testing.assert_close(run((x, [2.0])), x * 2, rtol=0, atol=0)
+    assert kernel.replays == [] and run.templates == {}
