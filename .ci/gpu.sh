@@ -25,7 +25,8 @@ export PYTHONPATH=/tmp/site DLCORE_CACHE_DIR=/tmp/dlcore-cache
 for stage in "$@"; do
   case $stage in
     tests)
-      python3 -m pytest -q -p no:cacheprovider -rs tests/kernels tests/test_gpu.py tests/test_compile.py \
+      # test_gpu.py first: get_op, launch templates and the launcher on CUDA, before the long kernel files
+      python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/kernels tests/test_compile.py \
           tests/test_backends.py tests/test_tuning.py 2>&1 | tee "$OUT/tests.log" | tail -12 ;;
     tests-quick)
       python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_tuning.py tests/kernels/test_rms_norm.py \
