@@ -3,6 +3,7 @@ baselines, JSON and plot output, and one real run of rms_norm through the comman
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -483,6 +484,23 @@ def test_timers_are_named():
     assert "cpu" in name and timer(lambda: None) >= 0  # CUDA graphs exist on CUDA only: the backend's timer
 
 
-def test_cudagraph_timer_is_for_forwards_only(capsys):
-    assert main(["bench", "rms_norm", "--mode", "bwd", "--timer", "cudagraph", "--shapes", "2x8"]) == 2
-    assert "--timer cudagraph times forwards only" in capsys.readouterr().err
+def test_graph_timer_runs_shapes_on_its_stream_and_copies_with_do_bench(monkeypatch, log):
+    """The CUDA part needs a GPU (tests/test_gpu.py); here: what run_bench does with a GraphTimer."""
+    op = register(monkeypatch, fake_op(log))
+    streams, copies = [], []
+
+    class Timer(harness.GraphTimer):
+        def __init__(self):
+            self.stream = "side stream"
+            self.copy_timer = lambda fn: copies.append(fn.__qualname__) or 0.5
+
+        def __call__(self, fn):
+            fn()
+            return 1.0
+
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: streams.append(s) or contextlib.nullcontext())
+    report = run_bench(op, [Shape({"tokens": 1, "hidden": 8})], dtype=torch.float32, device="cpu",
+                       baselines=("torch",), timer=Timer(), timer_name="graph", rounds=1, copy_bytes=COPY_BYTES)
+    assert streams == ["side stream"]
+    assert len(copies) == 3 and all("copy" in c for c in copies)  # bandwidth before and after, the same-size copy
+    assert report.shapes[0].copy_ms == 0.5 and report.shapes[0].ms(OWN) == 1.0

@@ -98,3 +98,20 @@ def test_bound_ops_replay_their_launches(name, sizes, offset, monkeypatch):
         problem = mismatch(out, reference_result(op, args), max(sizes.values()))
         assert problem is None, (seed, problem)
     assert len(replays) == 3
+
+
+@pytest.mark.parametrize("mode", ["fwd", "bwd"])
+def test_graph_timer_times_forwards_and_backwards(mode):
+    """--timer cudagraph: each implementation captured and replayed, backwards included (their
+    forwards run on the timer's stream, so their kernels are captured too)."""
+    from dlcore.bench.harness import default_timer, run_bench
+    from dlcore.bench.presets import Shape
+
+    device = torch.device("cuda")
+    op = registry().op("rms_norm")
+    timer, name = default_timer(device, registry().backend_for(device), rep_ms=5, kind="cudagraph")
+    report = run_bench(op, [Shape({"tokens": 64, "hidden": 1024})], dtype=torch.bfloat16, device=device,
+                       mode=mode, baselines=("torch",), timer=timer, timer_name=name, rounds=1)
+    (result,) = report.shapes
+    assert not result.notes, result.notes
+    assert 0 < result.ms("dlcore") < 1 and 0 < result.ms("torch") < 1

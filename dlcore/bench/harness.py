@@ -289,30 +289,67 @@ def time_round_robin(work: dict[str, Callable[[], object]], timer: Timer, rounds
 TIMERS = ("do_bench", "cudagraph")
 
 
+class GraphTimer:
+    """Median ms of ``fn`` replayed from a CUDA graph, on a side stream of its own.
+
+    :func:`run_bench` runs every shape on :attr:`stream` (its inputs, its warm-up, the untimed
+    forward of a backward), so the kernels of a backward, which go to the stream their forward ran
+    on, are captured with the rest. Copies are timed with ``do_bench`` (:attr:`copy_timer`): in a
+    graph a device-to-device copy becomes a copy-engine node, slower than the copy kernels that
+    ops and eager copies use.
+    """
+
+    def __init__(self, device: torch.device, rep_ms: float, copy_timer: Timer):
+        self.device = device
+        self.rep_ms = rep_ms
+        self.copy_timer = copy_timer
+        self.stream = torch.cuda.Stream(device)
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            fn()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(5):
+                fn()
+            end.record()
+            end.synchronize()
+            calls = max(1, min(int(self.rep_ms / max(start.elapsed_time(end) / 5, 1e-3)), 1000))
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=self.stream):
+                for _ in range(calls):
+                    fn()
+            times = []
+            for _ in range(10):
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / calls)
+            return statistics.median(times)
+
+
 def default_timer(device: torch.device, backend: Any, warmup_ms: float = 10, rep_ms: float = 40,
                   kind: str = "do_bench") -> tuple[Timer, str]:
     """On CUDA: ``do_bench``'s median (L2 flushed before each run; the host's time per call shows
-    where it exceeds the GPU's), or with ``kind="cudagraph"`` ``do_bench_cudagraph``'s median (the
-    calls captured in a CUDA graph and replayed: GPU time alone, for every implementation alike,
-    e.g. a backward whose autograd engine costs more host time than its kernels take). Elsewhere the
+    where it exceeds the GPU's), or with ``kind="cudagraph"`` a :class:`GraphTimer` (the calls
+    captured in a CUDA graph and replayed: GPU time alone, for every implementation alike, e.g. a
+    backward whose autograd engine costs more host time than its kernels take). Elsewhere the
     backend's timer."""
     if kind not in TIMERS:
         raise ValueError(f"unknown timer {kind!r}; use one of {', '.join(TIMERS)}")
     if device.type == "cuda":
-        from triton.testing import do_bench, do_bench_cudagraph
-
-        if kind == "cudagraph":
-            def graphed(fn: Callable[[], object]) -> float:
-                with torch.cuda.device(device):
-                    return float(do_bench_cudagraph(fn, rep=rep_ms, return_mode="median"))
-
-            return graphed, f"triton.testing.do_bench_cudagraph median (rep {rep_ms:g} ms; CUDA graph replays)"
+        from triton.testing import do_bench
 
         def timer(fn: Callable[[], object]) -> float:
             with torch.cuda.device(device):
                 return float(do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
-        return timer, f"triton.testing.do_bench median (warmup {warmup_ms:g} ms, rep {rep_ms:g} ms)"
+        name = f"triton.testing.do_bench median (warmup {warmup_ms:g} ms, rep {rep_ms:g} ms)"
+        if kind == "cudagraph":
+            return (GraphTimer(device, rep_ms, timer),
+                    f"CUDA graph replays on a side stream, median of 10 (rep {rep_ms:g} ms); copies: {name}")
+        return timer, name
     return (lambda fn: backend.timer(fn, device)), f"the {backend.name} backend's timer"
 
 
@@ -643,16 +680,19 @@ def run_bench(
                                                       if k.startswith("DLCORE_") or k == "TRITON_INTERPRET"})
     bench = Bench(op, dtype, device, mode, timer, rounds, seed, loaded, COMPILE in requested,
                   notes=[*(notes or []), *missing])
-    report.copy_gbps.append(copy_bandwidth(device, timer, copy_bytes))
-    with _retainable_compiled_backward():
+    copy_timer = timer.copy_timer if isinstance(timer, GraphTimer) else timer
+    # A graph timer's shapes run on its stream from the start (see GraphTimer).
+    on_stream = torch.cuda.stream(timer.stream) if isinstance(timer, GraphTimer) else contextlib.nullcontext()
+    report.copy_gbps.append(copy_bandwidth(device, copy_timer, copy_bytes))
+    with _retainable_compiled_backward(), on_stream:
         for i, shape in enumerate(shapes, 1):
             result = bench.run_shape(shape, requested)
             if result.bound == "memory" and result.rounds.get(OWN):
-                result.copy_ms = copy_ms(device, timer, result.nbytes)
+                result.copy_ms = copy_ms(device, copy_timer, result.nbytes)
             report.shapes.append(result)
             if progress is not None:
                 progress(f"[{i}/{len(shapes)}] {shape.label()}: {_progress_line(result, requested)}")
-    report.copy_gbps.append(copy_bandwidth(device, timer, copy_bytes))
+    report.copy_gbps.append(copy_bandwidth(device, copy_timer, copy_bytes))
     report.notes = bench.notes
     return report
 
