@@ -111,8 +111,15 @@ def launch(call: KernelCall) -> None:
             layout.compiled[key] = compiled
         return
     grid = call.grid
-    stream = active.get_current_stream(device)
+    grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+    run_compiled(compiled, grid3, active.get_current_stream(device), values)
+
+
+def run_compiled(compiled: Any, grid: tuple[int, int, int], stream: Any, values: list[Any]) -> None:
+    """What ``JITFunction.run`` does once it holds the compiled kernel: the launch, with Triton's
+    launch hooks (profilers) called as they would be."""
+    runtime = TritonRuntime.runtime
     enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
     metadata = compiled.launch_metadata(grid, stream, *values) if enter is not None else None
-    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-                 compiled.function, compiled.packed_metadata, metadata, enter, leave, *values)
+    compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata, metadata, enter,
+                 leave, *values)

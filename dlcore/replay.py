@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from dlcore.implementation import Config, KernelCall, LaunchPlan, PlanTransform
-from dlcore.launcher import KernelLayout, TritonRuntime
+from dlcore.implementation import Config, LaunchPlan, PlanTransform
+from dlcore.launcher import KernelLayout, TritonRuntime, run_compiled
 
 #: exact inputs remembered per bound op
 LIMIT = 64
@@ -83,9 +83,7 @@ class Template:
             else:
                 shape, strides, dtype, device = spec
                 outs.append(torch.empty_strided(shape, strides, dtype=dtype, device=device))
-        runtime, active = TritonRuntime.runtime, TritonRuntime.driver
-        stream = active.get_current_stream(self.device)
-        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+        stream = TritonRuntime.driver.get_current_stream(self.device)
         sources = (args, outs)
         for launch in self.launches:
             values = launch.values
@@ -93,11 +91,7 @@ class Template:
                 values = list(values)
                 for position, (kind, index) in launch.slots:
                     values[position] = sources[kind][index]
-            compiled = launch.compiled
-            metadata = compiled.launch_metadata(launch.grid, stream, *values) if enter is not None else None
-            g0, g1, g2 = launch.grid
-            compiled.run(g0, g1, g2, stream, compiled.function, compiled.packed_metadata, metadata, enter, leave,
-                         *values)
+            run_compiled(launch.compiled, launch.grid, stream, values)
         return outs[0] if self.single else tuple(outs)
 
 
@@ -111,10 +105,6 @@ def _flat_results(result: Any) -> tuple[list[torch.Tensor], bool]:
     if isinstance(result, tuple) and all(isinstance(r, torch.Tensor) for r in result):
         return list(result), False
     raise NotReplayable(f"result of type {type(result).__name__}")
-
-
-def _layout_values(kernel: Any, call: KernelCall) -> list[Any]:
-    return KernelLayout(kernel).values(call.args, call.kwargs)
 
 
 def record(args: tuple, plan: LaunchPlan) -> tuple[Any, Template | None]:
@@ -158,7 +148,7 @@ def record(args: tuple, plan: LaunchPlan) -> tuple[Any, Template | None]:
         if compiled is None or not hasattr(compiled, "packed_metadata"):
             replayable = False
             continue
-        values = _layout_values(call.kernel, call)
+        values = KernelLayout(call.kernel).values(call.args, call.kwargs)
         slots = []
         for position, v in enumerate(values):
             if isinstance(v, torch.Tensor):
