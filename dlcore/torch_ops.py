@@ -51,6 +51,15 @@ def plain_eager(tensors: Sequence[torch.Tensor | None]) -> bool:
             and torch._C._len_torch_dispatch_stack() == 0 and not torch._C._are_functorch_transforms_active())
 
 
+def run_backward(op: Callable[..., Any], body: Callable[..., Any], *args: Any) -> Any:
+    """The backward kernels of an autograd formula: ``body(*args)``, the implementation of the
+    backward custom op ``op``, called at once in plain eager autograd (:func:`plain_eager`), else
+    ``op(*args)`` through the dispatcher, which tracers see as one node."""
+    if plain_eager([a for a in args if isinstance(a, torch.Tensor)]):
+        return body(*args)
+    return op(*args)
+
+
 def config_ints(config: Config | None, keys: Sequence[str]) -> list[int]:
     """``config``'s values for ``keys``, as the custom op's trailing arguments; ``None``: all zero
     (the custom op then computes its heuristic default from the actual shapes)."""

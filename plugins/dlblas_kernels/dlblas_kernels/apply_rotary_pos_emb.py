@@ -37,7 +37,7 @@ from dlcore.device import DeviceProfile
 from dlcore.implementation import Config, KernelCall, LaunchPlan
 from dlcore.op import Op, ScalarArg, TensorArg
 from dlcore.signature import Signature, cdiv, make_signature, next_power_of_2
-from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints, plain_eager
+from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints, run_backward
 from dlcore.tuning.space import PowerOfTwo, SearchSpace, num_warps
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -469,15 +469,18 @@ def _apply_rotary_pos_emb_fake(q, k, cos, sin, interleaved, block_h, num_warps):
     return outputs(q, k)
 
 
-@torch.library.custom_op("dlblas::apply_rotary_pos_emb_backward", mutates_args=())
-def apply_rotary_pos_emb_backward_op(dq_out: torch.Tensor, dk_out: torch.Tensor, cos: torch.Tensor,
-                                     sin: torch.Tensor, interleaved: bool, block_h: int,
-                                     num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _apply_rotary_pos_emb_backward(dq_out: torch.Tensor, dk_out: torch.Tensor, cos: torch.Tensor,
+                                   sin: torch.Tensor, interleaved: bool, block_h: int,
+                                   num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dq, dk)`` of ``apply_rotary_pos_emb`` for the output gradients."""
     if dq_out.dtype == torch.float64:
         return apply_rotary_pos_emb_backward_reference(dq_out, dk_out, cos, sin, interleaved)
     config = _config(dq_out, dk_out, cos, (block_h, num_warps))
     return backward_plan((dq_out, dk_out, cos, sin, interleaved), config).run()
+
+
+apply_rotary_pos_emb_backward_op = torch.library.custom_op("dlblas::apply_rotary_pos_emb_backward",
+                                                           mutates_args=())(_apply_rotary_pos_emb_backward)
 
 
 @apply_rotary_pos_emb_backward_op.register_fake
@@ -512,12 +515,8 @@ def _backward(ctx: Any, dq_out: torch.Tensor, dk_out: torch.Tensor) -> tuple:
     cos, sin, *qk = ctx.saved_tensors
     dq = dk = dcos = dsin = None
     if any(ctx.needs_input_grad[:2]):
-        if plain_eager((dq_out, dk_out, cos, sin)):  # the plan at once, as the backward op would run it
-            config = _config(dq_out, dk_out, cos, tuple(ctx.config))
-            dq, dk = backward_plan((dq_out, dk_out, cos, sin, ctx.interleaved), config).run()
-        else:
-            dq, dk = torch.ops.dlblas.apply_rotary_pos_emb_backward(dq_out, dk_out, cos, sin, ctx.interleaved,
-                                                                    *ctx.config)
+        dq, dk = run_backward(torch.ops.dlblas.apply_rotary_pos_emb_backward, _apply_rotary_pos_emb_backward,
+                              dq_out, dk_out, cos, sin, ctx.interleaved, *ctx.config)
     if qk:
         dcos, dsin = _table_grads([(dq_out, qk[0]), (dk_out, qk[1])], cos, ctx.interleaved,
                                   ctx.needs_input_grad[2:4])

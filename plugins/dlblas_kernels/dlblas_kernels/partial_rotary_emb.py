@@ -40,7 +40,7 @@ from dlcore.device import DeviceProfile
 from dlcore.implementation import Config, KernelCall, LaunchPlan
 from dlcore.op import Op, ScalarArg, TensorArg
 from dlcore.signature import Signature, cdiv, make_signature, next_power_of_2
-from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints, plain_eager
+from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints, run_backward
 from dlcore.tuning.space import PowerOfTwo, SearchSpace, num_warps
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -433,17 +433,20 @@ def _partial_rotary_emb_fake(q, k_pe, kv, cos, sin, nope_dim, rope_dim, v_dim, b
     return outputs(q, nope_dim, rope_dim)
 
 
-@torch.library.custom_op("dlblas::partial_rotary_emb_backward", mutates_args=())
-def partial_rotary_emb_backward_op(dq_out: torch.Tensor, dout_kv: torch.Tensor, cos: torch.Tensor,
-                                   sin: torch.Tensor, k_pe: torch.Tensor, kv: torch.Tensor, nope_dim: int,
-                                   rope_dim: int, v_dim: int, block_h: int,
-                                   num_warps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _partial_rotary_emb_backward(dq_out: torch.Tensor, dout_kv: torch.Tensor, cos: torch.Tensor,
+                                 sin: torch.Tensor, k_pe: torch.Tensor, kv: torch.Tensor, nope_dim: int,
+                                 rope_dim: int, v_dim: int, block_h: int,
+                                 num_warps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk_pe, dkv)`` of ``partial_rotary_emb`` for the output gradients (``k_pe`` and ``kv``
     give the shapes of their gradients)."""
     if dq_out.dtype == torch.float64:
         return partial_rotary_emb_backward_reference(dq_out, dout_kv, cos, sin, nope_dim, rope_dim, v_dim)
     config = _config((dq_out, k_pe, kv, cos, sin, nope_dim, rope_dim, v_dim), (block_h, num_warps))
     return backward_plan((dq_out, dout_kv, cos, sin, k_pe, kv, nope_dim, rope_dim, v_dim), config).run()
+
+
+partial_rotary_emb_backward_op = torch.library.custom_op("dlblas::partial_rotary_emb_backward",
+                                                         mutates_args=())(_partial_rotary_emb_backward)
 
 
 @partial_rotary_emb_backward_op.register_fake
@@ -482,12 +485,8 @@ def _backward(ctx: Any, dq_out: torch.Tensor, dout_kv: torch.Tensor) -> tuple:
     cos, sin, k_pe, kv, *q = ctx.saved_tensors
     dq = dk_pe = dkv = dcos = dsin = None
     if any(ctx.needs_input_grad[:3]):
-        if plain_eager((dq_out, dout_kv, cos, sin, k_pe, kv)):  # the plan at once, as the backward op would
-            config = _config((dq_out, k_pe, kv, cos, sin, *ctx.dims), tuple(ctx.config))
-            dq, dk_pe, dkv = backward_plan((dq_out, dout_kv, cos, sin, k_pe, kv, *ctx.dims), config).run()
-        else:
-            dq, dk_pe, dkv = torch.ops.dlblas.partial_rotary_emb_backward(dq_out, dout_kv, cos, sin, k_pe, kv,
-                                                                          *ctx.dims, *ctx.config)
+        dq, dk_pe, dkv = run_backward(torch.ops.dlblas.partial_rotary_emb_backward, _partial_rotary_emb_backward,
+                                      dq_out, dout_kv, cos, sin, k_pe, kv, *ctx.dims, *ctx.config)
     if q:
         dcos, dsin = _table_grads(dq_out, dout_kv, q[0], k_pe, cos, ctx.dims[0], ctx.needs_input_grad[3:5])
     return dq, dk_pe, dkv, dcos, dsin, None, None, None, None, None

@@ -38,7 +38,7 @@ from dlcore.implementation import Config, KernelCall, LaunchPlan
 from dlcore.layout import as_rows
 from dlcore.op import Op, ScalarArg, TensorArg
 from dlcore.signature import Signature, cdiv, make_signature, next_power_of_2
-from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints, plain_eager
+from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints, run_backward
 from dlcore.tuning.space import Constraint, PowerOfTwo, SearchSpace, num_warps
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -474,16 +474,17 @@ def _rms_norm_fake(x, weight, eps, block_m, block_n, num_warps):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
-@torch.library.custom_op("dlblas::rms_norm_backward", mutates_args=())
-def rms_norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, dres: torch.Tensor | None,
-                         eps: float, block_m: int, block_n: int,
-                         num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, dres: torch.Tensor | None,
+                       eps: float, block_m: int, block_n: int, num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(dx, dweight)`` of ``rms_norm`` for the output gradient ``dy``; ``dres``, if given, is added
     to ``dx`` (``add_rms_norm``'s gradient of ``residual_out``)."""
     if x.dtype == torch.float64:
         return rms_norm_backward_reference(dy, x, weight, dres, eps)
     config = _config((x, weight, eps), (block_m, block_n, num_warps))
     return backward_plan((dy, x, weight, dres, eps), config).run()
+
+
+rms_norm_backward_op = torch.library.custom_op("dlblas::rms_norm_backward", mutates_args=())(_rms_norm_backward)
 
 
 @rms_norm_backward_op.register_fake
@@ -503,9 +504,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, dres: torc
     eager autograd the kernels are launched directly, as the inference path does, sparing the
     dispatcher's tens of microseconds per call that small shapes would wait for; anywhere else
     through the custom op ``dlblas::rms_norm_backward``, which tracers see as one node."""
-    if plain_eager((dy, x, weight, dres)):
-        return backward_plan((dy, x, weight, dres, eps), _config((x, weight, eps), tuple(config))).run()
-    return torch.ops.dlblas.rms_norm_backward(dy, x, weight, dres, eps, *config)
+    return run_backward(torch.ops.dlblas.rms_norm_backward, _rms_norm_backward, dy, x, weight, dres, eps, *config)
 
 
 def _backward(ctx: Any, dy: torch.Tensor) -> tuple:

@@ -24,7 +24,7 @@ from dlcore.implementation import Config, KernelCall, LaunchPlan
 from dlcore.layout import as_rows
 from dlcore.op import Op, TensorArg
 from dlcore.signature import Signature, cdiv, make_signature, next_power_of_2
-from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints, plain_eager
+from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints, run_backward
 from dlcore.tuning.space import Constraint, PowerOfTwo, SearchSpace, num_warps
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -238,12 +238,15 @@ def _silu_and_mul_fake(x, block_n, num_warps):
     return torch.empty(*x.shape[:-1], x.shape[-1] // 2, dtype=x.dtype, device=x.device)
 
 
-@torch.library.custom_op("dlblas::silu_and_mul_backward", mutates_args=())
-def silu_and_mul_backward_op(dy: torch.Tensor, x: torch.Tensor, block_n: int, num_warps: int) -> torch.Tensor:
+def _silu_and_mul_backward(dy: torch.Tensor, x: torch.Tensor, block_n: int, num_warps: int) -> torch.Tensor:
     """``dx`` of ``silu_and_mul`` for the output gradient ``dy``."""
     if x.dtype == torch.float64:
         return silu_and_mul_backward_reference(dy, x)
     return backward_plan((dy, x), _config(x, (block_n, num_warps))).run()
+
+
+silu_and_mul_backward_op = torch.library.custom_op("dlblas::silu_and_mul_backward",
+                                                   mutates_args=())(_silu_and_mul_backward)
 
 
 @silu_and_mul_backward_op.register_fake
@@ -259,9 +262,7 @@ def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
 
 def _backward(ctx: Any, dy: torch.Tensor) -> tuple:
     (x,) = ctx.saved_tensors
-    if plain_eager((dy, x)):  # the plan at once, as silu_and_mul_backward_op would run it
-        return backward_plan((dy, x), _config(x, tuple(ctx.config))).run(), None, None
-    return torch.ops.dlblas.silu_and_mul_backward(dy, x, *ctx.config), None, None
+    return run_backward(torch.ops.dlblas.silu_and_mul_backward, _silu_and_mul_backward, dy, x, *ctx.config), None, None
 
 
 silu_and_mul_op.register_autograd(_backward, setup_context=_setup_context)
