@@ -13,9 +13,11 @@ set -o pipefail
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target /tmp/site \
-    . plugins/dlc_cuda plugins/dlc_ascend plugins/dlc_mlu plugins/dlblas_kernels || exit 1
+if [ -z "$GPU_INSTALLED" ]; then  # set by a first run that installed, so later stages can skip it
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target /tmp/site \
+      . plugins/dlc_cuda plugins/dlc_ascend plugins/dlc_mlu plugins/dlblas_kernels || exit 1
+fi
 export PYTHONPATH=/tmp/site DLCORE_CACHE_DIR=/tmp/dlcore-cache
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
@@ -40,8 +42,20 @@ for stage in "$@"; do
       python3 -m dlcore.tuning.landscape record ffn --shape tokens=2048,hidden=4096,inter=4096 \
           --dtype bfloat16 --workers 15 --seconds "${LANDSCAPE_SECONDS:-150}" --out "$OUT/landscape_ffn.json" \
           2>&1 | tail -1 ;;
+    landscape-rotary)
+      # the rotary kernels' whole spaces at large shapes (is any config at 90% of a copy?), each file
+      # written to $OUT as soon as it is done; ROTARY_SECONDS bounds each (a random sample beyond)
+      for shape in tokens=16384,heads=32,kv_heads=8,head_dim=128 tokens=4096,heads=28,kv_heads=4,head_dim=128; do
+        python3 -m dlcore.tuning.landscape record apply_rotary_pos_emb --shape $shape --dtype bfloat16 --workers 15 \
+            --seconds "${ROTARY_SECONDS:-60}" --out "$OUT/rotary_${shape//[=,]/_}.json" 2>&1 | tail -1
+      done
+      for shape in tokens=4096,heads=128,nope_dim=128,rope_dim=64,v_dim=128; do
+        python3 -m dlcore.tuning.landscape record partial_rotary_emb --shape $shape --dtype bfloat16 --workers 15 \
+            --seconds "${ROTARY_SECONDS:-60}" --out "$OUT/partial_${shape//[=,]/_}.json" 2>&1 | tail -1
+      done ;;
     bench)
-      # BENCH_OPS and BENCH_MODES narrow the runs (default: every memory-bound op, fwd and bwd)
+      # BENCH_OPS and BENCH_MODES narrow the runs (default: every memory-bound op, fwd and bwd);
+      # BENCH_TIMER=cudagraph times CUDA-graph replays (no host time), BENCH_TOKENS the token counts
       mkdir -p /tmp/bench
       python3 - <<'PY' 2>&1 | tee -a /tmp/bench/bench.log | grep -v '^\['
 import os
@@ -50,11 +64,14 @@ shapes = {"rms_norm": "gqa,deepseek-v3", "add_rms_norm": "gqa,deepseek-v3", "sil
           "apply_rotary_pos_emb": "gqa", "partial_rotary_emb": "mla"}
 ops = os.environ.get("BENCH_OPS", " ".join(shapes)).split()
 modes = os.environ.get("BENCH_MODES", "fwd bwd").split()
+timer = os.environ.get("BENCH_TIMER", "do_bench")
+tokens = os.environ.get("BENCH_TOKENS", "1,64,4096,16384")
 for op in ops:
     for mode in modes:
-        stem = f"/tmp/bench/{op}_{mode}"
+        stem = f"/tmp/bench/{op}_{mode}_{timer}"
         main(["bench", op, "--mode", mode, "--dtype", "bf16", "--shapes", shapes[op],
-              "--tokens", "1,64,4096,16384", "--rounds", "2", "--json", stem + ".json", "--plot", stem + ".png"])
+              "--tokens", tokens, "--rounds", "2", "--timer", timer, "--json", stem + ".json", "--plot", stem + ".png"])
+        os.system(f"tar czf {os.environ['OUT']}/bench.tgz -C /tmp/bench .")  # what is done survives a time-out
 PY
       tar czf "$OUT/bench.tgz" -C /tmp/bench . ;;
     compiler)

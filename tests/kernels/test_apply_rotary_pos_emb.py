@@ -171,15 +171,15 @@ def test_plan_on_meta_tensors_reads_no_data():
     assert call.kwargs["num_warps"] == 4  # 8 rows of 128: 8 elements per thread with 4 warps
 
 
-def test_default_config_rotates_a_token_per_program_with_all_its_heads():
+def test_default_config_rotates_a_token_per_program_in_steps_of_one_warp():
     q, k = torch.empty(1, 4096, 32, 128, device="meta"), torch.empty(1, 4096, 8, 128, device="meta")
     cos = torch.empty(1, 4096, 128, device="meta")
     args = (q, k, cos, cos, False, False)
     config = TRITON.default_config(make_signature(OP, args, q.device), None)
     (call,) = TRITON.plan(args, config).calls
-    assert call.grid == (4096 + 1024,)  # q: a token per program; k: 4 tokens of 8 heads
-    assert (call.kwargs["BLOCK_HQ"], call.kwargs["BLOCK_HK"], call.kwargs["BLOCK_TK"], call.kwargs["num_warps"]) == (
-        32, 8, 4, 8)
+    assert call.grid == (4096 + 2048,)  # q: a token per program, in two steps of 16 heads; k: 2 tokens of 8 heads
+    assert (call.kwargs["BLOCK_TQ"], call.kwargs["BLOCK_HQ"], call.kwargs["BLOCK_HK"], call.kwargs["BLOCK_TK"],
+            call.kwargs["num_warps"]) == (1, 16, 8, 2, 1)
     assert TRITON.space().is_valid(config) is None
 
 
