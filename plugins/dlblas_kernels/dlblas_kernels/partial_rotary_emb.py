@@ -53,9 +53,12 @@ CONFIG_KEYS = ("BLOCK_H", "num_warps")
 HEADS = 128
 PER_THREAD = 128
 # The backward loops over every head of a token and holds its key gradient sum: it steps over at most
-# this many heads at a time, with warps for about 16 elements per thread (the config's BLOCK_H, when
-# smaller, still applies; its num_warps is the forward's).
-BACKWARD_HEADS = 16
+# this many heads at a time (the config's BLOCK_H, when smaller), with warps for about this many
+# elements of each gradient per thread (the config's num_warps is the forward's). On the H200
+# (bfloat16, 4096 tokens, `.ci/sweep_partial_backward.py`) 32 and 32 were within 4% of the best at
+# 128 and at 16 heads; the earlier 16 and 16 were 9% and 24% slower.
+BACKWARD_HEADS = 32
+BACKWARD_PER_THREAD = 32
 
 
 @triton.jit
@@ -249,8 +252,7 @@ def backward_plan(args: tuple, config: Config) -> LaunchPlan:
     dqo3 = dq_out.reshape(tokens, h, nope + rope)
     dokv4 = dout_kv.reshape(tokens, 2, h, nope + rope)
     blocks = _blocks(h, nope, rope, v, {**config, "BLOCK_H": min(config["BLOCK_H"], BACKWARD_HEADS)})
-    # About 16 elements of each gradient per thread.
-    warps = min(max(blocks["BLOCK_H"] * next_power_of_2(nope + rope) // 512, 1), 8)
+    warps = min(max(blocks["BLOCK_H"] * next_power_of_2(nope + rope) // (32 * BACKWARD_PER_THREAD), 1), 16)
     # dq, dk_pe and dkv are new contiguous tensors: [tokens, h, nope + rope], [tokens, rope], [tokens, h, nope + v].
     call = KernelCall(
         partial_rotary_backward_kernel, (tokens,),
