@@ -11,7 +11,7 @@
 # e.g. bash .ci/gpu.sh tests overhead. Results land under $OUT.
 set -o pipefail
 export PYTHONUNBUFFERED=1 TRITON_DEFAULT_FP_FUSION=1
-OUT=${OUT:-/tmp/out}
+export OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -z "$GPU_INSTALLED" ]; then  # set by a first run that installed, so later stages can skip it
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
