@@ -17,6 +17,7 @@ from dlblas_kernels.partial_rotary_emb import (
 from gradients import check_backward
 
 from dlcore import InvalidInputError
+from dlcore.signature import make_signature
 from dlcore.testing import assert_close, randn, upcast
 
 # (leading dims, S, H, nope, rope, v): DeepSeek-V2's proportions shrunk, odd sizes, no nope part,
@@ -168,3 +169,19 @@ def test_backward_leaves_the_tables_alone_unless_asked(monkeypatch, device, gen)
 def test_backward_of_one_table_alone(device, gen):
     args = inputs((2,), 3, 4, 8, 4, 8, torch.float32, device, gen)
     check_backward(partial_rotary_emb, partial_rotary_emb_reference, args, (3,), gen, reduce_dim=16)
+
+
+@pytest.mark.parametrize("heads, forward, backward", [(128, (128, 8), (32, 8)), (16, (16, 8), (16, 4))])
+def test_default_launches_at_deepseek_sizes(heads, forward, backward):
+    """DeepSeek-V2 (128 heads) and V2-Lite (16): the forward takes every head of a token with 8
+    warps; the backward steps over at most 32 heads with about 32 elements per thread."""
+    args = inputs((1,), 4096, heads, 128, 64, 128, torch.bfloat16, "meta", torch.Generator())
+    config = TRITON.default_config(make_signature(OP, args, args[0].device), None)
+    (call,) = TRITON.plan(args, config).calls
+    assert (call.kwargs["BLOCK_H"], call.kwargs["num_warps"]) == forward and call.grid == (4096, 1)
+    q, k_pe, kv, cos, sin, nope, rope, v = args
+    grads = (torch.empty(q.shape, dtype=q.dtype, device="meta"),
+             torch.empty(1, 4096, 2, heads, 192, dtype=q.dtype, device="meta"))
+    (call,) = backward_plan((*grads, cos, sin, k_pe, kv, nope, rope, v), config).calls
+    assert (call.kwargs["BLOCK_H"], call.kwargs["num_warps"]) == backward and call.grid == (4096,)
+    assert TRITON.space().is_valid(config) is None
