@@ -343,6 +343,21 @@ def test_a_backward_writing_into_grad_output_does_not_change_the_others(monkeypa
                                                        "torch": lambda: scale}))
     report = bench(op, log, mode="bwd", baselines=("peer", "torch"), tokens=(1,))
     assert report.shapes[0].max_abs_diff == {"peer": 0.0, "torch": 0.0}
+    assert any(n.startswith("peer: writes into its output gradients (in place)") for n in report.notes), report.notes
+    assert not any(n.startswith("torch: writes") for n in report.notes)
+
+
+def test_a_forward_writing_into_its_inputs_is_noted_and_undone_for_the_next(monkeypatch, log):
+    """Liger's rope rotates q and k in place: the report says so, and the implementations checked
+    after it get the inputs as they were."""
+    op = register(monkeypatch, fake_op(log, baselines={"peer": lambda: lambda x, s: x.mul_(s),
+                                                       "torch": lambda: scale}))
+    report = bench(op, log, baselines=("peer", "torch"), tokens=(2,))
+    assert report.shapes[0].max_abs_diff == {"peer": 0.0, "torch": 0.0}, report.table()
+    assert [n for n in report.notes if "in place" in n] == [
+        "peer: writes into its inputs (in place), so each timed call moves fewer bytes than a functional one; "
+        "they were restored before the next implementation's check"]
+    assert "writes into its inputs" in report.table()
 
 
 def test_forward_and_backward_are_timed_together(monkeypatch, log):

@@ -516,7 +516,8 @@ class Bench:
         reference: tuple = ()
         for name, fn in impls.items():
             try:
-                run = prepare(fn)
+                run, handed = prepare(fn)
+                before = [t.clone() for t in handed]
                 out = _tensors(run())
             except Exception as exc:  # noqa: BLE001 - a failing baseline is a note, never a crash
                 result.notes.append(f"{name}: failed ({_first_line(exc)}); left out")
@@ -531,11 +532,19 @@ class Bench:
                     result.notes.append(f"{name}: its results do not have the shapes of {OWN}'s; left out")
                     continue
                 result.max_abs_diff[name] = diff
+            if any(not torch.equal(t, b) for t, b in zip(handed, before)):
+                what = "inputs" if self.mode == "fwd" else "output gradients"
+                self.note(f"{name}: writes into its {what} (in place), so each timed call moves fewer bytes than "
+                          f"a functional one; they were restored before the next implementation's check")
+                if name == OWN:  # its results may be those inputs: keep them as the reference
+                    reference = tuple(t.clone() for t in reference)
+                for t, b in zip(handed, before):
+                    t.copy_(b)
             work[name] = run
         return work
 
     def _backward(self, own: Callable[..., Any], args: tuple,
-                  result: ShapeResult) -> Callable[[Callable[..., Any]], Callable[[], object]] | None:
+                  result: ShapeResult) -> Prepare | None:
         """How to time this mode's backward: the inputs the op declares differentiable (floating-point
         tensors only) require grad, every implementation is asked for the gradients of exactly those."""
         wrt = [i for i in self.op.differentiable() if isinstance(args[i], torch.Tensor) and args[i].is_floating_point()]
@@ -553,34 +562,36 @@ class Bench:
         return _forward_backward(grad_args, inputs, grads)
 
 
-def _forward(args: tuple) -> Callable[[Callable[..., Any]], Callable[[], object]]:
-    def prepare(fn: Callable[..., Any]) -> Callable[[], object]:
+Prepare = Callable[[Callable[..., Any]], tuple[Callable[[], object], list[torch.Tensor]]]
+
+
+def _forward(args: tuple) -> Prepare:
+    """Each implementation's forward on ``args`` itself; it is handed their tensors."""
+    def prepare(fn: Callable[..., Any]) -> tuple[Callable[[], object], list[torch.Tensor]]:
         def run() -> object:
             with torch.no_grad():
                 return fn(*args)
-        return run
+        return run, [a for a in args if isinstance(a, torch.Tensor)]
     return prepare
 
 
-def _backward_only(args: tuple, inputs: list[torch.Tensor],
-                   grads: list[torch.Tensor]) -> Callable[[Callable[..., Any]], Callable[[], object]]:
+def _backward_only(args: tuple, inputs: list[torch.Tensor], grads: list[torch.Tensor]) -> Prepare:
     """The forward runs once, outside the timing; each timed call runs the backward of its graph,
     ``torch.autograd.grad`` of ``inputs`` only (no ``.grad`` accumulation, nothing else differentiated).
 
     Each implementation gets its own copy of ``grads``: some backwards (Liger's) write into them.
     """
-    def prepare(fn: Callable[..., Any]) -> Callable[[], object]:
+    def prepare(fn: Callable[..., Any]) -> tuple[Callable[[], object], list[torch.Tensor]]:
         outs = _differentiable_outputs(fn(*args), len(grads))
         own = [g.clone() for g in grads]
-        return lambda: torch.autograd.grad(outs, inputs, own, retain_graph=True)
+        return lambda: torch.autograd.grad(outs, inputs, own, retain_graph=True), own
     return prepare
 
 
-def _forward_backward(args: tuple, inputs: list[torch.Tensor],
-                      grads: list[torch.Tensor]) -> Callable[[Callable[..., Any]], Callable[[], object]]:
-    def prepare(fn: Callable[..., Any]) -> Callable[[], object]:
+def _forward_backward(args: tuple, inputs: list[torch.Tensor], grads: list[torch.Tensor]) -> Prepare:
+    def prepare(fn: Callable[..., Any]) -> tuple[Callable[[], object], list[torch.Tensor]]:
         own = [g.clone() for g in grads]
-        return lambda: torch.autograd.grad(_differentiable_outputs(fn(*args), len(grads)), inputs, own)
+        return lambda: torch.autograd.grad(_differentiable_outputs(fn(*args), len(grads)), inputs, own), own
     return prepare
 
 
