@@ -12,8 +12,9 @@ further).
 
 A call is not recorded (and keeps taking the plan's path) when a launch argument is a tensor that
 is neither an input nor a result at offset zero (a scratch buffer, a copy, a view at an offset),
-when two inputs start at one address, when two results share memory, or when Triton does not hand
-back a compiled kernel. Templates
+when two inputs start at one address, when two results share memory, when a result that is not
+empty is handed to no launch (the plan filled it on the host), or when Triton does not hand back a
+compiled kernel. Templates
 are recorded for at most :data:`LIMIT` exact inputs per bound op, the oldest dropped first. A
 template is dropped when the installed compiler-stage hook changes (the compiled kernels would).
 """
@@ -110,6 +111,8 @@ def _flat_results(result: Any) -> tuple[list[torch.Tensor], bool]:
 def record(args: tuple, plan: LaunchPlan) -> tuple[Any, Template | None]:
     """Run ``plan`` through Triton, and record it when it can be replayed; returns the plan's
     result (computed either way) and the template or None."""
+    if any(type(call.kernel).__name__ == "InterpretedFunction" for call in plan.calls):
+        return plan.run(), None  # TRITON_INTERPRET=1: nothing compiled to replay (and maybe no driver)
     TritonRuntime.load()
     try:
         results, single = _flat_results(plan.result)
@@ -139,7 +142,6 @@ def record(args: tuple, plan: LaunchPlan) -> tuple[Any, Template | None]:
         return plan.run(), None
     launches: list[_Launch] = []
     replayable = True
-    device = TritonRuntime.driver.get_current_device()
     hook = TritonRuntime.runtime.add_stages_inspection_hook
     for call in plan.calls:
         compiled = call.kernel[call.grid](*call.args, **call.kwargs)
@@ -162,6 +164,12 @@ def record(args: tuple, plan: LaunchPlan) -> tuple[Any, Template | None]:
         launches.append(_Launch(compiled, grid, values, slots))
     if not replayable:
         return plan.result, None
+    # A result no launch is handed was filled on the host (zeros for an empty sum, say): a replay
+    # would hand back uninitialised memory.
+    handed = {index for launch in launches for _, (kind, index) in launch.slots if kind == 1}
+    if any(spec is not None and i not in handed and results[i].numel() for i, spec in enumerate(specs)):
+        return plan.result, None
+    device = TritonRuntime.driver.get_current_device()
     return plan.result, Template(launches, specs, single, from_input, device, hook)
 
 

@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 
-from dlcore.implementation import Config, PlanTransform, TritonImplementation, call_directly
+from dlcore.implementation import Config, LaunchPlan, PlanTransform, TritonImplementation, call_directly
 from dlcore.op import Op
+from dlcore.replay import Replay
 
 
 def needs_autograd(args: Sequence[Any]) -> bool:
@@ -58,6 +59,29 @@ def run_backward(op: Callable[..., Any], body: Callable[..., Any], *args: Any) -
     if plain_eager([a for a in args if isinstance(a, torch.Tensor)]):
         return body(*args)
     return op(*args)
+
+
+class Launches:
+    """What a custom op's body does with its plan, ``plan(args, config(args, ints)).run()``, with
+    the launches recorded per exact input and replayed after (:mod:`dlcore.replay`), as a bound op
+    does: a backward at a few tokens then costs a direct launch, not a plan and Triton's launcher.
+
+    ``ints`` are the body's trailing config integers (all zero: the default, which ``config`` then
+    computes from ``args``); the plan must be replayable (depend on nothing but the exact input).
+    """
+
+    __slots__ = ("plan", "config", "replays")
+
+    def __init__(self, plan: Callable[[tuple, Config], LaunchPlan], config: Callable[[tuple, tuple], Config]):
+        self.plan = plan
+        self.config = config
+        self.replays: dict[tuple, Replay] = {}
+
+    def run(self, args: tuple, ints: tuple) -> Any:
+        replay = self.replays.get(ints)
+        if replay is None:
+            replay = self.replays[ints] = Replay(lambda a, _: self.plan(a, self.config(a, ints)), {}, None)
+        return replay(args)
 
 
 def config_ints(config: Config | None, keys: Sequence[str]) -> list[int]:

@@ -259,3 +259,43 @@ def test_an_unhashable_argument_takes_the_plan_path(triton_runtime):
         x = torch.randn(4)
         torch.testing.assert_close(run((x, [2.0])), x * 2, rtol=0, atol=0)
     assert kernel.replays == [] and run.templates == {}
+
+
+def test_a_result_filled_on_the_host_is_not_recorded(triton_runtime):
+    """A plan that zero-fills a result no launch writes (an empty sum's gradient, say): a replay would
+    hand back uninitialised memory, so it keeps the plan's path."""
+    kernel = FakeKernel()
+
+    def plan(args, config):
+        (x,) = args
+        out, total = torch.empty_like(x), torch.zeros(4)
+        return LaunchPlan([KernelCall(kernel, (1,), (x, out, x.numel(), 2.0), {"BLOCK": 64})], (out, total))
+
+    run = replay.Replay(plan, {}, None)
+    for _ in range(3):
+        x = torch.randn(8)
+        out, total = run((x,))
+        torch.testing.assert_close(out, x * 2, rtol=0, atol=0)
+        assert not total.any()
+    assert kernel.replays == [] and len(kernel.planned) == 3
+
+
+def test_custom_op_bodies_replay_per_config(triton_runtime):
+    """dlcore.torch_ops.Launches: one set of templates per config integers; all-zero integers mean a
+    default that depends on the inputs, computed from the args of the call that records."""
+    from dlcore.torch_ops import Launches
+
+    kernel = FakeKernel()
+    configs = []
+
+    def config(args, ints):
+        configs.append(ints)
+        return {"scale": float(ints[0]) if any(ints) else float(args[0].shape[0])}
+
+    launches = Launches(scale_plan(kernel), config)
+    for ints, rows in [((3,), 2), ((3,), 2), ((0,), 2), ((0,), 5), ((0,), 5), ((3,), 5)]:
+        x = torch.randn(rows, 4)
+        expected = x * (3.0 if ints[0] else rows)
+        torch.testing.assert_close(launches.run((x,), ints), expected, rtol=0, atol=0)
+    assert configs == [(3,), (0,), (0,), (3,)], "the config is computed when recording only"
+    assert len(kernel.planned) == 4 and len(kernel.replays) == 2

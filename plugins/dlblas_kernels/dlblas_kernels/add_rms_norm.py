@@ -30,7 +30,7 @@ from dlcore.implementation import Config, KernelCall, LaunchPlan
 from dlcore.layout import as_rows
 from dlcore.op import Op, ScalarArg, TensorArg
 from dlcore.signature import Signature, cdiv, make_signature
-from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints
+from dlcore.torch_ops import CustomOpTritonImplementation, Launches, call, config_from_ints, config_ints
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps")
@@ -193,6 +193,13 @@ OP = Op(
 # -- PyTorch custom op -----------------------------------------------------------------------------
 
 
+def _config(args: tuple, values: tuple[int, ...]) -> Config:
+    return config_from_ints(CONFIG_KEYS, values, lambda: default_config(make_signature(OP, args, args[0].device), None))
+
+
+FORWARD = Launches(plan, _config)
+
+
 @torch.library.custom_op("dlblas::add_rms_norm", mutates_args=())
 def add_rms_norm_op(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, eps: float,
                     block_m: int, block_n: int, num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,10 +207,7 @@ def add_rms_norm_op(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tenso
     inputs take the torch reference (the path ``torch.autograd.gradcheck`` runs)."""
     if x.dtype == torch.float64:
         return add_rms_norm_reference(x, weight, residual, eps)
-    args = (x, weight, residual, eps)
-    config = config_from_ints(CONFIG_KEYS, (block_m, block_n, num_warps),
-                              lambda: default_config(make_signature(OP, args, x.device), None))
-    return plan(args, config).run()
+    return FORWARD.run((x, weight, residual, eps), (block_m, block_n, num_warps))
 
 
 @add_rms_norm_op.register_fake

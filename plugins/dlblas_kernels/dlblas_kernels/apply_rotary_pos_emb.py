@@ -37,7 +37,14 @@ from dlcore.device import DeviceProfile
 from dlcore.implementation import Config, KernelCall, LaunchPlan
 from dlcore.op import Op, ScalarArg, TensorArg
 from dlcore.signature import Signature, cdiv, make_signature, next_power_of_2
-from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints, run_backward
+from dlcore.torch_ops import (
+    CustomOpTritonImplementation,
+    Launches,
+    call,
+    config_from_ints,
+    config_ints,
+    run_backward,
+)
 from dlcore.tuning.space import PowerOfTwo, SearchSpace, num_warps
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -454,6 +461,11 @@ def _config(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, values: tuple[i
     return config_from_ints(CONFIG_KEYS, values, default)
 
 
+# Both take (q or dq_out, k or dk_out, cos, sin, interleaved, ...): one config rule.
+FORWARD = Launches(plan, lambda args, ints: _config(args[0], args[1], args[2], ints))
+BACKWARD = Launches(backward_plan, lambda args, ints: _config(args[0], args[1], args[2], ints))
+
+
 @torch.library.custom_op("dlblas::apply_rotary_pos_emb", mutates_args=())
 def apply_rotary_pos_emb_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                             interleaved: bool, block_h: int, num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -461,8 +473,7 @@ def apply_rotary_pos_emb_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     default). float64 inputs take the torch reference (the path ``torch.autograd.gradcheck`` runs)."""
     if q.dtype == torch.float64:
         return apply_rotary_pos_emb_reference(q, k, cos, sin, interleaved)
-    config = _config(q, k, cos, (block_h, num_warps))
-    return plan((q, k, cos, sin, interleaved, False), config).run()
+    return FORWARD.run((q, k, cos, sin, interleaved, False), (block_h, num_warps))
 
 
 @apply_rotary_pos_emb_op.register_fake
@@ -478,8 +489,7 @@ def _apply_rotary_pos_emb_backward(dq_out: torch.Tensor, dk_out: torch.Tensor, c
     """``(dq, dk)`` of ``apply_rotary_pos_emb`` for the output gradients."""
     if dq_out.dtype == torch.float64:
         return apply_rotary_pos_emb_backward_reference(dq_out, dk_out, cos, sin, interleaved)
-    config = _config(dq_out, dk_out, cos, (block_h, num_warps))
-    return backward_plan((dq_out, dk_out, cos, sin, interleaved), config).run()
+    return BACKWARD.run((dq_out, dk_out, cos, sin, interleaved), (block_h, num_warps))
 
 
 apply_rotary_pos_emb_backward_op = torch.library.custom_op("dlblas::apply_rotary_pos_emb_backward",

@@ -40,7 +40,14 @@ from dlcore.device import DeviceProfile
 from dlcore.implementation import Config, KernelCall, LaunchPlan
 from dlcore.op import Op, ScalarArg, TensorArg
 from dlcore.signature import Signature, cdiv, make_signature, next_power_of_2
-from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints, run_backward
+from dlcore.torch_ops import (
+    CustomOpTritonImplementation,
+    Launches,
+    call,
+    config_from_ints,
+    config_ints,
+    run_backward,
+)
 from dlcore.tuning.space import PowerOfTwo, SearchSpace, num_warps
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -427,6 +434,12 @@ def _config(args: tuple, values: tuple[int, ...]) -> Config:
                             lambda: default_config(make_signature(OP, args, args[0].device), None))
 
 
+FORWARD = Launches(plan, _config)
+# The backward's args are (dq_out, dout_kv, cos, sin, k_pe, kv, nope, rope, v); its config is the
+# forward's, whose args are (q, k_pe, kv, cos, sin, nope, rope, v) (dq_out has q's shape).
+BACKWARD = Launches(backward_plan, lambda a, ints: _config((a[0], a[4], a[5], a[2], a[3], a[6], a[7], a[8]), ints))
+
+
 @torch.library.custom_op("dlblas::partial_rotary_emb", mutates_args=())
 def partial_rotary_emb_op(q: torch.Tensor, k_pe: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor,
                           sin: torch.Tensor, nope_dim: int, rope_dim: int, v_dim: int, block_h: int,
@@ -436,7 +449,7 @@ def partial_rotary_emb_op(q: torch.Tensor, k_pe: torch.Tensor, kv: torch.Tensor,
     args = (q, k_pe, kv, cos, sin, nope_dim, rope_dim, v_dim)
     if q.dtype == torch.float64:
         return partial_rotary_emb_reference(*args)
-    return plan(args, _config(args, (block_h, num_warps))).run()
+    return FORWARD.run(args, (block_h, num_warps))
 
 
 @partial_rotary_emb_op.register_fake
@@ -454,8 +467,7 @@ def _partial_rotary_emb_backward(dq_out: torch.Tensor, dout_kv: torch.Tensor, co
     give the shapes of their gradients)."""
     if dq_out.dtype == torch.float64:
         return partial_rotary_emb_backward_reference(dq_out, dout_kv, cos, sin, nope_dim, rope_dim, v_dim)
-    config = _config((dq_out, k_pe, kv, cos, sin, nope_dim, rope_dim, v_dim), (block_h, num_warps))
-    return backward_plan((dq_out, dout_kv, cos, sin, k_pe, kv, nope_dim, rope_dim, v_dim), config).run()
+    return BACKWARD.run((dq_out, dout_kv, cos, sin, k_pe, kv, nope_dim, rope_dim, v_dim), (block_h, num_warps))
 
 
 partial_rotary_emb_backward_op = torch.library.custom_op("dlblas::partial_rotary_emb_backward",

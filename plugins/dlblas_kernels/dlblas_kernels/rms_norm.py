@@ -38,7 +38,14 @@ from dlcore.implementation import Config, KernelCall, LaunchPlan
 from dlcore.layout import as_rows
 from dlcore.op import Op, ScalarArg, TensorArg
 from dlcore.signature import Signature, cdiv, make_signature, next_power_of_2
-from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints, run_backward
+from dlcore.torch_ops import (
+    CustomOpTritonImplementation,
+    Launches,
+    call,
+    config_from_ints,
+    config_ints,
+    run_backward,
+)
 from dlcore.tuning.space import Constraint, PowerOfTwo, SearchSpace, num_warps
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -456,6 +463,11 @@ def _config(args: tuple, values: tuple[int, ...]) -> Config:
                             lambda: default_config(make_signature(OP, args, args[0].device), None))
 
 
+FORWARD = Launches(plan, _config)
+# The backward's args are (dy, x, weight, dres, eps); its config is the forward's.
+BACKWARD = Launches(backward_plan, lambda args, ints: _config((args[1], args[2], args[4]), ints))
+
+
 @torch.library.custom_op("dlblas::rms_norm", mutates_args=())
 def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float,
                 block_m: int, block_n: int, num_warps: int) -> torch.Tensor:
@@ -463,8 +475,7 @@ def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float,
     take the torch reference (the path ``torch.autograd.gradcheck`` runs)."""
     if x.dtype == torch.float64:
         return rms_norm_reference(x, weight, eps)
-    args = (x, weight, eps)
-    return plan(args, _config(args, (block_m, block_n, num_warps))).run()
+    return FORWARD.run((x, weight, eps), (block_m, block_n, num_warps))
 
 
 @rms_norm_op.register_fake
@@ -480,8 +491,7 @@ def _rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
     to ``dx`` (``add_rms_norm``'s gradient of ``residual_out``)."""
     if x.dtype == torch.float64:
         return rms_norm_backward_reference(dy, x, weight, dres, eps)
-    config = _config((x, weight, eps), (block_m, block_n, num_warps))
-    return backward_plan((dy, x, weight, dres, eps), config).run()
+    return BACKWARD.run((dy, x, weight, dres, eps), (block_m, block_n, num_warps))
 
 
 rms_norm_backward_op = torch.library.custom_op("dlblas::rms_norm_backward", mutates_args=())(_rms_norm_backward)

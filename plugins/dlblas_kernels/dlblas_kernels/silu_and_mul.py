@@ -24,7 +24,14 @@ from dlcore.implementation import Config, KernelCall, LaunchPlan
 from dlcore.layout import as_rows
 from dlcore.op import Op, TensorArg
 from dlcore.signature import Signature, cdiv, make_signature, next_power_of_2
-from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints, run_backward
+from dlcore.torch_ops import (
+    CustomOpTritonImplementation,
+    Launches,
+    call,
+    config_from_ints,
+    config_ints,
+    run_backward,
+)
 from dlcore.tuning.space import Constraint, PowerOfTwo, SearchSpace, num_warps
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -222,13 +229,17 @@ def _config(x: torch.Tensor, values: tuple[int, ...]) -> Config:
     return config_from_ints(CONFIG_KEYS, values, lambda: default_config(make_signature(OP, (x,), x.device), None))
 
 
+FORWARD = Launches(plan, lambda args, ints: _config(args[0], ints))
+BACKWARD = Launches(backward_plan, lambda args, ints: _config(args[1], ints))
+
+
 @torch.library.custom_op("dlblas::silu_and_mul", mutates_args=())
 def silu_and_mul_op(x: torch.Tensor, block_n: int, num_warps: int) -> torch.Tensor:
     """``silu_and_mul`` with the launch config as trailing ints (all zero: the default). float64
     inputs take the torch reference (the path ``torch.autograd.gradcheck`` runs)."""
     if x.dtype == torch.float64:
         return silu_and_mul_reference(x)
-    return plan((x,), _config(x, (block_n, num_warps))).run()
+    return FORWARD.run((x,), (block_n, num_warps))
 
 
 @silu_and_mul_op.register_fake
@@ -242,7 +253,7 @@ def _silu_and_mul_backward(dy: torch.Tensor, x: torch.Tensor, block_n: int, num_
     """``dx`` of ``silu_and_mul`` for the output gradient ``dy``."""
     if x.dtype == torch.float64:
         return silu_and_mul_backward_reference(dy, x)
-    return backward_plan((dy, x), _config(x, (block_n, num_warps))).run()
+    return BACKWARD.run((dy, x), (block_n, num_warps))
 
 
 silu_and_mul_backward_op = torch.library.custom_op("dlblas::silu_and_mul_backward",
