@@ -111,8 +111,10 @@ def _flat_results(result: Any) -> tuple[list[torch.Tensor], bool]:
 def record(args: tuple, plan: LaunchPlan) -> tuple[Any, Template | None]:
     """Run ``plan`` through Triton, and record it when it can be replayed; returns the plan's
     result (computed either way) and the template or None."""
-    if any(type(call.kernel).__name__ == "InterpretedFunction" for call in plan.calls):
-        return plan.run(), None  # TRITON_INTERPRET=1: nothing compiled to replay (and maybe no driver)
+    if not plan.calls or any(type(call.kernel).__name__ == "InterpretedFunction" for call in plan.calls):
+        # Nothing launched (empty inputs), or TRITON_INTERPRET=1: nothing compiled to replay, and
+        # perhaps no GPU driver to ask.
+        return plan.run(), None
     TritonRuntime.load()
     try:
         results, single = _flat_results(plan.result)

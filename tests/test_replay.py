@@ -299,3 +299,11 @@ def test_custom_op_bodies_replay_per_config(triton_runtime):
         torch.testing.assert_close(launches.run((x,), ints), expected, rtol=0, atol=0)
     assert configs == [(3,), (0,), (0,), (3,)], "the config is computed when recording only"
     assert len(kernel.planned) == 4 and len(kernel.replays) == 2
+
+
+def test_a_plan_with_nothing_to_launch_is_not_recorded(monkeypatch):
+    """Empty inputs launch nothing: no driver is asked (there may be none) and nothing is kept."""
+    monkeypatch.setattr(replay.TritonRuntime, "load", lambda: pytest.fail("asked the Triton runtime"))
+    run = replay.Replay(lambda args, config: LaunchPlan([], torch.empty(0)), {}, None)
+    assert run((torch.empty(0),)).shape == (0,) and run((torch.empty(0),)).shape == (0,)
+    assert list(run.templates.values()) == [None]
