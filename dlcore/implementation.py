@@ -164,6 +164,9 @@ class TritonImplementation(Implementation):
         device and alignment (not on their values), and it allocates its results uninitialised
         (``torch.empty``) for its kernels to write in full. A bound op then records its launches
         once per exact input and replays them (:mod:`dlcore.replay`).
+    :param backward_plan: optional ``backward_plan(args, config) -> LaunchPlan``: the launches of
+        the backward for the forward's ``args`` and ``config``, the output gradients made up as new
+        tensors (meta tensors must work); ``dlcore lower`` lowers them besides ``plan``'s.
     """
 
     kind = "triton"
@@ -179,10 +182,12 @@ class TritonImplementation(Implementation):
         supports: Callable[[Signature, DeviceProfile], str | None] | None = None,
         space: Callable[[], SearchSpace] | None = None,
         replayable: bool = False,
+        backward_plan: Callable[[tuple, Config], LaunchPlan] | None = None,
         **kwargs: Any,
     ):
         super().__init__(op, name, **kwargs)
         self.plan = plan
+        self.backward_plan = backward_plan
         self.replayable = replayable
         self.kernels = tuple(kernels)
         self._default_config = default_config

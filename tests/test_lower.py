@@ -40,7 +40,8 @@ for target, enable in (("cuda:80", []), ("cuda:90", []), ("cuda:90", ["grid_fold
     todo, _ = launches(reg, None, torch.float16, {"tokens": 20000}, target_profile(target), passes)
     for launch in todo:
         lowered = reg.backends["cuda"].lower(launch.call, target, passes)
-        found[f"{launch.op}/{lowered.kernel}/{target}"] = {
+        direction = "/backward" if launch.backward else ""
+        found[f"{launch.op}/{lowered.kernel}{direction}/{target}"] = {
             "stages": [s.stage for s in lowered.stages], "planned": list(lowered.planned),
             "kinds": [type(s.ir).__name__ for s in lowered.stages],
             "registers": lowered.resources.registers, "spills": lowered.resources.spill_stores,
@@ -130,6 +131,14 @@ def test_cli_prints_one_stage_and_dumps_files(tmp_path):
     assert sorted(p.name for p in folder.iterdir()) == ["00-python.py", "00-source.mlir", "01-ttir.ttir",
                                                         "02-ttgir.ttgir", "03-llir.ll", "04-ptx.ptx", "05-cubin.cubin"]
     assert (tmp_path / "out" / "mine.txt").read_text() == "kept"
+
+
+def test_cli_dumps_a_kernel_launched_both_ways_into_two_folders(tmp_path):
+    """Rotary's one kernel rotates forward and, transposed, backward: two specializations."""
+    done = lower_cli("apply_rotary_pos_emb", "--target", "cuda:90", "--stage", "ttir", "--dump", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    forward, backward = (tmp_path / f"rotary_kernel{s}-cuda90" / "01-ttir.ttir" for s in ("", "-backward"))
+    assert forward.read_text() != backward.read_text()
 
 
 def test_cli_lowers_as_far_as_it_can_and_says_why():
@@ -278,9 +287,21 @@ def test_interpreted_kernels_are_not_lowered_here():
         lower_with_triton(todo[0].call, None, "cuda:90", Pipeline("cuda"))
 
 
+def test_backward_plans_are_lowered_too():
+    todo, skipped = launches(registry(), "rms_norm", torch.float32, {}, target_profile("cuda:90"), pipeline("cuda"))
+    assert [(t.name, t.call.kernel.__name__) for t in todo] == [
+        ("rms_norm.triton", "rms_norm_kernel"), ("rms_norm.triton backward", "rms_norm_backward_kernel"),
+        ("rms_norm.triton backward", "column_sum_kernel")] and not skipped
+    todo, _ = launches(registry(), "add_rms_norm", torch.float32, {}, target_profile("cuda:90"), pipeline("cuda"))
+    backward = [t for t in todo if t.backward]
+    assert backward and backward[0].call.kwargs["HAS_DRES"], "add_rms_norm's backward adds the residual gradient"
+
+
 def test_kernels_outside_the_plan_are_named():
-    _, skipped = launches(registry(), "rms_norm", torch.float32, {}, target_profile("cuda:90"), pipeline("cuda"))
-    assert any("rms_norm_backward_kernel: not launched by the plan" in s for s in skipped)
+    # one row: the backward's single program writes dweight itself, no column sum
+    _, skipped = launches(registry(), "rms_norm", torch.float32, {"tokens": 1}, target_profile("cuda:90"),
+                          pipeline("cuda"))
+    assert skipped == ["rms_norm.triton/column_sum_kernel: not launched by the plan for these inputs"]
 
 
 def test_backends_without_a_pipeline_refuse_to_lower():

@@ -80,7 +80,7 @@ def run_lower(args: argparse.Namespace) -> int:
                 if lowering is None:
                     continue
             if args.dump is not None:
-                _write(lowering, args.dump, args.stage)
+                _write(lowering, args.dump, args.stage, "-backward" if launch.backward else "")
             elif not args.report:
                 _print(lowering, launch, notes, passes.names, args.stage)
             rows.append(report.row(lowering, launch.name, args.dtype, notes))
@@ -113,10 +113,11 @@ def file_name(lowering, stage) -> str:
     return f"{index:02d}-{stage.stage}.{stage.extension}"
 
 
-def _write(lowering, root: Path, stages: list[str] | None) -> None:
+def _write(lowering, root: Path, stages: list[str] | None, suffix: str = "") -> None:
     from dlcore.compiler.dump import write_new
 
-    folder = root / f"{lowering.kernel}-{lowering.target.replace(':', '')}"
+    # suffix: "-backward" for a backward launch (rotary's one kernel serves both directions)
+    folder = root / f"{lowering.kernel}{suffix}-{lowering.target.replace(':', '')}"
     folder.mkdir(parents=True, exist_ok=True)
     written = [write_new(folder / file_name(lowering, s), s.ir).name for s in _selected(lowering, stages)]
     print(f"{folder}: {' '.join(written)}")

@@ -389,10 +389,12 @@ class Launch:
     original: Any
     #: what the ast / launch passes did, or why they declined
     notes: list[str] = dataclasses.field(default_factory=list)
+    #: a launch of the implementation's backward plan
+    backward: bool = False
 
     @property
     def name(self) -> str:
-        return f"{self.op}.{self.impl}"
+        return f"{self.op}.{self.impl}" + (" backward" if self.backward else "")
 
 
 def launches(reg: Registry, selector: str | None, dtype: torch.dtype, sizes: dict[str, int],
@@ -427,15 +429,19 @@ def launches(reg: Registry, selector: str | None, dtype: torch.dtype, sizes: dic
                 continue
             args = op.example_inputs(sizes, dtype, meta)
             config = impl.default_config(make_signature(op, args, meta), profile)
-            plan = impl.plan(args, config)
-            lowered = apply_launch_passes(plan, profile, passes)
+            plans = [(False, impl.plan(args, config))]
+            if getattr(impl, "backward_plan", None) is not None:
+                plans.append((True, impl.backward_plan(args, config)))
             launched = set()
-            for before, after in zip(plan.calls, lowered.calls):
-                kernel = source.kernel_name(before.kernel)
-                launched.add(kernel)
-                if selector in names and selector != kernel:
-                    continue
-                found.append(Launch(name, impl.name, dtype, after, before.kernel, _notes(before, after, passes)))
+            for backward, plan in plans:
+                lowered = apply_launch_passes(plan, profile, passes)
+                for before, after in zip(plan.calls, lowered.calls):
+                    kernel = source.kernel_name(before.kernel)
+                    launched.add(kernel)
+                    if selector in names and selector != kernel:
+                        continue
+                    found.append(Launch(name, impl.name, dtype, after, before.kernel, _notes(before, after, passes),
+                                        backward))
             for kernel in names:
                 if kernel not in launched and (selector in (None, name, f"{name}.{impl.name}", kernel)):
                     skipped.append(f"{name}.{impl.name}/{kernel}: not launched by the plan for these inputs")

@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from dlblas_kernels.rms_norm import backward as rms_norm_backward
+from dlblas_kernels.rms_norm import backward_plan as rms_norm_backward_plan
 from dlblas_kernels.rms_norm import heuristic_config, rms_norm_reference, space, torch_rms_norm
 from dlcore import hookimpl
 from dlcore.device import DeviceProfile
@@ -237,6 +238,13 @@ def custom_op(args: tuple, config: Config | None) -> tuple[torch.Tensor, torch.T
     return torch.ops.dlblas.add_rms_norm(x, weight, residual, float(eps), *config_ints(config, CONFIG_KEYS))
 
 
+def backward_of(args: tuple, config: Config) -> LaunchPlan:
+    """The backward's launches (rms_norm's, with the gradient of ``residual_out`` added) for the
+    forward's ``args``, the output gradients made up (``dlcore lower``)."""
+    x, weight, residual, eps = args
+    return rms_norm_backward_plan((x.new_empty(x.shape), x, weight, x.new_empty(x.shape), eps), config)
+
+
 TRITON = CustomOpTritonImplementation(
     "add_rms_norm", "triton",
     plan=plan,
@@ -244,6 +252,7 @@ TRITON = CustomOpTritonImplementation(
     default_config=default_config,
     space=space,
     replayable=True,
+    backward_plan=backward_of,
     custom_op=custom_op,
     dtypes=DTYPES,
     doc="one pass: residual add, residual_out stored, RMSNorm; backward through rms_norm's kernels",

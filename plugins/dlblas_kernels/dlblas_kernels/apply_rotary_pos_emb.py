@@ -549,6 +549,12 @@ def custom_op(args: tuple, config: Config | None) -> tuple[torch.Tensor, torch.T
     return q_out, k_out
 
 
+def backward_of(args: tuple, config: Config) -> LaunchPlan:
+    """The backward's launches for the forward's ``args``, the output gradients made up (``dlcore lower``)."""
+    q, k, cos, sin, interleaved, _ = args
+    return backward_plan((q.new_empty(q.shape), k.new_empty(k.shape), cos, sin, interleaved), config)
+
+
 TRITON = CustomOpTritonImplementation(
     "apply_rotary_pos_emb", "triton",
     plan=plan,
@@ -556,6 +562,7 @@ TRITON = CustomOpTritonImplementation(
     default_config=default_config,
     space=space,
     replayable=True,
+    backward_plan=backward_of,
     custom_op=custom_op,
     dtypes=DTYPES,
     doc="one program per block of tokens, all heads of q and k, cos and sin read once; the backward is the "

@@ -525,6 +525,13 @@ def custom_op(args: tuple, config: Config | None) -> tuple[torch.Tensor, torch.T
     return torch.ops.dlblas.partial_rotary_emb(q, k_pe, kv, cos, sin, nope, rope, v, *config_ints(config, CONFIG_KEYS))
 
 
+def backward_of(args: tuple, config: Config) -> LaunchPlan:
+    """The backward's launches for the forward's ``args``, the output gradients made up (``dlcore lower``)."""
+    q, k_pe, kv, cos, sin, nope, rope, v = args
+    dq_out, dout_kv = outputs(q, nope, rope)
+    return backward_plan((dq_out, dout_kv, cos, sin, k_pe, kv, nope, rope, v), config)
+
+
 TRITON = CustomOpTritonImplementation(
     "partial_rotary_emb", "triton",
     plan=plan,
@@ -532,6 +539,7 @@ TRITON = CustomOpTritonImplementation(
     default_config=default_config,
     space=space,
     replayable=True,
+    backward_plan=backward_of,
     custom_op=custom_op,
     dtypes=DTYPES,
     doc="one program per (token, head block): nope copies, interleaved-in half-split-out rope, padded values; "

@@ -531,6 +531,12 @@ def custom_op(args: tuple, config: Config | None) -> torch.Tensor:
     return torch.ops.dlblas.rms_norm(x, weight, float(eps), *config_ints(config, CONFIG_KEYS))
 
 
+def backward_of(args: tuple, config: Config) -> LaunchPlan:
+    """The backward's launches for the forward's ``args``, the output gradient made up (``dlcore lower``)."""
+    x, weight, eps = args
+    return backward_plan((x.new_empty(x.shape), x, weight, None, eps), config)
+
+
 TRITON = CustomOpTritonImplementation(
     "rms_norm", "triton",
     plan=plan,
@@ -538,6 +544,7 @@ TRITON = CustomOpTritonImplementation(
     default_config=default_config,
     space=space,
     replayable=True,
+    backward_plan=backward_of,
     custom_op=custom_op,
     dtypes=DTYPES,
     doc="BLOCK_M rows per program, each in registers up to BLOCK_N, two passes beyond; "

@@ -284,6 +284,12 @@ def custom_op(args: tuple, config: Config | None) -> torch.Tensor:
     return torch.ops.dlblas.silu_and_mul(x, *config_ints(config, CONFIG_KEYS))
 
 
+def backward_of(args: tuple, config: Config) -> LaunchPlan:
+    """The backward's launches for the forward's ``args``, the output gradient made up (``dlcore lower``)."""
+    (x,) = args
+    return backward_plan((x.new_empty(*x.shape[:-1], x.shape[-1] // 2), x), config)
+
+
 TRITON = CustomOpTritonImplementation(
     "silu_and_mul", "triton",
     plan=plan,
@@ -291,6 +297,7 @@ TRITON = CustomOpTritonImplementation(
     default_config=default_config,
     space=space,
     replayable=True,
+    backward_plan=backward_of,
     custom_op=custom_op,
     dtypes=DTYPES,
     doc="one program per (row, column block); math in float32; backward of the same layout",
