@@ -13,9 +13,9 @@ kernel serves both. cos and sin are read per element, so any values work, not on
 duplicated halves.
 
 One launch, a 1-D grid: the first programs rotate q, the others k, each a block of tokens with every
-head, loading those tokens' cos and sin once, ``BLOCK_H`` (token, head) rows per step (one token
-and all its q heads for the usual head counts; several tokens per program for k, or for q when it has
-few heads, so that k's steps are as wide as q's and its loads as wide),
+head, loading those tokens' cos and sin once, ``BLOCK_H`` (token, head) rows per step (by default
+one token per q program, its heads in steps of 16 with one warp; several tokens per program for k,
+or for q when it has few heads, so that k's steps are as wide as q's and its loads as wide),
 reading each pair's two halves as two contiguous loads (or the whole interleaved head in one, split
 into even and odd lanes). Every byte of q and k is read once and every output byte written once;
 cos and sin are read twice (for q's programs and for k's), 2.5% more bytes than the minimum for
@@ -52,8 +52,8 @@ ANY_LAYOUT = ("contiguous", "rows", "strided")
 CONFIG_KEYS = ("BLOCK_H", "num_warps")
 # Elements a program rotates per step by default (BLOCK_T tokens of BLOCK_H heads of D), with one
 # warp: 64 per thread, many loads in flight per thread. On the H200 (bfloat16, 4096 and 16384 tokens of
-# LLaMA-3-8B and Qwen2.5-7B) that was within 3% of the best of the whole space; 4096 with 8 warps was
-# 15% slower at 16384 tokens.
+# LLaMA-3-8B and Qwen2.5-7B) that was within 3% of the best of the whole space; 4096 with 8 warps took
+# 17% longer at 16384 tokens.
 TILE = 2048
 # Elements each thread holds at least: more warps than that would only hold copies of a small tile.
 MIN_PER_THREAD = 8

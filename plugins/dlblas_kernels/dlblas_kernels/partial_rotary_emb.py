@@ -63,7 +63,7 @@ PER_THREAD = 128
 # this many heads at a time (the config's BLOCK_H, when smaller), with warps for about this many
 # elements of each gradient per thread (the config's num_warps is the forward's). On the H200
 # (bfloat16, 4096 tokens, `.ci/sweep_partial_backward.py`) 32 and 32 were within 4% of the best at
-# 128 and at 16 heads; the earlier 16 and 16 were 9% and 24% slower.
+# 128 and at 16 heads; the earlier 16 and 16 took 9% and 19% longer than 32 and 32.
 BACKWARD_HEADS = 32
 BACKWARD_PER_THREAD = 32
 
