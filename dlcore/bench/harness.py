@@ -516,8 +516,7 @@ class Bench:
         reference: tuple = ()
         for name, fn in impls.items():
             try:
-                run, handed = prepare(fn)
-                before = [t.clone() for t in handed]
+                run, watched = prepare(fn)
                 out = _tensors(run())
             except Exception as exc:  # noqa: BLE001 - a failing baseline is a note, never a crash
                 result.notes.append(f"{name}: failed ({_first_line(exc)}); left out")
@@ -532,14 +531,14 @@ class Bench:
                     result.notes.append(f"{name}: its results do not have the shapes of {OWN}'s; left out")
                     continue
                 result.max_abs_diff[name] = diff
-            if any(not torch.equal(t, b) for t, b in zip(handed, before)):
+            if any(not torch.equal(t, pristine) for t, pristine in watched):
                 what = "inputs" if self.mode == "fwd" else "output gradients"
                 self.note(f"{name}: writes into its {what} (in place), so each timed call moves fewer bytes than "
                           f"a functional one; they were restored before the next implementation's check")
                 if name == OWN:  # its results may be those inputs: keep them as the reference
                     reference = tuple(t.clone() for t in reference)
-                for t, b in zip(handed, before):
-                    t.copy_(b)
+                for t, pristine in watched:
+                    t.copy_(pristine)
             work[name] = run
         return work
 
@@ -562,16 +561,22 @@ class Bench:
         return _forward_backward(grad_args, inputs, grads)
 
 
-Prepare = Callable[[Callable[..., Any]], tuple[Callable[[], object], list[torch.Tensor]]]
+#: ``prepare(fn) -> (run, watched)``: ``watched`` pairs each tensor ``fn`` is handed (and might
+#: write into) with a copy of its values as they must be
+Watched = list[tuple[torch.Tensor, torch.Tensor]]
+Prepare = Callable[[Callable[..., Any]], tuple[Callable[[], object], Watched]]
 
 
 def _forward(args: tuple) -> Prepare:
-    """Each implementation's forward on ``args`` itself; it is handed their tensors."""
-    def prepare(fn: Callable[..., Any]) -> tuple[Callable[[], object], list[torch.Tensor]]:
+    """Each implementation's forward on ``args`` itself; their tensors are copied once to watch them."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    watched = [(t, t.clone()) for t in tensors]
+
+    def prepare(fn: Callable[..., Any]) -> tuple[Callable[[], object], Watched]:
         def run() -> object:
             with torch.no_grad():
                 return fn(*args)
-        return run, [a for a in args if isinstance(a, torch.Tensor)]
+        return run, watched
     return prepare
 
 
@@ -581,17 +586,18 @@ def _backward_only(args: tuple, inputs: list[torch.Tensor], grads: list[torch.Te
 
     Each implementation gets its own copy of ``grads``: some backwards (Liger's) write into them.
     """
-    def prepare(fn: Callable[..., Any]) -> tuple[Callable[[], object], list[torch.Tensor]]:
+    def prepare(fn: Callable[..., Any]) -> tuple[Callable[[], object], Watched]:
         outs = _differentiable_outputs(fn(*args), len(grads))
         own = [g.clone() for g in grads]
-        return lambda: torch.autograd.grad(outs, inputs, own, retain_graph=True), own
+        return lambda: torch.autograd.grad(outs, inputs, own, retain_graph=True), list(zip(own, grads))
     return prepare
 
 
 def _forward_backward(args: tuple, inputs: list[torch.Tensor], grads: list[torch.Tensor]) -> Prepare:
-    def prepare(fn: Callable[..., Any]) -> tuple[Callable[[], object], list[torch.Tensor]]:
+    def prepare(fn: Callable[..., Any]) -> tuple[Callable[[], object], Watched]:
         own = [g.clone() for g in grads]
-        return lambda: torch.autograd.grad(_differentiable_outputs(fn(*args), len(grads)), inputs, own), own
+        return (lambda: torch.autograd.grad(_differentiable_outputs(fn(*args), len(grads)), inputs, own),
+                list(zip(own, grads)))
     return prepare
 
 

@@ -552,7 +552,7 @@ def custom_op(args: tuple, config: Config | None) -> tuple[torch.Tensor, torch.T
 def backward_of(args: tuple, config: Config) -> LaunchPlan:
     """The backward's launches for the forward's ``args``, the output gradients made up (``dlcore lower``)."""
     q, k, cos, sin, interleaved, _ = args
-    return backward_plan((q.new_empty(q.shape), k.new_empty(k.shape), cos, sin, interleaved), config)
+    return backward_plan((*outputs(q, k), cos, sin, interleaved), config)
 
 
 TRITON = CustomOpTritonImplementation(
