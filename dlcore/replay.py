@@ -176,11 +176,13 @@ def record(args: tuple, plan: LaunchPlan) -> tuple[Any, Template | None]:
 
 
 class Replay:
-    """The run function of a bound op whose implementation is replayable (see the module doc)."""
+    """The run function of a bound op whose implementation is replayable (see the module doc), and
+    of a custom op's body (:class:`dlcore.torch_ops.Launches`): ``plan(args, config)`` is called
+    only to record, ``config`` being whatever ``plan`` takes (a config, or a body's config ints)."""
 
     __slots__ = ("plan", "config", "transform", "templates")
 
-    def __init__(self, plan: Callable[[tuple, Config], LaunchPlan], config: Config,
+    def __init__(self, plan: Callable[[tuple, Any], LaunchPlan], config: Config | tuple,
                  transform: PlanTransform | None):
         self.plan = plan
         self.config = config

@@ -80,8 +80,12 @@ class Launches:
     def run(self, args: tuple, ints: tuple) -> Any:
         replay = self.replays.get(ints)
         if replay is None:
-            replay = self.replays[ints] = Replay(lambda a, _: self.plan(a, self.config(a, ints)), {}, None)
+            replay = self.replays[ints] = Replay(self._plan, ints, None)
         return replay(args)
+
+    def _plan(self, args: tuple, ints: tuple) -> LaunchPlan:
+        """The plan for ``args`` with the config of ``ints`` (a replay's config: run when recording only)."""
+        return self.plan(args, self.config(args, ints))
 
 
 def config_ints(config: Config | None, keys: Sequence[str]) -> list[int]:
