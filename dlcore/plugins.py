@@ -19,6 +19,7 @@ import functools
 import os
 import traceback
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 
@@ -29,6 +30,8 @@ from dlcore import hookspecs
 from dlcore.errors import PluginLoadError
 
 GROUPS = ("dlcore.backends", "dlcore.kernels", "dlcore.passes", "dlcore.strategies")
+#: the one group whose plugins may be loaded on first use (see :mod:`dlcore.plugin_index`)
+DEFERRABLE_GROUP = "dlcore.kernels"
 CORE_DISTRIBUTION = "dlcore"
 
 
@@ -43,7 +46,7 @@ class PluginRecord:
     group: str
     name: str
     value: str
-    status: str = "pending"  # loaded | failed | rejected | disabled
+    status: str = "pending"  # loaded | deferred | failed | rejected | disabled
     error: str = ""
     traceback: str = ""
 
@@ -81,6 +84,38 @@ class PluginSet:
             if r.id == plugin_id:
                 return r
         raise KeyError(plugin_id)
+
+    def deferred(self) -> list[PluginRecord]:
+        """The plugins held back until asked for."""
+        return [r for r in self.records if r.status == "deferred"]
+
+    def load(self, plugin_ids: set[str]) -> list[str]:
+        """Load the deferred plugins among ``plugin_ids``; return the ids now registered."""
+        records = [r for r in self.deferred() if r.id in plugin_ids]
+        for group in GROUPS:
+            self.load_records(group, [r for r in records if r.group == group])
+        return [r.id for r in records if r.status == "loaded"]
+
+    def load_records(self, group: str, records: list[PluginRecord]) -> None:
+        """Load the entry points of ``records`` (all of ``group``) through stevedore and register them."""
+        if not records:
+            return
+        by_name = {r.name: r for r in records}
+
+        def on_failure(_manager, ep: EntryPoint, exc: Exception) -> None:
+            record = by_name[ep.name]
+            record.fail("failed", exc)
+            _warn(record)
+
+        extensions = NamedExtensionManager(
+            group,
+            names=list(by_name),
+            name_order=True,
+            on_load_failure_callback=on_failure,
+            on_missing_entrypoints_callback=None,
+        )
+        for ext in extensions:
+            _register(self.manager, by_name[ext.name], ext.plugin)
 
     def fail(self, plugin_id: str, exc: BaseException) -> None:
         """A loaded plugin misbehaved in a hook: unregister it and report it once."""
@@ -126,17 +161,20 @@ def new_manager() -> pluggy.PluginManager:
     return manager
 
 
-def discover() -> PluginSet:
-    """Load, register and validate every allowed plugin of every group."""
+def discover(defer: Callable[[PluginRecord], bool] | None = None) -> PluginSet:
+    """Load, register and validate every allowed plugin of every group.
+
+    ``defer(record)`` may hold back a kernel plugin: it is listed, and loaded only when
+    :meth:`PluginSet.load` is asked for it (see :mod:`dlcore.plugin_index`). A plugin named in
+    ``DLCORE_PLUGINS`` is never held back, so that its failure raises here.
+    """
     only = _names_from_env("DLCORE_PLUGINS")
     disabled = _names_from_env("DLCORE_DISABLE_PLUGINS")
-    manager = new_manager()
-    plugins = PluginSet(manager, [])
+    plugins = PluginSet(new_manager(), [])
     requested_seen: set[str] = set()
 
     for group in GROUPS:
-        records: dict[str, PluginRecord] = {}
-        allowed: list[str] = []
+        allowed: list[PluginRecord] = []
         # A manager asked for no names loads nothing: it only lists the group (from stevedore's cache).
         listed = NamedExtensionManager(group, names=[], on_missing_entrypoints_callback=None).list_entry_points()
         # dlcore's own plugins register first, so no plugin can take over what a built-in owns.
@@ -147,24 +185,11 @@ def discover() -> PluginSet:
             requested_seen |= wanted & only
             if wanted & disabled or (only and not record.builtin and not wanted & only):
                 record.status = "disabled"
-                continue
-            records[ep.name] = record
-            allowed.append(ep.name)
-
-        def on_failure(_manager, ep: EntryPoint, exc: Exception, records=records) -> None:
-            record = records[ep.name]
-            record.fail("failed", exc)
-            _warn(record)
-
-        extensions = NamedExtensionManager(
-            group,
-            names=allowed,
-            name_order=True,
-            on_load_failure_callback=on_failure,
-            on_missing_entrypoints_callback=None,
-        )
-        for ext in extensions:
-            _register(manager, records[ext.name], ext.plugin)
+            elif group == DEFERRABLE_GROUP and defer is not None and not wanted & only and defer(record):
+                record.status = "deferred"
+            else:
+                allowed.append(record)
+        plugins.load_records(group, allowed)
 
     missing = only - requested_seen
     if missing:

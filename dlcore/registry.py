@@ -1,7 +1,8 @@
 """Everything the plugins declared: ops, implementations, backends, passes and strategies.
 
 Built once per process from the :class:`~dlcore.plugins.PluginSet`, by calling each collecting
-hook plugin by plugin, so that a plugin whose hook raises is reported and dropped alone.
+hook plugin by plugin, so that a plugin whose hook raises is reported and dropped alone. Kernel
+plugins known to the :mod:`~dlcore.plugin_index` join when one of their ops is first asked for.
 """
 
 from __future__ import annotations
@@ -18,13 +19,18 @@ from dlcore.device import DeviceProfile
 from dlcore.errors import BackendUnavailableError, UnknownOpError, UnknownStrategyError
 from dlcore.implementation import Implementation, ReferenceImplementation
 from dlcore.op import Op
-from dlcore.plugins import PluginSet, discover
+from dlcore.plugin_index import DEFERRABLE_HOOKS, PluginIndex
+from dlcore.plugins import DEFERRABLE_GROUP, PluginSet, discover
 
 
 class Registry:
-    def __init__(self, plugins: PluginSet):
+    """What the loaded plugins declared. Kernel plugins that the :class:`PluginIndex` knows are
+    loaded on first use: asking for an op loads the plugins that declare or implement it."""
+
+    def __init__(self, plugins: PluginSet, index: PluginIndex | None = None):
         self.plugins = plugins
-        self.ops: dict[str, Op] = {}
+        self.index = index
+        self._ops: dict[str, Op] = {}
         self.op_plugin: dict[str, str] = {}
         self.implementations: dict[str, list[Implementation]] = {}
         self.backends: dict[str, Backend] = {}
@@ -34,14 +40,21 @@ class Registry:
         self.passes: list[Any] = []
         self._profiles: dict[str, DeviceProfile] = {}
         self._availability: dict[str, Any] = {}
+        self._complete: set[str] = set()  # ops whose every provider is loaded
+        self._loading = threading.RLock()
         self._collect()
+        if index is not None:
+            self._learn(index)
 
     # -- building -------------------------------------------------------------------------------
 
-    def _each(self, hook_name: str, accept: Callable[[str, Any], None]) -> None:
-        """Call ``hook_name`` on each plugin; hand each returned item to ``accept(plugin, item)``."""
+    def _each(self, hook_name: str, accept: Callable[[str, Any], None], only: set[str] | None = None) -> None:
+        """Call ``hook_name`` on each plugin (of ``only``, if given); hand each returned item to
+        ``accept(plugin, item)``."""
         hook = getattr(self.plugins.manager.hook, hook_name)
         for impl in list(hook.get_hookimpls()):
+            if only is not None and impl.plugin_name not in only:
+                continue
             try:
                 for item in impl.function() or ():
                     accept(impl.plugin_name, item)
@@ -51,13 +64,61 @@ class Registry:
     def _collect(self) -> None:
         self._each("dlcore_backends", self._add_backend)
         self._each("dlcore_ops", self._add_op)
-        for op in self.ops.values():
-            reference = ReferenceImplementation(op)
-            reference.plugin = self.op_plugin[op.name]
-            self.implementations[op.name] = [reference]
         self._each("dlcore_implementations", self._add_implementation)
         self._each("dlcore_strategies", self._add_strategy)
         self._each("dlcore_passes", lambda plugin, p: self.passes.append(p))
+
+    def _load(self, plugin_ids: set[str]) -> None:
+        """Load deferred kernel plugins and take in their ops, then their implementations."""
+        loaded = set(self.plugins.load(plugin_ids))
+        self._each("dlcore_ops", self._add_op, loaded)
+        self._each("dlcore_implementations", self._add_implementation, loaded)
+
+    def _require(self, op: str) -> None:
+        """Load every deferred plugin that provides ``op``, and those that provide what they provide
+        (an implementation's op is then always declared before it arrives)."""
+        if op in self._complete:
+            return
+        with self._loading:
+            deferred = {r.id for r in self.plugins.deferred()}
+            wanted, chosen = {op}, set()
+            while more := {p for p in deferred - chosen if wanted.intersection(self.index.entries[p].ops)}:
+                chosen |= more
+                for p in more:
+                    wanted.update(self.index.entries[p].ops)
+            if chosen:
+                self._load(chosen)
+            self._complete |= wanted
+
+    def load_all(self) -> None:
+        """Load every deferred plugin (for listings: ``dlcore ops``, ``dlcore plugins``, ``--all``)."""
+        with self._loading:
+            deferred = {r.id for r in self.plugins.deferred()}
+            if deferred:
+                self._load(deferred)
+            self._complete |= set(self._ops)
+
+    def _learn(self, index: PluginIndex) -> None:
+        """Write down what each kernel plugin loaded now, and unknown to ``index``, provides."""
+        provides: dict[str, set[str]] = {}
+        for name, plugin in self.op_plugin.items():
+            provides.setdefault(plugin, set()).add(name)
+        for name, impls in self.implementations.items():
+            for impl in impls:
+                provides.setdefault(impl.plugin, set()).add(name)
+        learnt = False
+        for record in self.plugins.records:
+            if record.group != DEFERRABLE_GROUP or record.status in ("disabled", "deferred"):
+                continue
+            if index.known(record.id, record.value) is not None:
+                continue
+            plugin = self.plugins.manager.get_plugin(record.id)
+            hooks = {c.name for c in self.plugins.manager.get_hookcallers(plugin) or ()} if plugin else set()
+            eager = record.status != "loaded" or not hooks <= DEFERRABLE_HOOKS
+            index.learn(record.id, record.value, provides.get(record.id, set()), eager)
+            learnt = True
+        if learnt:
+            index.save()
 
     def _add_backend(self, plugin: str, backend: Backend) -> None:
         taken = [t for t in backend.device_types if t in self._by_device_type]
@@ -70,13 +131,18 @@ class Registry:
             self._by_device_type[device_type] = backend
 
     def _add_op(self, plugin: str, op: Op) -> None:
-        if op.name in self.ops:
+        if op.name in self._ops:
             raise ValueError(f"op {op.name!r} is already declared by {self.op_plugin[op.name]}")
-        self.ops[op.name] = op
+        self._ops[op.name] = op
         self.op_plugin[op.name] = plugin
+        reference = ReferenceImplementation(op)
+        reference.plugin = plugin
+        self.implementations[op.name] = [reference]
 
     def _add_implementation(self, plugin: str, impl: Implementation) -> None:
-        if impl.op not in self.ops:
+        if impl.op not in self._ops:
+            self._require(impl.op)  # declared by a plugin not loaded yet?
+        if impl.op not in self._ops:
             raise ValueError(f"implementation {impl.name!r} is for op {impl.op!r}, which no plugin declares")
         existing = self.implementations[impl.op]
         if any(i.name == impl.name for i in existing):
@@ -91,14 +157,22 @@ class Registry:
 
     # -- lookups --------------------------------------------------------------------------------
 
+    @property
+    def ops(self) -> dict[str, Op]:
+        """Every op, every deferred plugin loaded first."""
+        self.load_all()
+        return self._ops
+
     def op(self, name: str) -> Op:
+        self._require(name)
         try:
-            return self.ops[name]
+            return self._ops[name]
         except KeyError:
-            known = list(self.ops)
+            known = sorted(set(self._ops).union(*(self.index.entries[r.id].ops for r in self.plugins.deferred())))
             raise UnknownOpError(name, known, difflib.get_close_matches(name, known, n=3, cutoff=0.5)) from None
 
     def implementations_of(self, op: str) -> list[Implementation]:
+        self._require(op)
         return self.implementations.get(op, [])
 
     def backend_for(self, device: torch.device) -> Backend:
@@ -150,7 +224,10 @@ def registry() -> Registry:
     if _registry is None:
         with _lock:
             if _registry is None:
-                _registry = Registry(discover())
+                from dlcore.cache import default_directory
+
+                index = PluginIndex.open(default_directory())
+                _registry = Registry(discover(defer=lambda r: index.deferrable(r.id, r.value)), index)
     return _registry
 
 

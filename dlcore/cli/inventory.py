@@ -19,6 +19,7 @@ def run_plugins(args: argparse.Namespace) -> int:
     from dlcore.registry import registry
 
     reg = registry()
+    reg.load_all()  # plugins deferred by the index are loaded too, so that each shows its true status
     records = reg.plugins.records
     availability = {plugin: backend.available() for backend in reg.backends.values()
                     for plugin in [reg.backend_plugin[backend.name]]}

@@ -1,0 +1,162 @@
+"""What each kernel plugin provides, remembered between processes.
+
+Importing a kernel plugin is the dearest part of a first ``get_op`` (its ``@triton.jit`` kernels and
+PyTorch custom ops are built at import), and every new kernel would add to it. So the first process
+that loads a kernel plugin writes down the ops it declares or implements; later processes load a
+kernel plugin only when one of those ops is asked for (see :class:`dlcore.registry.Registry`).
+
+What is written down is trusted only while it still describes the installed code:
+
+- the index is kept per environment (interpreter prefix and import path);
+- each plugin's entry is bound to its entry point's value and to a stamp of its files (path,
+  size and modification time of every ``.py`` file of its top-level package): an edited, upgraded
+  or reinstalled plugin is loaded eagerly again and learnt anew;
+- a plugin that implements any hook besides declaring ops and implementations, or that failed to
+  load, is never deferred (its hooks, or its warning, matter to every process);
+- a plugin the index does not know is loaded eagerly, as before there was an index.
+
+The file holds JSON only and is replaced atomically; one that fails to parse is ignored. At worst
+a tampered index makes a process load an installed plugin early or late; it cannot add code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SCHEMA = 1
+#: the hooks a deferred kernel plugin may implement: what it provides is then known from the index
+DEFERRABLE_HOOKS = frozenset({"dlcore_ops", "dlcore_implementations"})
+
+
+def environment_key() -> str:
+    """The interpreter and its import path, less the script's own folder."""
+    text = json.dumps([sys.prefix, sys.path[1:]])
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
+def plugin_root(module_name: str) -> str | None:
+    """The folder of an imported module's top-level package, or the file of a top-level module."""
+    top = sys.modules.get(module_name.split(".")[0])
+    if top is None:
+        return None
+    paths = list(getattr(top, "__path__", ()))
+    if paths:
+        return str(paths[0])
+    return getattr(top, "__file__", None)
+
+
+def stamp(root: str) -> str:
+    """Size and modification time of every Python file under ``root`` (or of ``root`` itself)."""
+    digest = hashlib.sha256()
+    if os.path.isfile(root):
+        files = [root]
+    else:
+        files = []
+        for folder, dirs, names in os.walk(root):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__" and not d.startswith("."))
+            files.extend(os.path.join(folder, n) for n in sorted(names) if n.endswith(".py"))
+    for path in files:
+        try:
+            info = os.stat(path)
+        except OSError:
+            continue
+        digest.update(f"{os.path.relpath(path, root)}:{info.st_size}:{info.st_mtime_ns};".encode())
+    return digest.hexdigest()[:20]
+
+
+@dataclass
+class Entry:
+    """One kernel plugin as last loaded: its entry point's value, what it provides, whether to defer it."""
+
+    value: str
+    ops: list[str]
+    eager: bool
+    root: str
+    stamp: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"value": self.value, "ops": self.ops, "eager": self.eager, "root": self.root, "stamp": self.stamp}
+
+    @classmethod
+    def from_json(cls, data: Any) -> Entry | None:
+        try:
+            entry = cls(str(data["value"]), [str(o) for o in data["ops"]], bool(data["eager"]), str(data["root"]),
+                        str(data["stamp"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+        return entry
+
+
+@dataclass
+class PluginIndex:
+    """The index of one environment: plugin id -> :class:`Entry`."""
+
+    path: Path
+    entries: dict[str, Entry] = field(default_factory=dict)
+    _stamps: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, directory: Path) -> PluginIndex:
+        """This environment's index under ``directory`` (empty if there is none, or none readable)."""
+        index = cls(directory / "plugins" / f"kernels-{environment_key()}.json")
+        try:
+            data = json.loads(index.path.read_text())
+        except (OSError, ValueError):
+            return index
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA or not isinstance(data.get("plugins"), dict):
+            return index
+        for plugin_id, raw in data["plugins"].items():
+            entry = Entry.from_json(raw)
+            if entry is not None:
+                index.entries[str(plugin_id)] = entry
+        return index
+
+    def _current_stamp(self, root: str) -> str:
+        if root not in self._stamps:
+            self._stamps[root] = stamp(root)
+        return self._stamps[root]
+
+    def known(self, plugin_id: str, value: str) -> Entry | None:
+        """The entry for this plugin if it still describes the installed code."""
+        entry = self.entries.get(plugin_id)
+        if entry is None or entry.value != value or self._current_stamp(entry.root) != entry.stamp:
+            return None
+        return entry
+
+    def deferrable(self, plugin_id: str, value: str) -> bool:
+        entry = self.known(plugin_id, value)
+        return entry is not None and not entry.eager
+
+    def providers(self, op: str) -> set[str]:
+        """The known, deferrable plugins that declare or implement ``op``."""
+        return {pid for pid, e in self.entries.items() if not e.eager and op in e.ops}
+
+    def learn(self, plugin_id: str, value: str, ops: set[str], eager: bool) -> None:
+        """Remember what a plugin loaded in this process provides (after its import)."""
+        root = plugin_root(value.split(":")[0])
+        if root is None:
+            return
+        self._stamps.pop(root, None)  # the files as they are now, after the import
+        self.entries[plugin_id] = Entry(value, sorted(ops), eager, root, self._current_stamp(root))
+
+    def save(self) -> None:
+        """Write the index atomically; a failure to write only costs later processes some time."""
+        data = {"schema": SCHEMA, "plugins": {pid: e.to_json() for pid, e in sorted(self.entries.items())}}
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".kernels-", suffix=".tmp")
+        except OSError:
+            return
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(data, f, indent=1)
+            os.replace(tmp, self.path)
+        except OSError:
+            Path(tmp).unlink(missing_ok=True)
