@@ -29,7 +29,9 @@ class TensorArg:
     ``layouts``: the stride classes accepted (see :mod:`dlcore.layout`). ``same_dtype_as``: the
     name of an earlier tensor argument whose dtype this one must share. ``bucket``: the key policy
     for this argument's shape in cache keys (``"rows"``: leading dimensions flattened and rounded up
-    to a power of two, last dimension exact; ``None``: exact shape). ``differentiable``: whether a
+    to a power of two, last dimension exact; ``"tokens"``: for ``[..., S, H, D]``, the dimensions
+    before the heads flattened into the token count and rounded up to a power of two, heads and
+    ``D`` exact; ``None``: exact shape). ``differentiable``: whether a
     model takes gradients with respect to this argument: False for tables and constants (rotary
     cos and sin), which backwards need not differentiate and ``dlcore bench`` never asks gradients of.
     """

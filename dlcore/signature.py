@@ -77,7 +77,11 @@ def bucket_shape(shape: tuple[int, ...], policy: str | None) -> tuple[int, ...]:
         return tuple(shape)
     if policy == "rows":
         return (next_power_of_2(math.prod(shape[:-1])), shape[-1])
-    raise ValueError(f"unknown bucket policy {policy!r}; known: 'rows' or None")
+    if policy == "tokens":
+        if len(shape) < 3:
+            return bucket_shape(shape, "rows")
+        return (next_power_of_2(math.prod(shape[:-2])), *shape[-2:])
+    raise ValueError(f"unknown bucket policy {policy!r}; known: 'rows', 'tokens' or None")
 
 
 def _aligned(t: torch.Tensor) -> bool:

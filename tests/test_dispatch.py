@@ -78,6 +78,23 @@ def test_in_process_cache_returns_the_same_bound_op_per_bucket(gen):
     torch.testing.assert_close(first(x40, w), dlblas_kernels.rms_norm(x40, w), rtol=0, atol=0)
 
 
+def test_the_tokens_key_policy_keeps_the_heads(gen):
+    from dlcore.signature import bucket_shape
+
+    assert bucket_shape((2, 5, 32, 128), "tokens") == (16, 32, 128)  # 10 tokens -> 16; heads and D kept
+    assert bucket_shape((5, 28, 64), "tokens") == (8, 28, 64)
+    assert bucket_shape((5, 64), "tokens") == (8, 64)  # no head dimension: as rows
+    assert bucket_shape((2, 5, 32, 128), "rows") == (512, 128)
+    q33, q40 = (torch.randn(1, n, 4, 16, generator=gen) for n in (33, 40))
+    k33, k40 = (torch.randn(1, n, 2, 16, generator=gen) for n in (33, 40))
+    cos33, cos40 = (torch.randn(1, n, 16, generator=gen) for n in (33, 40))
+    first = dlcore.get_op("apply_rotary_pos_emb", (q33, k33, cos33, cos33))
+    assert dlcore.get_op("apply_rotary_pos_emb", (q40, k40, cos40, cos40)) is first  # 33 and 40 tokens: 64
+    assert first.signature.tensor("q").shape == (64, 4, 16)
+    q8 = torch.randn(1, 33, 8, 16, generator=gen)
+    assert dlcore.get_op("apply_rotary_pos_emb", (q8, k33, cos33, cos33)) is not first  # other heads, other key
+
+
 def test_the_exact_input_memo_is_bounded(gen, monkeypatch):
     monkeypatch.setattr(dlcore.dispatch, "EXACT_LIMIT", 3)
     w = torch.randn(16, generator=gen)

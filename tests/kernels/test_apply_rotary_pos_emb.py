@@ -183,6 +183,19 @@ def test_default_config_rotates_a_token_per_program_in_steps_of_one_warp():
     assert TRITON.space().is_valid(config) is None
 
 
+@pytest.mark.parametrize("tokens, heads, kv_heads, expected", [
+    (1, 32, 8, (32, 2)), (64, 32, 8, (32, 2)), (16, 64, 8, (64, 4)), (3, 28, 4, (32, 2)),  # q's heads at once
+    (200, 32, 8, (32, 2)), (256, 64, 8, (32, 2)),  # twice the tile
+    (257, 32, 8, (16, 1)), (4096, 64, 8, (16, 1)),  # the tile, one warp
+])
+def test_default_config_widens_its_steps_at_few_tokens(tokens, heads, kv_heads, expected):
+    q = torch.empty(1, tokens, heads, 128, device="meta")
+    k, cos = torch.empty(1, tokens, kv_heads, 128, device="meta"), torch.empty(1, tokens, 128, device="meta")
+    config = TRITON.default_config(make_signature(OP, (q, k, cos, cos, False, False), q.device), None)
+    assert (config["BLOCK_H"], config["num_warps"]) == expected
+    assert TRITON.space().is_valid(config) is None
+
+
 @pytest.mark.parametrize("shape, strides", [
     ((2, 3), (3, 1)), ((2, 3), (1, 2)), ((1, 4), (100, 7)), ((4, 1), (5, 100)), ((2, 1, 3), (3, 9, 1)),
     ((2, 2), (0, 0)), ((3, 2), (2, 0)), ((), ()), ((1, 1), (3, 5)),

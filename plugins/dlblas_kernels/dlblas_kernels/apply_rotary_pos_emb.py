@@ -14,8 +14,9 @@ duplicated halves.
 
 One launch, a 1-D grid: the first programs rotate q, the others k, each a block of tokens with every
 head, loading those tokens' cos and sin once, ``BLOCK_H`` (token, head) rows per step (by default
-one token per q program, its heads in steps of 16 with one warp; several tokens per program for k,
-or for q when it has few heads, so that k's steps are as wide as q's and its loads as wide),
+one token per q program, its heads in steps of 16 with one warp, or all at once at few tokens;
+several tokens per program for k, or for q when it has few heads, so that k's steps are as wide as
+q's and its loads as wide),
 reading each pair's two halves as two contiguous loads (or the whole interleaved head in one, split
 into even and odd lanes). Every byte of q and k is read once and every output byte written once;
 cos and sin are read twice (for q's programs and for k's), 2.5% more bytes than the minimum for
@@ -57,6 +58,12 @@ CONFIG_KEYS = ("BLOCK_H", "num_warps")
 TILE = 2048
 # Elements each thread holds at least: more warps than that would only hold copies of a small tile.
 MIN_PER_THREAD = 8
+# At few tokens, a program per token in steps of TILE leaves the GPU idle between a program's steps:
+# on the H200 (bfloat16, .ci/sweep_rotary_small.py, CUDA-graph time) all of q's heads in one step
+# took 1.6 to 2.1 us at 1 to 64 tokens of LLaMA-3-8B/70B and Qwen2.5-7B, against 2.1 to 3.3 us, and
+# steps of 2 * TILE 2.4 to 3.3 us at 256 tokens, against 2.6 to 3.7 us.
+FEW_TOKENS = 64
+SOME_TOKENS = 256
 
 
 @triton.jit
@@ -344,9 +351,17 @@ def apply_rotary_pos_emb_backward_reference(dq_out: torch.Tensor, dk_out: torch.
 
 def default_config(sig: Signature, profile: DeviceProfile | None) -> Config:
     """16 rows of 128 per step (half a token of LLaMA-3-8B's q heads, two tokens of its k heads) and
-    one warp: 64 elements per thread (see :data:`TILE`)."""
-    width = next_power_of_2(sig.tensor("q").shape[-1])
-    block_h = max(min(TILE // width, 64), 1)
+    one warp: 64 elements per thread (see :data:`TILE`). With up to :data:`FEW_TOKENS` tokens, all
+    of q's heads in one step; up to :data:`SOME_TOKENS`, steps of twice the tile; as many elements
+    per thread, with more warps."""
+    tokens, heads, d = sig.tensor("q").shape  # tokens rounded up to a power of two
+    width = next_power_of_2(d)
+    rows = TILE // width
+    if tokens <= FEW_TOKENS:
+        rows = max(rows, next_power_of_2(heads))
+    elif tokens <= SOME_TOKENS:
+        rows *= 2
+    block_h = max(min(rows, 64), 1)
     return {"BLOCK_H": block_h, "num_warps": min(max(block_h * width // TILE, 1), 8)}
 
 
@@ -434,8 +449,8 @@ def liger_apply_rotary_pos_emb():
 OP = Op(
     name="apply_rotary_pos_emb",
     args=(
-        TensorArg("q", DTYPES, min_rank=3, layouts=ANY_LAYOUT, bucket="rows"),
-        TensorArg("k", DTYPES, min_rank=3, layouts=ANY_LAYOUT, same_dtype_as="q", bucket="rows"),
+        TensorArg("q", DTYPES, min_rank=3, layouts=ANY_LAYOUT, bucket="tokens"),
+        TensorArg("k", DTYPES, min_rank=3, layouts=ANY_LAYOUT, same_dtype_as="q", bucket="tokens"),
         TensorArg("cos", DTYPES, min_rank=2, layouts=ANY_LAYOUT, bucket="rows", differentiable=False),
         TensorArg("sin", DTYPES, min_rank=2, layouts=ANY_LAYOUT, bucket="rows", differentiable=False),
         ScalarArg("interleaved", (bool,), default=False, keyed=True),
