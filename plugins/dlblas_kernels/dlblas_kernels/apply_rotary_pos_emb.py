@@ -60,7 +60,7 @@ TILE = 2048
 MIN_PER_THREAD = 8
 # At few tokens, a program per token in steps of TILE leaves the GPU idle between a program's steps:
 # on the H200 (bfloat16, .ci/sweep_rotary_small.py, CUDA-graph time) all of q's heads in one step
-# took 1.6 to 2.1 us at 1 to 64 tokens of LLaMA-3-8B/70B and Qwen2.5-7B, against 2.1 to 3.3 us, and
+# took 1.7 to 2.1 us at 1 to 64 tokens of LLaMA-3-8B/70B and Qwen2.5-7B, against 2.0 to 3.3 us, and
 # steps of 2 * TILE 2.4 to 3.3 us at 256 tokens, against 2.6 to 3.7 us.
 FEW_TOKENS = 64
 SOME_TOKENS = 256
