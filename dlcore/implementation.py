@@ -50,8 +50,13 @@ def _launch(call: KernelCall) -> None:
 
 @dataclass
 class LaunchPlan:
+    """The launches of one call and what it returns. ``scratch``: tensors the plan allocated
+    (``torch.empty``) for its launches alone, each written by a launch before any reads it; a
+    replay (:mod:`dlcore.replay`) allocates them afresh, as it does the results."""
+
     calls: list[KernelCall]
     result: Any
+    scratch: tuple = ()
 
     def run(self) -> Any:
         for call in self.calls:

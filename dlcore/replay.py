@@ -10,8 +10,10 @@ same metadata allocate the results and call the compiled kernels directly with t
 no plan, no pass, no specialization key (the approach of FlagGems' LibEntry, taken one step
 further).
 
-A call is not recorded (and keeps taking the plan's path) when a launch argument is a tensor that
-is neither an input nor a result at offset zero (a scratch buffer, a copy, a view at an offset),
+Scratch tensors the plan declares (:class:`~dlcore.implementation.LaunchPlan`'s ``scratch``) are
+allocated afresh for each replay, like the results. A call is not recorded (and keeps taking the
+plan's path) when a launch argument is a tensor that is neither an input, a result nor a declared
+scratch tensor at offset zero (an undeclared buffer, a copy, a view at an offset),
 when two inputs start at one address, when two results share memory, when a result that is not
 empty is handed to no launch (the plan filled it on the host), or when Triton does not hand back a
 compiled kernel. Templates
@@ -64,13 +66,15 @@ class _Launch:
 class Template:
     """The launches of one exact input, ready to replay."""
 
-    __slots__ = ("launches", "results", "single", "from_input", "device", "hook")
+    __slots__ = ("launches", "results", "scratch", "single", "from_input", "device", "hook")
 
-    def __init__(self, launches: list[_Launch], results: list[tuple], single: bool, from_input: dict[int, int],
-                 device: int, hook: Any):
+    def __init__(self, launches: list[_Launch], results: list[tuple], scratch: list[tuple], single: bool,
+                 from_input: dict[int, int], device: int, hook: Any):
         self.launches = launches
         #: per result: (shape, strides, dtype, device) to allocate, or None when it is an input
         self.results = results
+        #: per scratch tensor: (shape, strides, dtype, device) to allocate
+        self.scratch = scratch
         self.single = single
         self.from_input = from_input
         self.device = device
@@ -84,8 +88,10 @@ class Template:
             else:
                 shape, strides, dtype, device = spec
                 outs.append(torch.empty_strided(shape, strides, dtype=dtype, device=device))
+        scratch = [torch.empty_strided(shape, strides, dtype=dtype, device=device)
+                   for shape, strides, dtype, device in self.scratch]
         stream = TritonRuntime.driver.get_current_stream(self.device)
-        sources = (args, outs)
+        sources = (args, outs, scratch)
         for launch in self.launches:
             values = launch.values
             if launch.slots:
@@ -140,6 +146,12 @@ def record(args: tuple, plan: LaunchPlan) -> tuple[Any, Template | None]:
                 raise NotReplayable("a result shares memory with an input or another result")
             pointers[r.data_ptr()] = (1, i)
             specs.append((tuple(r.shape), r.stride(), r.dtype, r.device))
+        scratch_specs = []
+        for i, t in enumerate(plan.scratch):
+            if t.storage_offset() != 0 or t.data_ptr() in pointers:
+                raise NotReplayable("a scratch tensor shares memory with an input, a result or another")
+            pointers[t.data_ptr()] = (2, i)
+            scratch_specs.append((tuple(t.shape), t.stride(), t.dtype, t.device))
     except NotReplayable:
         return plan.run(), None
     launches: list[_Launch] = []
@@ -172,7 +184,7 @@ def record(args: tuple, plan: LaunchPlan) -> tuple[Any, Template | None]:
     if any(spec is not None and i not in handed and results[i].numel() for i, spec in enumerate(specs)):
         return plan.result, None
     device = TritonRuntime.driver.get_current_device()
-    return plan.result, Template(launches, specs, single, from_input, device, hook)
+    return plan.result, Template(launches, specs, scratch_specs, single, from_input, device, hook)
 
 
 class Replay:

@@ -79,23 +79,24 @@ def triton_runtime(monkeypatch):
     return runtime
 
 
-def scale_plan(kernel, *, view=False, scratch=False, offset=False, inplace=False, pair=False):
+def scale_plan(kernel, *, view=False, scratch=False, offset=False, inplace=False, pair=False, declare=False):
     def plan(args, config):
         (x,) = args
         out = x if inplace else torch.empty_like(x)
         src = x.reshape(-1) if view else x[1:] if offset else x
         calls = [KernelCall(kernel, (x.numel(),), (src, out, x.numel() - (1 if offset else 0), config["scale"]),
                             {"BLOCK": 64})]
+        tmp = ()
         if scratch:
-            tmp = torch.empty_like(x)
-            calls = [KernelCall(kernel, (1,), (x, tmp, x.numel(), config["scale"])),
-                     KernelCall(kernel, (1,), (tmp, out, x.numel(), 1.0))]
+            tmp = (torch.empty_like(x) if scratch is True else scratch(x),)
+            calls = [KernelCall(kernel, (1,), (x, tmp[0], x.numel(), config["scale"])),
+                     KernelCall(kernel, (1,), (tmp[0], out, x.numel(), 1.0))]
         result = out
         if pair:
             out2 = torch.empty_like(x)
             calls.append(KernelCall(kernel, (2, 3), (x, out2, x.numel(), 3.0)))
             result = (out, out2)
-        return LaunchPlan(calls, result)
+        return LaunchPlan(calls, result, scratch=tmp if declare else ())
 
     return plan
 
@@ -136,6 +137,31 @@ def test_launches_that_cannot_be_traced_keep_the_plan_path(triton_runtime, what)
         expected = x * 2 if what == "scratch" else torch.cat([(x[1:] * 2), out[-1:]])
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
     assert kernel.replays == [] and len(kernel.planned) == (6 if what == "scratch" else 3)
+
+
+def test_declared_scratch_is_allocated_afresh_for_each_replay(triton_runtime, monkeypatch):
+    kernel = FakeKernel()
+    run = replay.Replay(scale_plan(kernel, scratch=True, declare=True), {"scale": 2.0}, None)
+    handed = []
+    compute = kernel.compute
+    monkeypatch.setattr(kernel, "compute", lambda x, out, *rest: handed.append(out) or compute(x, out, *rest))
+    for _ in range(3):
+        x = torch.randn(16)
+        torch.testing.assert_close(run((x,)), x * 2, rtol=0, atol=0)
+    assert len(kernel.planned) == 2 and len(kernel.replays) == 4  # the first call's two launches, then replays
+    scratch = handed[0::2]  # each call's first launch writes its scratch tensor
+    assert all(t is not scratch[0] for t in scratch[1:]), "a replay allocates, never reuses the recorded tensor"
+    assert all(t.shape == (16,) and t.dtype == torch.float32 for t in scratch)
+
+
+def test_declared_scratch_that_aliases_an_input_is_not_recorded(triton_runtime):
+    kernel = FakeKernel()
+    run = replay.Replay(scale_plan(kernel, scratch=lambda x: x, declare=True), {"scale": 2.0}, None)
+    for _ in range(2):
+        x = torch.randn(16)
+        expected = x * 2  # before the call: the "scratch" is x itself, which the first launch overwrites
+        torch.testing.assert_close(run((x,)), expected, rtol=0, atol=0)
+    assert kernel.replays == [] and len(kernel.planned) == 4
 
 
 def test_a_result_that_is_an_input_is_returned_itself(triton_runtime):

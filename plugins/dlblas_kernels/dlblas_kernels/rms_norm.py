@@ -327,7 +327,7 @@ def backward_plan(args: tuple, config: Config) -> LaunchPlan:
     )
     if direct:
         return LaunchPlan(calls=[main], result=(dx, dw))
-    return LaunchPlan(calls=[main, column_sum_call(partial, dw, x.device)], result=(dx, dw))
+    return LaunchPlan(calls=[main, column_sum_call(partial, dw, x.device)], result=(dx, dw), scratch=(partial,))
 
 
 def column_sum_call(partial: torch.Tensor, out: torch.Tensor, device: torch.device) -> KernelCall:
