@@ -17,6 +17,7 @@ ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") !
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from dlcore import replay  # noqa: E402
 from dlcore.implementation import KernelCall  # noqa: E402
 from dlcore.signature import make_signature  # noqa: E402
 from dlcore.testing import poison, strided_like  # noqa: E402
@@ -82,7 +83,10 @@ def run(launch):
 
 @pytest.fixture
 def launches(monkeypatch: pytest.MonkeyPatch) -> list:
-    """The kernel launches of the test so far, as ``(kernel name, kwargs)``; the launches still run."""
+    """The kernel launches of the test so far, as ``(kernel name, kwargs)``; the launches still run.
+
+    Launch replays are turned off meanwhile: on a GPU, a custom op's body replays what an earlier
+    call (perhaps another test's) recorded, calling the compiled kernels without a launch plan."""
     seen: list = []
     original = KernelCall.launch
 
@@ -91,6 +95,7 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list:
         original(self)
 
     monkeypatch.setattr(KernelCall, "launch", launch)
+    monkeypatch.setattr(replay.Replay, "__call__", lambda self, args: self._planned(args).run())
     return seen
 
 
