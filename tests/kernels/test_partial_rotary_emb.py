@@ -185,3 +185,13 @@ def test_default_launches_at_deepseek_sizes(heads, forward, backward):
     (call,) = backward_plan((*grads, cos, sin, k_pe, kv, nope, rope, v), config).calls
     assert (call.kwargs["BLOCK_H"], call.kwargs["num_warps"]) == backward and call.grid == (4096,)
     assert TRITON.space().is_valid(config) is None
+
+
+def test_the_head_count_is_part_of_the_key():
+    """DeepSeek-V2 at 512 tokens and V2-Lite at 4096 hold as many (token, head) rows: a config tuned
+    for one must not be served to the other."""
+    v2 = inputs((1,), 512, 128, 128, 64, 128, torch.bfloat16, "meta", torch.Generator())
+    lite = inputs((1,), 4096, 16, 128, 64, 128, torch.bfloat16, "meta", torch.Generator())
+    keys = [make_signature(OP, args, args[0].device) for args in (v2, lite)]
+    assert keys[0].tensor("q").shape == (512, 128, 192) and keys[1].tensor("q").shape == (4096, 16, 192)
+    assert keys[0].key() != keys[1].key()
