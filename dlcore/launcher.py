@@ -110,9 +110,12 @@ def launch(call: KernelCall) -> None:
         if compiled is not None:
             layout.compiled[key] = compiled
         return
-    grid = call.grid
-    grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-    run_compiled(compiled, grid3, active.get_current_stream(device), values)
+    run_compiled(compiled, grid3(call.grid), active.get_current_stream(device), values)
+
+
+def grid3(grid: tuple[int, ...]) -> tuple[int, int, int]:
+    """A launch grid of one to three dimensions as the three ``compiled.run`` takes."""
+    return (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
 
 
 def run_compiled(compiled: Any, grid: tuple[int, int, int], stream: Any, values: list[Any]) -> None:

@@ -143,7 +143,8 @@ class PluginIndex:
         root = plugin_root(value.split(":")[0])
         if root is None:
             return
-        self._stamps.pop(root, None)  # the files as they are now, after the import
+        # One stamp per root (several plugins share a package); if it was taken before the import,
+        # an edit since then makes the next process see a mismatch and learn again.
         self.entries[plugin_id] = Entry(value, sorted(ops), eager, root, self._current_stamp(root))
 
     def save(self) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from dlcore.implementation import Config, LaunchPlan, PlanTransform
-from dlcore.launcher import KernelLayout, TritonRuntime, run_compiled
+from dlcore.launcher import KernelLayout, TritonRuntime, grid3, run_compiled
 
 #: exact inputs remembered per bound op
 LIMIT = 64
@@ -174,8 +174,7 @@ def record(args: tuple, plan: LaunchPlan) -> tuple[Any, Template | None]:
                     break
                 slots.append((position, source))
                 values[position] = None
-        grid = tuple(call.grid) + (1,) * (3 - len(call.grid))
-        launches.append(_Launch(compiled, grid, values, slots))
+        launches.append(_Launch(compiled, grid3(call.grid), values, slots))
     if not replayable:
         return plan.result, None
     # A result no launch is handed was filled on the host (zeros for an empty sum, say): a replay
