@@ -60,10 +60,12 @@ CONFIG_KEYS = ("BLOCK_H", "num_warps")
 HEADS = 128
 PER_THREAD = 128
 # The backward loops over every head of a token and holds its key gradient sum: it steps over at most
-# this many heads at a time (the config's BLOCK_H, when smaller), with warps for about this many
-# elements of each gradient per thread (the config's num_warps is the forward's). On the H200
-# (bfloat16, 4096 tokens, `.ci/sweep_partial_backward.py`) 32 and 32 were within 4% of the best at
-# 128 and at 16 heads; the earlier 16 and 16 took 9% and 19% longer than 32 and 32.
+# this many heads at a time, and at most half of them rounded up to a power of two (two steps a token
+# from two heads on; the config's BLOCK_H, when smaller), with warps for about this many elements of each
+# gradient per thread (the config's num_warps is the forward's). On the H200 (bfloat16,
+# `.ci/sweep_partial_backward.py`, CUDA graphs) 32 and 32 were within 4% of the best at 128 heads and
+# 4096 tokens; at DeepSeek-V2-Lite's 16, two steps of 8 heads with 2 warps took 37.1 us at 4096
+# tokens against 38.5 for one step of 16 with 4 warps, and 134.4 against 133.9 at 16384 tokens.
 BACKWARD_HEADS = 32
 BACKWARD_PER_THREAD = 32
 
@@ -258,7 +260,8 @@ def backward_plan(args: tuple, config: Config) -> LaunchPlan:
     # Gradients come from autograd in any layout (even expanded); reshape copies only when it must.
     dqo3 = dq_out.reshape(tokens, h, nope + rope)
     dokv4 = dout_kv.reshape(tokens, 2, h, nope + rope)
-    blocks = _blocks(h, nope, rope, v, {**config, "BLOCK_H": min(config["BLOCK_H"], BACKWARD_HEADS)})
+    step = min(config["BLOCK_H"], BACKWARD_HEADS, max(next_power_of_2(h) // 2, 1))
+    blocks = _blocks(h, nope, rope, v, {**config, "BLOCK_H": step})
     warps = min(max(blocks["BLOCK_H"] * next_power_of_2(nope + rope) // (32 * BACKWARD_PER_THREAD), 1), 16)
     # dq, dk_pe and dkv are new contiguous tensors: [tokens, h, nope + rope], [tokens, rope], [tokens, h, nope + v].
     call = KernelCall(
