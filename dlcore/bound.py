@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from dlcore.device import DeviceProfile
-from dlcore.implementation import Implementation, PlanTransform
-from dlcore.op import Op
-from dlcore.selection import Selection
-from dlcore.signature import Signature
+if TYPE_CHECKING:
+    from dlcore.device import DeviceProfile
+    from dlcore.implementation import Implementation, PlanTransform
+    from dlcore.op import Op
+    from dlcore.selection import Selection
+    from dlcore.signature import Signature
 
 
 class BoundOp:

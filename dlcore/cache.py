@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import sqlite3
 import time
@@ -23,6 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from dlcore.cachedir import default_directory, new_generation
 from dlcore.device import DeviceProfile
 from dlcore.implementation import Implementation
 from dlcore.selection import Selection
@@ -53,7 +53,8 @@ def key_parts(signature: Signature, profile: DeviceProfile, backend_version: str
         "device": f"{profile.backend}:{profile.arch}",
         "backend_version": backend_version,
         "triton": triton_version(),
-        "candidates": ",".join(f"{c.plugin}/{c.name}@{c.source_hash()}" for c in candidates),
+        # sorted: the order plugins happened to load in is no part of what was chosen
+        "candidates": ",".join(sorted(f"{c.plugin}/{c.name}@{c.source_hash()}" for c in candidates)),
     }
 
 
@@ -96,14 +97,6 @@ class MemoryCache:
         self._entries.clear()
 
 
-def default_directory() -> Path:
-    configured = os.environ.get("DLCORE_CACHE_DIR")
-    if configured:
-        return Path(configured)
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "dlcore"
-
-
 class DiskCache:
     """Selections on disk, as JSON text, shared by every process using the same directory."""
 
@@ -133,7 +126,9 @@ class DiskCache:
                 CacheWarning, stacklevel=3,
             )
             shutil.move(str(self.directory), str(aside))
-            return diskcache.Cache(str(self.directory), disk=TextOnlyDisk)
+            fresh = diskcache.Cache(str(self.directory), disk=TextOnlyDisk)
+            new_generation(self.directory)
+            return fresh
 
     def get_record(self, key: str) -> dict[str, Any] | None:
         try:
@@ -154,6 +149,7 @@ class DiskCache:
 
     def put(self, key: str, record: dict[str, Any]) -> None:
         self._open().set(key, json.dumps(record, sort_keys=True))
+        new_generation(self.directory)
 
     def items(self) -> Iterator[tuple[str, dict[str, Any]]]:
         cache = self._open()
@@ -163,10 +159,14 @@ class DiskCache:
                 yield key, record
 
     def delete(self, key: str) -> bool:
-        return bool(self._open().delete(key))
+        deleted = bool(self._open().delete(key))
+        new_generation(self.directory)
+        return deleted
 
     def clear(self) -> int:
-        return self._open().clear()
+        count = self._open().clear()
+        new_generation(self.directory)
+        return count
 
     def export(self, path: Path | str) -> int:
         entries = dict(self.items())

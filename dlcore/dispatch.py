@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from dlcore import bindings
 from dlcore.backend import Backend
+from dlcore.bindings import exact_key
 from dlcore.bound import BoundOp
 from dlcore.cache import DiskCache, MemoryCache, cache_key, key_parts, make_record
+from dlcore.cachedir import generation
 from dlcore.device import DeviceProfile
 from dlcore.errors import NoKernelError, UnknownImplementationError
 from dlcore.implementation import Implementation, PlanTransform
@@ -29,7 +31,6 @@ _bound: dict[tuple, BoundOp] = {}
 _exact: dict[tuple, BoundOp] = {}
 #: exact inputs remembered for the in-process hit path; the oldest are forgotten first
 EXACT_LIMIT = 4096
-_environ = os.environ
 
 
 def disk_cache() -> DiskCache:
@@ -46,6 +47,7 @@ def clear_caches() -> None:
     _memory.clear()
     _bound.clear()
     _exact.clear()
+    bindings.forget()
     if _disk is not None:
         _disk.close()
         _disk = None
@@ -84,10 +86,11 @@ def get_op(
     :raises BackendUnavailableError: no usable backend for the inputs' device.
     :raises NoKernelError: every implementation declined or failed.
     """
-    exact = _exact_key(name, args, kwargs, impl, tune, strategy, budget)
+    exact = exact_key(name, args, kwargs, impl, tune, strategy, budget)
     hit = _exact.get(exact) if exact is not None else None
     if hit is not None:
         return hit
+    seen = generation(disk_cache().directory)  # before the disk is read: see dlcore.bindings
     call = prepare(name, args, kwargs, impl)
     policy = resolve(tune, strategy, budget)
     memo_key = (call.signature, call.device, impl, policy)
@@ -101,26 +104,8 @@ def get_op(
         if len(_exact) >= EXACT_LIMIT:
             del _exact[next(iter(_exact))]
         _exact[exact] = bound_op
+        bindings.note(exact, call, bound_op.selection, seen)
     return bound_op
-
-
-def _exact_key(name: str, args: tuple | list, kwargs: dict[str, Any] | None, *options: Any) -> tuple | None:
-    """A key for the in-process hit path, cheap to compute: everything validation and the signature
-    depend on (dtype, shape, strides, device, alignment of each tensor; scalar values), exactly.
-
-    Inputs seen before with the same key were validated then, so the bound op is returned at once.
-    """
-    if kwargs:
-        return None
-    key: list[Any] = [name, options, _environ.get("DLCORE_TUNE"), _environ.get("DLCORE_TUNE_STRATEGY")]
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            key.append((a.dtype, a.shape, a.stride(), a.device, a.data_ptr() % 16 == 0))
-        elif isinstance(a, (int, float, bool, str)) or a is None:
-            key.append((type(a), a))
-        else:
-            return None
-    return tuple(key)
 
 
 @dataclass
@@ -163,16 +148,9 @@ def prepare(name: str, args: tuple | list, kwargs: dict[str, Any] | None = None,
 def plan_transform(profile: DeviceProfile) -> PlanTransform | None:
     """The ``ast`` and ``launch`` compiler passes for ``profile``'s backend, as a plan rewrite
     (None when no pass rewrites plans there)."""
-    from dlcore.compiler.passes import apply_launch_passes, default_pipeline
+    from dlcore.compiler.passes import default_pipeline, launch_transform
 
-    passes = default_pipeline(profile.backend)
-    if passes.has_ir_passes:
-        from dlcore.compiler import stages
-
-        stages.ensure_installed()
-    if not passes.rewrites_plans:
-        return None
-    return lambda plan: apply_launch_passes(plan, profile, passes)
+    return launch_transform(profile, default_pipeline(profile.backend))
 
 
 def remember(call: Call, selection: Selection) -> Selection:

@@ -21,54 +21,17 @@ a tampered index makes a process load an installed plugin early or late; it cann
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dlcore.cachedir import environment_key, write_json
+from dlcore.stamps import plugin_root, stamp
+
 SCHEMA = 1
 #: the hooks a deferred kernel plugin may implement: what it provides is then known from the index
 DEFERRABLE_HOOKS = frozenset({"dlcore_ops", "dlcore_implementations"})
-
-
-def environment_key() -> str:
-    """The interpreter and its import path, less the script's own folder."""
-    text = json.dumps([sys.prefix, sys.path[1:]])
-    return hashlib.sha256(text.encode()).hexdigest()[:20]
-
-
-def plugin_root(module_name: str) -> str | None:
-    """The folder of an imported module's top-level package, or the file of a top-level module."""
-    top = sys.modules.get(module_name.split(".")[0])
-    if top is None:
-        return None
-    paths = list(getattr(top, "__path__", ()))
-    if paths:
-        return str(paths[0])
-    return getattr(top, "__file__", None)
-
-
-def stamp(root: str) -> str:
-    """Size and modification time of every Python file under ``root`` (or of ``root`` itself)."""
-    digest = hashlib.sha256()
-    if os.path.isfile(root):
-        files = [root]
-    else:
-        files = []
-        for folder, dirs, names in os.walk(root):
-            dirs[:] = sorted(d for d in dirs if d != "__pycache__" and not d.startswith("."))
-            files.extend(os.path.join(folder, n) for n in sorted(names) if n.endswith(".py"))
-    for path in files:
-        try:
-            info = os.stat(path)
-        except OSError:
-            continue
-        digest.update(f"{os.path.relpath(path, root)}:{info.st_size}:{info.st_mtime_ns};".encode())
-    return digest.hexdigest()[:20]
 
 
 @dataclass
@@ -149,15 +112,5 @@ class PluginIndex:
 
     def save(self) -> None:
         """Write the index atomically; a failure to write only costs later processes some time."""
-        data = {"schema": SCHEMA, "plugins": {pid: e.to_json() for pid, e in sorted(self.entries.items())}}
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".kernels-", suffix=".tmp")
-        except OSError:
-            return
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f, indent=1)
-            os.replace(tmp, self.path)
-        except OSError:
-            Path(tmp).unlink(missing_ok=True)
+        plugins = {pid: e.to_json() for pid, e in sorted(self.entries.items())}
+        write_json(self.path, {"schema": SCHEMA, "plugins": plugins})

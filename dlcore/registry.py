@@ -38,6 +38,7 @@ class Registry:
         self._by_device_type: dict[str, Backend] = {}
         self.strategies: dict[str, Any] = {}
         self.passes: list[Any] = []
+        self.pass_plugin: dict[str, str] = {}
         self._profiles: dict[str, DeviceProfile] = {}
         self._availability: dict[str, Any] = {}
         self._complete: set[str] = set()  # ops whose every provider is loaded
@@ -66,7 +67,7 @@ class Registry:
         self._each("dlcore_ops", self._add_op)
         self._each("dlcore_implementations", self._add_implementation)
         self._each("dlcore_strategies", self._add_strategy)
-        self._each("dlcore_passes", lambda plugin, p: self.passes.append(p))
+        self._each("dlcore_passes", self._add_pass)
 
     def _load(self, plugin_ids: set[str]) -> None:
         """Load deferred kernel plugins and take in their ops, then their implementations."""
@@ -149,6 +150,10 @@ class Registry:
             raise ValueError(f"{impl.op} already has an implementation named {impl.name!r}")
         impl.plugin = plugin
         existing.append(impl)
+
+    def _add_pass(self, plugin: str, p: Any) -> None:
+        self.passes.append(p)
+        self.pass_plugin.setdefault(getattr(p, "name", ""), plugin)
 
     def _add_strategy(self, plugin: str, strategy: Any) -> None:
         if strategy.name in self.strategies:

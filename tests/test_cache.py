@@ -67,6 +67,7 @@ def test_key_changes_with_everything_a_selection_depends_on(monkeypatch):
 
     base = key()
     assert key() == base
+    assert key(cands=list(reversed(candidates))) == base  # the order plugins loaded in is no part of it
     half = make_signature(op, op.bind((x.half(), w.half())), x.device)
     assert key(sig=half) != base
     assert key(prof=dataclasses.replace(profile, arch="sm_90")) != base
@@ -76,6 +77,19 @@ def test_key_changes_with_everything_a_selection_depends_on(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(type(candidates[1]), "source_hash", lambda self: "edited")
     assert key() != base
+
+
+def test_every_change_to_the_selections_makes_a_new_generation(tmp_path):
+    from dlcore.cachedir import generation
+
+    cache = DiskCache(tmp_path / "c")
+    seen = {generation(cache.directory)}
+    for change in (lambda: cache.put("rms_norm:a", record()), lambda: cache.delete("rms_norm:a"),
+                   lambda: cache.put("rms_norm:b", record()), cache.clear):
+        change()
+        assert generation(cache.directory) not in seen
+        seen.add(generation(cache.directory))
+    assert cache.get("rms_norm:b") is None
 
 
 def test_a_pickled_entry_is_never_unpickled(tmp_path):

@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dlcore.errors import DlcoreError
-from dlcore.registry import registry
 
 if TYPE_CHECKING:
     from dlcore.device import DeviceProfile
@@ -203,6 +202,8 @@ _cache = _Cache()
 
 
 def _current() -> _Cache:
+    from dlcore.registry import registry
+
     global _cache
     reg = registry()
     if _cache.registry is not reg:
@@ -243,6 +244,18 @@ def default_pipeline(backend: str) -> Pipeline:
 # --------------------------------------------------------------------------------------------
 # applying the ast and launch passes
 # --------------------------------------------------------------------------------------------
+
+
+def launch_transform(profile: DeviceProfile, passes: Pipeline) -> Callable[[LaunchPlan], LaunchPlan] | None:
+    """The ``ast`` and ``launch`` passes of ``passes`` as one rewrite of a plan for ``profile``'s
+    device (None when none rewrites plans); hooks the IR passes into Triton if there are any."""
+    if passes.has_ir_passes:
+        from dlcore.compiler import stages
+
+        stages.ensure_installed()
+    if not passes.rewrites_plans:
+        return None
+    return lambda plan: apply_launch_passes(plan, profile, passes)
 
 
 def apply_launch_passes(plan: LaunchPlan, profile: DeviceProfile, passes: Pipeline | None = None) -> LaunchPlan:
