@@ -29,6 +29,8 @@ _memory = MemoryCache()
 _disk: DiskCache | None = None
 _bound: dict[tuple, BoundOp] = {}
 _exact: dict[tuple, BoundOp] = {}
+#: per entry of ``_bound``: the generation of the disk's selections its choice was made under
+_bound_generation: dict[tuple, str] = {}
 #: exact inputs remembered for the in-process hit path; the oldest are forgotten first
 EXACT_LIMIT = 4096
 
@@ -46,6 +48,7 @@ def clear_caches() -> None:
     global _disk
     _memory.clear()
     _bound.clear()
+    _bound_generation.clear()
     _exact.clear()
     bindings.forget()
     if _disk is not None:
@@ -100,11 +103,12 @@ def get_op(
         if selection is None:
             selection = remember(call, _select(call, policy, impl, progress))
         bound_op = _bound[memo_key] = call.bind(selection)
+        _bound_generation[memo_key] = seen
     if exact is not None:
         if len(_exact) >= EXACT_LIMIT:
             del _exact[next(iter(_exact))]
         _exact[exact] = bound_op
-        bindings.note(exact, call, bound_op.selection, seen)
+        bindings.note(exact, call, bound_op.selection, _bound_generation.get(memo_key, ""))
     return bound_op
 
 

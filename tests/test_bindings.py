@@ -180,3 +180,18 @@ def test_in_process_the_full_path_notes_what_it_bound(tmp_path, monkeypatch, ker
     bindings.flush()
     path, data = _file(store.directory)
     assert list(data["bindings"].values()) == [record]
+
+
+def test_a_binding_keeps_the_generation_its_choice_was_made_under(kernel_device):
+    """A second exact input of an already bound signature takes the choice in memory: its binding
+    must not claim a newer generation of the selections than the one that choice was made under."""
+    from dlcore.cachedir import generation, new_generation
+
+    w = torch.randn(16, device=kernel_device)
+    first = dlcore.get_op("rms_norm", (torch.randn(3, 16, device=kernel_device), w))
+    directory = bindings.store().directory
+    made_under = generation(directory)
+    new_generation(directory)  # another process stores a selection
+    second = dlcore.get_op("rms_norm", (torch.randn(4, 16, device=kernel_device), w))  # same bucket
+    assert second is first
+    assert {r["generation"] for r in bindings.store().added.values()} == {made_under}
