@@ -29,8 +29,9 @@ _memory = MemoryCache()
 _disk: DiskCache | None = None
 _bound: dict[tuple, BoundOp] = {}
 _exact: dict[tuple, BoundOp] = {}
-#: per entry of ``_bound``: the generation of the disk's selections its choice was made under
-_bound_generation: dict[tuple, str] = {}
+#: per cache key: the generation of the disk's selections when the disk was last read for it (what
+#: a binding of its choice is valid under, see dlcore.bindings)
+_consulted: dict[str, str] = {}
 #: exact inputs remembered for the in-process hit path; the oldest are forgotten first
 EXACT_LIMIT = 4096
 
@@ -48,7 +49,7 @@ def clear_caches() -> None:
     global _disk
     _memory.clear()
     _bound.clear()
-    _bound_generation.clear()
+    _consulted.clear()
     _exact.clear()
     bindings.forget()
     if _disk is not None:
@@ -99,16 +100,17 @@ def get_op(
     memo_key = (call.signature, call.device, impl, policy)
     bound_op = _bound.get(memo_key)
     if bound_op is None:
+        if _memory.get(call.key) is None:  # the disk is read now (and a choice made if it misses)
+            _consulted[call.key] = seen
         selection = _cached(call, policy)
         if selection is None:
             selection = remember(call, _select(call, policy, impl, progress))
         bound_op = _bound[memo_key] = call.bind(selection)
-        _bound_generation[memo_key] = seen
     if exact is not None:
         if len(_exact) >= EXACT_LIMIT:
             del _exact[next(iter(_exact))]
         _exact[exact] = bound_op
-        bindings.note(exact, call, bound_op.selection, _bound_generation.get(memo_key, ""))
+        bindings.note(exact, call, bound_op.selection, _consulted.get(call.key, ""))
     return bound_op
 
 

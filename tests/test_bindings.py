@@ -195,3 +195,19 @@ def test_a_binding_keeps_the_generation_its_choice_was_made_under(kernel_device)
     second = dlcore.get_op("rms_norm", (torch.randn(4, 16, device=kernel_device), w))  # same bucket
     assert second is first
     assert {r["generation"] for r in bindings.store().added.values()} == {made_under}
+
+
+def test_a_choice_kept_in_memory_is_bound_under_the_generation_it_was_made_under(kernel_device):
+    """A call that misses the bound ops in memory but finds the selection this process made: its
+    binding too must carry the generation the disk had when that choice was made."""
+    from dlcore.cachedir import generation, new_generation
+
+    x, w = torch.randn(3, 16, device=kernel_device), torch.randn(16, device=kernel_device)
+    dlcore.get_op("rms_norm", (x, w))
+    directory = bindings.store().directory
+    made_under = generation(directory)
+    new_generation(directory)
+    dlcore.dispatch._bound.clear()  # as if bound for other options: only the selection is in memory
+    dlcore.get_op("rms_norm", (torch.randn(4, 16, device=kernel_device), w))
+    assert len(bindings.store().added) == 2
+    assert {r["generation"] for r in bindings.store().added.values()} == {made_under}
