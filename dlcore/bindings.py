@@ -22,17 +22,21 @@ A binding is trusted only while everything it was made from is unchanged:
 - the device, by the name and capability torch reports for it;
 - no plugin had failed to load (every process must see its warning).
 
-Bindings are written when the process exits, at most :data:`LIMIT` per environment, newest kept.
-The file holds JSON only. A tampered file can at worst make a process import an installed module
+Each binding is a small JSON file, named by a hash of its key, under
+``<cache dir>/bindings/<environment>/``: a new process reads the one file of its inputs, however
+many there are. They are written when the process exits, at most :data:`LIMIT` per environment,
+newest kept. The files hold JSON only. A tampered file can at worst make a process import an installed module
 named in it and call its hook functions; what they return must be an op, implementation or pass of
 the recorded name, or the full path runs.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,8 +46,6 @@ from dlcore.cachedir import default_directory, environment_key, generation, writ
 from dlcore.stamps import import_path_stamp, plugin_root, stamp
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     from dlcore.dispatch import Call
     from dlcore.selection import Selection
 
@@ -106,28 +108,31 @@ def _environment() -> dict[str, str]:
 
 
 class _Store:
-    """This process's view of the bindings file: read once, written at exit."""
+    """This process's view of the bindings: one small file per exact input, so that a new process
+    reads one file whatever the number of bindings; what this process adds is written at exit."""
 
     def __init__(self, directory: Path):
         self.directory = directory
-        self.path = directory / "bindings" / f"{environment_key()}.json"
-        self._read: dict[str, dict[str, Any]] | None = None
+        self.folder = directory / "bindings" / environment_key()
         self.added: dict[str, dict[str, Any]] = {}
         self.dropped: set[str] = set()
         self._generation: str | None = None
         self._paths: str | None = None
         self._stamps: dict[str, str] = {}
 
-    def read(self) -> dict[str, dict[str, Any]]:
-        if self._read is None:
-            self._read = {}
-            try:
-                data = json.loads(self.path.read_text())
-            except (OSError, ValueError):
-                return self._read
-            if isinstance(data, dict) and data.get("schema") == SCHEMA and isinstance(data.get("bindings"), dict):
-                self._read = {k: v for k, v in data["bindings"].items() if isinstance(v, dict)}
-        return self._read
+    def file(self, text: str) -> Path:
+        return self.folder / f"{hashlib.sha256(text.encode()).hexdigest()[:32]}.json"
+
+    def read(self, text: str) -> dict[str, Any] | None:
+        """The binding stored for ``text``, if its file holds one for exactly that key."""
+        try:
+            data = json.loads(self.file(text).read_text())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(data, dict) or data.get("schema") != SCHEMA or data.get("key") != text:
+            return None
+        record = data.get("binding")
+        return record if isinstance(record, dict) else None
 
     def generation(self) -> str:
         if self._generation is None:
@@ -156,7 +161,7 @@ class _Store:
     def find(self, text: str, identity: str | None) -> dict[str, Any] | None:
         if text in self.dropped:
             return None
-        record = self.added.get(text) or self.read().get(text)
+        record = self.added.get(text) or self.read(text)
         return record if record is not None and self.trusted(record, identity) else None
 
     def add(self, text: str, record: dict[str, Any]) -> None:
@@ -170,19 +175,24 @@ class _Store:
         self.dropped.add(text)
 
     def flush(self) -> None:
-        """Merge what this process added and dropped into the file; bindings of another generation
-        of the selections are left out, and the newest :data:`LIMIT` kept."""
+        """Write what this process added (unless the selections changed since), remove what it
+        dropped, and keep the newest :data:`LIMIT` files."""
         if not self.added and not self.dropped:
             return
-        self._read = None
         current = generation(self.directory)
-        merged = {k: v for k, v in self.read().items()
-                  if k not in self.dropped and k not in self.added and v.get("generation") == current}
-        merged.update((k, v) for k, v in self.added.items() if v["generation"] == current)
-        kept = dict(list(merged.items())[-LIMIT:])
-        write_json(self.path, {"schema": SCHEMA, "bindings": kept})
+        for text in self.dropped:
+            self.file(text).unlink(missing_ok=True)
+        for text, record in self.added.items():
+            if record["generation"] == current:
+                write_json(self.file(text), {"schema": SCHEMA, "key": text, "binding": record})
         self.added.clear()
         self.dropped.clear()
+        try:
+            files = sorted(os.scandir(self.folder), key=lambda e: e.stat().st_mtime_ns)
+        except OSError:
+            return
+        for old in files[:-LIMIT] if len(files) > LIMIT else ():
+            Path(old.path).unlink(missing_ok=True)
 
 
 _lock = threading.Lock()
@@ -379,8 +389,8 @@ class RecalledOp(BoundOp):
             if args is None:
                 from dlcore.errors import DlcoreError
 
-                raise DlcoreError(f"the binding of {self._request[0]} recalled from {store().path} no longer "
-                                  f"restores ({type(exc).__name__}: {exc}); call get_op again") from exc
+                raise DlcoreError(f"the binding of {self._request[0]} recalled from {store().file(self._text)} "
+                                  f"no longer restores ({type(exc).__name__}: {exc}); call get_op again") from exc
             from dlcore.dispatch import get_op
 
             name, options = self._request

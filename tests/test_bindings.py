@@ -6,6 +6,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -51,7 +52,8 @@ def _run(site, cache, device, extra="()", **env):
 
 
 def _file(cache) -> tuple:
-    (path,) = (cache / "bindings").glob("*.json")
+    """The one binding file under ``cache``, and its binding."""
+    (path,) = (cache / "bindings").glob("*/*.json")
     return path, json.loads(path.read_text())
 
 
@@ -79,7 +81,7 @@ def test_a_new_process_recalls_the_binding_without_discovery(site, tmp_path, ker
         (full["impl"], full["config"], full["how"], full["key"])
     assert recalled["err"] < 2e-2 and full["err"] < 2e-2
     path, data = _file(cache)
-    (record,) = data["bindings"].values()
+    record = data["binding"]
     assert record["op"] == "rms_norm" and record["environ"]["DLCORE_DISABLE_PLUGINS"] == BROKEN
     assert any("dlc_thirdparty_demo" in root for root in record["roots"])  # the other candidate's code
 
@@ -92,9 +94,8 @@ def test_a_changed_cache_environment_device_or_plugin_retires_the_binding(site, 
     # other variables a selection depends on: the full path
     assert _run(site, cache, kernel_device, DLCORE_TUNE_CHECK="all")["kind"] == "BoundOp"
     # another device model behind the same name
-    (text,) = data["bindings"]
     other = json.loads(json.dumps(data))
-    other["bindings"][text]["device"] = "another model (9, 9)"
+    other["binding"]["device"] = "another model (9, 9)"
     path.write_text(json.dumps(other))
     assert _run(site, cache, kernel_device)["kind"] == "BoundOp"
     assert _run(site, cache, kernel_device)["kind"] == "RecalledOp"  # the full path wrote it anew
@@ -115,8 +116,8 @@ def test_a_damaged_file_is_ignored_and_rewritten(site, tmp_path, kernel_device):
     cache = tmp_path / "cache"
     full, _ = _until_recalled(site, cache, kernel_device)
     path, data = _file(cache)
-    (text,) = data["bindings"]
-    for damage in ("{not json", json.dumps([1]), json.dumps({"schema": 1, "bindings": {text: {"device": 3}}})):
+    for damage in ("{not json", json.dumps([1]), json.dumps({**data, "binding": {"device": 3}}),
+                   json.dumps({**data, "key": "another key"})):
         path.write_text(damage)
         result = _run(site, cache, kernel_device)
         assert result["kind"] == "BoundOp" and result["err"] < 2e-2
@@ -127,7 +128,7 @@ def test_a_binding_that_no_longer_restores_takes_the_full_path(site, tmp_path, k
     cache = tmp_path / "cache"
     full, _ = _until_recalled(site, cache, kernel_device)
     path, data = _file(cache)
-    (record,) = data["bindings"].values()
+    record = data["binding"]
     for plugin in ({"plugin": record["plugins"]["op"]["plugin"], "value": "json"},  # no such hook there
                    {**record["plugins"]["op"], "value": "dlc_thirdparty_demo.softcap"}):  # no rms_norm there
         record["plugins"]["op"] = plugin
@@ -136,7 +137,7 @@ def test_a_binding_that_no_longer_restores_takes_the_full_path(site, tmp_path, k
         assert result["kind"] == "RecalledOp" and "dlcore.dispatch" in result["after"]
         assert (result["impl"], result["config"]) == (full["impl"], full["config"]) and result["err"] < 2e-2
         _, data = _file(cache)  # replaced by what the full path bound
-        (record,) = data["bindings"].values()
+        record = data["binding"]
         assert record["plugins"]["op"]["value"] == "dlblas_kernels.rms_norm"
 
 
@@ -171,15 +172,16 @@ def test_the_exact_key_tells_apart_what_validation_depends_on():
     assert bindings.exact_key("rms_norm", (x, [1, 2]), None) is None
 
 
-def test_in_process_the_full_path_notes_what_it_bound(tmp_path, monkeypatch, kernel_device):
+def test_in_process_the_full_path_notes_what_it_bound(kernel_device):
     x, w = torch.randn(3, 16, device=kernel_device), torch.randn(16, device=kernel_device)
     op = dlcore.get_op("rms_norm", (x, w))
     store = bindings.store()
     (record,) = store.added.values()
+    store_keys = list(store.added)
     assert record["impl"] == op.impl.name and record["cache_key"] == op.cache_key
     bindings.flush()
     path, data = _file(store.directory)
-    assert list(data["bindings"].values()) == [record]
+    assert data["binding"] == record and data["key"] == next(iter(store_keys))
 
 
 def test_a_binding_keeps_the_generation_its_choice_was_made_under(kernel_device):
@@ -211,3 +213,18 @@ def test_a_choice_kept_in_memory_is_bound_under_the_generation_it_was_made_under
     dlcore.get_op("rms_norm", (torch.randn(4, 16, device=kernel_device), w))
     assert len(bindings.store().added) == 2
     assert {r["generation"] for r in bindings.store().added.values()} == {made_under}
+
+
+def test_at_most_limit_bindings_are_kept_the_newest(monkeypatch):
+    from dlcore.cachedir import generation
+
+    monkeypatch.setattr(bindings, "LIMIT", 2)
+    store = bindings.store()
+    for i in range(3):
+        store.add(f"key {i}", {"generation": generation(store.directory), "n": i})
+        bindings.flush()
+        time.sleep(0.05)  # distinct modification times, whatever the file system's granularity
+    kept = sorted(json.loads(p.read_text())["binding"]["n"] for p in (store.directory / "bindings").glob("*/*.json"))
+    assert kept == [1, 2]
+    assert store.read("key 2") == {"generation": generation(store.directory), "n": 2}
+    assert store.read("key 0") is None
