@@ -25,9 +25,9 @@ A binding is trusted only while everything it was made from is unchanged:
 Each binding is a small JSON file, named by a hash of its key, under
 ``<cache dir>/bindings/<environment>/``: a new process reads the one file of its inputs, however
 many there are. They are written when the process exits, at most :data:`LIMIT` per environment,
-newest kept. The files hold JSON only. A tampered file can at worst make a process import an installed module
-named in it and call its hook functions; what they return must be an op, implementation or pass of
-the recorded name, or the full path runs.
+newest kept. The files hold JSON only. A tampered file can at worst make a process import an
+installed module named in it and call its hook functions; what they return must be an op,
+implementation or pass of the recorded name, or the full path runs.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ import torch
 
 from dlcore.bound import BoundOp
 from dlcore.cachedir import default_directory, environment_key, generation, write_json
-from dlcore.stamps import import_path_stamp, plugin_root, stamp
+from dlcore.stamps import Stamps, import_path_stamp, plugin_root
 
 if TYPE_CHECKING:
     from dlcore.dispatch import Call
@@ -78,10 +78,11 @@ def exact_key(name: str, args: tuple | list, kwargs: dict[str, Any] | None, *opt
     return tuple(key)
 
 
-def _device_of(key: tuple) -> torch.device | None:
+def _identity_of(key: tuple) -> str | None:
+    """The identity of the device of the tensors in ``key`` (None without tensors)."""
     for part in key[4:]:
         if isinstance(part[0], torch.dtype):
-            return part[3]
+            return device_identity(part[3])
     return None
 
 
@@ -118,7 +119,7 @@ class _Store:
         self.dropped: set[str] = set()
         self._generation: str | None = None
         self._paths: str | None = None
-        self._stamps: dict[str, str] = {}
+        self.stamp = Stamps()
 
     def file(self, text: str) -> Path:
         return self.folder / f"{hashlib.sha256(text.encode()).hexdigest()[:32]}.json"
@@ -143,11 +144,6 @@ class _Store:
         if self._paths is None:
             self._paths = import_path_stamp()
         return self._paths
-
-    def stamp(self, root: str) -> str:
-        if root not in self._stamps:
-            self._stamps[root] = stamp(root)
-        return self._stamps[root]
 
     def trusted(self, record: dict[str, Any], identity: str | None) -> bool:
         try:
@@ -243,9 +239,8 @@ def recall(name: str, args: tuple | list, kwargs: dict[str, Any] | None, options
     hit = _recalled.get(key)
     if hit is not None:
         return hit
-    device = _device_of(key)
     text = repr(key)
-    record = store().find(text, device_identity(device) if device is not None else None)
+    record = store().find(text, _identity_of(key))
     if record is None:
         return None
     hit = _recalled[key] = RecalledOp(text, record, name, options)
@@ -256,8 +251,7 @@ def note(key: tuple | None, call: Call, selection: Selection, seen_generation: s
     """Remember what the full path bound for inputs of ``key``, if it can be restored later."""
     if key is None:
         return
-    device = _device_of(key)
-    identity = device_identity(device) if device is not None else None
+    identity = _identity_of(key)
     record = _record(call, selection, seen_generation, identity) if identity is not None else None
     if record is not None:
         store().add(repr(key), record)
@@ -294,7 +288,7 @@ def _record(call: Call, selection: Selection, seen_generation: str, identity: st
     def source(plugin_id: str) -> dict[str, str]:
         return {"plugin": plugin_id, "value": values[plugin_id]}
 
-    reference = impl.name == "reference" and impl.plugin == reg.op_plugin[name]
+    reference = impl.name == "reference" and impl.plugin == reg.op_plugin[name]  # the registry's own
     return {
         "device": identity,
         "generation": seen_generation,

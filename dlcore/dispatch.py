@@ -94,14 +94,13 @@ def get_op(
     hit = _exact.get(exact) if exact is not None else None
     if hit is not None:
         return hit
-    seen = generation(disk_cache().directory)  # before the disk is read: see dlcore.bindings
     call = prepare(name, args, kwargs, impl)
     policy = resolve(tune, strategy, budget)
     memo_key = (call.signature, call.device, impl, policy)
     bound_op = _bound.get(memo_key)
     if bound_op is None:
         if _memory.get(call.key) is None:  # the disk is read now (and a choice made if it misses)
-            _consulted[call.key] = seen
+            _consulted[call.key] = generation(disk_cache().directory)  # read first: see dlcore.bindings
         selection = _cached(call, policy)
         if selection is None:
             selection = remember(call, _select(call, policy, impl, progress))

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dlcore.cachedir import environment_key, write_json
-from dlcore.stamps import plugin_root, stamp
+from dlcore.stamps import Stamps, plugin_root
 
 SCHEMA = 1
 #: the hooks a deferred kernel plugin may implement: what it provides is then known from the index
@@ -63,7 +63,7 @@ class PluginIndex:
 
     path: Path
     entries: dict[str, Entry] = field(default_factory=dict)
-    _stamps: dict[str, str] = field(default_factory=dict)
+    _stamps: Stamps = field(default_factory=Stamps)
 
     @classmethod
     def open(cls, directory: Path) -> PluginIndex:
@@ -81,15 +81,10 @@ class PluginIndex:
                 index.entries[str(plugin_id)] = entry
         return index
 
-    def _current_stamp(self, root: str) -> str:
-        if root not in self._stamps:
-            self._stamps[root] = stamp(root)
-        return self._stamps[root]
-
     def known(self, plugin_id: str, value: str) -> Entry | None:
         """The entry for this plugin if it still describes the installed code."""
         entry = self.entries.get(plugin_id)
-        if entry is None or entry.value != value or self._current_stamp(entry.root) != entry.stamp:
+        if entry is None or entry.value != value or self._stamps(entry.root) != entry.stamp:
             return None
         return entry
 
@@ -108,7 +103,7 @@ class PluginIndex:
             return
         # One stamp per root (several plugins share a package); if it was taken before the import,
         # an edit since then makes the next process see a mismatch and learn again.
-        self.entries[plugin_id] = Entry(value, sorted(ops), eager, root, self._current_stamp(root))
+        self.entries[plugin_id] = Entry(value, sorted(ops), eager, root, self._stamps(root))
 
     def save(self) -> None:
         """Write the index atomically; a failure to write only costs later processes some time."""

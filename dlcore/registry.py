@@ -229,7 +229,7 @@ def registry() -> Registry:
     if _registry is None:
         with _lock:
             if _registry is None:
-                from dlcore.cache import default_directory
+                from dlcore.cachedir import default_directory
 
                 index = PluginIndex.open(default_directory())
                 _registry = Registry(discover(defer=lambda r: index.deferrable(r.id, r.value)), index)

@@ -34,6 +34,19 @@ def stamp(root: str) -> str:
     return digest.hexdigest()[:20]
 
 
+class Stamps:
+    """:func:`stamp` taken once per root for the life of this object (what is checked against the
+    code as it was when first looked at; an edit made later is seen by a later object)."""
+
+    def __init__(self) -> None:
+        self._taken: dict[str, str] = {}
+
+    def __call__(self, root: str) -> str:
+        if root not in self._taken:
+            self._taken[root] = stamp(root)
+        return self._taken[root]
+
+
 def _stamp_folder(folder: str, relative: str, digest) -> None:
     try:
         entries = sorted(os.scandir(folder), key=lambda e: e.name)
