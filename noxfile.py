@@ -27,8 +27,9 @@ def install(session: nox.Session, triton: str) -> None:
 def test(session: nox.Session, triton: str) -> None:
     """The test suite, with Triton kernels run by the interpreter on the CPU."""
     install(session, triton)
-    session.install("pytest", "ruff", "matplotlib")
+    session.install("pytest", "ruff", "matplotlib", "import-linter")
     session.run("ruff", "check", ".")
+    session.run("lint-imports")
     session.run(
         "pytest", "-p", "no:cacheprovider", *session.posargs,
         env={"TRITON_INTERPRET": "1", "DLCORE_EXPECT_INSTALLED": "1", "TRITON_DEFAULT_FP_FUSION": "1"},

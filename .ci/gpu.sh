@@ -36,21 +36,21 @@ for stage in "$@"; do
     overhead)
       python3 -m dlcore.bench.overhead warm hot cold 2>&1 | tee "$OUT/overhead.txt" ;;
     landscape-matmul)
-      python3 -m dlcore.tuning.landscape record matmul --shape tokens=4096,hidden=4096,inter=4096 \
+      python3 -m dlcore.bench.landscape record matmul --shape tokens=4096,hidden=4096,inter=4096 \
           --dtype bfloat16 --workers 14 --out "$OUT/landscape_matmul.json" 2>&1 | tail -1 ;;
     landscape-ffn)
-      python3 -m dlcore.tuning.landscape record ffn --shape tokens=2048,hidden=4096,inter=4096 \
+      python3 -m dlcore.bench.landscape record ffn --shape tokens=2048,hidden=4096,inter=4096 \
           --dtype bfloat16 --workers 15 --seconds "${LANDSCAPE_SECONDS:-150}" --out "$OUT/landscape_ffn.json" \
           2>&1 | tail -1 ;;
     landscape-rotary)
       # the rotary kernels' whole spaces at large shapes (is any config at 90% of a copy?), each file
       # written to $OUT as soon as it is done; ROTARY_SECONDS bounds each (a random sample beyond)
       for shape in tokens=16384,heads=32,kv_heads=8,head_dim=128 tokens=4096,heads=28,kv_heads=4,head_dim=128; do
-        python3 -m dlcore.tuning.landscape record apply_rotary_pos_emb --shape $shape --dtype bfloat16 --workers 15 \
+        python3 -m dlcore.bench.landscape record apply_rotary_pos_emb --shape $shape --dtype bfloat16 --workers 15 \
             --seconds "${ROTARY_SECONDS:-60}" --out "$OUT/rotary_${shape//[=,]/_}.json" 2>&1 | tail -1
       done
       for shape in tokens=4096,heads=128,nope_dim=128,rope_dim=64,v_dim=128; do
-        python3 -m dlcore.tuning.landscape record partial_rotary_emb --shape $shape --dtype bfloat16 --workers 15 \
+        python3 -m dlcore.bench.landscape record partial_rotary_emb --shape $shape --dtype bfloat16 --workers 15 \
             --seconds "${ROTARY_SECONDS:-60}" --out "$OUT/partial_${shape//[=,]/_}.json" 2>&1 | tail -1
       done ;;
     bench)

@@ -30,9 +30,9 @@ import triton
 import triton.language as tl
 
 from dlcore.compiler import folding
-from dlcore.implementation import KernelCall, LaunchPlan
-from dlcore.registry import registry
-from dlcore.signature import make_signature
+from dlcore.declarations.implementation import KernelCall, LaunchPlan
+from dlcore.plugins.registry import registry
+from dlcore.declarations.signature import make_signature
 
 SMALL = os.environ.get("SMALL") == "1"  # interpreter check of the logic: tiny sizes
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -189,9 +189,9 @@ if [ -z "$SMALL" ]; then
   echo "== DLC_DUMP_IR=1 on a real launch"
   DLC_DUMP_IR=1 DLC_DUMP_DIR="$OUT/dump" timeout 60 python3 - <<'PY' 2>>"$OUT/compiler.log" || status=1
 import torch
-from dlcore.compiler.passes import apply_launch_passes
-from dlcore.registry import registry
-from dlcore.signature import make_signature
+from dlcore.compiler.rewrite import apply_launch_passes
+from dlcore.plugins.registry import registry
+from dlcore.declarations.signature import make_signature
 
 reg = registry()
 device = torch.device("cuda")

@@ -15,7 +15,7 @@ import statistics
 import torch
 import triton
 
-from dlcore.registry import registry
+from dlcore.plugins.registry import registry
 
 m = importlib.import_module("dlblas_kernels.partial_rotary_emb")
 

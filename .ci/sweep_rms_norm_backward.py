@@ -13,7 +13,7 @@ import os
 import torch
 import triton
 
-from dlcore.registry import registry
+from dlcore.plugins.registry import registry
 
 m = importlib.import_module("dlblas_kernels.rms_norm")
 

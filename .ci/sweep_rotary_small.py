@@ -12,7 +12,7 @@ import os
 import torch
 import triton
 
-from dlcore.registry import registry
+from dlcore.plugins.registry import registry
 
 m = importlib.import_module("dlblas_kernels.apply_rotary_pos_emb")
 

@@ -6,12 +6,11 @@ device; plugins (backends, kernels, passes, strategies) arrive through entry poi
 
 from __future__ import annotations
 
-import sys
-
 from dlcore.errors import (
     BackendUnavailableError,
     DlcoreError,
     InvalidInputError,
+    InvalidOptionError,
     NoKernelError,
     PluginLoadError,
     UnknownOpError,
@@ -23,6 +22,7 @@ __all__ = [
     "BackendUnavailableError",
     "DlcoreError",
     "InvalidInputError",
+    "InvalidOptionError",
     "NoKernelError",
     "PluginLoadError",
     "UnknownOpError",
@@ -32,25 +32,12 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    if name == "hookimpl":  # imports pluggy: only plugins need it
-        from dlcore.hookspecs import hookimpl
-
-        return hookimpl
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def get_op(name, args, kwargs=None, **options):
-    """Pick, cache and bind the best implementation of op ``name`` for ``args``; see :mod:`dlcore.dispatch`.
-
-    Until a process needs the full path, inputs bound by an earlier process are recalled from
-    :mod:`dlcore.bindings` without discovering plugins.
-    """
-    if "dlcore.dispatch" not in sys.modules:
-        from dlcore.bindings import recall
-
-        bound = recall(name, args, kwargs, options)
-        if bound is not None:
-            return bound
-    from dlcore.dispatch import get_op as _get_op
-
-    return _get_op(name, args, kwargs, **options)
+    # Each imports what only its users need: pluggy for plugins, the dispatcher for callers.
+    if name == "hookimpl":
+        from dlcore.plugins.hookspecs import hookimpl as found
+    elif name == "get_op":
+        from dlcore.dispatch.dispatcher import get_op as found
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = found
+    return found

@@ -1,13 +1,8 @@
 """Where dlcore keeps its files between processes, and how it writes them.
 
 The directory is ``DLCORE_CACHE_DIR`` (default ``$XDG_CACHE_HOME/dlcore`` or ``~/.cache/dlcore``).
-It holds the selections (:mod:`dlcore.cache`), the plugin index (:mod:`dlcore.plugin_index`) and
-the bindings (:mod:`dlcore.bindings`). The last two are per environment: :func:`environment_key`
-names them.
-
-The *generation* is a token rewritten whenever a selection is stored or removed. Whatever was
-derived from the selections (the bindings) records the generation it saw and is trusted only
-while it is unchanged.
+It holds the selections (:mod:`dlcore.dispatch.store`) and the plugin index
+(:mod:`dlcore.plugins.index`); the index is per environment: :func:`environment_key` names it.
 
 This module imports nothing beyond the standard library: a new process's first ``get_op`` reads it.
 """
@@ -20,8 +15,6 @@ import os
 import sys
 from pathlib import Path
 from typing import Any
-
-GENERATION_FILE = "generation"
 
 
 def default_directory() -> Path:
@@ -56,16 +49,3 @@ def write_json(path: Path, data: Any) -> bool:
         Path(tmp).unlink(missing_ok=True)
         return False
     return True
-
-
-def generation(directory: Path) -> str:
-    """The current generation of the selections under ``directory`` ("" if none was written)."""
-    try:
-        return (directory / GENERATION_FILE).read_text()
-    except OSError:
-        return ""
-
-
-def new_generation(directory: Path) -> None:
-    """Mark the selections under ``directory`` as changed (after the change is written)."""
-    write_json(directory / GENERATION_FILE, os.urandom(8).hex())

@@ -5,6 +5,8 @@ Every message says what was given, what was expected, and what to do next.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class DlcoreError(Exception):
     """Base of every error dlcore raises on purpose."""
@@ -63,3 +65,38 @@ class UnknownStrategyError(DlcoreError, LookupError):
 
 class SearchSpaceError(DlcoreError, ValueError):
     """A search space, or a config checked against one, is malformed."""
+
+
+class InvalidOptionError(DlcoreError, ValueError):
+    """An option (an argument of ``get_op``, ``tune`` or a search, or the variable standing for it) has
+    a value dlcore does not know."""
+
+
+class WrongResultError(DlcoreError):
+    """A config computed a result that does not match the op's reference."""
+
+
+class PassError(DlcoreError):
+    """A compiler pass is malformed, unknown, or failed while running."""
+
+
+class FoldingRefused(DlcoreError):
+    """A kernel or launch that grid folding cannot rewrite safely; the message says why."""
+
+
+class LoweringError(DlcoreError):
+    """A kernel could not be lowered for a target; ``partial`` holds the stages it reached, if any
+    (a :class:`dlcore.compiler.lowering.Lowering`)."""
+
+    def __init__(self, message: str, partial: Any = None):
+        super().__init__(message)
+        self.partial = partial
+
+
+class ToolchainMissingError(LoweringError):
+    """Lowering stopped where a compiler the target needs is not installed; the message names it."""
+
+    def __init__(self, message: str, partial: Any = None, missing: tuple[str, ...] = ()):
+        super().__init__(message, partial)
+        #: the executables not found
+        self.missing = missing

@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-import dlcore.dispatch  # noqa: E402
+import dlcore.dispatch.dispatcher  # noqa: E402
 
 TESTS = Path(__file__).parent
 PLUGIN_SOURCES = TESTS / "plugins"
@@ -31,9 +31,9 @@ def fresh_dlcore(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     monkeypatch.delenv("DLCORE_DISABLE_PLUGINS", raising=False)
     monkeypatch.delenv("DLCORE_TUNE", raising=False)
     monkeypatch.setenv("DLCORE_CACHE_DIR", str(tmp_path / "dlcore-cache"))
-    dlcore.dispatch.reset()
+    dlcore.dispatch.dispatcher.reset()
     yield
-    dlcore.dispatch.reset()
+    dlcore.dispatch.dispatcher.reset()
 
 
 @pytest.fixture

@@ -15,9 +15,9 @@ from dlcore.bench import harness
 from dlcore.bench.harness import OWN, ShapeResult, bound_of, geomean, run_bench, time_round_robin
 from dlcore.bench.presets import MODELS, TOKENS, Shape, shapes_for
 from dlcore.cli import main
-from dlcore.implementation import ReferenceImplementation
-from dlcore.op import Op, TensorArg
-from dlcore.registry import registry
+from dlcore.declarations.implementation import ReferenceImplementation
+from dlcore.declarations.op import Op, TensorArg
+from dlcore.plugins.registry import registry
 
 ROTARY_SIZES = {"batch": 2, "seq": 8, "heads": 4, "kv_heads": 2, "head_dim": 16}
 MLA_SIZES = {"tokens": 4, "heads": 2, "nope_dim": 8, "rope_dim": 4, "v_dim": 8}
@@ -490,7 +490,7 @@ def test_rms_norm_end_to_end_in_the_interpreter(tmp_path, capsys):
 
 
 def test_timers_are_named():
-    from dlcore.registry import registry
+    from dlcore.plugins.registry import registry
 
     backend = registry().backend_for(torch.device("cpu"))
     with pytest.raises(ValueError, match="unknown timer 'wall'; use one of do_bench, cudagraph"):

@@ -11,11 +11,13 @@ import pytest
 import torch
 
 import dlcore
-import dlcore.dispatch
-from dlcore.cache import CacheWarning, DiskCache, cache_key, key_parts, make_record
-from dlcore.registry import registry
-from dlcore.selection import Selection
-from dlcore.signature import make_signature
+import dlcore.dispatch.dispatcher
+from dlcore.declarations.call import Call
+from dlcore.declarations.signature import make_signature
+from dlcore.dispatch.key import Key
+from dlcore.dispatch.store import CacheWarning, DiskCache, make_record
+from dlcore.plugins.registry import registry
+from dlcore.tuning.selection import Selection
 
 EXPLODED = []
 
@@ -62,8 +64,8 @@ def test_key_changes_with_everything_a_selection_depends_on(monkeypatch):
     op, bound, backend, profile, candidates = rms_norm_parts(x, w)
     signature = make_signature(op, bound, x.device)
 
-    def key(sig=signature, prof=profile, version=backend.version, cands=candidates):
-        return cache_key(key_parts(sig, prof, version, cands), "rms_norm")
+    def key(sig=signature, prof=profile, back=backend, cands=candidates, passes=()):
+        return Key.of(Call(op, bound, x.device, back, prof, sig, cands, {}), passes).digest
 
     base = key()
     assert key() == base
@@ -71,25 +73,15 @@ def test_key_changes_with_everything_a_selection_depends_on(monkeypatch):
     half = make_signature(op, op.bind((x.half(), w.half())), x.device)
     assert key(sig=half) != base
     assert key(prof=dataclasses.replace(profile, arch="sm_90")) != base
-    assert key(version="9.9") != base
-    monkeypatch.setattr("dlcore.cache.triton_version", lambda: "0.0.1")
+    monkeypatch.setattr(type(backend), "version", property(lambda self: "9.9"))
+    assert key() != base
+    monkeypatch.undo()
+    assert key(passes=("grid_folding",)) != base
+    monkeypatch.setattr("dlcore.dispatch.key.triton_version", lambda: "0.0.1")
     assert key() != base
     monkeypatch.undo()
     monkeypatch.setattr(type(candidates[1]), "source_hash", lambda self: "edited")
     assert key() != base
-
-
-def test_every_change_to_the_selections_makes_a_new_generation(tmp_path):
-    from dlcore.cachedir import generation
-
-    cache = DiskCache(tmp_path / "c")
-    seen = {generation(cache.directory)}
-    for change in (lambda: cache.put("rms_norm:a", record()), lambda: cache.delete("rms_norm:a"),
-                   lambda: cache.put("rms_norm:b", record()), cache.clear):
-        change()
-        assert generation(cache.directory) not in seen
-        seen.add(generation(cache.directory))
-    assert cache.get("rms_norm:b") is None
 
 
 def test_a_pickled_entry_is_never_unpickled(tmp_path):
@@ -116,8 +108,8 @@ def test_a_record_with_the_wrong_shape_is_ignored(tmp_path):
 
 WRITER = """
 import sys
-from dlcore.cache import DiskCache, make_record
-from dlcore.selection import Selection
+from dlcore.dispatch.store import DiskCache, make_record
+from dlcore.tuning.selection import Selection
 cache = DiskCache(sys.argv[1])
 for i in range(40):
     sel = Selection(impl="triton", config={"i": i, "writer": sys.argv[2]}, how="measured")
@@ -167,7 +159,7 @@ def test_a_corrupt_database_is_set_aside_and_rebuilt(tmp_path):
 def test_get_op_remembers_a_measured_selection_across_processes(monkeypatch):
     from test_dispatch import OpsPlugin, double_op, with_plugins
 
-    from dlcore.implementation import TorchImplementation
+    from dlcore.declarations.implementation import TorchImplementation
 
     impls = [TorchImplementation("double", "add", lambda x: x + x),
              TorchImplementation("double", "mul", lambda x: x * 2)]
@@ -177,8 +169,8 @@ def test_get_op_remembers_a_measured_selection_across_processes(monkeypatch):
     assert first.selection.how == "measured"
     # a new process: memory forgotten, plugins rediscovered; the disk remembers
     registry_now = registry()
-    dlcore.dispatch.clear_caches()
-    monkeypatch.setattr("dlcore.registry._registry", registry_now)
-    monkeypatch.setattr("dlcore.dispatch.by_measurement", lambda *a, **k: pytest.fail("measured again"))
+    dlcore.dispatch.dispatcher.default().clear()
+    monkeypatch.setattr("dlcore.plugins.registry._registry", registry_now)
+    monkeypatch.setattr("dlcore.dispatch.dispatcher.select", lambda *a, **k: pytest.fail("measured again"))
     again = dlcore.get_op("double", (x,))
     assert again.selection == first.selection and again is not first

@@ -8,7 +8,7 @@ import pytest
 
 from dlcore.cli import main
 from dlcore.cli.options import parse_sizes
-from dlcore.registry import registry
+from dlcore.plugins.registry import registry
 
 
 def test_plugins_lists_every_group(capsys):

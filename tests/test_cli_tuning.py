@@ -37,20 +37,20 @@ def test_tuned_result_is_used_by_get_op(capsys):
     import torch
 
     import dlcore
-    import dlcore.dispatch
+    import dlcore.dispatch.dispatcher
 
     assert main(["tune", "rms_norm", "--shape", "tokens=4,hidden=64", "--dtype", "fp32", "--strategy", "grid"]) == 0
-    dlcore.dispatch.clear_caches()
+    dlcore.dispatch.dispatcher.default().clear()
     x, w = torch.randn(4, 64), torch.randn(64)
     op = dlcore.get_op("rms_norm", (x, w))
-    assert op.selection.how == "tuned (full, grid)"
+    assert op.selection.describe() == "tuned (full, grid)"
 
 
 def test_all_tunes_the_preset_model_shapes():
     import argparse
 
     from dlcore.cli.tune import ALL_TOKENS, _shapes_for
-    from dlcore.registry import registry
+    from dlcore.plugins.registry import registry
 
     op = registry().op("rms_norm")
     shapes = _shapes_for(op, argparse.Namespace(shape=[], all=True))

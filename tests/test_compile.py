@@ -13,8 +13,8 @@ SCRIPT = """
 import json, torch
 from triton.backends.compiler import GPUTarget
 from dlcore.compiler.lowering import compile_call
-from dlcore.registry import registry
-from dlcore.signature import make_signature
+from dlcore.plugins.registry import registry
+from dlcore.declarations.signature import make_signature
 
 reg = registry()
 meta = torch.device("meta")

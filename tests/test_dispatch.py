@@ -5,13 +5,14 @@ import pytest
 import torch
 
 import dlcore
-import dlcore.dispatch
-import dlcore.registry
+import dlcore.dispatch.dispatcher
+import dlcore.plugins.registry
+import dlcore.runtime.launcher
+from dlcore.declarations.implementation import TorchImplementation
+from dlcore.declarations.op import Op, TensorArg
 from dlcore.errors import BackendUnavailableError, NoKernelError, UnknownImplementationError, UnknownOpError
-from dlcore.implementation import KernelCall, TorchImplementation
-from dlcore.op import Op, TensorArg
-from dlcore.plugins import PluginRecord, discover
-from dlcore.registry import Registry
+from dlcore.plugins.discovery import PluginRecord, discover
+from dlcore.plugins.registry import Registry
 
 F32 = (torch.float16, torch.float32)
 
@@ -34,7 +35,7 @@ def with_plugins(monkeypatch, *plugins):
         found.records.append(record)
         found.manager.register(plugin, name=record.id)
     reg = Registry(found)
-    monkeypatch.setattr(dlcore.registry, "_registry", reg)
+    monkeypatch.setattr(dlcore.plugins.registry, "_registry", reg)
     return reg
 
 
@@ -79,7 +80,7 @@ def test_in_process_cache_returns_the_same_bound_op_per_bucket(gen):
 
 
 def test_the_tokens_key_policy_keeps_the_heads(gen):
-    from dlcore.signature import bucket_shape
+    from dlcore.declarations.signature import bucket_shape
 
     assert bucket_shape((2, 5, 32, 128), "tokens") == (16, 32, 128)  # 10 tokens -> 16; heads and D kept
     assert bucket_shape((5, 28, 64), "tokens") == (8, 28, 64)
@@ -96,11 +97,11 @@ def test_the_tokens_key_policy_keeps_the_heads(gen):
 
 
 def test_the_exact_input_memo_is_bounded(gen, monkeypatch):
-    monkeypatch.setattr(dlcore.dispatch, "EXACT_LIMIT", 3)
+    monkeypatch.setattr(dlcore.dispatch.dispatcher, "EXACT_LIMIT", 3)
     w = torch.randn(16, generator=gen)
     first = [torch.randn(rows, 16, generator=gen) for rows in (1, 2, 3, 4, 5)]
     bound = [dlcore.get_op("rms_norm", (x, w)) for x in first]
-    assert len(dlcore.dispatch._exact) == 3
+    assert len(dlcore.dispatch.dispatcher.default()._exact) == 3
     assert dlcore.get_op("rms_norm", (first[4], w)) is bound[4]
     assert dlcore.get_op("rms_norm", (first[0], w)) is bound[0]  # recomputed: same bucket, same bound op
 
@@ -199,11 +200,12 @@ def test_meta_tensors_have_no_backend():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
 def test_unavailable_backend_says_why():
     with pytest.raises(BackendUnavailableError, match="torch.cuda.is_available"):
-        dlcore.registry.registry().backend_for(torch.device("cuda"))
+        dlcore.plugins.registry.registry().backend_for(torch.device("cuda"))
 
 
 def test_triton_kernels_need_the_interpreter_on_cpu(monkeypatch, gen):
-    monkeypatch.setattr("dlcore.implementation.TritonImplementation.interpreted", property(lambda self: False))
+    monkeypatch.setattr("dlcore.declarations.implementation.TritonImplementation.interpreted",
+                        property(lambda self: False))
     x, w = inputs(gen, (4, 32), (32,))
     op = dlcore.get_op("rms_norm", (x, w))
     assert op.impl.name == "reference"
@@ -212,8 +214,8 @@ def test_triton_kernels_need_the_interpreter_on_cpu(monkeypatch, gen):
 
 def test_bound_op_launches_through_the_plan(monkeypatch, gen):
     launched = []
-    original = KernelCall.launch
-    monkeypatch.setattr(KernelCall, "launch", lambda self: launched.append(self.kernel) or original(self))
+    original = dlcore.runtime.launcher.launch
+    monkeypatch.setattr(dlcore.runtime.launcher, "launch", lambda call: launched.append(call.kernel) or original(call))
     x, w = inputs(gen, (4, 32), (32,))
     dlcore.get_op("rms_norm", (x, w))(x, w)
     assert len(launched) == 1
@@ -223,14 +225,15 @@ def test_launch_passes_apply_to_bound_ops(monkeypatch, gen):
     """With grid folding enabled, the bound op launches the folded kernel on P programs, same results."""
     x = torch.randn(64, 96, generator=gen)
     plain = dlcore.get_op("silu_and_mul", (x,))(x)
-    dlcore.dispatch.reset()
+    dlcore.dispatch.dispatcher.reset()
     monkeypatch.setenv("DLCORE_ENABLE_PASSES", "grid_folding")
     launched = []
-    original = KernelCall.launch
-    monkeypatch.setattr(KernelCall, "launch", lambda self: launched.append(self) or original(self))
+    original = dlcore.runtime.launcher.launch
+    monkeypatch.setattr(dlcore.runtime.launcher, "launch", lambda call: launched.append(call) or original(call))
     folded = dlcore.get_op("silu_and_mul", (x,))(x)
     assert torch.equal(plain, folded)
     (call,) = launched
-    cores = dlcore.registry.registry().profile(dlcore.registry.registry().backend_for(x.device), x.device).cores
+    reg = dlcore.plugins.registry.registry()
+    cores = reg.profile(reg.backend_for(x.device), x.device).cores
     assert call.grid[0] <= cores, call.grid
     assert call.kernel.__name__.endswith("folded"), call.kernel.__name__

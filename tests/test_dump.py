@@ -18,9 +18,9 @@ COMPILE = """
 import json, os, torch
 from triton.backends.compiler import GPUTarget
 from dlcore.compiler.lowering import compile_call, target_profile
-from dlcore.compiler.passes import apply_launch_passes
-from dlcore.registry import registry
-from dlcore.signature import make_signature
+from dlcore.compiler.rewrite import apply_launch_passes
+from dlcore.plugins.registry import registry
+from dlcore.declarations.signature import make_signature
 
 os.chdir({cwd!r})
 reg = registry()

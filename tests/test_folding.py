@@ -11,12 +11,14 @@ import triton
 import triton.language as tl
 
 from dlcore.compiler import folding, source
-from dlcore.compiler.folding import FoldingRefused, fold_call
-from dlcore.compiler.passes import apply_launch_passes, default_pipeline
-from dlcore.device import DeviceProfile
-from dlcore.implementation import KernelCall, LaunchPlan
-from dlcore.registry import registry
-from dlcore.signature import make_signature
+from dlcore.compiler.folding import fold_call
+from dlcore.compiler.passes import default_pipeline
+from dlcore.compiler.rewrite import apply_launch_passes
+from dlcore.declarations.device import DeviceProfile
+from dlcore.declarations.implementation import KernelCall, LaunchPlan
+from dlcore.declarations.signature import make_signature
+from dlcore.errors import FoldingRefused
+from dlcore.plugins.registry import registry
 
 
 def profile(backend: str, cores: int = 3) -> DeviceProfile:
@@ -253,7 +255,7 @@ def test_on_cuda_only_one_warp_launches_fold_by_default():
     import dataclasses
 
     from dlcore.compiler.folding import fold_launch, fold_small_programs
-    from dlcore.device import DeviceProfile
+    from dlcore.declarations.device import DeviceProfile
 
     h200 = DeviceProfile("cuda", "nvidia", "NVIDIA H200", "sm_90", 132)
     (call,) = _silu_plan().calls

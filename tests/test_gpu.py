@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import dlcore
-from dlcore.registry import registry
-from dlcore.verify import mismatch, reference_result
+from dlcore.plugins.registry import registry
+from dlcore.tuning.verify import mismatch, reference_result
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -47,7 +47,7 @@ def test_warm_path_respects_every_specialization():
     functions, tuning) reuse compiled kernels only for arguments Triton would specialize alike."""
     import dlblas_kernels
 
-    from dlcore.launcher import _layouts
+    from dlcore.runtime.launcher import _layouts
 
     op = registry().op("rms_norm")
     for rows in (1, 16, 17, 64):
@@ -73,7 +73,7 @@ REPLAYED = [("silu_and_mul", {"tokens": 3, "inter": 1000}), ("matmul", {"tokens"
 def test_bound_ops_replay_their_launches(name, sizes, offset, monkeypatch):
     """A bound op records its launches on the first call and replays them on later calls with the
     same exact inputs (new values each time); the results stay right and each is a new tensor."""
-    from dlcore import replay
+    from dlcore.runtime import replay
 
     replays = []
     original = replay.Template.run
@@ -113,7 +113,7 @@ def test_custom_op_bodies_replay_their_launches(name, sizes, reduce_dim, monkeyp
     outputs and gradients stay right (compared with the float64 reference's)."""
     import importlib
 
-    from dlcore import replay
+    from dlcore.runtime import replay
     from dlcore.testing import upcast
 
     replays = []

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from dlcore.registry import registry
-from dlcore.tuning.landscape import RecordedObjective, replay, space_of
+from dlcore.bench.landscape import RecordedObjective, replay, space_of
+from dlcore.plugins.registry import registry
 
 DATA = Path(__file__).parent / "data"
 

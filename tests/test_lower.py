@@ -24,14 +24,15 @@ from dlcore.compiler.lowering import (
     target_profile,
 )
 from dlcore.compiler.passes import Pipeline, pipeline
-from dlcore.registry import registry
+from dlcore.plugins.registry import registry
 
 LOWER_ALL = """
 import json
 import torch
-from dlcore.compiler.lowering import ToolchainMissingError, launches, target_profile
+from dlcore.compiler.lowering import launches, target_profile
+from dlcore.errors import ToolchainMissingError
 from dlcore.compiler.passes import pipeline
-from dlcore.registry import registry
+from dlcore.plugins.registry import registry
 
 reg = registry()
 found = {}
@@ -174,7 +175,7 @@ import importlib, json, torch
 import triton.runtime.jit
 from triton.backends.compiler import GPUTarget
 from dlcore.compiler.lowering import compile_call, launch_signature
-from dlcore.implementation import KernelCall
+from dlcore.declarations.implementation import KernelCall
 from scale import scale_kernel
 
 target = GPUTarget("cuda", 90, 32)

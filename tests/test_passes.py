@@ -15,9 +15,11 @@ import triton
 import triton.language as tl
 
 from dlcore.compiler import passes, stages
-from dlcore.compiler.passes import Pass, PassError, Pipeline, apply_launch_passes, select
-from dlcore.device import DeviceProfile
-from dlcore.implementation import KernelCall, LaunchPlan
+from dlcore.compiler.passes import Pass, Pipeline, select
+from dlcore.compiler.rewrite import apply_launch_passes
+from dlcore.declarations.device import DeviceProfile
+from dlcore.declarations.implementation import KernelCall, LaunchPlan
+from dlcore.errors import PassError
 
 NPU = DeviceProfile(backend="npu", vendor="huawei", name="test NPU", arch="Ascend910B", cores=2)
 CUDA = DeviceProfile(backend="cuda", vendor="nvidia", name="test GPU", arch="sm_90", cores=2)
@@ -269,7 +271,7 @@ from triton.backends.compiler import GPUTarget
 from dlcore.compiler import stages
 from dlcore.compiler.lowering import compile_call
 from dlcore.compiler.passes import Pass, Pipeline
-from dlcore.implementation import KernelCall
+from dlcore.declarations.implementation import KernelCall
 
 @triton.jit
 def scale_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):

@@ -14,7 +14,7 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     import dlcore
     from dlcore.errors import UnknownOpError
-    from dlcore.registry import registry
+    from dlcore.plugins.registry import registry
     x, w = torch.randn(4, 64), torch.randn(64)
     impls = sorted(i.name for i in registry().implementations_of("rms_norm"))
     y = dlcore.get_op("rms_norm", (x, w))(x, w)
@@ -74,7 +74,7 @@ def test_an_edited_plugin_is_loaded_and_learnt_again(plugin_site, tmp_path):
     # the edit: softcap now also implements rms_norm (appended after the existing hooks)
     softcap.write_text(softcap.read_text() + '''
 
-from dlcore.implementation import TorchImplementation
+from dlcore.declarations.implementation import TorchImplementation
 
 
 def _norm(x, w, eps=1e-6):

@@ -2,13 +2,13 @@
 
 from isolated import run_json, run_python
 
-from dlcore.registry import registry
+from dlcore.plugins.registry import registry
 
 REPORT_RECORDS = """
 import json, warnings
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    from dlcore.registry import registry
+    from dlcore.plugins.registry import registry
     reg = registry()
     registry()
 records = {r.id: [r.status, r.error, r.distribution] for r in reg.plugins.records}
@@ -36,7 +36,7 @@ def test_builtins_arrive_through_entry_points():
 def test_third_party_plugin_adds_an_implementation_and_an_op(plugin_site):
     result = run_json("""
 import json, torch, dlcore
-from dlcore.registry import registry
+from dlcore.plugins.registry import registry
 g = torch.Generator().manual_seed(1)
 x, w = torch.randn(16, 300, generator=g), torch.randn(300, generator=g)
 op = dlcore.get_op("rms_norm", (x, w))
@@ -129,19 +129,20 @@ def test_only_the_named_plugins_load(plugin_site):
 
 
 def test_a_named_plugin_that_fails_raises(plugin_site):
-    done = run_python("from dlcore.registry import registry; registry()", plugin_site,
+    done = run_python("from dlcore.plugins.registry import registry; registry()", plugin_site,
                       DLCORE_PLUGINS="raises_on_import")
     assert done.returncode != 0
     assert "PluginLoadError" in done.stderr and "raises_on_import" in done.stderr
-    done = run_python("from dlcore.registry import registry; registry()", plugin_site, DLCORE_PLUGINS="no_such_plugin")
+    done = run_python("from dlcore.plugins.registry import registry; registry()", plugin_site,
+                      DLCORE_PLUGINS="no_such_plugin")
     assert "PluginLoadError" in done.stderr and "no_such_plugin" in done.stderr
 
 
 def test_nothing_is_discovered_or_probed_at_import():
     result = run_json("""
 import json, sys
-import dlcore, dlcore.dispatch, dlcore.registry
-print(json.dumps({"registry": dlcore.registry._registry is not None,
+import dlcore, dlcore.dispatch.dispatcher, dlcore.plugins.registry
+print(json.dumps({"registry": dlcore.plugins.registry._registry is not None,
                   "vendor": [m for m in ("torch_npu", "torch_mlu", "dlc_cuda", "dlblas_kernels") if m in sys.modules]}))
 """)
     assert result == {"registry": False, "vendor": []}

@@ -1,4 +1,4 @@
-"""Launch templates (dlcore.replay), with a stand-in for Triton's compiled kernels: no GPU needed.
+"""Launch templates (dlcore.runtime.replay), with a stand-in for Triton's compiled kernels: no GPU needed.
 
 The stand-in kernel computes ``out = x * scale`` in torch from the tensors it is handed, and counts
 how it was reached: through ``kernel[grid](...)`` (the plan's path) or ``compiled.run`` (a replay).
@@ -9,8 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dlcore import replay
-from dlcore.implementation import KernelCall, LaunchPlan, TritonImplementation
+from dlcore.declarations.implementation import KernelCall, LaunchPlan, TritonImplementation
+from dlcore.runtime import replay
+from dlcore.runtime.runner import runner
 
 
 class Param(SimpleNamespace):
@@ -266,10 +267,10 @@ def test_only_compiled_replayable_implementations_replay():
                                     default_config=lambda s, p: {}, replayable=replayable)
 
     kernel = FakeKernel()
-    assert isinstance(make(True, kernel).runner({"scale": 1.0}), replay.Replay)
-    assert not isinstance(make(False, kernel).runner({"scale": 1.0}), replay.Replay)
+    assert isinstance(runner(make(True, kernel), {"scale": 1.0}), replay.Replay)
+    assert not isinstance(runner(make(False, kernel), {"scale": 1.0}), replay.Replay)
     Interpreted = type("InterpretedFunction", (FakeKernel,), {})
-    assert not isinstance(make(True, Interpreted()).runner({"scale": 1.0}), replay.Replay)
+    assert not isinstance(runner(make(True, Interpreted()), {"scale": 1.0}), replay.Replay)
 
 
 def test_an_unhashable_argument_takes_the_plan_path(triton_runtime):
@@ -307,9 +308,9 @@ def test_a_result_filled_on_the_host_is_not_recorded(triton_runtime):
 
 
 def test_custom_op_bodies_replay_per_config(triton_runtime):
-    """dlcore.torch_ops.Launches: one set of templates per config integers; all-zero integers mean a
+    """dlcore.runtime.torch_ops.Launches: one set of templates per config integers; all-zero integers mean a
     default that depends on the inputs, computed from the args of the call that records."""
-    from dlcore.torch_ops import Launches
+    from dlcore.runtime.torch_ops import Launches
 
     kernel = FakeKernel()
     configs = []

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from dlcore.tuning.space import (
+from dlcore.declarations.space import (
     Choice,
     Constraint,
     IntRange,

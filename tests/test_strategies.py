@@ -15,8 +15,8 @@ from pathlib import Path
 import pluggy
 import pytest
 
-from dlcore import hookspecs
-from dlcore.tuning.space import Choice, Constraint, PowerOfTwo, SearchSpace, num_stages, num_warps
+from dlcore.declarations.space import Choice, Constraint, PowerOfTwo, SearchSpace, num_stages, num_warps
+from dlcore.plugins import hookspecs
 from dlcore.tuning.strategies import GridStrategy, RandomStrategy, TPEStrategy
 from dlcore.tuning.strategy import Budget, Evaluation, Runner, SearchResult
 

@@ -7,10 +7,10 @@ import torch
 from test_dispatch import OpsPlugin, double_op, with_plugins
 
 import dlcore
-import dlcore.dispatch
-from dlcore.implementation import Implementation
-from dlcore.registry import registry
-from dlcore.tuning.space import Choice, Constraint, PowerOfTwo, SearchSpace
+import dlcore.dispatch.dispatcher
+from dlcore.declarations.implementation import Implementation
+from dlcore.declarations.space import Choice, Constraint, PowerOfTwo, SearchSpace
+from dlcore.plugins.registry import registry
 
 BEST = {"BLOCK": 64, "WARPS": 4}
 WRONG_BUT_FASTEST = {"BLOCK": 8, "WARPS": 1}
@@ -90,7 +90,7 @@ def test_tune_from_the_environment(sleepy, monkeypatch):
     monkeypatch.setenv("DLCORE_TUNE", "quick")
     monkeypatch.setenv("DLCORE_TUNE_STRATEGY", "random")
     op = dlcore.get_op("double", (torch.randn(32),))
-    assert op.selection.how == "tuned (quick, random)"
+    assert op.selection.describe() == "tuned (quick, random)"
 
 
 def test_off_uses_the_heuristic_without_measuring(sleepy):
@@ -102,8 +102,8 @@ def test_a_tuned_selection_serves_later_untuned_calls_from_disk(sleepy, monkeypa
     x = torch.randn(32)
     tuned = dlcore.get_op("double", (x,), tune="full", strategy="grid")
     reg = registry()
-    dlcore.dispatch.clear_caches()
-    monkeypatch.setattr("dlcore.registry._registry", reg)
+    dlcore.dispatch.dispatcher.default().clear()
+    monkeypatch.setattr("dlcore.plugins.registry._registry", reg)
     sleepy.calls.clear()
     again = dlcore.get_op("double", (x,))
     assert again.config == tuned.config == BEST

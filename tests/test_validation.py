@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import dlcore
+from dlcore.declarations.implementation import KernelCall, ReferenceImplementation, TorchImplementation
 from dlcore.errors import InvalidInputError
-from dlcore.implementation import KernelCall, ReferenceImplementation, TorchImplementation
 
 g = torch.Generator().manual_seed(7)
 

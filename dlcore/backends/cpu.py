@@ -12,11 +12,11 @@ import platform
 
 import torch
 
-from dlcore.backend import Backend
-from dlcore.device import DeviceProfile
-from dlcore.hookspecs import hookimpl
-from dlcore.implementation import Implementation
-from dlcore.signature import Signature
+from dlcore.declarations.backend import Backend
+from dlcore.declarations.device import DeviceProfile
+from dlcore.declarations.implementation import Implementation
+from dlcore.declarations.signature import Signature
+from dlcore.plugins.hookspecs import hookimpl
 
 
 def _memory_bytes() -> int:

@@ -33,9 +33,9 @@ from typing import Any
 import torch
 
 from dlcore.bench.presets import Shape
-from dlcore.cli.table import table
+from dlcore.bench.table import table
+from dlcore.declarations.op import Op
 from dlcore.errors import DlcoreError
-from dlcore.op import Op
 
 Timer = Callable[[Callable[[], object]], float]
 
@@ -469,7 +469,7 @@ class Bench:
 
     def implementations(self, args: tuple, result: ShapeResult) -> dict[str, Callable[..., Any]]:
         """The op through ``get_op`` and the baselines, for these inputs (``compile`` built afresh)."""
-        from dlcore.dispatch import get_op
+        from dlcore.dispatch.dispatcher import get_op
 
         bound = get_op(self.op.name, args)
         result.chosen = f"{bound.impl.name} {bound.config}"
@@ -672,7 +672,7 @@ def run_bench(
     :raises ValueError: the op declares no example inputs, an unknown mode or baseline.
     :raises DlcoreError: no backend for ``device``.
     """
-    from dlcore.registry import registry
+    from dlcore.plugins.registry import registry
 
     if op.example is None:
         raise ValueError(f"op {op.name!r} declares no example inputs; `dlcore bench` cannot build them")

@@ -88,41 +88,30 @@ import json, sys, time, torch, triton
 x = torch.randn(8, 256, device=sys.argv[1]); w = torch.randn(256, device=sys.argv[1])
 start = time.perf_counter()
 import dlcore
-if sys.argv[2] == "full":
-    from dlcore.dispatch import get_op
-else:
-    get_op = dlcore.get_op
-op = get_op("rms_norm", (x, w))
+op = dlcore.get_op("rms_norm", (x, w))
 bound = time.perf_counter()
 op(x, w)
 torch.cuda.synchronize() if x.is_cuda else None
 done = time.perf_counter()
-print(json.dumps({"ms": (bound - start) * 1e3, "first": (done - bound) * 1e3, "how": op.selection.how,
-                  "kind": type(op).__name__}))
+print(json.dumps({"ms": (bound - start) * 1e3, "first": (done - bound) * 1e3, "how": op.selection.describe()}))
 """
 
 
 def cold(device: str, runs: int = 5) -> dict[str, float]:
-    """A first ``dlcore tune`` fills the disk cache, a first process binds through the full path (and
-    remembers the binding); new processes then hit the disk cache, through the recalled binding
-    (``dlcore.get_op``) and through the full path (``dlcore.dispatch.get_op``), alternating."""
+    """A first ``dlcore tune`` fills the disk cache; new processes then hit it, plugin discovery (or
+    the plugin index) included, and make their first call."""
     env = dict(os.environ)
     subprocess.run([sys.executable, "-m", "dlcore.cli", "tune", "rms_norm", "--shape", "tokens=8,hidden=256",
                     "--dtype", "float32", "--device", device, "--strategy", "grid", "--budget", "2"],
                    check=True, capture_output=True, env=env)
-    results: dict[str, list] = {"recalled": [], "full": []}
-    for path in ["full"] + ["recalled", "full"] * runs:
-        done = subprocess.run([sys.executable, "-c", COLD, device, path], check=True, capture_output=True, text=True,
+    found = []
+    for _ in range(runs + 1):
+        done = subprocess.run([sys.executable, "-c", COLD, device], check=True, capture_output=True, text=True,
                               env=env)
-        results[path].append(json.loads(done.stdout.strip().splitlines()[-1]))
-    results["full"].pop(0)  # the first one wrote the binding the others recall
-    rows = {}
-    for path, found in results.items():
-        kinds = {r["kind"] for r in found}
-        label = f"{path}: {'/'.join(sorted(kinds))}, {found[0]['how']}"
-        rows[f"get_op in a new process, disk hit ({label}), ms"] = statistics.median(r["ms"] for r in found)
-        rows[f"  then its first call ({path}), ms"] = statistics.median(r["first"] for r in found)
-    return rows
+        found.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    found.pop(0)  # the first one wrote the plugin index the others read
+    return {f"get_op in a new process, disk hit ({found[0]['how']}), ms": statistics.median(r["ms"] for r in found),
+            "  then its first call, ms": statistics.median(r["first"] for r in found)}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,6 +10,7 @@ not apply to that op and is left out with a note.
 
 from __future__ import annotations
 
+import argparse
 import re
 from dataclasses import dataclass
 
@@ -180,3 +181,14 @@ def _unique(shapes: list[Shape]) -> list[Shape]:
 
 def _unique_notes(notes: list[str]) -> list[str]:
     return list(dict.fromkeys(notes))
+
+
+def parse_sizes(text: str) -> dict[str, int]:
+    """``tokens=37,hidden=256`` -> ``{"tokens": 37, "hidden": 256}``."""
+    sizes = {}
+    for part in filter(None, text.split(",")):
+        key, sep, value = part.partition("=")
+        if not sep or not value.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"bad size {part!r}: expected NAME=INTEGER, e.g. tokens=37")
+        sizes[key.strip()] = int(value)
+    return sizes

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 #: the subcommand modules of dlcore.cli, in help order; each has ``add_parsers(subparsers)``.
-#: Imported when the parser is built, so that other modules may import dlcore.cli.table freely.
+#: Imported when the parser is built, so that other modules may import dlcore.bench.table freely.
 COMMANDS = ("inventory", "check", "tune", "cache", "bench", "lower")
 
 

@@ -78,7 +78,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     from dlcore.bench.harness import default_timer, run_bench
     from dlcore.bench.presets import TOKENS, shapes_for
     from dlcore.errors import DlcoreError
-    from dlcore.registry import registry
+    from dlcore.plugins.registry import registry
 
     args.device = default_device(args.device)
     try:

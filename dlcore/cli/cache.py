@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from dlcore.cli.table import table
+from dlcore.bench.table import table
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -23,9 +23,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def run_cache(args: argparse.Namespace) -> int:
-    from dlcore.dispatch import disk_cache
+    from dlcore.dispatch.dispatcher import default
 
-    cache = disk_cache()
+    cache = default().store
     if args.action == "list":
         rows = []
         for key, record in sorted(cache.items()):

@@ -3,8 +3,15 @@
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
+
+import torch
 
 from dlcore.cli.options import DTYPES, default_device, parse_sizes
+from dlcore.declarations.op import Op
+from dlcore.dispatch.dispatcher import get_op
+from dlcore.plugins.registry import registry
+from dlcore.tuning.verify import as_tuple, mismatch, reduce_dim_of, reference_result
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -19,9 +26,6 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from dlcore.registry import registry
-    from dlcore.verify import check_op
-
     op = registry().op(args.op)
     report = check_op(op, args.shape, DTYPES[args.dtype], default_device(args.device), impl=args.impl, seed=args.seed)
     print(report.explanation)
@@ -30,3 +34,31 @@ def run_check(args: argparse.Namespace) -> int:
     print(f"\ncheck {op.name} ({sizes}, {args.dtype}) against the float64 reference: "
           f"max abs error {report.max_abs_error:.3g}: {verdict}")
     return 0 if report.ok else 1
+
+
+@dataclass
+class CheckReport:
+    op: str
+    sizes: dict[str, int]
+    dtype: torch.dtype
+    explanation: str
+    max_abs_error: float
+    problem: str | None
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+
+def check_op(op: Op, sizes: dict[str, int], dtype: torch.dtype, device: str, impl: str | None = None,
+             seed: int = 0) -> CheckReport:
+    """Run ``get_op`` on random inputs of ``sizes`` and compare with the float64 reference."""
+    full = {**op.example_sizes, **sizes}
+    args = op.example_inputs(sizes, dtype, device, seed)
+    bound = get_op(op.name, args, impl=impl)
+    actual = as_tuple(bound(*args))
+    expected = reference_result(op, args)
+    reduce_dim = reduce_dim_of(args)
+    worst = max(((a.double().cpu() - e.cpu()).abs().max().item() for a, e in zip(actual, expected)
+                 if a.numel()), default=0.0)
+    return CheckReport(op.name, full, dtype, bound.explain(), worst, mismatch(actual, expected, reduce_dim))

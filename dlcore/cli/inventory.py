@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from dlcore.cli.table import table
+from dlcore.bench.table import table
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -16,7 +16,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def run_plugins(args: argparse.Namespace) -> int:
-    from dlcore.registry import registry
+    from dlcore.plugins.registry import registry
 
     reg = registry()
     reg.load_all()  # plugins deferred by the index are loaded too, so that each shows its true status
@@ -40,7 +40,7 @@ def run_plugins(args: argparse.Namespace) -> int:
 
 
 def run_ops(args: argparse.Namespace) -> int:
-    from dlcore.registry import registry
+    from dlcore.plugins.registry import registry
 
     reg = registry()
     rows = []

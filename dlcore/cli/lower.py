@@ -39,11 +39,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def run_lower(args: argparse.Namespace) -> int:
-    from dlcore.cli.table import table
+    from dlcore.bench.table import table
     from dlcore.compiler import report
-    from dlcore.compiler.lowering import LoweringError, ToolchainMissingError, launches, parse_target, target_profile
+    from dlcore.compiler.lowering import launches, parse_target, target_profile
     from dlcore.compiler.passes import pipeline
-    from dlcore.registry import registry
+    from dlcore.errors import LoweringError, ToolchainMissingError
+    from dlcore.plugins.registry import registry
 
     if not args.name and not args.all:
         print("dlcore lower: name an op, op.implementation or kernel, or pass --all", file=sys.stderr)

@@ -8,8 +8,8 @@ import sys
 
 import torch
 
+from dlcore.bench.table import table
 from dlcore.cli.options import DTYPES, default_device, parse_sizes
-from dlcore.cli.table import table
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -60,8 +60,8 @@ class Progress:
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    from dlcore.dispatch import tune_op
-    from dlcore.registry import registry
+    from dlcore.dispatch.dispatcher import default
+    from dlcore.plugins.registry import registry
 
     reg = registry()
     if not args.op and not args.all:
@@ -81,7 +81,8 @@ def run_tune(args: argparse.Namespace) -> int:
             shape = ",".join(f"{k}={v}" for k, v in full.items())
             for strategy in strategies:
                 progress = Progress(f"{name} {shape} [{strategy}]", args.budget)
-                bound, results = tune_op(name, inputs, strategy=strategy, budget=args.budget, progress=progress)
+                bound, results = default().tune_op(name, inputs, strategy=strategy, budget=args.budget,
+                                                   progress=progress)
                 progress.close()
                 for impl, result in results.items():
                     curves.setdefault(f"{name} {shape}", {})[f"{strategy}:{impl}"] = result.best_so_far()

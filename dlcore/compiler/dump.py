@@ -19,7 +19,7 @@ from typing import Any
 
 from dlcore.compiler.passes import EVERY_IR_STAGE, Pass
 from dlcore.compiler.stages import StageContext, extension, ir_text
-from dlcore.hookspecs import hookimpl
+from dlcore.plugins.hookspecs import hookimpl
 
 NAME = "ir_dump"
 

@@ -50,12 +50,12 @@ from typing import TYPE_CHECKING, Any
 
 from dlcore.compiler import source
 from dlcore.compiler.passes import LAUNCH, Pass
-from dlcore.errors import DlcoreError
-from dlcore.hookspecs import hookimpl
+from dlcore.errors import FoldingRefused
+from dlcore.plugins.hookspecs import hookimpl
 
 if TYPE_CHECKING:
-    from dlcore.device import DeviceProfile
-    from dlcore.implementation import KernelCall
+    from dlcore.declarations.device import DeviceProfile
+    from dlcore.declarations.implementation import KernelCall
 
 NAME = "grid_folding"
 PROGRAMS = "dlc_programs"
@@ -74,10 +74,6 @@ ATOMICS = ("atomic_add", "atomic_and", "atomic_cas", "atomic_max", "atomic_min",
            "atomic_xor")
 
 log = logging.getLogger(__name__)
-
-
-class FoldingRefused(DlcoreError):
-    """A kernel or launch that grid folding cannot rewrite safely; the message says why."""
 
 
 def grid_name(axis: int) -> str:

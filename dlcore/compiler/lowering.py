@@ -1,6 +1,6 @@
 """Compiling the kernels of a launch plan for a target that need not be present.
 
-A :class:`~dlcore.implementation.LaunchPlan` built on ``meta`` tensors names every kernel with its
+A :class:`~dlcore.declarations.implementation.LaunchPlan` built on ``meta`` tensors names every kernel with its
 real arguments; from those, each kernel's Triton signature and constexprs are derived and
 ``triton.compile`` runs for a ``GPUTarget`` (no device needed), giving every IR stage.
 
@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
-from dlcore.device import DeviceProfile
-from dlcore.errors import DlcoreError
-from dlcore.implementation import KernelCall
+from dlcore.declarations.device import DeviceProfile
+from dlcore.declarations.implementation import KernelCall
+from dlcore.errors import LoweringError, ToolchainMissingError
 
 if TYPE_CHECKING:
     from dlcore.compiler.passes import Pipeline
     from dlcore.compiler.stages import StageOutput
-    from dlcore.registry import Registry
+    from dlcore.plugins.registry import Registry
 
 TRITON_TYPES = {
     torch.float64: "fp64",
@@ -207,23 +207,6 @@ def compile_call(call: KernelCall, target: Any, specialize: bool = True) -> Any:
 # --------------------------------------------------------------------------------------------
 # lowering one launch
 # --------------------------------------------------------------------------------------------
-
-
-class LoweringError(DlcoreError):
-    """A kernel could not be lowered for a target; ``partial`` holds the stages it reached, if any."""
-
-    def __init__(self, message: str, partial: Lowering | None = None):
-        super().__init__(message)
-        self.partial = partial
-
-
-class ToolchainMissingError(LoweringError):
-    """Lowering stopped where a compiler the target needs is not installed; the message names it."""
-
-    def __init__(self, message: str, partial: Lowering | None = None, missing: tuple[str, ...] = ()):
-        super().__init__(message, partial)
-        #: the executables not found
-        self.missing = missing
 
 
 @dataclass
@@ -404,8 +387,8 @@ def launches(reg: Registry, selector: str | None, dtype: torch.dtype, sizes: dic
     :param selector: an op name, ``op.impl``, or a kernel's function name; ``None``: every op.
     """
     from dlcore.compiler import source
-    from dlcore.compiler.passes import apply_launch_passes
-    from dlcore.signature import make_signature
+    from dlcore.compiler.rewrite import apply_launch_passes
+    from dlcore.declarations.signature import make_signature
 
     found: list[Launch] = []
     skipped: list[str] = []

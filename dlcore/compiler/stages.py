@@ -33,7 +33,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from dlcore.compiler.passes import Pass, PassError, Pipeline, default_pipeline
+from dlcore.compiler.passes import Pass, Pipeline, default_pipeline
+from dlcore.errors import PassError
 
 #: the file extension of each stage's output (``python``: the kernel's source after ast passes)
 EXTENSIONS = {"python": "py", "source": "mlir", "ttir": "ttir", "ttgir": "ttgir", "llir": "ll", "ptx": "ptx",
@@ -256,7 +257,7 @@ def current_ir_key() -> str:
 
 
 def _process_pipelines() -> list[Pipeline]:
-    from dlcore.registry import registry
+    from dlcore.plugins.registry import registry
 
     return [default_pipeline(backend) for backend in registry().backends]
 

@@ -1,5 +1,5 @@
 """Autotuning: search spaces declared beside kernels, and the strategies that search them.
 
-:mod:`dlcore.tuning.space` says what may be tried; :mod:`dlcore.tuning.strategy` is the one interface
+:mod:`dlcore.declarations.space` says what may be tried; :mod:`dlcore.tuning.strategy` is the one interface
 every strategy (built-in or plugin) implements; :mod:`dlcore.tuning.strategies` holds the built-ins.
 """

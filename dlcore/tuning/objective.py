@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from dlcore.backend import Backend
-from dlcore.errors import DlcoreError
-from dlcore.implementation import Config, Implementation, PlanTransform
-from dlcore.op import Op
-from dlcore.selection import clone_args
-from dlcore.verify import mismatch, reduce_dim_of, reference_result
-
-
-class WrongResultError(DlcoreError):
-    """A config computed a result that does not match the op's reference."""
+from dlcore.declarations.backend import Backend
+from dlcore.declarations.implementation import Config, Implementation, PlanTransform
+from dlcore.declarations.op import Op
+from dlcore.errors import InvalidOptionError, WrongResultError
+from dlcore.runtime.runner import runner
+from dlcore.tuning.selection import clone_args
+from dlcore.tuning.verify import mismatch, reduce_dim_of, reference_result
 
 
 class Objective:
@@ -28,7 +25,7 @@ class Objective:
     def __init__(self, op: Op, impl: Implementation, bound: tuple, backend: Backend, device: torch.device,
                  check: str = "first", transform: PlanTransform | None = None):
         if check not in ("first", "all", "none"):
-            raise ValueError(f"check={check!r}; use 'first', 'all' or 'none'")
+            raise InvalidOptionError(f"check={check!r}; use 'first', 'all' or 'none'")
         self.op = op
         self.impl = impl
         self.backend = backend
@@ -44,7 +41,7 @@ class Objective:
         """Raise :class:`WrongResultError` unless ``config`` reproduces the reference."""
         if self._expected is None:
             self._expected = reference_result(self.op, self._pristine)
-        actual = self.impl.runner(config, self.transform)(clone_args(self._pristine))
+        actual = runner(self.impl, config, self.transform)(clone_args(self._pristine))
         problem = mismatch(actual, self._expected, reduce_dim_of(self._pristine))
         if problem is not None:
             raise WrongResultError(f"wrong result: {problem}")
@@ -53,5 +50,5 @@ class Objective:
         if self.check == "all" or (self.check == "first" and self._evaluations == 0):
             self.verify(config)
         self._evaluations += 1
-        inputs, run = self._inputs, self.impl.runner(config, self.transform)
+        inputs, run = self._inputs, runner(self.impl, config, self.transform)
         return self.backend.timer(lambda: run(inputs), self.device)

@@ -5,30 +5,45 @@
 - ``quick``: each candidate's search space searched with a small budget.
 - ``full``: the strategy's whole budget.
 
-A selection remembers how it was made; a cached selection serves any request at or below its
-level, so a tuned result is never replaced by a heuristic one.
+A selection remembers its :class:`~dlcore.tuning.selection.Level`; a cached selection serves any
+request at or below it, so a tuned result is never replaced by a heuristic one.
 """
 
 from __future__ import annotations
 
+import enum
 import os
 from dataclasses import dataclass
 
-from dlcore.tuning.space import SearchSpace
+from dlcore.declarations.space import SearchSpace
+from dlcore.errors import InvalidOptionError
+from dlcore.tuning.selection import Level, Selection
 from dlcore.tuning.strategy import Budget
 
-POLICIES = ("off", "quick", "full")
-LEVELS = {"heuristic": 0, "measured": 1, "quick": 2, "full": 3}
 QUICK_EVALUATIONS = 16
 QUICK_SECONDS = 30.0
 FULL_SECONDS = 600.0
 #: evaluations of a full random / TPE search, at most (grid searches the whole space)
 FULL_SAMPLED_EVALUATIONS = 100
+CHECKS = ("first", "all", "none")
+
+
+class Tune(str, enum.Enum):
+    """What a call asks for on a miss (``tune=`` or ``DLCORE_TUNE``)."""
+
+    OFF = "off"
+    QUICK = "quick"
+    FULL = "full"
+
+    @property
+    def wanted(self) -> Level:
+        """The least level of a cached selection that serves this request."""
+        return {Tune.OFF: Level.HEURISTIC, Tune.QUICK: Level.QUICK, Tune.FULL: Level.FULL}[self]
 
 
 @dataclass(frozen=True)
 class TunePolicy:
-    level: str  # off | quick | full
+    level: Tune
     strategy: str
     evaluations: int | None = None  # an explicit budget, else the level's
     check: str = "first"
@@ -37,7 +52,7 @@ class TunePolicy:
         size = space.size()
         if self.evaluations is not None:
             return Budget(evaluations=min(self.evaluations, size))
-        if self.level == "quick":
+        if self.level is Tune.QUICK:
             return Budget(evaluations=min(QUICK_EVALUATIONS, size), seconds=QUICK_SECONDS)
         whole = size if self.strategy == "grid" else min(size, FULL_SAMPLED_EVALUATIONS)
         return Budget(evaluations=whole, seconds=FULL_SECONDS)
@@ -45,23 +60,20 @@ class TunePolicy:
 
 def resolve(tune: str | None, strategy: str | None, budget: int | None) -> TunePolicy:
     """The policy for one call: arguments first, then the environment, then the defaults."""
-    level = tune or os.environ.get("DLCORE_TUNE", "off") or "off"
-    if level not in POLICIES:
-        raise ValueError(f"tune={level!r} (or DLCORE_TUNE); use one of {', '.join(POLICIES)}")
-    name = strategy or os.environ.get("DLCORE_TUNE_STRATEGY") or "tpe"
+    name = tune or os.environ.get("DLCORE_TUNE", "off") or "off"
+    try:
+        level = Tune(name)
+    except ValueError:
+        raise InvalidOptionError(
+            f"tune={name!r} (or DLCORE_TUNE); use one of {', '.join(t.value for t in Tune)}") from None
     check = os.environ.get("DLCORE_TUNE_CHECK", "first")
+    if check not in CHECKS:
+        raise InvalidOptionError(f"DLCORE_TUNE_CHECK={check!r}; use one of {', '.join(CHECKS)}")
     if budget is not None and budget < 1:
-        raise ValueError(f"budget={budget}; give at least one evaluation")
-    return TunePolicy(level, name, budget, check)
+        raise InvalidOptionError(f"budget={budget}; give at least one evaluation")
+    return TunePolicy(level, strategy or os.environ.get("DLCORE_TUNE_STRATEGY") or "tpe", budget, check)
 
 
-def satisfies(selection_how: str, policy: TunePolicy) -> bool:
-    """Whether a selection made ``selection_how`` is good enough for ``policy``."""
-    wanted = LEVELS["heuristic"] if policy.level == "off" else LEVELS[policy.level]
-    return LEVELS.get(level_of(selection_how), 0) >= wanted
-
-
-def level_of(how: str) -> str:
-    if how.startswith("tuned"):
-        return "full" if "full" in how else "quick"
-    return "measured" if how == "measured" else "heuristic"
+def satisfies(selection: Selection, policy: TunePolicy) -> bool:
+    """Whether ``selection`` is good enough for ``policy``."""
+    return selection.level >= policy.level.wanted

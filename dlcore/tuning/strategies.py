@@ -15,8 +15,8 @@ from contextlib import contextmanager
 from functools import partial
 from typing import Any
 
-from dlcore.hookspecs import hookimpl
-from dlcore.tuning.space import SearchSpace
+from dlcore.declarations.space import SearchSpace
+from dlcore.plugins.hookspecs import hookimpl
 from dlcore.tuning.strategy import Budget, Evaluation, Objective, Runner, SearchResult, Strategy
 
 # TPE may keep proposing configs it has already seen or that break a constraint; neither costs an

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from dlcore.tuning.space import Config, SearchSpace
+from dlcore.declarations.space import Config, SearchSpace
 
 Objective = Callable[[Config], float]
 """Measures one config and returns its time in milliseconds. It may raise (failed to compile, out

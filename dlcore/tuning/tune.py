@@ -5,43 +5,33 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-import torch
-
-from dlcore.backend import Backend
-from dlcore.device import DeviceProfile
-from dlcore.errors import NoKernelError
-from dlcore.implementation import Implementation, PlanTransform
-from dlcore.op import Op
-from dlcore.selection import Selection, now
-from dlcore.signature import Signature
-from dlcore.tuning.objective import Objective, WrongResultError
+from dlcore.declarations.call import Call
+from dlcore.declarations.device import DeviceProfile
+from dlcore.declarations.signature import Signature
+from dlcore.declarations.space import SearchSpace
+from dlcore.errors import NoKernelError, WrongResultError
+from dlcore.tuning.objective import Objective
 from dlcore.tuning.policy import TunePolicy
-from dlcore.tuning.space import SearchSpace
+from dlcore.tuning.selection import How, Selection, now
 from dlcore.tuning.strategy import Evaluation, SearchResult, Strategy
 
 
 def tune(
-    op: Op,
-    candidates: list[Implementation],
-    bound: tuple,
-    signature: Signature,
-    backend: Backend,
-    profile: DeviceProfile,
-    device: torch.device,
+    call: Call,
     policy: TunePolicy,
     strategy: Strategy,
     refine: Callable[[SearchSpace, Signature, DeviceProfile], SearchSpace],
-    declined: dict[str, str],
     progress: Callable[[Evaluation], None] | None = None,
-    transform: PlanTransform | None = None,
 ) -> tuple[Selection, dict[str, SearchResult]]:
     """Search every candidate's space with ``strategy``; the fastest verified config wins."""
     results: dict[str, SearchResult] = {}
     best: dict[str, tuple[float, dict]] = {}
     failed: dict[str, str] = {}
     evaluations = 0
-    for impl in candidates:
-        objective = Objective(op, impl, bound, backend, device, check=policy.check, transform=transform)
+    signature, profile = call.signature, call.profile
+    for impl in call.candidates:
+        objective = Objective(call.op, impl, call.args, call.backend, call.device, check=policy.check,
+                              transform=call.transform)
         space = impl.space()
         if space is None:
             space = SearchSpace(params=(), fixed=impl.default_config(signature, profile))
@@ -57,12 +47,12 @@ def tune(
         else:
             best[impl.name] = winner
     if not best:
-        raise NoKernelError(signature.op, signature.describe(), {**declined, **failed})
+        raise NoKernelError(signature.op, signature.describe(), {**call.declined, **failed})
     name = min(best, key=lambda n: best[n][0])
     time_ms, config = best[name]
     return Selection(
-        impl=name, config=config, how=f"tuned ({policy.level}, {strategy.name})", time_ms=time_ms,
-        measured={n: t for n, (t, _) in best.items()}, failed=failed, declined=dict(declined),
+        impl=name, config=config, how=How.TUNED, level=policy.level.wanted, time_ms=time_ms,
+        measured={n: t for n, (t, _) in best.items()}, failed=failed, declined=dict(call.declined),
         strategy=strategy.name, evaluations=evaluations, when=now(),
     ), results
 

@@ -18,8 +18,8 @@ if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from dlcore import replay  # noqa: E402
-from dlcore.implementation import KernelCall  # noqa: E402
-from dlcore.signature import make_signature  # noqa: E402
+from dlcore.declarations.implementation import KernelCall  # noqa: E402
+from dlcore.declarations.signature import make_signature  # noqa: E402
 from dlcore.testing import poison, strided_like  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])

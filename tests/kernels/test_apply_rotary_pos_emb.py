@@ -21,7 +21,7 @@ from dlblas_kernels.apply_rotary_pos_emb import (
 from gradients import check_backward
 
 from dlcore import InvalidInputError
-from dlcore.signature import make_signature
+from dlcore.declarations.signature import make_signature
 from dlcore.testing import assert_close, randn, upcast
 
 INTERLEAVED = [False, True]

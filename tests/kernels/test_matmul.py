@@ -10,7 +10,7 @@ from dlblas_kernels.matmul import OP, SHARED_MEMORY_BYTES, TRITON, matmul, matmu
 
 import dlcore
 from dlcore import InvalidInputError
-from dlcore.signature import make_signature, next_power_of_2
+from dlcore.declarations.signature import make_signature, next_power_of_2
 from dlcore.testing import assert_close, randn, strided_like, upcast
 
 

@@ -17,7 +17,7 @@ from dlblas_kernels.partial_rotary_emb import (
 from gradients import check_backward
 
 from dlcore import InvalidInputError
-from dlcore.signature import make_signature
+from dlcore.declarations.signature import make_signature
 from dlcore.testing import assert_close, randn, upcast
 
 # (leading dims, S, H, nope, rope, v): DeepSeek-V2's proportions shrunk, odd sizes, no nope part,

@@ -9,11 +9,11 @@ import pluggy
 import pytest
 import torch
 
-import dlcore.hookspecs
-from dlcore.implementation import TritonImplementation
-from dlcore.op import Op
+import dlcore.plugins.hookspecs
+from dlcore.declarations.implementation import TritonImplementation
+from dlcore.declarations.op import Op
+from dlcore.runtime.torch_ops import CustomOpTritonImplementation
 from dlcore.testing import assert_close
-from dlcore.torch_ops import CustomOpTritonImplementation
 
 KERNELS = ["silu_and_mul", "rms_norm", "ffn", "add_rms_norm", "apply_rotary_pos_emb", "partial_rotary_emb", "matmul"]
 # The kernels that are PyTorch custom ops (torch.ops.dlblas.<name>), with their baselines.
@@ -32,7 +32,7 @@ PYPROJECT = Path(__file__).parents[2] / "plugins" / "dlblas_kernels" / "pyprojec
 def test_module_registers_its_op_and_implementation(name):
     module = importlib.import_module(f"dlblas_kernels.{name}")
     pm = pluggy.PluginManager("dlcore")
-    pm.add_hookspecs(dlcore.hookspecs)
+    pm.add_hookspecs(dlcore.plugins.hookspecs)
     pm.register(module, name=name)
     pm.check_pending()
     [[op]] = pm.hook.dlcore_ops()

@@ -16,9 +16,9 @@ from dlblas_kernels.rms_norm import (
 from gradients import check_backward
 
 from dlcore import InvalidInputError
-from dlcore.signature import make_signature
+from dlcore.declarations.signature import make_signature
+from dlcore.runtime.torch_ops import plain_eager
 from dlcore.testing import assert_close, poison, randn, upcast
-from dlcore.torch_ops import plain_eager
 
 rms_norm_module = sys.modules["dlblas_kernels.rms_norm"]  # the package exports the function as rms_norm
 

@@ -9,7 +9,7 @@ from gradients import check_backward, leaves
 
 import dlcore
 from dlcore import InvalidInputError
-from dlcore.registry import registry
+from dlcore.plugins.registry import registry
 from dlcore.testing import randn
 
 ops = torch.ops.dlblas

@@ -6,12 +6,12 @@ function and its registration (each module is its own ``dlcore.kernels`` entry p
 
 The public functions validate their inputs and run the Triton kernel with its default config,
 without selection or tuning; ``dlcore.get_op(name, args)`` is the tuned, cached path. Each op is
-also a PyTorch custom op ``torch.ops.dlblas.<name>`` (see :mod:`dlcore.torch_ops`), registered when
+also a PyTorch custom op ``torch.ops.dlblas.<name>`` (see :mod:`dlcore.runtime.torch_ops`), registered when
 its module is imported (``dlblas_kernels.<name>`` or ``get_op`` does that): the public functions are
 differentiable through it and compile with ``torch.compile(fullgraph=True)``.
 
 The modules are imported on first use, so that a process that calls one kernel does not build
-every other kernel's jit functions and custom ops (see :mod:`dlcore.plugin_index`).
+every other kernel's jit functions and custom ops (see :mod:`dlcore.plugins.index`).
 """
 
 from __future__ import annotations

@@ -26,12 +26,12 @@ from dlblas_kernels.rms_norm import backward as rms_norm_backward
 from dlblas_kernels.rms_norm import backward_plan as rms_norm_backward_plan
 from dlblas_kernels.rms_norm import heuristic_config, rms_norm_reference, space, torch_rms_norm
 from dlcore import hookimpl
-from dlcore.device import DeviceProfile
-from dlcore.implementation import Config, KernelCall, LaunchPlan
-from dlcore.layout import as_rows
-from dlcore.op import Op, ScalarArg, TensorArg
-from dlcore.signature import Signature, cdiv, make_signature
-from dlcore.torch_ops import CustomOpTritonImplementation, Launches, call, config_from_ints, config_ints
+from dlcore.declarations.device import DeviceProfile
+from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
+from dlcore.declarations.layout import as_rows
+from dlcore.declarations.op import Op, ScalarArg, TensorArg
+from dlcore.declarations.signature import Signature, cdiv, make_signature
+from dlcore.runtime.torch_ops import CustomOpTritonImplementation, Launches, call, config_from_ints, config_ints
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps")

@@ -23,13 +23,13 @@ import triton
 import triton.language as tl
 
 from dlcore import InvalidInputError, hookimpl
-from dlcore.device import DeviceProfile
-from dlcore.implementation import Config, KernelCall, LaunchPlan
-from dlcore.layout import as_rows
-from dlcore.op import Op, ScalarArg, TensorArg
-from dlcore.signature import Signature, cdiv, make_signature, next_power_of_2
-from dlcore.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints
-from dlcore.tuning.space import Choice, Constraint, PowerOfTwo, SearchSpace, num_stages, num_warps
+from dlcore.declarations.device import DeviceProfile
+from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
+from dlcore.declarations.layout import as_rows
+from dlcore.declarations.op import Op, ScalarArg, TensorArg
+from dlcore.declarations.signature import Signature, cdiv, make_signature, next_power_of_2
+from dlcore.declarations.space import Choice, Constraint, PowerOfTwo, SearchSpace, num_stages, num_warps
+from dlcore.runtime.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")

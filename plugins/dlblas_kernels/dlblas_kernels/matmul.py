@@ -18,12 +18,12 @@ import triton
 import triton.language as tl
 
 from dlcore import hookimpl
-from dlcore.device import DeviceProfile
-from dlcore.implementation import Config, KernelCall, LaunchPlan, TritonImplementation, call_directly
-from dlcore.layout import as_rows
-from dlcore.op import Op, TensorArg
-from dlcore.signature import Signature, cdiv
-from dlcore.tuning.space import Choice, Constraint, PowerOfTwo, SearchSpace, num_stages, num_warps
+from dlcore.declarations.device import DeviceProfile
+from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan, TritonImplementation, call_directly
+from dlcore.declarations.layout import as_rows
+from dlcore.declarations.op import Op, TensorArg
+from dlcore.declarations.signature import Signature, cdiv
+from dlcore.declarations.space import Choice, Constraint, PowerOfTwo, SearchSpace, num_stages, num_warps
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

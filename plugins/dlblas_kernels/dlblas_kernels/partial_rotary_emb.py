@@ -36,11 +36,12 @@ from dlblas_kernels.apply_rotary_pos_emb import (
     rotate_pairs,
 )
 from dlcore import InvalidInputError, hookimpl
-from dlcore.device import DeviceProfile
-from dlcore.implementation import Config, KernelCall, LaunchPlan
-from dlcore.op import Op, ScalarArg, TensorArg
-from dlcore.signature import Signature, cdiv, make_signature, next_power_of_2
-from dlcore.torch_ops import (
+from dlcore.declarations.device import DeviceProfile
+from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
+from dlcore.declarations.op import Op, ScalarArg, TensorArg
+from dlcore.declarations.signature import Signature, cdiv, make_signature, next_power_of_2
+from dlcore.declarations.space import PowerOfTwo, SearchSpace, num_warps
+from dlcore.runtime.torch_ops import (
     CustomOpTritonImplementation,
     Launches,
     call,
@@ -48,7 +49,6 @@ from dlcore.torch_ops import (
     config_ints,
     run_backward,
 )
-from dlcore.tuning.space import PowerOfTwo, SearchSpace, num_warps
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ANY_LAYOUT = ("contiguous", "rows", "strided")

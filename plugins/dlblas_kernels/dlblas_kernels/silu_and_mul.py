@@ -19,12 +19,13 @@ import triton
 import triton.language as tl
 
 from dlcore import InvalidInputError, hookimpl
-from dlcore.device import DeviceProfile
-from dlcore.implementation import Config, KernelCall, LaunchPlan
-from dlcore.layout import as_rows
-from dlcore.op import Op, TensorArg
-from dlcore.signature import Signature, cdiv, make_signature, next_power_of_2
-from dlcore.torch_ops import (
+from dlcore.declarations.device import DeviceProfile
+from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
+from dlcore.declarations.layout import as_rows
+from dlcore.declarations.op import Op, TensorArg
+from dlcore.declarations.signature import Signature, cdiv, make_signature, next_power_of_2
+from dlcore.declarations.space import Constraint, PowerOfTwo, SearchSpace, num_warps
+from dlcore.runtime.torch_ops import (
     CustomOpTritonImplementation,
     Launches,
     call,
@@ -32,7 +33,6 @@ from dlcore.torch_ops import (
     config_ints,
     run_backward,
 )
-from dlcore.tuning.space import Constraint, PowerOfTwo, SearchSpace, num_warps
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -7,15 +7,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from dlcore import hookimpl
-from dlcore.backend import Availability, Backend
-from dlcore.device import DeviceProfile
+from dlcore.declarations.backend import Availability, Backend
+from dlcore.declarations.device import DeviceProfile
 from dlcore.errors import BackendUnavailableError
-from dlcore.vendor import import_runtime
+from dlcore.plugins.vendor import import_runtime
 
 if TYPE_CHECKING:
     from dlcore.compiler.lowering import Lowering
     from dlcore.compiler.passes import Pipeline
-    from dlcore.implementation import KernelCall
+    from dlcore.declarations.implementation import KernelCall
 
 INSTALL_HINT = "pip install 'dlc-ascend[npu]' with Huawei CANN installed and sourced"
 
@@ -69,8 +69,9 @@ class AscendBackend(Backend):
         device binary (CANN's ``hivmc``) come with the Ascend pipeline: until then this raises
         :class:`~dlcore.compiler.lowering.ToolchainMissingError` naming the missing tools, with the
         ttir in its ``partial``."""
-        from dlcore.compiler.lowering import LoweringError, parse_target, ttir_then_missing
+        from dlcore.compiler.lowering import parse_target, ttir_then_missing
         from dlcore.compiler.passes import default_pipeline
+        from dlcore.errors import LoweringError
 
         if parse_target(target)[0] != self.name:
             raise LoweringError(f"target {target!r} is not a {self.name} target (e.g. npu:Ascend910B)")

@@ -8,13 +8,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from dlcore import hookimpl
-from dlcore.backend import Availability, Backend
-from dlcore.device import DeviceProfile
+from dlcore.declarations.backend import Availability, Backend
+from dlcore.declarations.device import DeviceProfile
 
 if TYPE_CHECKING:
     from dlcore.compiler.lowering import Lowering
     from dlcore.compiler.passes import Pipeline
-    from dlcore.implementation import KernelCall
+    from dlcore.declarations.implementation import KernelCall
 
 
 class CudaBackend(Backend):

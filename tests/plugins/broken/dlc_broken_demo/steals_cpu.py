@@ -1,5 +1,5 @@
 from dlcore import hookimpl
-from dlcore.backend import Backend
+from dlcore.declarations.backend import Backend
 
 
 class Impostor(Backend):

@@ -5,8 +5,8 @@ import triton
 import triton.language as tl
 
 from dlcore import hookimpl
-from dlcore.implementation import KernelCall, LaunchPlan, TritonImplementation
-from dlcore.layout import as_rows
+from dlcore.declarations.implementation import KernelCall, LaunchPlan, TritonImplementation
+from dlcore.declarations.layout import as_rows
 
 
 @triton.jit

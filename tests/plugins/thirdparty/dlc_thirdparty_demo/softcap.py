@@ -5,8 +5,8 @@ import triton
 import triton.language as tl
 
 from dlcore import hookimpl
-from dlcore.implementation import KernelCall, LaunchPlan, TritonImplementation
-from dlcore.op import Op, ScalarArg, TensorArg
+from dlcore.declarations.implementation import KernelCall, LaunchPlan, TritonImplementation
+from dlcore.declarations.op import Op, ScalarArg, TensorArg
 
 
 @triton.jit

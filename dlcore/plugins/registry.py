@@ -1,8 +1,8 @@
 """Everything the plugins declared: ops, implementations, backends, passes and strategies.
 
-Built once per process from the :class:`~dlcore.plugins.PluginSet`, by calling each collecting
+Built once per process from the :class:`~dlcore.plugins.discovery.PluginSet`, by calling each collecting
 hook plugin by plugin, so that a plugin whose hook raises is reported and dropped alone. Kernel
-plugins known to the :mod:`~dlcore.plugin_index` join when one of their ops is first asked for.
+plugins known to the :mod:`~dlcore.plugins.index` join when one of their ops is first asked for.
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
-from dlcore.backend import Backend
-from dlcore.device import DeviceProfile
+from dlcore.declarations.backend import Backend
+from dlcore.declarations.device import DeviceProfile
+from dlcore.declarations.implementation import Implementation, ReferenceImplementation
+from dlcore.declarations.op import Op
 from dlcore.errors import BackendUnavailableError, UnknownOpError, UnknownStrategyError
-from dlcore.implementation import Implementation, ReferenceImplementation
-from dlcore.op import Op
-from dlcore.plugin_index import DEFERRABLE_HOOKS, PluginIndex
-from dlcore.plugins import DEFERRABLE_GROUP, PluginSet, discover
+from dlcore.plugins.discovery import DEFERRABLE_GROUP, PluginSet, discover
+from dlcore.plugins.index import DEFERRABLE_HOOKS, PluginIndex
 
 
 class Registry:

@@ -2,7 +2,7 @@
 
 A bound op's plan depends only on its inputs' shapes, strides, dtypes, device and pointer
 alignment (the contract of a *replayable* implementation, see
-:class:`dlcore.implementation.TritonImplementation`). So the first call with given exact input
+:class:`dlcore.declarations.implementation.TritonImplementation`). So the first call with given exact input
 metadata runs the plan (and the launch passes) as usual, launching through Triton, and records
 what it did: for each launch its compiled kernel, grid and arguments, each tensor argument traced
 back to an input or a result; for each result its shape, strides and dtype. Later calls with the
@@ -10,7 +10,7 @@ same metadata allocate the results and call the compiled kernels directly with t
 no plan, no pass, no specialization key (the approach of FlagGems' LibEntry, taken one step
 further).
 
-Scratch tensors the plan declares (:class:`~dlcore.implementation.LaunchPlan`'s ``scratch``) are
+Scratch tensors the plan declares (:class:`~dlcore.declarations.implementation.LaunchPlan`'s ``scratch``) are
 allocated afresh for each replay, like the results. A call is not recorded (and keeps taking the
 plan's path) when a launch argument is a tensor that is neither an input, a result nor a declared
 scratch tensor at offset zero (an undeclared buffer, a copy, a view at an offset),
@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from dlcore.implementation import Config, LaunchPlan, PlanTransform
-from dlcore.launcher import KernelLayout, TritonRuntime, grid3, run_compiled
+from dlcore.declarations.implementation import Config, LaunchPlan, PlanTransform
+from dlcore.runtime.launcher import KernelLayout, TritonRuntime, grid3, run_compiled, run_plan
 
 #: exact inputs remembered per bound op
 LIMIT = 64
@@ -120,7 +120,7 @@ def record(args: tuple, plan: LaunchPlan) -> tuple[Any, Template | None]:
     if not plan.calls or any(type(call.kernel).__name__ == "InterpretedFunction" for call in plan.calls):
         # Nothing launched (empty inputs), or TRITON_INTERPRET=1: nothing compiled to replay, and
         # perhaps no GPU driver to ask.
-        return plan.run(), None
+        return run_plan(plan), None
     TritonRuntime.load()
     try:
         results, single = _flat_results(plan.result)
@@ -153,7 +153,7 @@ def record(args: tuple, plan: LaunchPlan) -> tuple[Any, Template | None]:
             pointers[t.data_ptr()] = (2, i)
             scratch_specs.append((tuple(t.shape), t.stride(), t.dtype, t.device))
     except NotReplayable:
-        return plan.run(), None
+        return run_plan(plan), None
     launches: list[_Launch] = []
     replayable = True
     hook = TritonRuntime.runtime.add_stages_inspection_hook
@@ -188,7 +188,7 @@ def record(args: tuple, plan: LaunchPlan) -> tuple[Any, Template | None]:
 
 class Replay:
     """The run function of a bound op whose implementation is replayable (see the module doc), and
-    of a custom op's body (:class:`dlcore.torch_ops.Launches`): ``plan(args, config)`` is called
+    of a custom op's body (:class:`dlcore.runtime.torch_ops.Launches`): ``plan(args, config)`` is called
     only to record, ``config`` being whatever ``plan`` takes (a config, or a body's config ints)."""
 
     __slots__ = ("plan", "config", "transform", "templates")
@@ -205,9 +205,9 @@ class Replay:
         try:
             template = self.templates.get(key, _MISSING)
         except TypeError:  # an argument that cannot be a key (a list, say): nothing to look up
-            return self._planned(args).run()
+            return run_plan(self._planned(args))
         if template is None:
-            return self._planned(args).run()
+            return run_plan(self._planned(args))
         if template is not _MISSING and template.hook is TritonRuntime.runtime.add_stages_inspection_hook:
             return template.run(args)
         result, template = record(args, self._planned(args))

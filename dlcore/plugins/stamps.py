@@ -1,8 +1,7 @@
 """Stamps of installed code: cheap fingerprints that change when the code does.
 
-What is remembered between processes about plugins (:mod:`dlcore.plugin_index`) or bindings
-(:mod:`dlcore.bindings`) is bound to these, and trusted only while they are unchanged. This module
-imports nothing beyond the standard library.
+What is remembered between processes about plugins (:mod:`dlcore.plugins.index`) is bound to these,
+and trusted only while they are unchanged. This module imports nothing beyond the standard library.
 """
 
 from __future__ import annotations

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from dlcore.runtime.runner import runner
+
 if TYPE_CHECKING:
-    from dlcore.device import DeviceProfile
-    from dlcore.implementation import Implementation, PlanTransform
-    from dlcore.op import Op
-    from dlcore.selection import Selection
-    from dlcore.signature import Signature
+    from dlcore.declarations.device import DeviceProfile
+    from dlcore.declarations.implementation import Implementation, PlanTransform
+    from dlcore.declarations.op import Op
+    from dlcore.declarations.signature import Signature
+    from dlcore.tuning.selection import Selection
 
 
 class BoundOp:
@@ -31,7 +33,7 @@ class BoundOp:
         self.signature = signature
         self.profile = profile
         self.cache_key = cache_key
-        self._run = impl.runner(self.config, transform)
+        self._run = runner(impl, self.config, transform)
         self._nargs = len(op.args)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -46,7 +48,7 @@ class BoundOp:
             f"inputs:    {self.signature.describe()}",
             f"device:    {self.profile.describe()} via backend {self.profile.backend!r}",
             f"chosen:    {self.impl.name} ({self.impl.kind}, from plugin {self.impl.plugin}) with config {self.config}",
-            f"because:   {s.how}" + (f", {s.time_ms:.4f} ms" if s.time_ms is not None else ""),
+            f"because:   {s.describe()}" + (f", {s.time_ms:.4f} ms" if s.time_ms is not None else ""),
         ]
         for name, t in sorted(s.measured.items(), key=lambda kv: kv[1]):
             lines.append(f"  measured  {name}: {t:.4f} ms")

@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dlcore.device import DeviceProfile
+from dlcore.declarations.device import DeviceProfile
 
 if TYPE_CHECKING:
     from dlcore.compiler.lowering import Lowering
     from dlcore.compiler.passes import Pipeline
-    from dlcore.implementation import Implementation, KernelCall
-    from dlcore.signature import Signature
+    from dlcore.declarations.implementation import Implementation, KernelCall
+    from dlcore.declarations.signature import Signature
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class Backend:
         :param target: ``BACKEND:ARCH`` for this backend, e.g. ``cuda:90`` or ``npu:Ascend910B``.
         :param passes: the pipeline whose IR passes run; default: this backend's registered passes
             (``ast`` and ``launch`` passes are applied to the plan before, see
-            :func:`dlcore.compiler.passes.apply_launch_passes`).
+            :func:`dlcore.compiler.rewrite.apply_launch_passes`).
         :param specialize: specialize the kernel on the argument values as a launch on the target
             would (16-byte aligned pointers, integers divisible by 16, integers equal to 1; see
             :func:`dlcore.compiler.lowering.launch_signature`); ``False``: on types and constexprs only.
@@ -96,7 +96,7 @@ class Backend:
         :raises ToolchainMissingError: the pipeline stops where a compiler is not installed; its
             ``partial`` holds the stages reached.
         """
-        from dlcore.compiler.lowering import LoweringError
+        from dlcore.errors import LoweringError
 
         raise LoweringError(f"the {self.name} backend has no compiler pipeline: it cannot lower for {target}")
 

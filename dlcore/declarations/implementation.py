@@ -15,11 +15,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dlcore.declarations.signature import make_signature
+
 if TYPE_CHECKING:
-    from dlcore.device import DeviceProfile
-    from dlcore.op import Op
-    from dlcore.signature import Signature
-    from dlcore.tuning.space import SearchSpace
+    from dlcore.declarations.device import DeviceProfile
+    from dlcore.declarations.op import Op
+    from dlcore.declarations.signature import Signature
+    from dlcore.declarations.space import SearchSpace
 
 Config = dict[str, Any]
 #: rewrites a launch plan before it runs (the ``ast`` and ``launch`` compiler passes)
@@ -36,29 +38,22 @@ class KernelCall:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     def launch(self) -> None:
-        _launch(self)
-
-
-def _launch(call: KernelCall) -> None:
-    """The launcher, imported on first use (it needs triton) and then called directly."""
-    global _launch
-    from dlcore.launcher import launch
-
-    _launch = launch
-    launch(call)
+        """Through Triton's own launcher (:func:`dlcore.runtime.launcher.launch` is the warm path)."""
+        self.kernel[self.grid](*self.args, **self.kwargs)
 
 
 @dataclass
 class LaunchPlan:
     """The launches of one call and what it returns. ``scratch``: tensors the plan allocated
     (``torch.empty``) for its launches alone, each written by a launch before any reads it; a
-    replay (:mod:`dlcore.replay`) allocates them afresh, as it does the results."""
+    replay (:mod:`dlcore.runtime.replay`) allocates them afresh, as it does the results."""
 
     calls: list[KernelCall]
     result: Any
     scratch: tuple = ()
 
     def run(self) -> Any:
+        """Launch every call through Triton (:func:`dlcore.runtime.launcher.run_plan` is the warm path)."""
         for call in self.calls:
             call.launch()
         return self.result
@@ -103,10 +98,6 @@ class Implementation:
     def run(self, args: tuple, config: Config) -> Any:
         """Compute the op on bound ``args`` with ``config``."""
         raise NotImplementedError
-
-    def runner(self, config: Config, transform: PlanTransform | None = None) -> Callable[[tuple], Any]:
-        """``run`` with ``config`` bound; ``transform`` rewrites launch plans (compiler passes)."""
-        return lambda args: self.run(args, config)
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.qualname}>"
@@ -168,7 +159,7 @@ class TritonImplementation(Implementation):
     :param replayable: the plan's launches depend only on the inputs' shapes, strides, dtypes,
         device and alignment (not on their values), and it allocates its results uninitialised
         (``torch.empty``) for its kernels to write in full. A bound op then records its launches
-        once per exact input and replays them (:mod:`dlcore.replay`).
+        once per exact input and replays them (:mod:`dlcore.runtime.replay`).
     :param backward_plan: optional ``backward_plan(args, config) -> LaunchPlan``: the launches of
         the backward for the forward's ``args`` and ``config``, the output gradients made up as new
         tensors (meta tensors must work); ``dlcore lower`` lowers them besides ``plan``'s.
@@ -223,15 +214,6 @@ class TritonImplementation(Implementation):
     def run(self, args: tuple, config: Config) -> Any:
         return self.plan(args, config).run()
 
-    def runner(self, config: Config, transform: PlanTransform | None = None) -> Callable[[tuple], Any]:
-        if self.replayable and not self.interpreted:
-            from dlcore.replay import Replay
-
-            return Replay(self.plan, config, transform)
-        if transform is None:
-            return lambda args: self.plan(args, config).run()
-        return lambda args: transform(self.plan(args, config)).run()
-
 
 def call_directly(op: Op, impl: Implementation, args: tuple, kwargs: dict[str, Any]) -> Any:
     """Validate and run ``impl`` with its heuristic default config, bypassing selection.
@@ -239,8 +221,6 @@ def call_directly(op: Op, impl: Implementation, args: tuple, kwargs: dict[str, A
     What a kernel module's public function does: the same checks as ``get_op``, no plugin
     discovery, no cache.
     """
-    from dlcore.signature import make_signature
-
     bound = op.bind(args, kwargs or None)
     device = op.validate(bound)
     return impl.run(bound, impl.default_config(make_signature(op, bound, device), None))

@@ -1,18 +1,13 @@
-"""Where selections are remembered, and the keys they are remembered under.
+"""Where selections are kept between processes: :class:`DiskCache`, keyed by
+:class:`dlcore.dispatch.key.Key` digests.
 
-A key names everything that makes a selection valid: the schema version, the signature, the
-device arch, the backend and its version, the Triton version, and every candidate with the hash
-of its source (an edited kernel is never served a stale choice).
-
-Two stores sit behind the same methods: the in-process :class:`MemoryCache`, and the on-disk
-:class:`DiskCache` (``diskcache``, safe for several processes) under ``DLCORE_CACHE_DIR``. The disk
-holds JSON text only: a shared or tampered cache can hand back at worst a record that fails to
-parse, which is ignored; nothing in it is ever unpickled or executed.
+``diskcache`` under ``DLCORE_CACHE_DIR``, safe for several processes. It holds JSON text only: a
+shared or tampered cache can hand back at worst a record that fails to parse, which is ignored;
+nothing in it is ever unpickled or executed.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 import sqlite3
@@ -22,45 +17,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dlcore.cachedir import default_directory, new_generation
-from dlcore.device import DeviceProfile
-from dlcore.implementation import Implementation
-from dlcore.selection import Selection
-from dlcore.signature import Signature
+from dlcore.cachedir import default_directory
+from dlcore.dispatch.key import SCHEMA_VERSION
+from dlcore.tuning.selection import Selection
 
-SCHEMA_VERSION = 1
 EXPORT_FORMAT = "dlcore-cache"
 
 
 class CacheWarning(UserWarning):
     """The disk cache was corrupt and set aside, or an entry in it was unreadable."""
-
-
-def triton_version() -> str:
-    try:
-        import triton
-    except ImportError:
-        return "none"
-    return triton.__version__
-
-
-def key_parts(signature: Signature, profile: DeviceProfile, backend_version: str,
-              candidates: list[Implementation]) -> dict[str, str]:
-    """What a selection depends on, in readable form (stored with each entry)."""
-    return {
-        "schema": str(SCHEMA_VERSION),
-        "signature": signature.key(),
-        "device": f"{profile.backend}:{profile.arch}",
-        "backend_version": backend_version,
-        "triton": triton_version(),
-        # sorted: the order plugins happened to load in is no part of what was chosen
-        "candidates": ",".join(sorted(f"{c.plugin}/{c.name}@{c.source_hash()}" for c in candidates)),
-    }
-
-
-def cache_key(parts: dict[str, str], op: str) -> str:
-    text = "|".join(f"{k}={v}" for k, v in sorted(parts.items()))
-    return f"{op}:{hashlib.sha256(text.encode()).hexdigest()[:24]}"
 
 
 def parse_record(text: Any) -> dict[str, Any] | None:
@@ -81,22 +46,6 @@ def make_record(op: str, parts: dict[str, str], selection: Selection) -> dict[st
     return {"op": op, "parts": parts, "selection": selection.to_json()}
 
 
-class MemoryCache:
-    """The in-process store of selections."""
-
-    def __init__(self) -> None:
-        self._entries: dict[str, Selection] = {}
-
-    def get(self, key: str) -> Selection | None:
-        return self._entries.get(key)
-
-    def put(self, key: str, record: dict[str, Any]) -> None:
-        self._entries[key] = Selection.from_json(record["selection"])
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-
 class DiskCache:
     """Selections on disk, as JSON text, shared by every process using the same directory."""
 
@@ -112,7 +61,7 @@ class DiskCache:
     def _open_or_recover(self):
         import diskcache
 
-        from dlcore.jsondisk import TextOnlyDisk
+        from dlcore.dispatch.jsondisk import TextOnlyDisk
 
         try:
             cache = diskcache.Cache(str(self.directory), disk=TextOnlyDisk)
@@ -127,7 +76,6 @@ class DiskCache:
             )
             shutil.move(str(self.directory), str(aside))
             fresh = diskcache.Cache(str(self.directory), disk=TextOnlyDisk)
-            new_generation(self.directory)
             return fresh
 
     def get_record(self, key: str) -> dict[str, Any] | None:
@@ -149,7 +97,6 @@ class DiskCache:
 
     def put(self, key: str, record: dict[str, Any]) -> None:
         self._open().set(key, json.dumps(record, sort_keys=True))
-        new_generation(self.directory)
 
     def items(self) -> Iterator[tuple[str, dict[str, Any]]]:
         cache = self._open()
@@ -160,12 +107,10 @@ class DiskCache:
 
     def delete(self, key: str) -> bool:
         deleted = bool(self._open().delete(key))
-        new_generation(self.directory)
         return deleted
 
     def clear(self) -> int:
         count = self._open().clear()
-        new_generation(self.directory)
         return count
 
     def export(self, path: Path | str) -> int:

@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
-from dlcore.implementation import Config, LaunchPlan, PlanTransform, TritonImplementation, call_directly
-from dlcore.op import Op
-from dlcore.replay import Replay
+from dlcore.declarations.implementation import Config, LaunchPlan, TritonImplementation, call_directly
+from dlcore.declarations.op import Op
+from dlcore.runtime.launcher import run_plan
+from dlcore.runtime.replay import Replay
 
 
 def needs_autograd(args: Sequence[Any]) -> bool:
@@ -63,7 +64,7 @@ def run_backward(op: Callable[..., Any], body: Callable[..., Any], *args: Any) -
 
 class Launches:
     """What a custom op's body does with its plan, ``plan(args, config(args, ints)).run()``, with
-    the launches recorded per exact input and replayed after (:mod:`dlcore.replay`), as a bound op
+    the launches recorded per exact input and replayed after (:mod:`dlcore.runtime.replay`), as a bound op
     does: a backward at a few tokens then costs a direct launch, not a plan and Triton's launcher.
 
     ``ints`` are the body's trailing config integers (all zero: the default, which ``config`` then
@@ -121,17 +122,7 @@ class CustomOpTritonImplementation(TritonImplementation):
     def run(self, args: tuple, config: Config) -> Any:
         if needs_autograd(args):
             return self.custom_op(args, config)
-        return self.plan(args, config).run()
-
-    def runner(self, config: Config, transform: PlanTransform | None = None) -> Callable[[tuple], Any]:
-        launch = super().runner(config, transform)
-
-        def run(args: tuple) -> Any:
-            if needs_autograd(args):
-                return self.custom_op(args, config)
-            return launch(args)
-
-        return run
+        return run_plan(self.plan(args, config))
 
 
 def call(op: Op, impl: CustomOpTritonImplementation, args: tuple) -> Any:
@@ -139,7 +130,7 @@ def call(op: Op, impl: CustomOpTritonImplementation, args: tuple) -> Any:
 
     Under ``torch.compile`` tracing: the custom op alone, so dynamo records one node and no graph
     break (its fake implementation validates). Otherwise: validation, the default config and
-    ``impl.run`` (:func:`dlcore.implementation.call_directly`).
+    ``impl.run`` (:func:`dlcore.declarations.implementation.call_directly`).
     """
     if torch.compiler.is_compiling():
         return impl.custom_op(args, None)

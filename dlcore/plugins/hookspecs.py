@@ -18,13 +18,13 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from dlcore.backend import Backend
     from dlcore.compiler.passes import Pass
-    from dlcore.device import DeviceProfile
-    from dlcore.implementation import Implementation
-    from dlcore.op import Op
-    from dlcore.signature import Signature
-    from dlcore.tuning.space import SearchSpace
+    from dlcore.declarations.backend import Backend
+    from dlcore.declarations.device import DeviceProfile
+    from dlcore.declarations.implementation import Implementation
+    from dlcore.declarations.op import Op
+    from dlcore.declarations.signature import Signature
+    from dlcore.declarations.space import SearchSpace
     from dlcore.tuning.strategy import Strategy
 
 hookspec = pluggy.HookspecMarker("dlcore")
@@ -44,7 +44,7 @@ def dlcore_backends() -> list[Backend]:
     ``Backend.available()`` is asked lazily, the first time a tensor of the backend's device type
     is seen.
 
-    :return: the :class:`dlcore.backend.Backend` objects this plugin provides, each owning one or
+    :return: the :class:`dlcore.declarations.backend.Backend` objects this plugin provides, each owning one or
         more torch device types (``"cuda"``, ``"npu"``, ...). A device type owned by two backends
         is an error reported against the later plugin.
     """
@@ -63,7 +63,7 @@ def dlcore_refine_space(
     :param space: the implementation's declared space (or the previous plugin's refinement).
     :param signature: the inputs' signature.
     :param profile: the device the space will be searched on.
-    :return: a refined :class:`~dlcore.tuning.space.SearchSpace`, or ``None`` to leave it as is.
+    :return: a refined :class:`~dlcore.declarations.space.SearchSpace`, or ``None`` to leave it as is.
     """
 
 
@@ -79,7 +79,7 @@ def dlcore_ops() -> list[Op]:
     Called once, when the plugins are loaded. An op name declared twice is an error reported
     against the later plugin.
 
-    :return: :class:`dlcore.op.Op` declarations.
+    :return: :class:`dlcore.declarations.op.Op` declarations.
     """
 
 
@@ -90,7 +90,7 @@ def dlcore_implementations() -> list[Implementation]:
     Called once, when the plugins are loaded, after :func:`dlcore_ops`. An implementation of an
     op nobody declared is reported against its plugin and ignored.
 
-    :return: :class:`dlcore.implementation.Implementation` objects.
+    :return: :class:`dlcore.declarations.implementation.Implementation` objects.
     """
 
 
@@ -115,8 +115,8 @@ def dlcore_passes() -> list[Pass]:
     - ``"ast"``: ``run(tree, kernel)`` with the kernel's ``ast.FunctionDef`` (decorators removed)
       and the ``@triton.jit`` function; returns a rewritten tree, or ``None`` for no change. The
       rewritten kernel is built once per kernel and keeps its module globals.
-    - ``"launch"``: ``run(call, profile)`` with a :class:`~dlcore.implementation.KernelCall` of a
-      plan and the :class:`~dlcore.device.DeviceProfile` it will run on; returns a new call (kernel,
+    - ``"launch"``: ``run(call, profile)`` with a :class:`~dlcore.declarations.implementation.KernelCall` of a
+      plan and the :class:`~dlcore.declarations.device.DeviceProfile` it will run on; returns a new call (kernel,
       grid, arguments), or ``None`` to leave it. Called before every launch of a plan and before
       lowering it; it must be cheap when it declines.
     - an IR stage of the backend's compiler (``ttir``, ``ttgir``, ``llir``, ``ptx``, ``cubin``,

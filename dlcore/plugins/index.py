@@ -3,7 +3,7 @@
 Importing a kernel plugin is the dearest part of a first ``get_op`` (its ``@triton.jit`` kernels and
 PyTorch custom ops are built at import), and every new kernel would add to it. So the first process
 that loads a kernel plugin writes down the ops it declares or implements; later processes load a
-kernel plugin only when one of those ops is asked for (see :class:`dlcore.registry.Registry`).
+kernel plugin only when one of those ops is asked for (see :class:`dlcore.plugins.registry.Registry`).
 
 What is written down is trusted only while it still describes the installed code:
 
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from dlcore.cachedir import environment_key, write_json
-from dlcore.stamps import Stamps, plugin_root
+from dlcore.plugins.stamps import Stamps, plugin_root
 
 SCHEMA = 1
 #: the hooks a deferred kernel plugin may implement: what it provides is then known from the index

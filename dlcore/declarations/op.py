@@ -1,7 +1,7 @@
 """Operator declarations: argument schema, validation, torch reference, key policy.
 
 An :class:`Op` is what ``get_op`` looks up by name. Its implementations are declared separately
-(see :mod:`dlcore.implementation`), possibly by other plugins.
+(see :mod:`dlcore.declarations.implementation`), possibly by other plugins.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
+from dlcore.declarations.layout import ACCEPTED_LAYOUT_TEXT, layout_of
 from dlcore.errors import InvalidInputError
-from dlcore.layout import ACCEPTED_LAYOUT_TEXT, layout_of
 
 REQUIRED = object()
 
@@ -26,7 +26,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 class TensorArg:
     """A tensor argument.
 
-    ``layouts``: the stride classes accepted (see :mod:`dlcore.layout`). ``same_dtype_as``: the
+    ``layouts``: the stride classes accepted (see :mod:`dlcore.declarations.layout`). ``same_dtype_as``: the
     name of an earlier tensor argument whose dtype this one must share. ``bucket``: the key policy
     for this argument's shape in cache keys (``"rows"``: leading dimensions flattened and rounded up
     to a power of two, last dimension exact; ``"tokens"``: for ``[..., S, H, D]``, the dimensions

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from dlcore.implementation import KernelCall
+from dlcore.declarations.implementation import KernelCall, LaunchPlan
 
 LAUNCH_OPTIONS_ORDER = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 
@@ -111,6 +111,13 @@ def launch(call: KernelCall) -> None:
             layout.compiled[key] = compiled
         return
     run_compiled(compiled, grid3(call.grid), active.get_current_stream(device), values)
+
+
+def run_plan(plan: LaunchPlan) -> Any:
+    """Run ``plan``, each launch through :func:`launch`."""
+    for call in plan.calls:
+        launch(call)
+    return plan.result
 
 
 def grid3(grid: tuple[int, ...]) -> tuple[int, int, int]:

@@ -1,6 +1,6 @@
 """Landscapes: every config of a space measured once, kept as JSON, replayed to compare strategies.
 
-Recording needs the device (``python -m dlcore.tuning.landscape record ...`` on a GPU host);
+Recording needs the device (``python -m dlcore.bench.landscape record ...`` on a GPU host);
 replaying needs nothing but the file: each strategy searches the recorded space with the recorded
 times as its objective, over many seeds, and the evaluations it needed to come within 5% of the
 best config are counted. That is how search quality is judged without a GPU.
@@ -21,7 +21,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from dlcore.tuning.space import Config, SearchSpace
+from dlcore.declarations.space import Config, SearchSpace
 from dlcore.tuning.strategy import Budget, SearchResult, Strategy
 
 WITHIN = 0.05
@@ -46,7 +46,7 @@ class RecordedObjective:
 
 def space_of(landscape: dict[str, Any]) -> SearchSpace:
     """The recorded configs as a space (a lookup space: exactly the configs that were measured)."""
-    from dlcore.tuning.space import Choice, Constraint
+    from dlcore.declarations.space import Choice, Constraint
 
     configs = [e["config"] for e in landscape["evaluations"]]
     names = list(configs[0])
@@ -90,7 +90,7 @@ def _compile_chunk(job: tuple[str, str, dict[str, int], str, list[Config]]) -> i
     """In a worker process: compile (``warmup``, no launch) every config of a chunk into Triton's cache."""
     import torch
 
-    from dlcore.registry import registry
+    from dlcore.plugins.registry import registry
 
     op_name, impl_name, sizes, dtype, configs = job
     reg = registry()
@@ -118,8 +118,8 @@ def record(op_name: str, sizes: dict[str, int], dtype: str, impl_name: str = "tr
     import torch
     import triton
 
-    from dlcore.registry import registry
-    from dlcore.signature import make_signature
+    from dlcore.declarations.signature import make_signature
+    from dlcore.plugins.registry import registry
     from dlcore.tuning.objective import Objective
 
     reg = registry()
@@ -162,7 +162,7 @@ def record(op_name: str, sizes: dict[str, int], dtype: str, impl_name: str = "tr
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dlcore.tuning.landscape")
+    parser = argparse.ArgumentParser(prog="python -m dlcore.bench.landscape")
     sub = parser.add_subparsers(dest="command", required=True)
     rec = sub.add_parser("record", help="measure every config of an op's space (GPU)")
     rec.add_argument("op")
@@ -178,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      help="evaluations per search (default: the whole space); a search short of 5%% counts as inf")
     args = parser.parse_args(argv)
     if args.command == "record":
-        from dlcore.cli.options import parse_sizes
+        from dlcore.bench.presets import parse_sizes
 
         data = record(args.op, parse_sizes(args.shape), args.dtype, workers=args.workers, seconds=args.seconds)
         Path(args.out).write_text(json.dumps(data, indent=1))
@@ -186,8 +186,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         best = min(e["time_ms"] for e in ok)
         print(f"{args.op}: {len(data['evaluations'])} configs, {len(ok)} ran; best {best:.4f} ms")
         return 0
-    from dlcore.cli.table import table
-    from dlcore.registry import registry
+    from dlcore.bench.table import table
+    from dlcore.plugins.registry import registry
 
     strategies = [registry().strategy(n) for n in ("grid", "random", "tpe")]
     rows = []

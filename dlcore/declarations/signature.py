@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from dlcore.layout import layout_of
-from dlcore.op import Op, ScalarArg, TensorArg
+from dlcore.declarations.layout import layout_of
+from dlcore.declarations.op import Op, ScalarArg, TensorArg
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Every plugin, built-in or third-party, arrives the same way: an entry point in one of
 :data:`GROUPS`. Each is loaded by stevedore with load failures caught, registered with the
-plugin manager, and validated against :mod:`dlcore.hookspecs`. A plugin that fails is recorded with
+plugin manager, and validated against :mod:`dlcore.plugins.hookspecs`. A plugin that fails is recorded with
 its traceback, warned about once, and left out; everything else works.
 
 Selection by environment:
@@ -26,11 +26,11 @@ from importlib.metadata import EntryPoint, entry_points
 import pluggy
 from stevedore import NamedExtensionManager
 
-from dlcore import hookspecs
 from dlcore.errors import PluginLoadError
+from dlcore.plugins import hookspecs
 
 GROUPS = ("dlcore.backends", "dlcore.kernels", "dlcore.passes", "dlcore.strategies")
-#: the one group whose plugins may be loaded on first use (see :mod:`dlcore.plugin_index`)
+#: the one group whose plugins may be loaded on first use (see :mod:`dlcore.plugins.index`)
 DEFERRABLE_GROUP = "dlcore.kernels"
 CORE_DISTRIBUTION = "dlcore"
 
@@ -165,7 +165,7 @@ def discover(defer: Callable[[PluginRecord], bool] | None = None) -> PluginSet:
     """Load, register and validate every allowed plugin of every group.
 
     ``defer(record)`` may hold back a kernel plugin: it is listed, and loaded only when
-    :meth:`PluginSet.load` is asked for it (see :mod:`dlcore.plugin_index`). A plugin named in
+    :meth:`PluginSet.load` is asked for it (see :mod:`dlcore.plugins.index`). A plugin named in
     ``DLCORE_PLUGINS`` is never held back, so that its failure raises here.
     """
     only = _names_from_env("DLCORE_PLUGINS")

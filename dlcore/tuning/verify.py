@@ -1,4 +1,4 @@
-"""Checking an op's result against its reference: for ``dlcore check`` and for tuning.
+"""Checking an op's result against its reference: for tuning and ``dlcore check``.
 
 The reference runs in float64 on the same inputs; the tolerance comes from the output dtype
 (:data:`dlcore.testing.TOLERANCES`), scaled by the size of the reduction behind each element.
@@ -7,22 +7,21 @@ The reference runs in float64 on the same inputs; the tolerance comes from the o
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from dlcore.op import Op
+from dlcore.declarations.op import Op
 from dlcore.testing import tolerance, upcast
 
 
-def _as_tuple(x: Any) -> tuple:
+def as_tuple(x: Any) -> tuple:
     return tuple(x) if isinstance(x, (tuple, list)) else (x,)
 
 
 def reference_result(op: Op, args: Sequence[Any]) -> tuple:
     """The op's reference on float64 copies of ``args``."""
-    return _as_tuple(op.reference(*upcast(*args)))
+    return as_tuple(op.reference(*upcast(*args)))
 
 
 def reduce_dim_of(args: Sequence[Any]) -> int:
@@ -33,7 +32,7 @@ def reduce_dim_of(args: Sequence[Any]) -> int:
 
 def mismatch(actual: Any, expected: Sequence[torch.Tensor], reduce_dim: int = 1) -> str | None:
     """``None`` if ``actual`` matches the float64 ``expected`` within tolerance, else what differs."""
-    actual = _as_tuple(actual)
+    actual = as_tuple(actual)
     if len(actual) != len(expected):
         return f"{len(actual)} outputs, expected {len(expected)}"
     for i, (a, e) in enumerate(zip(actual, expected)):
@@ -48,33 +47,3 @@ def mismatch(actual: Any, expected: Sequence[torch.Tensor], reduce_dim: int = 1)
             worst = (a64 - e64).abs().max().item()
             return f"output {i}: {int(bad.sum())} of {bad.numel()} elements off, max abs error {worst:.3g}"
     return None
-
-
-@dataclass
-class CheckReport:
-    op: str
-    sizes: dict[str, int]
-    dtype: torch.dtype
-    explanation: str
-    max_abs_error: float
-    problem: str | None
-
-    @property
-    def ok(self) -> bool:
-        return self.problem is None
-
-
-def check_op(op: Op, sizes: dict[str, int], dtype: torch.dtype, device: str, impl: str | None = None,
-             seed: int = 0) -> CheckReport:
-    """Run ``get_op`` on random inputs of ``sizes`` and compare with the float64 reference."""
-    from dlcore.dispatch import get_op
-
-    full = {**op.example_sizes, **sizes}
-    args = op.example_inputs(sizes, dtype, device, seed)
-    bound = get_op(op.name, args, impl=impl)
-    actual = _as_tuple(bound(*args))
-    expected = reference_result(op, args)
-    reduce_dim = reduce_dim_of(args)
-    worst = max(((a.double().cpu() - e.cpu()).abs().max().item() for a, e in zip(actual, expected)
-                 if a.numel()), default=0.0)
-    return CheckReport(op.name, full, dtype, bound.explain(), worst, mismatch(actual, expected, reduce_dim))

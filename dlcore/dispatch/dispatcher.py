@@ -1,0 +1,271 @@
+"""The dispatcher: ``(op name, inputs)`` -> key -> memo -> disk store -> selection -> bound op.
+
+One :class:`Dispatcher` owns everything remembered about choices: the bound ops of exact inputs
+seen before (its memo), the selections made in this process, and the disk store they are kept in
+between processes. ``dlcore.get_op`` is :func:`default`'s ``get_op``; tests and services may make
+their own, on another registry or cache directory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dlcore.compiler.passes import default_pipeline
+from dlcore.compiler.rewrite import launch_transform
+from dlcore.declarations.backend import Backend
+from dlcore.declarations.call import Call
+from dlcore.declarations.device import DeviceProfile
+from dlcore.declarations.implementation import Implementation, PlanTransform
+from dlcore.declarations.op import Op
+from dlcore.declarations.signature import Signature, make_signature
+from dlcore.dispatch.bound import BoundOp
+from dlcore.dispatch.key import Key, environment, exact_key
+from dlcore.dispatch.store import DiskCache, make_record
+from dlcore.errors import NoKernelError, UnknownImplementationError
+from dlcore.plugins.registry import Registry, registry
+from dlcore.plugins.registry import reset as reset_registry
+from dlcore.tuning.policy import Tune, TunePolicy, resolve, satisfies
+from dlcore.tuning.selection import How, Selection, select, without_measuring
+from dlcore.tuning.strategy import Evaluation, SearchResult
+from dlcore.tuning.tune import tune
+
+#: exact inputs remembered per dispatcher for the hit path; the oldest are forgotten first
+EXACT_LIMIT = 4096
+
+
+class Dispatcher:
+    """Chooses, remembers and binds implementations.
+
+    :param registry: where ops, implementations, backends and strategies come from (default: the
+        process's plugins, :func:`dlcore.plugins.registry.registry`).
+    :param directory: the disk store's directory (default: ``DLCORE_CACHE_DIR``, read when the
+        store is first opened).
+    """
+
+    def __init__(self, registry: Callable[[], Registry] = registry, directory: Path | str | None = None):
+        self._registry = registry
+        self._directory = directory
+        self._store: DiskCache | None = None
+        #: the memo, by exact inputs (:func:`exact_key`), and by signature, options and environment:
+        #: inputs of one shape bucket share one bound op
+        self._exact: dict[tuple, BoundOp] = {}
+        self._bound: dict[tuple, BoundOp] = {}
+        #: key digest -> the selection made or read in this process
+        self._selections: dict[str, Selection] = {}
+
+    @property
+    def store(self) -> DiskCache:
+        """The disk store, opened on first use."""
+        if self._store is None:
+            self._store = DiskCache(self._directory)
+        return self._store
+
+    def clear(self) -> None:
+        """Forget every choice made in this process (the disk store stays) and close the store."""
+        self._exact.clear()
+        self._bound.clear()
+        self._selections.clear()
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+
+    def get_op(
+        self,
+        name: str,
+        args: tuple | list,
+        kwargs: dict[str, Any] | None = None,
+        *,
+        impl: str | None = None,
+        tune: str | None = None,
+        strategy: str | None = None,
+        budget: int | None = None,
+        progress: Callable[[Evaluation], None] | None = None,
+    ) -> BoundOp:
+        """The best implementation of op ``name`` for ``args`` on their device, bound and ready to call.
+
+        :param name: a registered op (``dlcore ops`` lists them).
+        :param args: the arguments the op will be called with (tensors and scalars, in its order).
+        :param kwargs: arguments by name, if any.
+        :param impl: use this implementation (by name) instead of selecting one.
+        :param tune: ``off`` | ``quick`` | ``full``; default ``DLCORE_TUNE`` or ``off`` (see
+            :mod:`dlcore.tuning.policy`).
+        :param strategy: the search strategy when tuning (default ``DLCORE_TUNE_STRATEGY`` or ``tpe``).
+        :param budget: the number of evaluations per implementation when tuning.
+        :param progress: called after each evaluation while tuning.
+        :raises UnknownOpError: no op of that name.
+        :raises InvalidInputError: an argument is wrong (dtype, rank, shape, device, strides).
+        :raises InvalidOptionError: ``tune``, ``budget`` or a tuning variable has a bad value.
+        :raises BackendUnavailableError: no usable backend for the inputs' device.
+        :raises NoKernelError: every implementation declined or failed.
+        """
+        options = (impl, tune, strategy, budget)
+        exact = exact_key(name, args, kwargs, options)
+        hit = self._exact.get(exact) if exact is not None else None
+        if hit is not None:
+            return hit
+        call = self.prepare(name, args, kwargs, impl)
+        policy = resolve(tune, strategy, budget)
+        memo_key = (call.signature, call.device, options, environment())
+        bound_op = self._bound.get(memo_key)
+        if bound_op is None:
+            key = self.key_of(call)
+            selection = self._cached(call, key, policy)
+            if selection is None:
+                selection = self.remember(key, self._select(call, policy, impl, progress))
+            bound_op = self._bound[memo_key] = self._bind(call, key, selection)
+        if exact is not None:
+            if len(self._exact) >= EXACT_LIMIT:
+                del self._exact[next(iter(self._exact))]
+            self._exact[exact] = bound_op
+        return bound_op
+
+    def tune_op(self, name: str, args: tuple | list, *, strategy: str, budget: int | None = None, tune: str = "full",
+                progress: Callable[[Evaluation], None] | None = None) -> tuple[BoundOp, dict[str, SearchResult]]:
+        """Tune now, whatever is cached, and remember the result: what ``dlcore tune`` runs."""
+        call = self.prepare(name, args)
+        key = self.key_of(call)
+        policy = resolve(tune, strategy, budget)
+        selection, results = self._search(call, policy, progress)
+        known = self._remembered(key)
+        if known is not None and known.time_ms is not None and known.time_ms < selection.time_ms \
+                and satisfies(known, policy):
+            selection = known
+        return self._bind(call, key, self.remember(key, selection)), results
+
+    def prepare(self, name: str, args: tuple | list, kwargs: dict[str, Any] | None = None,
+                impl: str | None = None) -> Call:
+        """Validate the arguments and find the candidates of a call."""
+        reg = self._registry()
+        op = reg.op(name)
+        bound = op.bind(args, kwargs)
+        device = op.validate(bound)
+        backend = reg.backend_for(device)
+        profile = reg.profile(backend, device)
+        signature = make_signature(op, bound, device)
+        candidates, declined = find_candidates(reg, op, signature, backend, profile, impl)
+        return Call(op, bound, device, backend, profile, signature, candidates, declined, plan_transform(profile))
+
+    def key_of(self, call: Call) -> Key:
+        return Key.of(call, default_pipeline(call.profile.backend).names)
+
+    def remember(self, key: Key, selection: Selection) -> Selection:
+        """Keep ``selection`` for ``key`` in memory, and on disk unless it was made without measuring;
+        the bound ops of ``key`` bound before are forgotten."""
+        self._selections[key.digest] = selection
+        if selection.how not in (How.ONLY_CANDIDATE, How.REQUESTED):
+            self.store.put(key.digest, make_record(key.op, key.as_dict(), selection))
+        for memo in (self._exact, self._bound):
+            for memo_key in [k for k, v in memo.items() if v.cache_key == key.digest]:
+                del memo[memo_key]
+        return selection
+
+    def _bind(self, call: Call, key: Key, selection: Selection) -> BoundOp:
+        chosen = call.candidate(selection.impl)
+        return BoundOp(call.op, chosen, selection, call.signature, call.profile, key.digest, call.transform)
+
+    def _remembered(self, key: Key) -> Selection | None:
+        found = self._selections.get(key.digest)
+        if found is None:
+            found = self.store.get(key.digest)
+            if found is not None:
+                self._selections[key.digest] = found
+        return found
+
+    def _cached(self, call: Call, key: Key, policy: TunePolicy) -> Selection | None:
+        """A remembered selection good enough for ``policy`` whose implementation is still a candidate."""
+        selection = self._remembered(key)
+        if selection is None or not satisfies(selection, policy) or call.candidate(selection.impl) is None:
+            return None
+        return selection
+
+    def _search(self, call: Call, policy: TunePolicy,
+                progress: Callable[[Evaluation], None] | None) -> tuple[Selection, dict[str, SearchResult]]:
+        reg = self._registry()
+        return tune(call, policy, reg.strategy(policy.strategy), reg.refine_space, progress)
+
+    def _select(self, call: Call, policy: TunePolicy, requested: str | None,
+                progress: Callable[[Evaluation], None] | None) -> Selection:
+        if policy.level is not Tune.OFF:
+            return self._search(call, policy, progress)[0]
+        if requested is not None:
+            return without_measuring(call, call.candidates[0], How.REQUESTED)
+        if len(call.candidates) == 1:
+            return without_measuring(call, call.candidates[0], How.ONLY_CANDIDATE)
+        return select(call)
+
+
+def plan_transform(profile: DeviceProfile) -> PlanTransform | None:
+    """The ``ast`` and ``launch`` compiler passes for ``profile``'s backend, as a plan rewrite
+    (None when no pass rewrites plans there)."""
+    return launch_transform(profile, default_pipeline(profile.backend))
+
+
+def find_candidates(
+    reg: Registry,
+    op: Op,
+    signature: Signature,
+    backend: Backend,
+    profile: DeviceProfile,
+    requested: str | None = None,
+) -> tuple[list[Implementation], dict[str, str]]:
+    """The implementations that accept ``signature`` on ``backend``, and why each other one declined.
+
+    The torch reference is a fallback: it is a candidate only when no dedicated implementation is
+    (or when asked for by name).
+    """
+    implementations = reg.implementations_of(op.name)
+    if requested is not None:
+        implementations = [i for i in implementations if i.name == requested]
+        if not implementations:
+            names = ", ".join(i.name for i in reg.implementations_of(op.name))
+            raise UnknownImplementationError(f"{op.name} has no implementation {requested!r}; it has: {names}")
+    candidates: list[Implementation] = []
+    declined: dict[str, str] = {}
+    for candidate in implementations:
+        reason = backend.accepts(candidate, signature) or candidate.supports(signature, profile)
+        if reason is None:
+            candidates.append(candidate)
+        else:
+            declined[candidate.name] = reason
+    dedicated = [c for c in candidates if not getattr(c, "fallback_only", False)]
+    if requested is None:
+        if dedicated:
+            for c in candidates:
+                if c not in dedicated:
+                    declined[c.name] = "fallback only; a dedicated implementation accepts these inputs"
+            candidates = dedicated
+        elif not op.fallback:
+            for c in candidates:
+                declined[c.name] = f"{op.name} declares no fallback to its reference"
+            candidates = []
+    if not candidates:
+        raise NoKernelError(op.name, f"{signature.describe()} on {profile.describe()}", declined)
+    return candidates, declined
+
+
+_default: Dispatcher | None = None
+
+
+def default() -> Dispatcher:
+    """The process's dispatcher, behind ``dlcore.get_op``."""
+    global _default
+    if _default is None:
+        _default = Dispatcher()
+    return _default
+
+
+def get_op(name: str, args: tuple | list, kwargs: dict[str, Any] | None = None, **options: Any) -> BoundOp:
+    """:meth:`Dispatcher.get_op` of the :func:`default` dispatcher."""
+    return default().get_op(name, args, kwargs, **options)
+
+
+def reset() -> None:
+    """Forget the plugins and every choice of the default dispatcher: the next ``get_op``
+    rediscovers everything and reads the disk store (of ``DLCORE_CACHE_DIR`` then) anew."""
+    global _default
+    if _default is not None:
+        _default.clear()
+    _default = None
+    reset_registry()

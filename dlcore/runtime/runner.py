@@ -1,0 +1,50 @@
+"""How a bound op runs its implementation: the function a selection, a search and ``get_op``'s
+bound op call with the inputs.
+
+- a replayable Triton implementation on a device: its launches recorded once per exact input and
+  replayed after (:class:`dlcore.runtime.replay.Replay`);
+- any other Triton implementation: its plan, rewritten by the launch passes, through the warm
+  launcher (:func:`dlcore.runtime.launcher.run_plan`);
+- a custom-op implementation: the same, unless autograd or ``torch.compile`` must see the call
+  (:func:`dlcore.runtime.torch_ops.needs_autograd`), then its custom op;
+- anything else: ``impl.run(args, config)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from dlcore.declarations.implementation import Config, Implementation, PlanTransform, TritonImplementation
+from dlcore.runtime.launcher import run_plan
+from dlcore.runtime.replay import Replay
+from dlcore.runtime.torch_ops import CustomOpTritonImplementation, needs_autograd
+
+Runner = Callable[[tuple], Any]
+
+
+def runner(impl: Implementation, config: Config, transform: PlanTransform | None = None) -> Runner:
+    """``impl`` with ``config`` bound, taking the bound arguments; ``transform`` rewrites each
+    launch plan (the ``ast`` and ``launch`` compiler passes)."""
+    if not isinstance(impl, TritonImplementation):
+        return lambda args: impl.run(args, config)
+    launch = _launches(impl, config, transform)
+    if not isinstance(impl, CustomOpTritonImplementation):
+        return launch
+    custom_op = impl.custom_op
+
+    def run(args: tuple) -> Any:
+        if needs_autograd(args):
+            return custom_op(args, config)
+        return launch(args)
+
+    return run
+
+
+def _launches(impl: TritonImplementation, config: Config, transform: PlanTransform | None) -> Runner:
+    if impl.replayable and not impl.interpreted:
+        return Replay(impl.plan, config, transform)
+    plan = impl.plan
+    if transform is None:
+        return lambda args: run_plan(plan(args, config))
+    return lambda args: run_plan(transform(plan(args, config)))

@@ -1,0 +1,120 @@
+"""Choosing among the candidate implementations of one call, and the record of that choice."""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from dlcore.declarations.call import Call
+from dlcore.declarations.implementation import Implementation
+from dlcore.errors import NoKernelError
+from dlcore.runtime.runner import runner
+
+
+class How(str, enum.Enum):
+    """How a selection was made."""
+
+    ONLY_CANDIDATE = "only candidate"
+    REQUESTED = "requested"
+    MEASURED = "measured"
+    TUNED = "tuned"
+
+
+class Level(enum.IntEnum):
+    """How much a selection is worth: one serves every request at or below its level."""
+
+    HEURISTIC = 0  # a default config, nothing measured
+    MEASURED = 1  # each candidate's default timed once
+    QUICK = 2  # searched with a small budget
+    FULL = 3  # searched with the whole budget
+
+
+@dataclass
+class Selection:
+    """What was chosen for a signature, and why. Serialisable to JSON (the cache stores it)."""
+
+    impl: str
+    config: dict[str, Any]
+    how: How
+    level: Level = Level.HEURISTIC
+    time_ms: float | None = None
+    measured: dict[str, float] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
+    declined: dict[str, str] = field(default_factory=dict)
+    strategy: str | None = None
+    evaluations: int = 0
+    when: str = ""
+
+    def __post_init__(self) -> None:
+        # typed whatever it was made from: an enum, its value, or (for the level) its name
+        self.how = How(self.how)
+        self.level = Level[self.level.upper()] if isinstance(self.level, str) else Level(self.level)
+
+    def describe(self) -> str:
+        """``how`` in words: ``measured``, ``tuned (quick, tpe)``, ..."""
+        if self.how is How.TUNED:
+            return f"tuned ({self.level.name.lower()}, {self.strategy})"
+        return self.how.value
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["how"], data["level"] = self.how.value, self.level.name.lower()
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Selection:
+        """The selection ``to_json`` wrote; ValueError, KeyError or TypeError if ``data`` is not one."""
+        return cls(**data)
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def clone_args(bound: tuple) -> tuple:
+    """Copies of the tensor arguments with the same shapes, strides and values."""
+    return tuple(_clone(a) if isinstance(a, torch.Tensor) else a for a in bound)
+
+
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    copy = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
+    return copy.copy_(t)
+
+
+def without_measuring(call: Call, impl: Implementation, how: How) -> Selection:
+    """``impl`` with its heuristic config, nothing measured."""
+    return Selection(impl=impl.name, config=impl.default_config(call.signature, call.profile), how=how,
+                     declined=dict(call.declined), when=now())
+
+
+def select(call: Call) -> Selection:
+    """Time each candidate of ``call`` with its default config on cloned inputs; the fastest wins.
+
+    A candidate that raises is skipped, its reason kept. If all fail, :class:`NoKernelError`.
+    """
+    measured: dict[str, float] = {}
+    failed: dict[str, str] = {}
+    configs = {}
+    for impl in call.candidates:
+        config = configs[impl.name] = impl.default_config(call.signature, call.profile)
+        inputs = clone_args(call.args)
+        try:
+            run = runner(impl, config, call.transform)
+            elapsed = call.backend.timer(lambda r=run, a=inputs: r(a), call.device)
+        except Exception as exc:  # noqa: BLE001 - any failure disqualifies only this candidate
+            failed[impl.name] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            continue
+        if math.isfinite(elapsed):
+            measured[impl.name] = elapsed
+        else:
+            failed[impl.name] = f"timer returned {elapsed}"
+    if not measured:
+        raise NoKernelError(call.signature.op, call.signature.describe(), {**call.declined, **failed})
+    best = min(measured, key=measured.__getitem__)
+    return Selection(impl=best, config=configs[best], how=How.MEASURED, level=Level.MEASURED, time_ms=measured[best],
+                     measured=measured, failed=failed, declined=dict(call.declined), when=now())
