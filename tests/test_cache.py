@@ -1,6 +1,7 @@
 """The disk cache: round trip, keys, safety against tampering, concurrency, export/import, recovery."""
 
 import dataclasses
+import importlib
 import json
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import torch
 import dlcore
 import dlcore.dispatch.dispatcher
 from dlcore.declarations.call import Call
+from dlcore.declarations.implementation import source_modules
 from dlcore.declarations.signature import make_signature
 from dlcore.dispatch.key import Key
 from dlcore.dispatch.store import CacheWarning, DiskCache, make_record
@@ -174,3 +176,10 @@ def test_get_op_remembers_a_measured_selection_across_processes(monkeypatch):
     monkeypatch.setattr("dlcore.dispatch.dispatcher.select", lambda *a, **k: pytest.fail("measured again"))
     again = dlcore.get_op("double", (x,))
     assert again.selection == first.selection and again is not first
+
+
+def test_the_source_hash_covers_every_module_a_kernel_takes_code_from():
+    """add_rms_norm's plan launches rms_norm's backward kernels: editing rms_norm must change its key."""
+    add_rms_norm = importlib.import_module("dlblas_kernels.add_rms_norm")
+    modules = [m.__name__ for m in source_modules(add_rms_norm.plan)]
+    assert modules == ["dlblas_kernels.add_rms_norm", "dlblas_kernels.rms_norm"]

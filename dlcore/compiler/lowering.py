@@ -347,6 +347,17 @@ NOMINAL = {
     ("cuda", "100"): ("NVIDIA B200", 148),
     ("cuda", "120"): ("NVIDIA RTX 5090", 170),
 }
+#: per compute capability: opt-in shared memory per block (bytes), registers and threads per
+#: multiprocessor, as the CUDA programming guide's table of compute capabilities gives them
+CUDA_LIMITS = {
+    "75": (64 * 1024, 65536, 1024),
+    "80": (163 * 1024, 65536, 2048),
+    "86": (99 * 1024, 65536, 1536),
+    "89": (99 * 1024, 65536, 1536),
+    "90": (227 * 1024, 65536, 2048),
+    "100": (227 * 1024, 65536, 2048),
+    "120": (99 * 1024, 65536, 1536),
+}
 #: vendor and core count of each backend's targets when the arch is not listed in NOMINAL
 NOMINAL_BACKENDS = {"cuda": ("nvidia", 1), "npu": ("huawei", 24), "mlu": ("cambricon", 8)}
 
@@ -356,8 +367,13 @@ def target_profile(target: str) -> DeviceProfile:
     backend, arch = parse_target(target)
     vendor, cores = NOMINAL_BACKENDS.get(backend, (backend, 1))
     name, cores = NOMINAL.get((backend, arch.removeprefix("sm_")), (f"{target} (nominal)", cores))
-    arch_name = f"sm_{arch.removeprefix('sm_')}" if backend == "cuda" else arch
-    return DeviceProfile(backend=backend, vendor=vendor, name=name, arch=arch_name, cores=cores)
+    if backend != "cuda":
+        return DeviceProfile(backend=backend, vendor=vendor, name=name, arch=arch, cores=cores)
+    capability = arch.removeprefix("sm_")
+    shared, registers, threads = CUDA_LIMITS.get(capability, (0, 0, 0))
+    return DeviceProfile(backend=backend, vendor=vendor, name=name, arch=f"sm_{capability}", cores=cores,
+                         shared_memory_per_program=shared, registers_per_core=registers, threads_per_core=threads,
+                         warp_size=32)
 
 
 @dataclass

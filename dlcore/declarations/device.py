@@ -7,11 +7,13 @@ from dataclasses import asdict, dataclass
 
 @dataclass(frozen=True)
 class DeviceProfile:
-    """A device as a backend describes it.
+    """A device as a backend describes it: what kernels size their tiles, grids and search spaces by.
 
     ``arch`` is what makes a tuned config valid elsewhere (``sm_90``, ``Ascend910B``, ``x86_64``):
     it is part of every cache key. ``cores`` counts the units blocks are scheduled on (SMs, AI
-    cores, MLU clusters, CPU cores).
+    cores, MLU clusters, CPU cores). The per-core limits are 0 where the device has no such limit
+    or the backend cannot say (the CPU under Triton's interpreter): a kernel then sets no bound by
+    them.
     """
 
     backend: str
@@ -21,6 +23,16 @@ class DeviceProfile:
     cores: int
     memory_bytes: int = 0
     programs_per_core: int = 1
+    #: the most on-chip shared memory (bytes) one program may use (CUDA: the opt-in limit per block)
+    shared_memory_per_program: int = 0
+    #: 32-bit registers per core (CUDA: per multiprocessor)
+    registers_per_core: int = 0
+    #: threads resident on one core at most (CUDA: per multiprocessor)
+    threads_per_core: int = 0
+    #: lanes of one warp (CUDA 32, AMD 64), 0 where kernels are not scheduled by warps
+    warp_size: int = 0
+    #: the last-level cache shared by all cores, bytes
+    l2_bytes: int = 0
 
     def as_dict(self) -> dict:
         return asdict(self)

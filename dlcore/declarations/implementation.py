@@ -103,13 +103,35 @@ class Implementation:
         return f"<{type(self).__name__} {self.qualname}>"
 
 
-def _module_source_hash(obj: Any) -> str:
-    module = sys.modules.get(getattr(obj, "__module__", ""), None)
-    try:
-        source = inspect.getsource(module) if module is not None else inspect.getsource(obj)
-    except (OSError, TypeError):
-        source = getattr(obj, "__qualname__", repr(obj))
-    return hashlib.sha256(source.encode()).hexdigest()[:16]
+def source_modules(*objects: Any) -> list[Any]:
+    """The modules the code of ``objects`` comes from: each object's own module, and every module
+    of its package (the same top-level name) that those modules take a function, class or module
+    from, followed transitively; dlcore's own modules are versioned with dlcore, not hashed."""
+    found: dict[str, Any] = {}
+    pending = [getattr(o, "__module__", None) for o in objects]
+    while pending:
+        name = pending.pop()
+        module = sys.modules.get(name or "")
+        if module is None or name in found:
+            continue
+        found[name] = module
+        package = name.partition(".")[0]
+        for value in vars(module).values():
+            origin = value.__name__ if inspect.ismodule(value) else getattr(value, "__module__", None)
+            if isinstance(origin, str) and origin.partition(".")[0] == package and origin not in found:
+                pending.append(origin)
+    return [found[n] for n in sorted(found)]
+
+
+def _module_source_hash(*objects: Any) -> str:
+    """A hash of the source of every module in :func:`source_modules` of ``objects``."""
+    digest = hashlib.sha256()
+    for module in source_modules(*objects) or objects:
+        try:
+            digest.update(inspect.getsource(module).encode())
+        except (OSError, TypeError):
+            digest.update(getattr(module, "__qualname__", repr(module)).encode())
+    return digest.hexdigest()[:16]
 
 
 class ReferenceImplementation(Implementation):
@@ -189,7 +211,7 @@ class TritonImplementation(Implementation):
         self._default_config = default_config
         self._supports = supports
         self._space = space
-        self._hash = _module_source_hash(plan)
+        self._hash = _module_source_hash(plan, *(getattr(k, "fn", k) for k in self.kernels))
 
     @property
     def interpreted(self) -> bool:

@@ -44,6 +44,11 @@ class CudaBackend(Backend):
             arch=arch,
             cores=props.multi_processor_count,
             memory_bytes=props.total_memory,
+            shared_memory_per_program=getattr(props, "shared_memory_per_block_optin", 0),
+            registers_per_core=getattr(props, "regs_per_multiprocessor", 0),
+            threads_per_core=getattr(props, "max_threads_per_multi_processor", 0),
+            warp_size=getattr(props, "warp_size", 32),
+            l2_bytes=getattr(props, "L2_cache_size", 0),
         )
 
     def synchronize(self, device: torch.device) -> None:
