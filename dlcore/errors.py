@@ -67,6 +67,16 @@ class SearchSpaceError(DlcoreError, ValueError):
     """A search space, or a config checked against one, is malformed."""
 
 
+class PluginConflictError(DlcoreError, ValueError):
+    """Two plugins provide the same thing (an op, an implementation, a backend's device type, a
+    strategy), or an implementation is for an op no plugin declares; the later one is dropped."""
+
+
+class DeclarationError(DlcoreError, ValueError):
+    """An op, a kernel or a search space is declared wrongly (a bug in the plugin that declares it),
+    or something it does not declare is asked of it (example inputs, say)."""
+
+
 class InvalidOptionError(DlcoreError, ValueError):
     """An option (an argument of ``get_op``, ``tune`` or a search, or the variable standing for it) has
     a value dlcore does not know."""

@@ -11,7 +11,7 @@ import dlcore.runtime.launcher
 from dlcore.declarations.implementation import TorchImplementation
 from dlcore.declarations.op import Op, TensorArg
 from dlcore.errors import BackendUnavailableError, NoKernelError, UnknownImplementationError, UnknownOpError
-from dlcore.plugins.discovery import PluginRecord, discover
+from dlcore.plugins.discovery import PluginRecord, PluginStatus, discover
 from dlcore.plugins.registry import Registry
 
 F32 = (torch.float16, torch.float32)
@@ -31,7 +31,7 @@ def with_plugins(monkeypatch, *plugins):
     found = discover()
     for i, plugin in enumerate(plugins):
         record = PluginRecord("dlcore.kernels", f"test{i}", "tests")
-        record.status = "loaded"
+        record.status = PluginStatus.LOADED
         found.records.append(record)
         found.manager.register(plugin, name=record.id)
     reg = Registry(found)

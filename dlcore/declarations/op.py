@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from dlcore.declarations.layout import ACCEPTED_LAYOUT_TEXT, layout_of
-from dlcore.errors import InvalidInputError
+from dlcore.errors import DeclarationError, InvalidInputError
 
 REQUIRED = object()
 
@@ -207,7 +207,7 @@ class Op:
                        seed: int = 0) -> tuple:
         """Random arguments from ``example``: ``sizes`` over ``example_sizes``, drawn from ``seed``."""
         if self.example is None:
-            raise ValueError(f"op {self.name!r} declares no example inputs")
+            raise DeclarationError(f"op {self.name!r} declares no example inputs")
         return self.example({**self.example_sizes, **sizes}, dtype, torch.device(device),
                             torch.Generator().manual_seed(seed))
 

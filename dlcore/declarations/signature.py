@@ -14,6 +14,7 @@ import torch
 
 from dlcore.declarations.layout import layout_of
 from dlcore.declarations.op import Op, ScalarArg, TensorArg
+from dlcore.errors import DeclarationError
 
 
 @dataclass(frozen=True)
@@ -61,24 +62,6 @@ class Signature:
     def describe(self) -> str:
         return self.key()
 
-    def to_json(self) -> dict[str, Any]:
-        tensors = [[n, str(t.dtype).removeprefix("torch."), list(t.shape), t.layout, t.aligned]
-                   for n, t in self.tensors]
-        return {"op": self.op, "device_type": self.device_type, "tensors": tensors,
-                "scalars": [[n, v] for n, v in self.scalars]}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Signature:
-        """The signature ``to_json`` wrote; ValueError if ``data`` is not one."""
-        tensors = []
-        for name, dtype_name, shape, layout, aligned in data["tensors"]:
-            dtype = getattr(torch, str(dtype_name), None)
-            if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"not a dtype: {dtype_name!r}")
-            tensors.append((str(name), TensorSpec(dtype, tuple(int(d) for d in shape), str(layout), bool(aligned))))
-        return cls(str(data["op"]), str(data["device_type"]), tuple(tensors),
-                   tuple((str(n), v) for n, v in data["scalars"]))
-
 
 def cdiv(a: int, b: int) -> int:
     """``ceil(a / b)`` for positive ints. Not ``triton.cdiv`` on the host: that is a JIT function
@@ -99,7 +82,7 @@ def bucket_shape(shape: tuple[int, ...], policy: str | None) -> tuple[int, ...]:
         if len(shape) < 3:
             return bucket_shape(shape, "rows")
         return (next_power_of_2(math.prod(shape[:-2])), *shape[-2:])
-    raise ValueError(f"unknown bucket policy {policy!r}; known: 'rows', 'tokens' or None")
+    raise DeclarationError(f"unknown bucket policy {policy!r}; known: 'rows', 'tokens' or None")
 
 
 def _aligned(t: torch.Tensor) -> bool:

@@ -15,6 +15,7 @@ Selection by environment:
 
 from __future__ import annotations
 
+import enum
 import functools
 import os
 import traceback
@@ -39,6 +40,20 @@ class PluginWarning(UserWarning):
     """A plugin failed to load or was rejected; ``dlcore plugins`` shows why."""
 
 
+class PluginStatus(str, enum.Enum):
+    """What became of an entry point."""
+
+    PENDING = "pending"  # not looked at yet
+    LOADED = "loaded"
+    DEFERRED = "deferred"  # known to the plugin index: loaded when one of its ops is asked for
+    FAILED = "failed"  # its import or a hook raised
+    REJECTED = "rejected"  # loaded, but it breaks the hook contract
+    DISABLED = "disabled"  # DLCORE_DISABLE_PLUGINS, or not in DLCORE_PLUGINS
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass
 class PluginRecord:
     """One entry point and what became of it."""
@@ -46,7 +61,7 @@ class PluginRecord:
     group: str
     name: str
     value: str
-    status: str = "pending"  # loaded | deferred | failed | rejected | disabled
+    status: PluginStatus = PluginStatus.PENDING
     error: str = ""
     traceback: str = ""
 
@@ -66,7 +81,7 @@ class PluginRecord:
     def version(self) -> str:
         return _distributions().get((self.group, self.name, self.value), ("?", "?"))[1]
 
-    def fail(self, status: str, exc: BaseException) -> None:
+    def fail(self, status: PluginStatus, exc: BaseException) -> None:
         self.status = status
         self.error = f"{type(exc).__name__}: {exc}"
         self.traceback = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
@@ -87,14 +102,14 @@ class PluginSet:
 
     def deferred(self) -> list[PluginRecord]:
         """The plugins held back until asked for."""
-        return [r for r in self.records if r.status == "deferred"]
+        return [r for r in self.records if r.status == PluginStatus.DEFERRED]
 
     def load(self, plugin_ids: set[str]) -> list[str]:
         """Load the deferred plugins among ``plugin_ids``; return the ids now registered."""
         records = [r for r in self.deferred() if r.id in plugin_ids]
         for group in GROUPS:
             self.load_records(group, [r for r in records if r.group == group])
-        return [r.id for r in records if r.status == "loaded"]
+        return [r.id for r in records if r.status == PluginStatus.LOADED]
 
     def load_records(self, group: str, records: list[PluginRecord]) -> None:
         """Load the entry points of ``records`` (all of ``group``) through stevedore and register them."""
@@ -104,7 +119,7 @@ class PluginSet:
 
         def on_failure(_manager, ep: EntryPoint, exc: Exception) -> None:
             record = by_name[ep.name]
-            record.fail("failed", exc)
+            record.fail(PluginStatus.FAILED, exc)
             _warn(record)
 
         extensions = NamedExtensionManager(
@@ -120,7 +135,7 @@ class PluginSet:
     def fail(self, plugin_id: str, exc: BaseException) -> None:
         """A loaded plugin misbehaved in a hook: unregister it and report it once."""
         record = self.record(plugin_id)
-        record.fail("failed", exc)
+        record.fail(PluginStatus.FAILED, exc)
         if self.manager.get_plugin(plugin_id) is not None:
             self.manager.unregister(name=plugin_id)
         _warn(record)
@@ -184,9 +199,9 @@ def discover(defer: Callable[[PluginRecord], bool] | None = None) -> PluginSet:
             wanted = {ep.name, record.id}
             requested_seen |= wanted & only
             if wanted & disabled or (only and not record.builtin and not wanted & only):
-                record.status = "disabled"
+                record.status = PluginStatus.DISABLED
             elif group == DEFERRABLE_GROUP and defer is not None and not wanted & only and defer(record):
-                record.status = "deferred"
+                record.status = PluginStatus.DEFERRED
             else:
                 allowed.append(record)
         plugins.load_records(group, allowed)
@@ -197,7 +212,8 @@ def discover(defer: Callable[[PluginRecord], bool] | None = None) -> PluginSet:
             f"DLCORE_PLUGINS names {', '.join(sorted(missing))}, which no installed distribution provides; "
             f"installed: {', '.join(sorted(r.id for r in plugins.records)) or 'none'}"
         )
-    broken = [r for r in plugins.records if r.status in ("failed", "rejected") and {r.name, r.id} & only]
+    broken = [r for r in plugins.records
+              if r.status in (PluginStatus.FAILED, PluginStatus.REJECTED) and {r.name, r.id} & only]
     if broken:
         r = broken[0]
         raise PluginLoadError(f"plugin {r.id} named in DLCORE_PLUGINS could not be loaded: {r.error}\n{r.traceback}")
@@ -211,7 +227,7 @@ def _register(manager: pluggy.PluginManager, record: PluginRecord, plugin: objec
     except Exception as exc:  # noqa: BLE001 - any defect in a plugin must only reject that plugin
         if manager.get_plugin(record.id) is not None:
             manager.unregister(name=record.id)
-        record.fail("rejected", exc)
+        record.fail(PluginStatus.REJECTED, exc)
         _warn(record)
         return
-    record.status = "loaded"
+    record.status = PluginStatus.LOADED

@@ -18,8 +18,8 @@ from dlcore.declarations.backend import Backend
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Implementation, ReferenceImplementation
 from dlcore.declarations.op import Op
-from dlcore.errors import BackendUnavailableError, UnknownOpError, UnknownStrategyError
-from dlcore.plugins.discovery import DEFERRABLE_GROUP, PluginSet, discover
+from dlcore.errors import BackendUnavailableError, PluginConflictError, UnknownOpError, UnknownStrategyError
+from dlcore.plugins.discovery import DEFERRABLE_GROUP, PluginSet, PluginStatus, discover
 from dlcore.plugins.index import DEFERRABLE_HOOKS, PluginIndex
 
 
@@ -109,13 +109,13 @@ class Registry:
                 provides.setdefault(impl.plugin, set()).add(name)
         learnt = False
         for record in self.plugins.records:
-            if record.group != DEFERRABLE_GROUP or record.status in ("disabled", "deferred"):
+            if record.group != DEFERRABLE_GROUP or record.status in (PluginStatus.DISABLED, PluginStatus.DEFERRED):
                 continue
             if index.known(record.id, record.value) is not None:
                 continue
             plugin = self.plugins.manager.get_plugin(record.id)
             hooks = {c.name for c in self.plugins.manager.get_hookcallers(plugin) or ()} if plugin else set()
-            eager = record.status != "loaded" or not hooks <= DEFERRABLE_HOOKS
+            eager = record.status is not PluginStatus.LOADED or not hooks <= DEFERRABLE_HOOKS
             index.learn(record.id, record.value, provides.get(record.id, set()), eager)
             learnt = True
         if learnt:
@@ -125,7 +125,8 @@ class Registry:
         taken = [t for t in backend.device_types if t in self._by_device_type]
         if taken or backend.name in self.backends:
             owner = self.backend_plugin.get(backend.name) or self._by_device_type[taken[0]].name
-            raise ValueError(f"backend {backend.name!r} claims {taken or backend.name}, already owned by {owner}")
+            raise PluginConflictError(
+                f"backend {backend.name!r} claims {taken or backend.name}, already owned by {owner}")
         self.backends[backend.name] = backend
         self.backend_plugin[backend.name] = plugin
         for device_type in backend.device_types:
@@ -133,7 +134,7 @@ class Registry:
 
     def _add_op(self, plugin: str, op: Op) -> None:
         if op.name in self._ops:
-            raise ValueError(f"op {op.name!r} is already declared by {self.op_plugin[op.name]}")
+            raise PluginConflictError(f"op {op.name!r} is already declared by {self.op_plugin[op.name]}")
         self._ops[op.name] = op
         self.op_plugin[op.name] = plugin
         reference = ReferenceImplementation(op)
@@ -144,10 +145,10 @@ class Registry:
         if impl.op not in self._ops:
             self._require(impl.op)  # declared by a plugin not loaded yet?
         if impl.op not in self._ops:
-            raise ValueError(f"implementation {impl.name!r} is for op {impl.op!r}, which no plugin declares")
+            raise PluginConflictError(f"implementation {impl.name!r} is for op {impl.op!r}, which no plugin declares")
         existing = self.implementations[impl.op]
         if any(i.name == impl.name for i in existing):
-            raise ValueError(f"{impl.op} already has an implementation named {impl.name!r}")
+            raise PluginConflictError(f"{impl.op} already has an implementation named {impl.name!r}")
         impl.plugin = plugin
         existing.append(impl)
 
@@ -157,7 +158,7 @@ class Registry:
 
     def _add_strategy(self, plugin: str, strategy: Any) -> None:
         if strategy.name in self.strategies:
-            raise ValueError(f"strategy {strategy.name!r} is already provided")
+            raise PluginConflictError(f"strategy {strategy.name!r} is already provided")
         self.strategies[strategy.name] = strategy
 
     # -- lookups --------------------------------------------------------------------------------

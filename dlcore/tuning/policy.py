@@ -31,6 +31,9 @@ CHECKS = ("first", "all", "none")
 class Tune(str, enum.Enum):
     """What a call asks for on a miss (``tune=`` or ``DLCORE_TUNE``)."""
 
+    def __str__(self) -> str:
+        return self.value
+
     OFF = "off"
     QUICK = "quick"
     FULL = "full"

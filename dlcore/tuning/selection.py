@@ -19,6 +19,9 @@ from dlcore.runtime.runner import runner
 class How(str, enum.Enum):
     """How a selection was made."""
 
+    def __str__(self) -> str:
+        return self.value
+
     ONLY_CANDIDATE = "only candidate"
     REQUESTED = "requested"
     MEASURED = "measured"

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from dlcore.declarations.space import Config, SearchSpace
+from dlcore.errors import InvalidOptionError, SearchSpaceError
 
 Objective = Callable[[Config], float]
 """Measures one config and returns its time in milliseconds. It may raise (failed to compile, out
@@ -34,11 +35,11 @@ class Budget:
 
     def __post_init__(self) -> None:
         if self.evaluations is None and self.seconds is None:
-            raise ValueError("Budget() limits nothing; give evaluations=, seconds= or both")
+            raise InvalidOptionError("Budget() limits nothing; give evaluations=, seconds= or both")
         if self.evaluations is not None and self.evaluations < 1:
-            raise ValueError(f"Budget evaluations={self.evaluations}; give at least 1")
+            raise InvalidOptionError(f"Budget evaluations={self.evaluations}; give at least 1")
         if self.seconds is not None and self.seconds <= 0:
-            raise ValueError(f"Budget seconds={self.seconds}; give a positive duration")
+            raise InvalidOptionError(f"Budget seconds={self.seconds}; give a positive duration")
 
     def exhausted(self, n_done: int, elapsed: float) -> bool:
         """Whether a search that made ``n_done`` evaluations in ``elapsed`` seconds must stop."""
@@ -144,7 +145,7 @@ class Runner:
     def evaluate(self, config: Config) -> Evaluation | None:
         """Measure ``config``, or return its earlier evaluation; ``None`` once the search must stop.
 
-        :raises ValueError: ``config`` is not in the space, which is a bug in the strategy: an
+        :raises SearchSpaceError: ``config`` is not in the space, which is a bug in the strategy: an
             invalid config is never handed to the objective.
         """
         earlier = self.known(config)
@@ -152,7 +153,7 @@ class Runner:
             return earlier
         reason = self.space.is_valid(config)
         if reason is not None:
-            raise ValueError(f"strategy proposed {config}, which is not in the search space: {reason}")
+            raise SearchSpaceError(f"strategy proposed {config}, which is not in the search space: {reason}")
         if self.exhausted():
             return None
         measured, failure = self._measure(config)
