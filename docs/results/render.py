@@ -1,0 +1,437 @@
+#!/usr/bin/env python3
+"""Render docs/performance.md from the JSON results beside this file (standard library only).
+
+    python3 docs/results/render.py                 write docs/performance.md
+    python3 docs/results/render.py --check         exit 1 if docs/performance.md is not what the JSON gives
+    python3 docs/results/render.py import-overhead FILE.txt
+                                                   turn the output of `python3 -m dlcore.bench.overhead
+                                                   warm hot cold` into docs/results/overhead.json
+
+Inputs, all in this folder:
+- ``OP_MODE.json``: ``dlcore bench ... --json`` (``bash .ci/gpu.sh bench``), one per op and mode;
+- ``overhead.json``: dlcore's own costs per call (``import-overhead`` above);
+- ``first_call.json``: ``python3 .ci/first_call.py all --json docs/results/first_call.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import re
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PAGE = os.path.join(os.path.dirname(HERE), "performance.md")
+OWN = "dlcore"
+#: the order of the sections; ops not listed here follow in name order
+OP_ORDER = ("rms_norm", "add_rms_norm", "silu_and_mul", "apply_rotary_pos_emb", "partial_rotary_emb", "matmul", "ffn")
+MODE_ORDER = ("fwd", "bwd", "fwd+bwd")
+BASELINE_NAMES = {"torch": "eager PyTorch", "compile": "torch.compile", "liger": "Liger-Kernel"}
+#: working sets from which the fraction of the copy bandwidth is summarized
+LARGE_MIB = 64
+
+OP_NOTES = {
+    "rms_norm": "`rms_norm(x, w, eps)`: x `[tokens, hidden]`; backward: dx and dw.",
+    "add_rms_norm": "`add_rms_norm(x, residual, w, eps)`: the residual add fused with the norm.",
+    "silu_and_mul": "`silu_and_mul(x)`: x `[tokens, 2 * inter]`, SwiGLU of its two halves.",
+    "apply_rotary_pos_emb": "`apply_rotary_pos_emb(q, k, cos, sin)`: rotary embedding of q `[tokens, heads, head_dim]` "
+                            "and k `[tokens, kv_heads, head_dim]` (GQA models).",
+    "partial_rotary_emb": "`partial_rotary_emb`: MLA's rotary part (the 64 rope dimensions of each query head and of "
+                          "the shared key head; DeepSeek models).",
+    "matmul": "`matmul(a, b)`: a `[tokens, hidden]` @ b `[hidden, inter]` (M = tokens, K = hidden, N = inter).",
+    "ffn": "`ffn(x, w1, w3, rms_w, eps)`: RMSNorm, the gate and up projections and SwiGLU in one op; the "
+           "baseline is the same composite in PyTorch.",
+}
+
+
+# -- reading -------------------------------------------------------------------------------------
+
+def load_benches(folder: str) -> list[dict]:
+    reports = []
+    for path in sorted(glob.glob(os.path.join(folder, "*.json"))):
+        with open(path) as f:
+            data = json.load(f)
+        if isinstance(data, dict) and "shapes" in data and "op" in data:
+            data["_file"] = os.path.basename(path)
+            reports.append(data)
+
+    def order(r):
+        op, mode = r["op"], r["mode"]
+        return (OP_ORDER.index(op) if op in OP_ORDER else len(OP_ORDER), op,
+                MODE_ORDER.index(mode) if mode in MODE_ORDER else len(MODE_ORDER))
+    return sorted(reports, key=order)
+
+
+def load_optional(folder: str, name: str) -> dict | None:
+    path = os.path.join(folder, name)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+# -- numbers ----------------------------------------------------------------------------------------
+
+def geomean(values: list[float]) -> float | None:
+    values = [v for v in values if v]
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
+
+
+def us(ms: float | None) -> str:
+    if ms is None:
+        return "-"
+    value = ms * 1e3
+    return f"{value:.0f}" if value >= 1000 else f"{value:.3g}" if value < 10 else f"{value:.4g}"
+
+
+def ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def pct(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{100 * x:.0f}%" if x >= 0.01 else f"{100 * x:.2g}%"
+
+
+def num(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
+
+
+def mib(nbytes: int | None) -> str:
+    if not nbytes:
+        return "-"
+    value = nbytes / 2**20
+    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def shape_label(shape: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in shape["sizes"].items())
+
+
+def matmul_peak(reports: list[dict]) -> tuple[float, str] | None:
+    """The best bf16 matrix-product rate of any implementation in the matmul results, and where."""
+    best = None
+    for r in reports:
+        if r["op"] != "matmul" or r["dtype"] != "bfloat16":
+            continue
+        for s in r["shapes"]:
+            if s.get("bound") != "compute":
+                continue
+            for name, res in s["results"].items():
+                if res.get("tflops") and (best is None or res["tflops"] > best[0]):
+                    label = "cuBLAS through torch.matmul" if name == "torch" else name
+                    best = (res["tflops"], f"{label} at M x N x K = {s['sizes']['tokens']} x "
+                                           f"{s['sizes']['inter']} x {s['sizes']['hidden']}")
+    return best
+
+
+def limit_fraction(shape: dict, name: str, peak: float | None) -> float | None:
+    """GB/s over the copy bandwidth for memory-bound shapes; TFLOP/s over the matmul peak for compute-bound."""
+    res = shape["results"].get(name) or {}
+    if shape.get("bound") == "compute":
+        return res["tflops"] / peak if peak and res.get("tflops") else None
+    return res.get("copy_fraction")
+
+
+def rate(shape: dict, name: str) -> str:
+    res = shape["results"].get(name) or {}
+    if shape.get("bound") == "compute" and res.get("tflops"):
+        return f"{num(res['tflops'])} TFLOP/s"
+    return f"{num(res['gbps'])} GB/s" if res.get("gbps") else "-"
+
+
+# -- markdown -------------------------------------------------------------------------------------------
+
+def md_table(header: list[str], rows: list[list[str]], align: str | None = None) -> list[str]:
+    align = align or "l" * len(header)
+    rule = ["---:" if a == "r" else "---" for a in align]
+    return ["| " + " | ".join(header) + " |", "| " + " | ".join(rule) + " |",
+            *("| " + " | ".join(row) + " |" for row in rows)]
+
+
+def bench_table(report: dict, peak: float | None) -> list[str]:
+    baselines = [b for b in report["implementations"] if b != OWN]
+    with_models = any(s["models"] for s in report["shapes"])
+    header = (["model"] if with_models else []) + ["shape", "MiB", "dlcore us", "dlcore rate", "% of limit"]
+    for b in baselines:
+        header += [f"{b} us", f"vs {b}"]
+    rows = []
+    for s in report["shapes"]:
+        own = s["results"].get(OWN, {})
+        row = ([", ".join(s["models"])] if with_models else []) + [
+            shape_label(s), mib(s["bytes"]), us(own.get("ms")), rate(s, OWN), pct(limit_fraction(s, OWN, peak))]
+        for b in baselines:
+            row += [us((s["results"].get(b) or {}).get("ms")), ratio(s["speedup"].get(b))]
+        rows.append(row)
+    lead = [""] * (len(header) - 2 * len(baselines))
+    for label, values in (("geometric mean", report["geomean_speedup"]), ("lowest", report["min_speedup"])):
+        row = list(lead)
+        row[0 if not with_models else 1] = f"**{label}**"
+        for b in baselines:
+            row += ["", f"**{ratio(values.get(b))}**" if values.get(b) else "-"]
+        rows.append(row)
+    align = ("l" if with_models else "") + "lr" + "rrr" + "rr" * len(baselines)
+    return md_table(header, rows, align)
+
+
+def slower_than(report: dict) -> list[str]:
+    """Shapes where a baseline is faster than dlcore."""
+    found = []
+    for s in report["shapes"]:
+        worse = [f"{b} {ratio(v)}" for b, v in s["speedup"].items() if v is not None and v < 1.0]
+        if worse:
+            found.append(f"{shape_label(s)} ({', '.join(worse)})")
+    return found
+
+
+def copy_range(report: dict) -> str:
+    fractions = [s["results"][OWN]["copy_fraction"] for s in report["shapes"]
+                 if s.get("bound") == "memory" and (s["bytes"] or 0) >= LARGE_MIB * 2**20
+                 and s["results"].get(OWN, {}).get("copy_fraction")]
+    if not fractions:
+        return "-"
+    low, high = min(fractions), max(fractions)
+    return pct(low) if pct(low) == pct(high) else f"{pct(low)} to {pct(high)}"
+
+
+def summary(reports: list[dict]) -> list[str]:
+    rows = []
+    for r in reports:
+        g = r["geomean_speedup"]
+        tokens = sorted({s["sizes"].get("tokens") for s in r["shapes"] if "tokens" in s["sizes"]})
+        rows.append([f"[{r['op']}](#{r['op']})", r["mode"], str(len(r["shapes"])),
+                     ", ".join(map(str, tokens)) or "-",
+                     ratio(g.get("torch")), ratio(g.get("compile")), ratio(g.get("liger")),
+                     ratio(r["min_speedup"].get("compile")), copy_range(r)])
+    return md_table(["op", "mode", "shapes", "tokens", "vs eager", "vs compile", "vs Liger", "lowest vs compile",
+                     f"dlcore % of copy, >= {LARGE_MIB} MiB"], rows, "llrlrrrrl")
+
+
+def setup(reports: list[dict], overhead: dict | None, peak: tuple[float, str] | None) -> list[str]:
+    gpus = sorted({r.get("gpu") or r["device"].get("name", "?") for r in reports})
+    versions: dict[str, set] = {}
+    for r in reports:
+        for k, v in r.get("versions", {}).items():
+            if v:
+                versions.setdefault(k, set()).add(v)
+    dates = sorted(r["date"][:10] for r in reports)
+    copies = [c for r in reports for c in r.get("copy_bandwidth_runs_gbps", []) if c]
+    device = reports[0]["device"] if reports else {}
+    lines = [f"- GPU: {', '.join(gpus)} ({device.get('arch', '?')}, {device.get('cores', '?')} SMs"
+             + (f", driver {overhead['driver']}" if overhead and overhead.get("driver") else "") + ")."]
+    lines.append("- Versions: " + ", ".join(f"{k} {' / '.join(sorted(v))}" for k, v in versions.items()) + ".")
+    if dates:
+        lines.append(f"- Measured: {dates[0]}" + (f" to {dates[-1]}" if dates[-1] != dates[0] else "") + ".")
+    if copies:
+        lines.append(f"- Copy bandwidth (1 GiB device-to-device copy, bytes read + written, measured at the start and "
+                     f"end of every run): {min(copies):.0f} to {max(copies):.0f} GB/s.")
+    if peak:
+        lines.append(f"- bf16 matrix-product peak: {peak[0]:.0f} TFLOP/s, the best rate in the matmul results "
+                     f"({peak[1]}); compute-bound shapes are reported against it.")
+    envs = sorted({f"{k}={v}" for r in reports for k, v in r.get("environment", {}).items()
+                   if k != "DLCORE_CACHE_DIR"})
+    tune = [e for e in envs if e.startswith("DLCORE_TUNE=")]
+    lines.append("- dlcore: `get_op` with " + (", ".join(f"`{e}`" for e in envs) if envs else "no DLCORE_* setting")
+                 + ("" if tune else ", so tuning is off: every kernel runs its heuristic config, untuned") + ".")
+    return lines
+
+
+METHOD = """\
+Each table is one `dlcore bench` run (its command is under the table). For each shape the op's example
+inputs are built once; dlcore (through `get_op`) and each baseline run on the same inputs and are
+checked against each other, then timed in rounds: a round times every implementation once, starting
+one further along each round, and a time is the median of its rounds. One round is
+`triton.testing.do_bench`'s median (L2 flushed before each call); it counts the host's launch time
+wherever that exceeds the GPU's, which is the case for most ops at 1 and 64 tokens and for every
+backward below about 0.3 ms (the autograd engine's host work). `dlcore bench --timer cudagraph`
+replays CUDA graphs instead and gives GPU time alone (its copies stay timed with do_bench: a copy
+captured in a graph runs at about 2.7 TB/s on the H200 against 4.2 eagerly).
+
+- **vs X**: X's time over dlcore's; above 1, dlcore is faster. The geometric mean and the lowest are
+  over the table's shapes.
+- **rate, % of limit**: bytes moved (each input read once, each output written once, as the op's
+  `cost` counts them) over time, against the copy bandwidth of the same run, for memory-bound shapes;
+  for compute-bound shapes (more than 100 flop per byte) TFLOP/s against the bf16 matrix-product peak
+  above. A memory-bound op cannot pass 100% by much; small shapes stay far below it, since a launch
+  costs microseconds whatever it moves.
+- **bwd**: the forward runs once, untimed; each timed call is `torch.autograd.grad` of the inputs the
+  op declares differentiable, for a fixed output gradient.
+- **Baselines**: `torch` the op written in eager PyTorch (what a model runs), `compile` the same
+  function through `torch.compile` (compiled afresh for each shape, `dynamic=False`), `liger`
+  Liger-Kernel's kernel where it has one. Where a baseline writes into its inputs or output
+  gradients, the table's notes say so: each of its timed calls then moves fewer bytes."""
+
+OTHER = """\
+## Other measurements
+
+These are not regenerated by `render.py`; each gives its command.
+
+- **Grid folding** (`bash .ci/gpu.sh compiler`, H200, 2026-11-30): folding a grid onto persistent
+  programs gains 1.2x to 2.6x for one-warp programs over 1e4 to 1e6 blocks, and costs 3 to 10% for
+  programs of 4 to 8 warps. So on cuda the pass `grid_folding_small_programs` folds only one-warp
+  launches larger than the device; `grid_folding` is on by default for npu and mlu and opt-in on cuda
+  (`DLCORE_ENABLE_PASSES=grid_folding`).
+- **Tuning search quality** (`python -m dlcore.tuning.landscape replay tests/data/landscape_matmul.json
+  tests/data/landscape_ffn.json --seeds 20 --budget 100`, on the CPU, from landscapes recorded on the
+  H200): median over 20 seeds of the evaluations a strategy needs to come within 5% of the best config
+  of the space.
+
+  | landscape | configs | best | grid | random | tpe |
+  | --- | ---: | --- | --- | --- | --- |
+  | matmul 4096 x 4096 x 4096 | 396 | 0.184 ms (747 TFLOP/s) | not within 100 | 41 (10.4%) | 36.5 (9.2%) |
+  | ffn 2048 tokens, 4096 -> 4096 | 368 | 0.397 ms | not within 100 | 26 (7.1%) | 19.5 (5.3%) |"""
+
+
+def overhead_section(overhead: dict | None, first: dict | None) -> list[str]:
+    lines = ["## dlcore's own costs", ""]
+    if overhead:
+        lines += [f"`{overhead['command']}` on the {overhead.get('gpu', 'GPU')} host ({overhead.get('date', '?')}). "
+                  "Host time per call, median of 10^4 calls (silu_and_mul on one row of 256, float16), and for "
+                  "a new process the median of five (rms_norm, float32, 8 x 256; torch and triton imported "
+                  "first; the disk cache filled by a `dlcore tune` and the binding by an earlier process; "
+                  "Triton's cache warm).", ""]
+        rows = [[row["name"], f"{row['value']:.2f} {row['unit']}"] for row in overhead["rows"]]
+        lines += md_table(["what", "time"], rows, "lr")
+        lines.append("")
+        lines += [f"- {note}" for note in overhead.get("notes", [])]
+        if overhead.get("notes"):
+            lines.append("")
+    if first:
+        modes = first["modes"]
+        lines += ["### The first call", "",
+                  f"`{first['command']}`: each step's milliseconds in a new process with Triton's cache warm "
+                  f"(median of {len(next(iter(modes.values()))['runs_ms']['first_call'])}; {first['shape']}; "
+                  f"{first.get('gpu', '')} {first.get('date', '')}). `dlcore` calls `dlcore.get_op` and its "
+                  "result; `direct` calls `dlblas_kernels.rms_norm.rms_norm`; `triton` launches a trivial "
+                  "`@triton.jit` add kernel with `kernel[grid](...)`: Triton's own floor.", ""]
+        steps = {"get_op": "`get_op`", "first_call": "first call", "second_call": "second call"}
+        rows = [[label] + [f"{modes[m]['median_ms'][step]:.1f}" if step in modes.get(m, {})
+                                            .get("median_ms", {}) else "-" for m in ("dlcore", "direct", "triton")]
+                for step, label in steps.items()]
+        lines += md_table(["step, ms", "dlcore", "direct", "triton"], rows, "lrrr")
+        key = modes.get("key", {}).get("median_ms", {})
+        if key:
+            lines += ["", f"Alone in a new process: Triton's `triton_key()` {key.get('triton_key', 0):.0f} ms, the "
+                          f"CUDA backend's hash {key.get('backend_hash', 0):.1f} ms."]
+        profile = first.get("profile")
+        if profile:
+            lines += ["", f"Where dlcore's first call goes: cProfile of {profile['what']} (read from the profile, "
+                          "not written by the command above). Indented rows are parts of the unindented row "
+                          "above them.", ""]
+            lines += md_table(["part", "ms"], [[("&nbsp;&nbsp;&nbsp;&nbsp;" + name.strip()) if name.startswith(" ")
+                                                else name, f"{ms:.0f}"] for name, ms in profile["rows"]], "lr")
+        lines.append("")
+    return lines
+
+
+def render(folder: str) -> str:
+    reports = load_benches(folder)
+    overhead = load_optional(folder, "overhead.json")
+    first = load_optional(folder, "first_call.json")
+    peak = matmul_peak(reports)
+    out = ["# Performance", "",
+           "<!-- Generated by `python3 docs/results/render.py` from docs/results/*.json: edit those, not this. -->",
+           "",
+           "Current numbers, rendered by `python3 docs/results/render.py` from the JSON results in "
+           "[`docs/results/`](results/). `bash .ci/gpu.sh bench` writes the benchmark JSON there (one "
+           "`dlcore bench ... --json` per op and mode, on a CUDA GPU); `overhead.json` and "
+           "`first_call.json` come from the commands in [dlcore's own costs](#dlcores-own-costs).", "",
+           "## Setup", ""]
+    out += setup(reports, overhead, peak)
+    out += ["", "## Method", "", METHOD, "", "## Summary", "",
+            f"Geometric means of the speedups over each table's shapes; the last column is dlcore's share of the "
+            f"copy bandwidth at working sets of {LARGE_MIB} MiB and more.", ""]
+    out += summary(reports)
+    out.append("")
+    current = None
+    for r in reports:
+        if r["op"] != current:
+            current = r["op"]
+            out += [f"## {current}", ""]
+            if current in OP_NOTES:
+                out += [OP_NOTES[current], ""]
+        dtype = r["dtype"]
+        out += [f"### {current} {r['mode']} ({dtype})", ""]
+        out += bench_table(r, peak[0] if peak else None)
+        out += ["", f"`{r['command']}` ([`{r['_file']}`](results/{r['_file']}))"]
+        notes = list(r.get("notes", []))
+        per_shape: dict[str, list[str]] = {}
+        for s in r["shapes"]:
+            for n in s.get("notes", []):
+                per_shape.setdefault(n, []).append(shape_label(s))
+        notes += [f"{n} ({'; '.join(labels) if len(labels) <= 2 else f'{len(labels)} shapes'})"
+                  for n, labels in per_shape.items()]
+        slow = slower_than(r)
+        if slow:
+            notes.append("a baseline is faster at: " + "; ".join(slow))
+        if notes:
+            out += [""] + [f"- {n}" for n in notes]
+        out.append("")
+    out += overhead_section(overhead, first)
+    out += [OTHER, ""]
+    return "\n".join(out)
+
+
+# -- import-overhead -------------------------------------------------------------------------------------
+
+_LINE = re.compile(r"^(?P<name>\S.*?|\s+\S.*?)\s+(?P<value>-?\d+(?:\.\d+)?)(?P<us> us)?\s*$")
+
+
+def import_overhead(text_path: str, folder: str) -> int:
+    """Parse `python3 -m dlcore.bench.overhead warm hot cold` output into overhead.json (other keys kept)."""
+    path = os.path.join(folder, "overhead.json")
+    data = load_optional(folder, "overhead.json") or {}
+    rows = []
+    with open(text_path) as f:
+        for line in f:
+            m = _LINE.match(line.rstrip("\n"))
+            if not m:
+                continue
+            name = m["name"].strip()
+            unit = "us" if m["us"] else "ms"
+            name = re.sub(r",\s*ms$", "", name)
+            rows.append({"name": name, "value": float(m["value"]), "unit": unit})
+    if not rows:
+        print(f"no results found in {text_path}", file=sys.stderr)
+        return 1
+    data.update({"command": "python3 -m dlcore.bench.overhead warm hot cold", "rows": rows})
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+    print(f"wrote {path} ({len(rows)} rows)")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("command", nargs="?", choices=("render", "import-overhead"), default="render")
+    parser.add_argument("file", nargs="?", help="import-overhead: the text output of dlcore.bench.overhead")
+    parser.add_argument("--results", default=HERE, help="the folder of the JSON results (default: this one)")
+    parser.add_argument("--out", default=PAGE, help="the page to write (default docs/performance.md)")
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if the page is out of date")
+    args = parser.parse_args(argv)
+    if args.command == "import-overhead":
+        if not args.file:
+            parser.error("import-overhead needs the text file")
+        return import_overhead(args.file, args.results)
+    page = render(args.results)
+    if args.check:
+        current = open(args.out).read() if os.path.exists(args.out) else ""
+        if current != page:
+            print(f"{args.out} is out of date: run python3 docs/results/render.py", file=sys.stderr)
+            return 1
+        return 0
+    with open(args.out, "w") as f:
+        f.write(page)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
