@@ -6,7 +6,8 @@
 #   overhead   dlcore's own per-call costs (warm launch, in-process hit, cold disk hit)
 #   landscape-matmul, landscape-ffn
 #              every config of a space timed (ffn: a random sample within LANDSCAPE_SECONDS)
-#   bench      dlcore bench of the memory-bound ops against torch, torch.compile and Liger
+#   bench      dlcore bench of every op against torch, torch.compile and Liger: docs/results/*.json
+#   first-call the first call in new processes with Triton's cache warm: docs/results/first_call.json
 #   compiler   grid folding measurements and the `dlcore lower --all --report` table
 # e.g. bash .ci/gpu.sh tests overhead. Results land under $OUT.
 set -o pipefail
@@ -34,6 +35,7 @@ for stage in "$@"; do
       python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_tuning.py tests/kernels/test_rms_norm.py \
           tests/kernels/test_silu_and_mul.py 2>&1 | tee "$OUT/tests_quick.log" | tail -6 ;;
     overhead)
+      # docs/results/overhead.json: python3 docs/results/render.py import-overhead overhead.txt
       python3 -m dlcore.bench.overhead warm hot cold 2>&1 | tee "$OUT/overhead.txt" ;;
     landscape-matmul)
       python3 -m dlcore.bench.landscape record matmul --shape tokens=4096,hidden=4096,inter=4096 \
@@ -54,26 +56,21 @@ for stage in "$@"; do
             --seconds "${ROTARY_SECONDS:-60}" --out "$OUT/partial_${shape//[=,]/_}.json" 2>&1 | tail -1
       done ;;
     bench)
-      # BENCH_OPS and BENCH_MODES narrow the runs (default: every memory-bound op, fwd and bwd);
-      # BENCH_TIMER=cudagraph times CUDA-graph replays (no host time), BENCH_TOKENS the token counts
-      mkdir -p /tmp/bench
-      python3 - <<'PY' 2>&1 | tee -a /tmp/bench/bench.log | grep -v '^\['
-import os
-from dlcore.cli import main
-shapes = {"rms_norm": "gqa,deepseek-v3", "add_rms_norm": "gqa,deepseek-v3", "silu_and_mul": "gqa,deepseek-v3",
-          "apply_rotary_pos_emb": "gqa", "partial_rotary_emb": "mla"}
-ops = os.environ.get("BENCH_OPS", " ".join(shapes)).split()
-modes = os.environ.get("BENCH_MODES", "fwd bwd").split()
-timer = os.environ.get("BENCH_TIMER", "do_bench")
-tokens = os.environ.get("BENCH_TOKENS", "1,64,4096,16384")
-for op in ops:
-    for mode in modes:
-        stem = f"/tmp/bench/{op}_{mode}_{timer}"
-        main(["bench", op, "--mode", mode, "--dtype", "bf16", "--shapes", shapes[op],
-              "--tokens", tokens, "--rounds", "2", "--timer", timer, "--json", stem + ".json", "--plot", stem + ".png"])
-        os.system(f"tar czf {os.environ['OUT']}/bench.tgz -C /tmp/bench .")  # what is done survives a time-out
-PY
-      tar czf "$OUT/bench.tgz" -C /tmp/bench . ;;
+      # Every op's docs/results JSON (docs/performance.md is rendered from them): OP:MODE:SHAPES:TOKENS:VS
+      # specs, one `dlcore bench` each, bf16, do_bench, 2 rounds; results.tgz is rewritten after each,
+      # so what is done survives a time-out. BENCH_SPECS replaces the list.
+      specs=(rms_norm:fwd:gqa,deepseek-v3:1,64,4096,16384: rms_norm:bwd:gqa,deepseek-v3:1,64,4096,16384:
+             add_rms_norm:fwd:gqa,deepseek-v3:1,64,4096,16384: add_rms_norm:bwd:gqa,deepseek-v3:1,64,4096,16384:
+             silu_and_mul:fwd:gqa,deepseek-v3:1,64,4096,16384: silu_and_mul:bwd:gqa,deepseek-v3:1,64,4096,16384:
+             apply_rotary_pos_emb:fwd:gqa:1,64,4096,16384: apply_rotary_pos_emb:bwd:gqa:1,64,4096,16384:
+             partial_rotary_emb:fwd:mla:1,64,4096,16384: partial_rotary_emb:bwd:mla:1,64,4096,16384:
+             "matmul:fwd:tokens=4096,hidden=4096,inter=14336;tokens=128,hidden=4096,inter=4096;tokens=8192,hidden=8192,inter=8192::torch,compile"
+             ffn:fwd:llama3-8b:16,4096:torch,compile)
+      [ -n "$BENCH_SPECS" ] && read -r -a specs <<< "$BENCH_SPECS"
+      python3 .ci/bench_group.py /tmp/results "$OUT/results.tgz" "${specs[@]}" 2>&1 | tee -a "$OUT/bench.log" | grep -E '^== |geomean' ;;
+    first-call)
+      # the first call in new processes, Triton's cache warm: docs/results/first_call.json
+      python3 .ci/first_call.py all --runs 3 --json "$OUT/first_call.json" 2>&1 | tail -20 ;;
     compiler)
       OUT=/tmp/compiler bash .ci/gpu_compiler.sh 2>&1 | tee "$OUT/compiler.log" | tail -25
       tar czf "$OUT/compiler.tgz" -C /tmp/compiler . ;;
