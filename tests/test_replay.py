@@ -520,3 +520,11 @@ def test_nothing_is_shelved_while_a_stages_hook_is_installed(triton_runtime):
     x = torch.randn(16)
     launch.launch(KernelCall(kernel, (1,), (x, torch.empty_like(x), 16, 2.0)))
     assert launch._entries[kernel].shelf is None
+
+
+def test_launch_options_are_part_of_the_key(triton_runtime):
+    kernel = JITFunction()
+    x = torch.randn(16)
+    for options in ({"num_warps": 4}, {"num_warps": 8}, {"num_warps": 4, "launch_pdl": True}, {"num_warps": 4}):
+        launch.launch(KernelCall(kernel, (1,), (x, torch.empty_like(x), 16, 2.0), options))
+    assert len(kernel.planned) == 3 and len(kernel.replays) == 1
