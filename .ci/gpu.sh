@@ -3,6 +3,9 @@
 # diskcache, hyperopt, liger-kernel). Stages, in the order given:
 #   tests      the suite natively on CUDA (bfloat16 included) and the compile checks
 #   tests-quick  the GPU tests of get_op, tuning, rms_norm and silu_and_mul only
+#   launch     the warm launch path (dlcore/runtime/launch.py) against real compiled kernels, once per
+#              Triton version the host has: the installed one, then each site folder named in
+#              TRITON_SITES (pip install --target DIR triton==X). The GPU host has only triton 3.6.0.
 #   overhead   dlcore's own per-call costs (warm launch, in-process hit, cold disk hit)
 #   landscape-matmul, landscape-ffn
 #              every config of a space timed (ffn: a random sample within LANDSCAPE_SECONDS)
@@ -34,9 +37,15 @@ for stage in "$@"; do
     tests-quick)
       python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/test_tuning.py tests/kernels/test_rms_norm.py \
           tests/kernels/test_silu_and_mul.py 2>&1 | tee "$OUT/tests_quick.log" | tail -6 ;;
+    launch)
+      for site in "" $TRITON_SITES; do
+        PYTHONPATH=${site:+$site:}$PYTHONPATH python3 -c "import triton; print('triton', triton.__version__)"
+        PYTHONPATH=${site:+$site:}$PYTHONPATH python3 -m pytest -q -p no:cacheprovider -rs tests/test_replay.py \
+            tests/test_gpu.py -k "real_kernel or shelf or replay or specialization" 2>&1 | tail -4
+      done 2>&1 | tee "$OUT/launch.log" ;;
     overhead)
       # docs/results/overhead.json: python3 docs/results/render.py import-overhead overhead.txt
-      python3 -m dlcore.bench.overhead warm hot cold 2>&1 | tee "$OUT/overhead.txt" ;;
+      python3 -m dlcore.bench.overhead warm hot cold first 2>&1 | tee "$OUT/overhead.txt" ;;
     landscape-matmul)
       python3 -m dlcore.bench.landscape record matmul --shape tokens=4096,hidden=4096,inter=4096 \
           --dtype bfloat16 --workers 14 --out "$OUT/landscape_matmul.json" 2>&1 | tail -1 ;;

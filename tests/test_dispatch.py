@@ -7,7 +7,7 @@ import torch
 import dlcore
 import dlcore.dispatch.dispatcher
 import dlcore.plugins.registry
-import dlcore.runtime.launcher
+import dlcore.runtime.launch
 from dlcore.declarations.implementation import TorchImplementation
 from dlcore.declarations.op import Op, TensorArg
 from dlcore.errors import BackendUnavailableError, NoKernelError, UnknownImplementationError, UnknownOpError
@@ -214,8 +214,8 @@ def test_triton_kernels_need_the_interpreter_on_cpu(monkeypatch, gen):
 
 def test_bound_op_launches_through_the_plan(monkeypatch, gen):
     launched = []
-    original = dlcore.runtime.launcher.launch
-    monkeypatch.setattr(dlcore.runtime.launcher, "launch", lambda call: launched.append(call.kernel) or original(call))
+    original = dlcore.runtime.launch.launch
+    monkeypatch.setattr(dlcore.runtime.launch, "launch", lambda call: launched.append(call.kernel) or original(call))
     x, w = inputs(gen, (4, 32), (32,))
     dlcore.get_op("rms_norm", (x, w))(x, w)
     assert len(launched) == 1
@@ -228,8 +228,8 @@ def test_launch_passes_apply_to_bound_ops(monkeypatch, gen):
     dlcore.dispatch.dispatcher.reset()
     monkeypatch.setenv("DLCORE_ENABLE_PASSES", "grid_folding")
     launched = []
-    original = dlcore.runtime.launcher.launch
-    monkeypatch.setattr(dlcore.runtime.launcher, "launch", lambda call: launched.append(call) or original(call))
+    original = dlcore.runtime.launch.launch
+    monkeypatch.setattr(dlcore.runtime.launch, "launch", lambda call: launched.append(call) or original(call))
     folded = dlcore.get_op("silu_and_mul", (x,))(x)
     assert torch.equal(plain, folded)
     (call,) = launched

@@ -1,13 +1,23 @@
-"""get_op on CUDA tensors: the cuda backend, real timing, bfloat16. Skipped without a GPU."""
+"""get_op on CUDA tensors: the cuda backend, real timing, bfloat16; the warm launch path against
+real compiled kernels. Skipped without a GPU."""
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import dlcore
+from dlcore.declarations.implementation import KernelCall, LaunchPlan
 from dlcore.plugins.registry import registry
+from dlcore.runtime import launch
 from dlcore.tuning.verify import mismatch, reference_result
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 SIZES = {
     "silu_and_mul": [{"tokens": 1, "inter": 4096}, {"tokens": 1000, "inter": 1411}],
@@ -47,8 +57,6 @@ def test_warm_path_respects_every_specialization():
     functions, tuning) reuse compiled kernels only for arguments Triton would specialize alike."""
     import dlblas_kernels
 
-    from dlcore.runtime.launcher import _layouts
-
     op = registry().op("rms_norm")
     for rows in (1, 16, 17, 64):
         for offset in (0, 1, 8):
@@ -61,7 +69,7 @@ def test_warm_path_respects_every_specialization():
                 assert mismatch(out, expected, 4096) is None, (rows, offset)
                 out = dlblas_kernels.rms_norm(x, w)
                 assert mismatch(out, expected, 4096) is None, (rows, offset, "public function")
-    assert any(layout.compiled for layout in _layouts.values())
+    assert any(found.compiled for found in launch._entries.values() if found is not None)
 
 
 REPLAYED = [("silu_and_mul", {"tokens": 3, "inter": 1000}), ("matmul", {"tokens": 37, "hidden": 200, "inter": 96}),
@@ -73,11 +81,9 @@ REPLAYED = [("silu_and_mul", {"tokens": 3, "inter": 1000}), ("matmul", {"tokens"
 def test_bound_ops_replay_their_launches(name, sizes, offset, monkeypatch):
     """A bound op records its launches on the first call and replays them on later calls with the
     same exact inputs (new values each time); the results stay right and each is a new tensor."""
-    from dlcore.runtime import replay
-
     replays = []
-    original = replay.Template.run
-    monkeypatch.setattr(replay.Template, "run", lambda self, args: replays.append(name) or original(self, args))
+    original = launch.Template.run
+    monkeypatch.setattr(launch.Template, "run", lambda self, args: replays.append(name) or original(self, args))
     op = registry().op(name)
 
     def inputs(seed):
@@ -113,12 +119,11 @@ def test_custom_op_bodies_replay_their_launches(name, sizes, reduce_dim, monkeyp
     outputs and gradients stay right (compared with the float64 reference's)."""
     import importlib
 
-    from dlcore.runtime import replay
     from dlcore.testing import upcast
 
     replays = []
-    original = replay.Template.run
-    monkeypatch.setattr(replay.Template, "run", lambda self, args: replays.append(name) or original(self, args))
+    original = launch.Template.run
+    monkeypatch.setattr(launch.Template, "run", lambda self, args: replays.append(name) or original(self, args))
     module = importlib.import_module(f"dlblas_kernels.{name}")
     public, op = getattr(module, name), registry().op(name)
     differentiable = op.differentiable()
@@ -156,3 +161,118 @@ def test_graph_timer_times_forwards_and_backwards(mode):
     (result,) = report.shapes
     assert not result.notes, result.notes
     assert 0 < result.ms("dlcore") < 1 and 0 < result.ms("torch") < 1
+
+
+@triton.jit
+def scale_kernel(x_ptr, out_ptr, n, scale, BLOCK: tl.constexpr):
+    # out = x * scale, one block of BLOCK elements per program
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) * scale, mask=mask)
+
+
+def scale_call(x: torch.Tensor, out: torch.Tensor, scale: float) -> KernelCall:
+    return KernelCall(scale_kernel, (triton.cdiv(x.numel(), 256),), (x, out, x.numel(), scale),
+                      {"BLOCK": 256, "num_warps": 4})
+
+
+def by_triton(x: torch.Tensor, scale: float) -> torch.Tensor:
+    out = torch.full_like(x, float("nan"))
+    call = scale_call(x, out, scale)
+    call.kernel[call.grid](*call.args, **call.kwargs)
+    return out
+
+
+@pytest.fixture
+def direct(monkeypatch):
+    """The launches that called a compiled kernel directly (not through Triton's JITFunction.run)."""
+    seen = []
+    original = launch.run_compiled
+    monkeypatch.setattr(launch, "run_compiled", lambda *a: seen.append(a[0]) or original(*a))
+    return seen
+
+
+INPUTS = [(4096, 0, torch.float32), (4096, 1, torch.float32), (1000, 0, torch.float16), (1, 0, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("n, offset, dtype", INPUTS, ids=[f"{n}-{o}-{d}" for n, o, d in INPUTS])
+def test_the_warm_path_matches_triton_on_a_real_kernel(n, offset, dtype, direct):
+    """Every specialization (size class, alignment, dtype): the first launch goes through Triton, the
+    next ones call the compiled kernel; the results are Triton's, bit for bit."""
+    flat = torch.randn(n + offset, device="cuda", dtype=dtype)
+    x = flat[offset:]
+    expected = by_triton(x, 3.0)
+    for i in range(3):
+        out = torch.full_like(x, float("nan"))
+        launch.launch(scale_call(x, out, 3.0))
+        assert torch.equal(out, expected), i
+    assert len(direct) == 2
+
+
+def test_replays_match_triton_on_a_real_kernel(direct):
+    def plan(args, config):
+        (x,) = args
+        out, doubled = torch.empty_like(x), torch.empty_like(x)
+        return LaunchPlan([scale_call(x, doubled, 2.0), scale_call(doubled, out, config["scale"])], out,
+                          scratch=(doubled,))
+
+    run = launch.Replay(plan, {"scale": 1.5}, None)
+    for i in range(4):
+        x = torch.randn(3000, device="cuda")
+        assert torch.equal(run((x,)), by_triton(by_triton(x, 2.0), 1.5)), i
+    assert len(direct) >= 6, "three replays of two launches each"
+    assert all(t is not None for t in run.templates.values())
+
+
+def test_the_fallback_on_a_real_kernel(monkeypatch, direct):
+    """A missing internal: one warning, then every launch (plain or replayed) through kernel[grid]."""
+    checked = launch.check()
+    checked.missing.append("triton.knobs.runtime.launch_enter_hook")
+    monkeypatch.setattr(launch, "_internals", None)
+    monkeypatch.setattr(launch, "_entries", {})
+    monkeypatch.setattr(launch, "check", lambda: checked)
+
+    def plan(args, config):
+        out = torch.empty_like(args[0])
+        return LaunchPlan([scale_call(args[0], out, 2.0)], out)
+
+    run = launch.Replay(plan, {}, None)
+    with pytest.warns(UserWarning, match="launch_enter_hook") as warned:
+        for _ in range(3):
+            x = torch.randn(2048, device="cuda")
+            out = torch.empty_like(x)
+            launch.launch(scale_call(x, out, 2.0))
+            assert torch.equal(out, by_triton(x, 2.0))
+            assert torch.equal(run((x,)), by_triton(x, 2.0))
+    assert len(warned) == 1 and direct == []
+    assert set(run.templates.values()) == {None}, "nothing recorded"
+
+
+FIRST_CALL = """
+import json, sys, time, torch, triton
+import dlcore
+x = torch.randn(64, 4096, device="cuda", dtype=torch.bfloat16, generator=None)
+w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+op = dlcore.get_op("rms_norm", (x, w))
+start = time.perf_counter()
+out = op(x, w)
+torch.cuda.synchronize()
+ms = (time.perf_counter() - start) * 1e3
+ref = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6) * w.float()
+from triton.runtime.cache import triton_key
+print(json.dumps({"ms": ms, "error": (out.float() - ref).abs().max().item(),
+                  "triton_key": triton_key.cache_info().currsize}))
+"""
+
+
+def test_a_new_process_launches_from_the_shelf(tmp_path):
+    """The first call of a new process whose kernels an earlier process launched: loaded from
+    Triton's cache through the shelf, so Triton never hashes its installation (triton_key)."""
+    env = dict(os.environ, DLCORE_CACHE_DIR=str(tmp_path))
+    found = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", FIRST_CALL], env=env, capture_output=True, text=True, check=True)
+        found.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    first, second = found
+    assert first["triton_key"] == 1 and second["triton_key"] == 0, found
+    assert first["error"] < 0.1 and second["error"] < 0.1, found

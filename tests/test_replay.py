@@ -1,16 +1,18 @@
-"""Launch templates (dlcore.runtime.replay), with a stand-in for Triton's compiled kernels: no GPU needed.
+"""The warm launch module (dlcore.runtime.launch) with stand-ins for Triton's compiled kernels: its
+logic only, no GPU needed. What it does with real compiled kernels is tests/test_gpu.py's.
 
 The stand-in kernel computes ``out = x * scale`` in torch from the tensors it is handed, and counts
-how it was reached: through ``kernel[grid](...)`` (the plan's path) or ``compiled.run`` (a replay).
+how it was reached: through ``kernel[grid](...)`` (the plan's path) or ``compiled.run`` (direct).
 """
 
+import warnings
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from dlcore.declarations.implementation import KernelCall, LaunchPlan, TritonImplementation
-from dlcore.runtime import replay
+from dlcore.runtime import launch
 from dlcore.runtime.runner import runner
 
 
@@ -33,16 +35,19 @@ class Compiled:
         self.kernel.compute(*values)
 
 
-class FakeKernel:
-    """``scale_kernel(x_ptr, out_ptr, n, scale, BLOCK: tl.constexpr = 64)``."""
+class JITFunction:
+    """Stands in for ``scale_kernel(x_ptr, out_ptr, n, scale, BLOCK: tl.constexpr = 64)``."""
 
     arg_names = ["x_ptr", "out_ptr", "n", "scale", "BLOCK"]
     params = [Param(is_constexpr=c) for c in (False, False, False, False, True)]
+    debug = None
+    cache_key = "source-hash"
 
-    def __init__(self):
+    def __init__(self, compiled=Compiled):
         self.planned: list[tuple] = []
         self.replays: list[tuple] = []
-        self.compiled = Compiled(self)
+        self.pre_run_hooks: list = []
+        self.compiled = compiled(self)
 
         def fn(x_ptr, out_ptr, n, scale, BLOCK=64):
             pass
@@ -58,26 +63,50 @@ class FakeKernel:
             out.view(-1)[:n].copy_(x.reshape(-1)[:n] * scale)
 
     def __getitem__(self, grid):
-        def launch(*args, **kwargs):
+        def run(*args, **kwargs):
             self.planned.append(grid)
             values = list(args) + [kwargs.get("BLOCK", 64)]
             self.compute(*values)
             return self.compiled
 
-        return launch
+        return run
 
 
 class Runtime(SimpleNamespace):
     pass
 
 
+def fake_internals(**extra):
+    runtime = Runtime(add_stages_inspection_hook=None, launch_enter_hook=None, launch_exit_hook=None,
+                      jit_cache_hook=None, debug=False)
+    driver = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 1234,
+                             get_current_target=lambda: "target")
+    compilation = SimpleNamespace(always_compile=False, override=False, dump_ir=False, instrumentation_mode="")
+    return launch.Internals(runtime=runtime, driver=driver, compilation=compilation, cache=SimpleNamespace(dir="c"),
+                            env_vars=dict, **extra)
+
+
 @pytest.fixture
 def triton_runtime(monkeypatch):
-    runtime = Runtime(add_stages_inspection_hook=None, launch_enter_hook=None, launch_exit_hook=None)
-    driver = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 1234)
-    monkeypatch.setattr(replay.TritonRuntime, "runtime", runtime)
-    monkeypatch.setattr(replay.TritonRuntime, "driver", driver)
-    return runtime
+    internals = fake_internals()
+    monkeypatch.setattr(launch, "_internals", internals)
+    monkeypatch.setattr(launch, "_entries", {})
+    monkeypatch.setattr(launch, "_stamp", "stamp")
+    return internals.runtime
+
+
+@pytest.fixture
+def replayed(monkeypatch):
+    """The exact inputs replayed from a template so far (each call's first argument)."""
+    seen = []
+    original = launch.Template.run
+    monkeypatch.setattr(launch.Template, "run", lambda self, args: seen.append(args[0]) or original(self, args))
+    return seen
+
+
+def launches(kernel):
+    """Launches so far: through Triton (the first of a specialization) and direct."""
+    return len(kernel.planned) + len(kernel.replays)
 
 
 def scale_plan(kernel, *, view=False, scratch=False, offset=False, inplace=False, pair=False, declare=False):
@@ -103,8 +132,8 @@ def scale_plan(kernel, *, view=False, scratch=False, offset=False, inplace=False
 
 
 def test_first_call_records_then_replays_with_fresh_results(triton_runtime):
-    kernel = FakeKernel()
-    run = replay.Replay(scale_plan(kernel, view=True), {"scale": 2.0}, None)
+    kernel = JITFunction()
+    run = launch.Replay(scale_plan(kernel, view=True), {"scale": 2.0}, None)
     outs = []
     for _ in range(4):
         x = torch.randn(3, 5)
@@ -117,57 +146,61 @@ def test_first_call_records_then_replays_with_fresh_results(triton_runtime):
 
 
 def test_another_shape_stride_or_alignment_is_another_template(triton_runtime):
-    kernel = FakeKernel()
-    run = replay.Replay(scale_plan(kernel), {"scale": 2.0}, None)
+    kernel = JITFunction()
+    run = launch.Replay(scale_plan(kernel), {"scale": 2.0}, None)
     base = torch.randn(40)
     inputs = [torch.randn(3, 5), torch.randn(5, 3), torch.randn(5, 3).t(), base[:15], base[1:16], base[:15]]
     for x in inputs:
         torch.testing.assert_close(run((x,)), x * 2, rtol=0, atol=0)
-    assert len(kernel.planned) == 5 and len(kernel.replays) == 1
-    assert replay.exact_key((base[:15],)) != replay.exact_key((base[1:16],))
-    assert replay.exact_key((base[:15], 1.0)) != replay.exact_key((base[:15], 2.0))
+    assert len(run.templates) == 5, "the last input repeats the fourth"
+    # Recording launches through the kernel's entry: Triton compiles once per specialization (16-byte
+    # aligned or not), every other launch calls the compiled kernel.
+    assert len(kernel.planned) == 2 and len(kernel.replays) == 4
+    assert launch.exact_key((base[:15],)) != launch.exact_key((base[1:16],))
+    assert launch.exact_key((base[:15], 1.0)) != launch.exact_key((base[:15], 2.0))
 
 
 @pytest.mark.parametrize("what", ["scratch", "offset"])
-def test_launches_that_cannot_be_traced_keep_the_plan_path(triton_runtime, what):
-    kernel = FakeKernel()
-    run = replay.Replay(scale_plan(kernel, **{what: True}), {"scale": 2.0}, None)
+def test_launches_that_cannot_be_traced_keep_the_plan_path(triton_runtime, replayed, what):
+    kernel = JITFunction()
+    run = launch.Replay(scale_plan(kernel, **{what: True}), {"scale": 2.0}, None)
     for _ in range(3):
         x = torch.randn(16)
         out = run((x,))
         expected = x * 2 if what == "scratch" else torch.cat([(x[1:] * 2), out[-1:]])
         torch.testing.assert_close(out, expected, rtol=0, atol=0)
-    assert kernel.replays == [] and len(kernel.planned) == (6 if what == "scratch" else 3)
+    assert replayed == [] and list(run.templates.values()) == [None]
+    assert launches(kernel) == (6 if what == "scratch" else 3)
 
 
-def test_declared_scratch_is_allocated_afresh_for_each_replay(triton_runtime, monkeypatch):
-    kernel = FakeKernel()
-    run = replay.Replay(scale_plan(kernel, scratch=True, declare=True), {"scale": 2.0}, None)
+def test_declared_scratch_is_allocated_afresh_for_each_replay(triton_runtime, replayed, monkeypatch):
+    kernel = JITFunction()
+    run = launch.Replay(scale_plan(kernel, scratch=True, declare=True), {"scale": 2.0}, None)
     handed = []
     compute = kernel.compute
     monkeypatch.setattr(kernel, "compute", lambda x, out, *rest: handed.append(out) or compute(x, out, *rest))
     for _ in range(3):
         x = torch.randn(16)
         torch.testing.assert_close(run((x,)), x * 2, rtol=0, atol=0)
-    assert len(kernel.planned) == 2 and len(kernel.replays) == 4  # the first call's two launches, then replays
+    assert len(replayed) == 2 and launches(kernel) == 6
     scratch = handed[0::2]  # each call's first launch writes its scratch tensor
     assert all(t is not scratch[0] for t in scratch[1:]), "a replay allocates, never reuses the recorded tensor"
     assert all(t.shape == (16,) and t.dtype == torch.float32 for t in scratch)
 
 
-def test_declared_scratch_that_aliases_an_input_is_not_recorded(triton_runtime):
-    kernel = FakeKernel()
-    run = replay.Replay(scale_plan(kernel, scratch=lambda x: x, declare=True), {"scale": 2.0}, None)
+def test_declared_scratch_that_aliases_an_input_is_not_recorded(triton_runtime, replayed):
+    kernel = JITFunction()
+    run = launch.Replay(scale_plan(kernel, scratch=lambda x: x, declare=True), {"scale": 2.0}, None)
     for _ in range(2):
         x = torch.randn(16)
         expected = x * 2  # before the call: the "scratch" is x itself, which the first launch overwrites
         torch.testing.assert_close(run((x,)), expected, rtol=0, atol=0)
-    assert kernel.replays == [] and len(kernel.planned) == 4
+    assert replayed == [] and launches(kernel) == 4
 
 
 def test_a_result_that_is_an_input_is_returned_itself(triton_runtime):
-    kernel = FakeKernel()
-    run = replay.Replay(scale_plan(kernel, inplace=True), {"scale": 2.0}, None)
+    kernel = JITFunction()
+    run = launch.Replay(scale_plan(kernel, inplace=True), {"scale": 2.0}, None)
     for _ in range(3):
         x = torch.randn(8)
         expected = x * 2
@@ -186,39 +219,39 @@ def pair_plan(kernel):
     return plan
 
 
-def test_inputs_at_one_address_are_not_recorded(triton_runtime):
+def test_inputs_at_one_address_are_not_recorded(triton_runtime, replayed):
     """Recorded with the same tensor twice, a replay could not tell the two inputs apart later."""
-    kernel = FakeKernel()
-    run = replay.Replay(pair_plan(kernel), {}, None)
+    kernel = JITFunction()
+    run = launch.Replay(pair_plan(kernel), {}, None)
     same = torch.randn(6)
     for a, b in [(same, same), (torch.randn(6), torch.randn(6)), (torch.randn(6), torch.randn(6))]:
         out, out2 = run((a, b))
         torch.testing.assert_close(out, a * 2, rtol=0, atol=0)
         torch.testing.assert_close(out2, b * 3, rtol=0, atol=0)
-    assert kernel.replays == []  # the exact key is the same each time: it stays on the plan's path
-    run = replay.Replay(pair_plan(kernel), {}, None)
+    assert replayed == []  # the exact key is the same each time: it stays on the plan's path
+    run = launch.Replay(pair_plan(kernel), {}, None)
     a, b = torch.randn(6), torch.randn(6)
     run((a, b))
     out, out2 = run((same, same))  # recorded with two tensors, replayed with one twice: still right
     torch.testing.assert_close(out, same * 2, rtol=0, atol=0)
     torch.testing.assert_close(out2, same * 3, rtol=0, atol=0)
-    assert len(kernel.replays) == 2
+    assert len(replayed) == 1
 
 
-def test_tuple_results_and_several_launches(triton_runtime):
-    kernel = FakeKernel()
-    run = replay.Replay(scale_plan(kernel, pair=True), {"scale": 2.0}, None)
+def test_tuple_results_and_several_launches(triton_runtime, replayed):
+    kernel = JITFunction()
+    run = launch.Replay(scale_plan(kernel, pair=True), {"scale": 2.0}, None)
     for _ in range(3):
         x = torch.randn(7)
         a, b = run((x,))
         torch.testing.assert_close(a, x * 2, rtol=0, atol=0)
         torch.testing.assert_close(b, x * 3, rtol=0, atol=0)
-    assert len(kernel.replays) == 4 and kernel.replays[-1][:3] == (2, 3, 1)
+    assert len(replayed) == 2 and kernel.replays[-1][:3] == (2, 3, 1)
 
 
 def test_launch_hooks_get_metadata(triton_runtime):
-    kernel = FakeKernel()
-    run = replay.Replay(scale_plan(kernel), {"scale": 2.0}, None)
+    kernel = JITFunction()
+    run = launch.Replay(scale_plan(kernel), {"scale": 2.0}, None)
     run((torch.randn(4),))
     triton_runtime.launch_enter_hook = lambda metadata: None
     run((torch.randn(4),))
@@ -226,8 +259,8 @@ def test_launch_hooks_get_metadata(triton_runtime):
 
 
 def test_a_new_stages_hook_records_again(triton_runtime):
-    kernel = FakeKernel()
-    run = replay.Replay(scale_plan(kernel), {"scale": 2.0}, None)
+    kernel = JITFunction()
+    run = launch.Replay(scale_plan(kernel), {"scale": 2.0}, None)
     x = torch.randn(4)
     run((x,))
     run((x,))
@@ -238,23 +271,23 @@ def test_a_new_stages_hook_records_again(triton_runtime):
 
 
 def test_the_transform_runs_when_recording_only(triton_runtime):
-    kernel = FakeKernel()
+    kernel = JITFunction()
     seen = []
 
     def transform(plan):
         seen.append(plan)
         return plan
 
-    run = replay.Replay(scale_plan(kernel), {"scale": 2.0}, transform)
+    run = launch.Replay(scale_plan(kernel), {"scale": 2.0}, transform)
     for _ in range(3):
         run((torch.randn(4),))
     assert len(seen) == 1
 
 
 def test_templates_are_bounded(triton_runtime, monkeypatch):
-    monkeypatch.setattr(replay, "LIMIT", 3)
-    kernel = FakeKernel()
-    run = replay.Replay(scale_plan(kernel), {"scale": 2.0}, None)
+    monkeypatch.setattr(launch, "LIMIT", 3)
+    kernel = JITFunction()
+    run = launch.Replay(scale_plan(kernel), {"scale": 2.0}, None)
     for n in range(1, 8):
         run((torch.randn(n),))
     assert len(run.templates) == 3
@@ -266,53 +299,53 @@ def test_only_compiled_replayable_implementations_replay():
         return TritonImplementation("op", "t", plan=scale_plan(kernel), kernels=(kernel,),
                                     default_config=lambda s, p: {}, replayable=replayable)
 
-    kernel = FakeKernel()
-    assert isinstance(runner(make(True, kernel), {"scale": 1.0}), replay.Replay)
-    assert not isinstance(runner(make(False, kernel), {"scale": 1.0}), replay.Replay)
-    Interpreted = type("InterpretedFunction", (FakeKernel,), {})
-    assert not isinstance(runner(make(True, Interpreted()), {"scale": 1.0}), replay.Replay)
+    kernel = JITFunction()
+    assert isinstance(runner(make(True, kernel), {"scale": 1.0}), launch.Replay)
+    assert not isinstance(runner(make(False, kernel), {"scale": 1.0}), launch.Replay)
+    Interpreted = type("InterpretedFunction", (JITFunction,), {})
+    assert not isinstance(runner(make(True, Interpreted()), {"scale": 1.0}), launch.Replay)
 
 
-def test_an_unhashable_argument_takes_the_plan_path(triton_runtime):
-    kernel = FakeKernel()
+def test_an_unhashable_argument_takes_the_plan_path(triton_runtime, replayed):
+    kernel = JITFunction()
 
     def plan(args, config):
         x, scales = args
         out = torch.empty_like(x)
         return LaunchPlan([KernelCall(kernel, (1,), (x, out, x.numel(), scales[0]))], out)
 
-    run = replay.Replay(plan, {}, None)
+    run = launch.Replay(plan, {}, None)
     for _ in range(2):
         x = torch.randn(4)
         torch.testing.assert_close(run((x, [2.0])), x * 2, rtol=0, atol=0)
-    assert kernel.replays == [] and run.templates == {}
+    assert replayed == [] and run.templates == {}
 
 
-def test_a_result_filled_on_the_host_is_not_recorded(triton_runtime):
+def test_a_result_filled_on_the_host_is_not_recorded(triton_runtime, replayed):
     """A plan that zero-fills a result no launch writes (an empty sum's gradient, say): a replay would
     hand back uninitialised memory, so it keeps the plan's path."""
-    kernel = FakeKernel()
+    kernel = JITFunction()
 
     def plan(args, config):
         (x,) = args
         out, total = torch.empty_like(x), torch.zeros(4)
         return LaunchPlan([KernelCall(kernel, (1,), (x, out, x.numel(), 2.0), {"BLOCK": 64})], (out, total))
 
-    run = replay.Replay(plan, {}, None)
+    run = launch.Replay(plan, {}, None)
     for _ in range(3):
         x = torch.randn(8)
         out, total = run((x,))
         torch.testing.assert_close(out, x * 2, rtol=0, atol=0)
         assert not total.any()
-    assert kernel.replays == [] and len(kernel.planned) == 3
+    assert replayed == [] and launches(kernel) == 3
 
 
-def test_custom_op_bodies_replay_per_config(triton_runtime):
+def test_custom_op_bodies_replay_per_config(triton_runtime, replayed):
     """dlcore.runtime.torch_ops.Launches: one set of templates per config integers; all-zero integers mean a
     default that depends on the inputs, computed from the args of the call that records."""
     from dlcore.runtime.torch_ops import Launches
 
-    kernel = FakeKernel()
+    kernel = JITFunction()
     configs = []
 
     def config(args, ints):
@@ -325,12 +358,173 @@ def test_custom_op_bodies_replay_per_config(triton_runtime):
         expected = x * (3.0 if ints[0] else rows)
         torch.testing.assert_close(launches.run((x,), ints), expected, rtol=0, atol=0)
     assert configs == [(3,), (0,), (0,), (3,)], "the config is computed when recording only"
-    assert len(kernel.planned) == 4 and len(kernel.replays) == 2
+    assert len(replayed) == 2
 
 
 def test_a_plan_with_nothing_to_launch_is_not_recorded(monkeypatch):
     """Empty inputs launch nothing: no driver is asked (there may be none) and nothing is kept."""
-    monkeypatch.setattr(replay.TritonRuntime, "load", lambda: pytest.fail("asked the Triton runtime"))
-    run = replay.Replay(lambda args, config: LaunchPlan([], torch.empty(0)), {}, None)
+    monkeypatch.setattr(launch, "_internals", None)
+    monkeypatch.setattr(launch, "check", lambda: pytest.fail("asked about Triton's internals"))
+    run = launch.Replay(lambda args, config: LaunchPlan([], torch.empty(0)), {}, None)
     assert run((torch.empty(0),)).shape == (0,) and run((torch.empty(0),)).shape == (0,)
     assert list(run.templates.values()) == [None]
+
+
+def test_direct_launches_after_the_first(triton_runtime):
+    kernel = JITFunction()
+    for n in (16, 16, 32, 7):
+        x = torch.randn(n)
+        out = torch.empty_like(x)
+        launch.launch(KernelCall(kernel, (1,), (x, out, n, 2.0), {"BLOCK": 64}))
+        torch.testing.assert_close(out, x * 2, rtol=0, atol=0)
+    assert len(kernel.planned) == 2, "16 and 32 specialize alike; 7 does not divide by 16"
+    assert len(kernel.replays) == 2
+
+
+def test_an_empty_hook_chain_is_no_hook(triton_runtime):
+    """Triton 3.9's launch hooks are chains, never None: an empty one builds no launch metadata."""
+    triton_runtime.launch_enter_hook = SimpleNamespace(calls=[])
+    triton_runtime.launch_exit_hook = SimpleNamespace(calls=[])
+    kernel = JITFunction()
+    x = torch.randn(4)
+    for _ in range(2):
+        launch.launch(KernelCall(kernel, (1,), (x, torch.empty_like(x), 4, 2.0)))
+    assert kernel.replays == [(1, 1, 1, 1234, None)]
+
+
+def test_kernels_with_pre_run_hooks_go_through_triton(triton_runtime):
+    kernel = JITFunction()
+    kernel.pre_run_hooks.append(lambda *args, **kwargs: None)
+    x = torch.randn(4)
+    for _ in range(3):
+        launch.launch(KernelCall(kernel, (1,), (x, torch.empty_like(x), 4, 2.0)))
+    assert len(kernel.planned) == 3 and kernel.replays == []
+
+
+def test_the_installed_triton_has_every_internal(monkeypatch):
+    """The capability check against the Triton installed here (3.6 or 3.9 in CI), its GPU driver
+    stood in for (the CPU has none): nothing is missing."""
+    from triton.runtime import driver
+
+    class Launcher:
+        def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+            pass
+
+    active = SimpleNamespace(get_current_device=None, get_current_stream=None, get_current_target=None,
+                             launcher_cls=Launcher)
+    monkeypatch.setattr(driver, "_active", active)
+    assert launch.check().missing == []
+
+
+def test_a_changed_launch_convention_is_missing(monkeypatch):
+    from triton.runtime import driver
+    from triton.runtime.jit import JITFunction as Real
+
+    monkeypatch.setattr(driver, "_active", SimpleNamespace())
+
+    def run(self, *args, grid, warmup, **kwargs):
+        kernel = self.compile()
+        kernel.run(grid, kernel.function, *args)
+
+    monkeypatch.setattr(Real, "run", run)
+    missing = launch.check().missing
+    assert any(m.startswith("JITFunction.run") for m in missing), missing
+    assert "triton.runtime.driver.active.launcher_cls" in missing
+
+
+@pytest.fixture
+def lacking(monkeypatch):
+    """Triton's internals checked anew, one reported missing."""
+    found = fake_internals(missing=["triton.knobs.runtime.launch_enter_hook"])
+    monkeypatch.setattr(launch, "_internals", None)
+    monkeypatch.setattr(launch, "_entries", {})
+    monkeypatch.setattr(launch, "check", lambda: found)
+    return found
+
+
+def test_a_missing_internal_warns_once_and_every_launch_goes_through_triton(lacking):
+    kernel = JITFunction()
+    run = launch.Replay(scale_plan(kernel), {"scale": 2.0}, None)
+    with pytest.warns(UserWarning, match="launch_enter_hook") as warned:
+        for _ in range(3):
+            x = torch.randn(8)
+            torch.testing.assert_close(run((x,)), x * 2, rtol=0, atol=0)
+            out = torch.empty_like(x)
+            launch.launch(KernelCall(kernel, (1,), (x, out, 8, 3.0)))
+            torch.testing.assert_close(out, x * 3, rtol=0, atol=0)
+    assert len(warned) == 1
+    assert len(kernel.planned) == 6 and kernel.replays == []
+
+
+def test_a_kernel_lacking_an_attribute_turns_the_warm_path_off(triton_runtime):
+    kernel = JITFunction()
+    del kernel.pre_run_hooks
+    x = torch.randn(4)
+    with pytest.warns(UserWarning, match="pre_run_hooks"):
+        launch.launch(KernelCall(kernel, (1,), (x, torch.empty_like(x), 4, 2.0)))
+    other = JITFunction()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            launch.launch(KernelCall(other, (1,), (x, torch.empty_like(x), 4, 2.0)))
+    assert len(other.planned) == 2 and other.replays == []
+
+
+class Shelved(Compiled):
+    """A compiled kernel as Triton hands it back: its source (signature, constants, attributes),
+    its cache hash and name."""
+
+    hash = "abc123"
+    name = "scale_kernel"
+
+    def __init__(self, kernel):
+        super().__init__(kernel)
+        self.src = SimpleNamespace(signature={"x_ptr": "*fp32", "out_ptr": "*fp32", "n": "i32", "scale": "fp32",
+                                              "BLOCK": "constexpr"},
+                                   constants={(4,): 64}, attrs={(0,): [["tt.divisibility", 16]]})
+
+
+def test_a_new_process_loads_the_shelved_kernel_from_tritons_cache(triton_runtime, monkeypatch):
+    kernel = JITFunction(Shelved)
+    x = torch.randn(16)
+    launch.launch(KernelCall(kernel, (1,), (x, torch.empty_like(x), 16, 2.0), {"BLOCK": 64}))
+    assert len(kernel.planned) == 1
+    loaded = []
+
+    def compiled_kernel(src, group, hash):
+        loaded.append((src, group, hash))
+        return kernel.compiled
+
+    groups = {"abc123": {"scale_kernel.json": "/cache/abc123/scale_kernel.json"}}
+    cache_manager = lambda key: SimpleNamespace(get_group=lambda name: groups.get(key))  # noqa: E731
+    monkeypatch.setattr(launch._internals, "cache_manager", cache_manager)
+    monkeypatch.setattr(launch._internals, "compiled_kernel", compiled_kernel)
+    monkeypatch.setattr(launch._internals, "ast_source", lambda *a: a)
+    monkeypatch.setattr(launch, "_entries", {})  # a new process: nothing in memory
+    out = torch.empty_like(x)
+    launch.launch(KernelCall(kernel, (1,), (x, out, 16, 2.0), {"BLOCK": 64}))
+    torch.testing.assert_close(out, x * 2, rtol=0, atol=0)
+    assert len(kernel.planned) == 1 and len(kernel.replays) == 1, "launched directly, not through Triton"
+    ((fn, signature, constants, attrs), group, hash), = loaded
+    assert fn is kernel and signature == kernel.compiled.src.signature and hash == "abc123"
+    assert constants == {(4,): 64} and attrs == {(0,): [["tt.divisibility", 16]]}
+    monkeypatch.setattr(launch, "_entries", {})
+    groups.clear()  # Triton's cache emptied meanwhile: through Triton again
+    launch.launch(KernelCall(kernel, (1,), (x, out, 16, 2.0), {"BLOCK": 64}))
+    assert len(kernel.planned) == 2 and len(loaded) == 1
+
+
+def test_nothing_is_shelved_while_a_stages_hook_is_installed(triton_runtime):
+    triton_runtime.add_stages_inspection_hook = lambda *a: None
+    kernel = JITFunction(Shelved)
+    x = torch.randn(16)
+    launch.launch(KernelCall(kernel, (1,), (x, torch.empty_like(x), 16, 2.0)))
+    assert launch._entries[kernel].shelf is None
+
+
+def test_launch_options_are_part_of_the_key(triton_runtime):
+    kernel = JITFunction()
+    x = torch.randn(16)
+    for options in ({"num_warps": 4}, {"num_warps": 8}, {"num_warps": 4, "launch_pdl": True}, {"num_warps": 4}):
+        launch.launch(KernelCall(kernel, (1,), (x, torch.empty_like(x), 16, 2.0), options))
+    assert len(kernel.planned) == 3 and len(kernel.replays) == 1

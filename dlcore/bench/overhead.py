@@ -5,6 +5,9 @@
 - ``hot``: ``get_op`` on an in-process cache hit (the signature is computed, the bound op found).
 - ``cold``: ``get_op`` in a new process on a disk-cache hit, plugin discovery included (torch and
   triton are imported first: a process that runs kernels has them anyway).
+- ``first`` (GPU): in new processes, with Triton's cache and dlcore's warm (CUDA context up):
+  ``get_op`` and the first and second call of rms_norm (bfloat16, 4096x4096), next to a plain
+  Triton kernel's first call through ``kernel[grid](...)`` (Triton's own first-call floor).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+import triton
+import triton.language as tl
 
 CALLS = 10_000
 
@@ -114,15 +119,72 @@ def cold(device: str, runs: int = 5) -> dict[str, float]:
             "  then its first call, ms": statistics.median(r["first"] for r in found)}
 
 
+@triton.jit
+def _double_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    # out = 2 * x, one block of BLOCK elements per program: a kernel that costs nothing but its launch
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) * 2, mask=mask)
+
+
+def first_process(kind: str) -> None:
+    """Run in a new process: prints the ms of ``get_op`` and of the first and second call, as JSON;
+    ``kind`` is ``dlcore`` (rms_norm) or ``triton`` (:func:`_double_kernel` through Triton)."""
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    ms: dict[str, float] = {}
+    if kind == "triton":
+        out = torch.empty_like(x)
+
+        def call() -> None:
+            _double_kernel[(x.numel() // 1024,)](x, out, x.numel(), BLOCK=1024)
+    else:
+        import dlcore
+
+        start = time.perf_counter()
+        op = dlcore.get_op("rms_norm", (x, w))
+        ms["get_op"] = (time.perf_counter() - start) * 1e3
+
+        def call() -> None:
+            op(x, w)
+    for name in ("first call", "second call"):
+        start = time.perf_counter()
+        call()
+        torch.cuda.synchronize()
+        ms[name] = (time.perf_counter() - start) * 1e3
+    print(json.dumps(ms))
+
+
+def first(runs: int = 5) -> dict[str, float]:
+    """Medians over ``runs`` new processes of each kind, after one that fills the caches."""
+    results = {}
+    for kind in ("dlcore", "triton"):
+        found = []
+        for _ in range(runs + 1):
+            done = subprocess.run([sys.executable, __file__, "--process", kind], check=True, capture_output=True,
+                                  text=True)
+            found.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        found.pop(0)
+        label = "rms_norm bf16 4096x4096" if kind == "dlcore" else "plain Triton kernel"
+        for name in found[0]:
+            results[f"new process, warm caches, {label}: {name}, ms"] = statistics.median(r[name] for r in found)
+    return results
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--process"]:  # one of first()'s new processes
+        first_process(argv[1])
+        return 0
     parser = argparse.ArgumentParser(prog="python -m dlcore.bench.overhead")
-    parser.add_argument("what", nargs="+", choices=("warm", "hot", "cold"))
+    parser.add_argument("what", nargs="+", choices=("warm", "hot", "cold", "first"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     results: dict[str, float] = {}
     for what in args.what:
-        results.update(warm(args.device) if what == "warm" else hot(args.device) if what == "hot"
-                       else cold(args.device))
+        measure = {"warm": warm, "hot": hot, "cold": cold, "first": lambda device: first()}[what]
+        results.update(measure(args.device))
     for name, value in results.items():
         unit = "" if name.endswith("ms") else " us"
         print(f"{name:60s} {value:10.2f}{unit}")

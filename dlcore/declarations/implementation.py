@@ -38,7 +38,7 @@ class KernelCall:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     def launch(self) -> None:
-        """Through Triton's own launcher (:func:`dlcore.runtime.launcher.launch` is the warm path)."""
+        """Through Triton's own launcher (:func:`dlcore.runtime.launch.launch` is the warm path)."""
         self.kernel[self.grid](*self.args, **self.kwargs)
 
 
@@ -46,14 +46,14 @@ class KernelCall:
 class LaunchPlan:
     """The launches of one call and what it returns. ``scratch``: tensors the plan allocated
     (``torch.empty``) for its launches alone, each written by a launch before any reads it; a
-    replay (:mod:`dlcore.runtime.replay`) allocates them afresh, as it does the results."""
+    replay (:class:`dlcore.runtime.launch.Replay`) allocates them afresh, as it does the results."""
 
     calls: list[KernelCall]
     result: Any
     scratch: tuple = ()
 
     def run(self) -> Any:
-        """Launch every call through Triton (:func:`dlcore.runtime.launcher.run_plan` is the warm path)."""
+        """Launch every call through Triton (:func:`dlcore.runtime.launch.run_plan` is the warm path)."""
         for call in self.calls:
             call.launch()
         return self.result
@@ -181,7 +181,7 @@ class TritonImplementation(Implementation):
     :param replayable: the plan's launches depend only on the inputs' shapes, strides, dtypes,
         device and alignment (not on their values), and it allocates its results uninitialised
         (``torch.empty``) for its kernels to write in full. A bound op then records its launches
-        once per exact input and replays them (:mod:`dlcore.runtime.replay`).
+        once per exact input and replays them (:class:`dlcore.runtime.launch.Replay`).
     :param backward_plan: optional ``backward_plan(args, config) -> LaunchPlan``: the launches of
         the backward for the forward's ``args`` and ``config``, the output gradients made up as new
         tensors (meta tensors must work); ``dlcore lower`` lowers them besides ``plan``'s.

@@ -2,9 +2,9 @@
 bound op call with the inputs.
 
 - a replayable Triton implementation on a device: its launches recorded once per exact input and
-  replayed after (:class:`dlcore.runtime.replay.Replay`);
+  replayed after (:class:`dlcore.runtime.launch.Replay`);
 - any other Triton implementation: its plan, rewritten by the launch passes, through the warm
-  launcher (:func:`dlcore.runtime.launcher.run_plan`);
+  launcher (:func:`dlcore.runtime.launch.run_plan`);
 - a custom-op implementation: the same, unless autograd or ``torch.compile`` must see the call
   (:func:`dlcore.runtime.torch_ops.needs_autograd`), then its custom op;
 - anything else: ``impl.run(args, config)``.
@@ -16,8 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dlcore.declarations.implementation import Config, Implementation, PlanTransform, TritonImplementation
-from dlcore.runtime.launcher import run_plan
-from dlcore.runtime.replay import Replay
+from dlcore.runtime.launch import Replay, run_plan
 from dlcore.runtime.torch_ops import CustomOpTritonImplementation, needs_autograd
 
 Runner = Callable[[tuple], Any]

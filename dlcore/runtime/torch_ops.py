@@ -24,8 +24,7 @@ import torch
 
 from dlcore.declarations.implementation import Config, LaunchPlan, TritonImplementation, call_directly
 from dlcore.declarations.op import Op
-from dlcore.runtime.launcher import run_plan
-from dlcore.runtime.replay import Replay
+from dlcore.runtime.launch import Replay, run_plan
 
 
 def needs_autograd(args: Sequence[Any]) -> bool:

@@ -19,7 +19,7 @@ if not ON_GPU:
 
 from dlcore.declarations.implementation import KernelCall  # noqa: E402
 from dlcore.declarations.signature import make_signature  # noqa: E402
-from dlcore.runtime import replay  # noqa: E402
+from dlcore.runtime import launch as warm  # noqa: E402
 from dlcore.testing import poison, strided_like  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
@@ -95,7 +95,7 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list:
         original(self)
 
     monkeypatch.setattr(KernelCall, "launch", launch)
-    monkeypatch.setattr(replay.Replay, "__call__", lambda self, args: self._planned(args).run())
+    monkeypatch.setattr(warm.Replay, "__call__", lambda self, args: self._planned(args).run())
     return seen
 
 
