@@ -39,9 +39,7 @@ constexprs, attrs)``; ``triton.runtime.cache.get_cache_manager`` and
 ``get_cache_invalidating_env_vars``. When any is missing or different (another Triton), one
 warning names what, and every launch goes through ``kernel[grid](...)``: slower, never wrong.
 
-On the GPU host (H200, Triton 3.6.0, 2025-12), rms_norm's first call (bfloat16, 4096x4096) in a
-new process with Triton's cache and dlcore's warm took 538 ms through Triton (a plain Triton
-kernel's first call: 528 ms) and 23 ms from the shelf, of which 22 ms are Triton's driver start-up.
+What the shelf saves a new process's first call is measured in docs/performance.md ("First call").
 
 Read against Triton 3.6.0 (the GPU host's) and 3.9.0 (the newest, read from its wheel): all of the
 above exist in both, with the same signatures. One difference: in 3.9 the launch hooks are
