@@ -30,11 +30,10 @@ def runner(impl: Implementation, config: Config, transform: PlanTransform | None
     launch = _launches(impl, config, transform)
     if not isinstance(impl, CustomOpTritonImplementation):
         return launch
-    custom_op = impl.custom_op
 
     def run(args: tuple) -> Any:
         if needs_autograd(args):
-            return custom_op(args, config)
+            return impl.custom_op(args, config)
         return launch(args)
 
     return run
