@@ -440,23 +440,27 @@ def _backward_plan(op: Op, backward: Backward, backward_op: _BackwardOp, results
 def _public_function(op: Op, implementation: CustomOpTritonImplementation,
                      call_custom_op: Callable[[tuple, Config | None], Any], module: str,
                      differentiable: bool) -> Callable[..., Any]:
-    """The kernel's public function: validated, the heuristic config, no dispatcher; under
-    ``torch.compile`` tracing the custom op alone."""
-    bind, validate, default_config, run = op.bind, op.validate, implementation.default_config, implementation.run
+    """The kernel's public function: a plain Python function with the op's parameters and defaults
+    (Python checks the arity, as it does for a hand-written one), validated, the heuristic config,
+    no dispatcher; under ``torch.compile`` tracing the custom op alone."""
+    if not all(n.isidentifier() for n in (op.name, *(a.name for a in op.args))):
+        raise TypeError(f"{op.usage()}: the op and its arguments need Python identifiers as names")
+    validate, default_config, run = op.validate, implementation.default_config, implementation.run
 
-    def function(*args: Any, **kwargs: Any) -> Any:
-        bound = bind(args, kwargs or None)
+    def call(bound: tuple) -> Any:
         if torch.compiler.is_compiling():
             return call_custom_op(bound, None)
         device = validate(bound)
         return run(bound, default_config(make_signature(op, bound, device), device_profile(device)))
 
-    function.__signature__ = inspect.Signature([  # type: ignore[attr-defined]
-        inspect.Parameter(a.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                          default=inspect.Parameter.empty if getattr(a, "default", REQUIRED) is REQUIRED else a.default)
-        for a in op.args
-    ])
-    function.__name__ = function.__qualname__ = op.name
+    defaults = {f"_default_{a.name}": a.default for a in op.args if getattr(a, "default", REQUIRED) is not REQUIRED}
+    parameters = ", ".join(f"{a.name}=_default_{a.name}" if f"_default_{a.name}" in defaults else a.name
+                           for a in op.args)
+    names = "".join(f"{a.name}, " for a in op.args)
+    scope: dict[str, Any] = {"_call": call, **defaults}
+    # The op's argument names are identifiers its declaration gave; the source holds nothing else.
+    exec(f"def {op.name}({parameters}):\n    return _call(({names}))\n", scope)  # noqa: S102
+    function = scope[op.name]
     function.__module__ = module
     wrt = ", ".join(op.args[i].name for i in op.differentiable())
     function.__doc__ = (
