@@ -15,9 +15,11 @@ import statistics
 import torch
 import triton
 
+from dlcore.declarations.signature import make_signature
 from dlcore.plugins.registry import registry
+from dlcore.runtime.template import device_profile
 
-m = importlib.import_module("dlblas_kernels.partial_rotary_emb")
+m = importlib.import_module("dlblas_kernels.kernels.partial_rotary_emb")
 
 op = registry().op("partial_rotary_emb")
 DEVICE = torch.device(os.environ.get("SWEEP_DEVICE", "cuda"))  # cpu (TRITON_INTERPRET=1): a dry run
@@ -40,7 +42,7 @@ def bench(fn) -> float:
 
 def launch(bwd: tuple, config: dict, block_h: int, warps: int) -> m.LaunchPlan:
     """The default backward plan with its heads per step and warps replaced."""
-    plan = m.backward_plan(bwd, config)
+    plan = m.backward_plan(bwd, config, device_profile(DEVICE))
     plan.calls[0].kwargs.update(BLOCK_H=block_h, num_warps=warps)
     return plan
 
@@ -60,13 +62,13 @@ for heads in HEADS:
     sizes = {"tokens": TOKENS, "heads": heads, "nope_dim": 128, "rope_dim": 64, "v_dim": 128}
     args = op.example(sizes, torch.bfloat16, DEVICE, torch.Generator().manual_seed(0))
     q, k_pe, kv, cos, sin, nope, rope, v = args
-    config = m.default_config(m.make_signature(op, args, q.device), None)
-    q_out, out_kv = m.plan(args, config).run()
+    config = m.default_config(make_signature(op, args, q.device), device_profile(q.device))
+    q_out, out_kv = m.plan(args, config, device_profile(DEVICE)).run()
     dq_out, dout_kv = torch.randn_like(q_out), torch.randn_like(out_kv)
     bwd = (dq_out, dout_kv, cos, sin, k_pe, kv, nope, rope, v)
     nbytes = m.cost(args, "bwd")[0]
     expected = m.partial_rotary_emb_backward_reference(dq_out, dout_kv, cos, sin, nope, rope, v)
-    (call,) = m.backward_plan(bwd, config).calls
+    (call,) = m.backward_plan(bwd, config, device_profile(DEVICE)).calls
     default = (call.kwargs["BLOCK_H"], call.kwargs["num_warps"])
     print(f"heads={heads} tokens={TOKENS}: {nbytes / 2**20:.1f} MiB, a copy of as many bytes "
           f"{copy_rate(nbytes):.0f} GB/s; default plan BLOCK_H={default[0]} warps={default[1]}", flush=True)

@@ -13,9 +13,11 @@ import os
 import torch
 import triton
 
+from dlcore.declarations.signature import make_signature
 from dlcore.plugins.registry import registry
+from dlcore.runtime.template import device_profile
 
-m = importlib.import_module("dlblas_kernels.rms_norm")
+m = importlib.import_module("dlblas_kernels.kernels.rms_norm")
 
 op = registry().op("rms_norm")
 DEVICE = torch.device(os.environ.get("SWEEP_DEVICE", "cuda"))  # cpu (TRITON_INTERPRET=1): a dry run
@@ -47,17 +49,17 @@ for tokens, hidden in SHAPES:
     target = torch.empty_like(source)
     copy_ms = timed(functools.partial(target.copy_, source))
     expected = m.rms_norm_backward_reference(dy.double(), x.double(), weight.double(), None, eps)
-    default = m.default_config(m.make_signature(op, args, DEVICE), None)
+    default = m.default_config(make_signature(op, args, DEVICE), device_profile(DEVICE))
     print(f"tokens={tokens} hidden={hidden} {nbytes / 2**20:.0f} MiB: copy {copy_ms * 1e3:.2f} us "
           f"({nbytes / copy_ms / 1e6:.0f} GB/s); forward default {default}", flush=True)
-    plan = m.backward_plan(bwd, default)
+    plan = m.backward_plan(bwd, default, device_profile(DEVICE))
     ms = timed(plan.run)
     print(f"  default plan: warps={plan.calls[0].kwargs['num_warps']} programs={plan.calls[0].grid[0]} "
           f"{ms * 1e3:.2f} us {copy_ms / ms:.0%} of copy", flush=True)
     for block_m, per_thread, resident in itertools.product((1, 2, 4), (4, 8, 16, 32), (4096, 8192, 16384, 32768)):
         m.BACKWARD_ELEMENTS_PER_THREAD, m.RESIDENT_ELEMENTS = per_thread, resident
         config = dict(default, BLOCK_M=block_m, num_warps=1)
-        plan = m.backward_plan(bwd, config)
+        plan = m.backward_plan(bwd, config, device_profile(DEVICE))
         if plan.calls[0].kwargs["BLOCK_M"] != block_m:
             continue  # narrowed to the same tile as a smaller block_m
         try:

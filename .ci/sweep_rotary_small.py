@@ -12,9 +12,11 @@ import os
 import torch
 import triton
 
+from dlcore.declarations.signature import make_signature
 from dlcore.plugins.registry import registry
+from dlcore.runtime.template import device_profile
 
-m = importlib.import_module("dlblas_kernels.apply_rotary_pos_emb")
+m = importlib.import_module("dlblas_kernels.kernels.apply_rotary_pos_emb")
 
 op = registry().op("apply_rotary_pos_emb")
 DEVICE = torch.device(os.environ.get("SWEEP_DEVICE", "cuda"))  # cpu (TRITON_INTERPRET=1): a dry run
@@ -33,7 +35,7 @@ for (model, (heads, kv_heads)), tokens in itertools.product(MODELS.items(), TOKE
     q, k, cos, sin = args[:4]
     dq_out, dk_out = torch.randn_like(q), torch.randn_like(k)
     expected = m.apply_rotary_pos_emb_reference(q.double(), k.double(), cos.double(), sin.double())
-    default = m.default_config(m.make_signature(op, args, DEVICE), None)
+    default = m.default_config(make_signature(op, args, DEVICE), device_profile(DEVICE))
     line = f"{model} tokens={tokens}: default {default}"
     if liger is not None and DEVICE.type == "cuda":
         # Liger rotates in place: each replay clones first; the clones' own time is taken off
@@ -43,8 +45,8 @@ for (model, (heads, kv_heads)), tokens in itertools.product(MODELS.items(), TOKE
     print(line, flush=True)
     for block_h, warps in itertools.product((4, 8, 16, 32, 64, 128), (1, 2, 4, 8)):
         config = {"BLOCK_H": block_h, "num_warps": warps}
-        forward = m.plan(args, config)
-        backward = m.backward_plan((dq_out, dk_out, cos, sin, False), config)
+        forward = m.plan(args, config, device_profile(DEVICE))
+        backward = m.backward_plan((dq_out, dk_out, cos, sin, False), config, device_profile(DEVICE))
         if forward.calls[0].kwargs["num_warps"] != warps:
             continue  # capped to fewer warps: the same launch as a smaller config
         got = forward.run()

@@ -124,7 +124,7 @@ def test_custom_op_bodies_replay_their_launches(name, sizes, reduce_dim, monkeyp
     replays = []
     original = launch.Template.run
     monkeypatch.setattr(launch.Template, "run", lambda self, args: replays.append(name) or original(self, args))
-    module = importlib.import_module(f"dlblas_kernels.{name}")
+    module = importlib.import_module(f"dlblas_kernels.kernels.{name}")
     public, op = getattr(module, name), registry().op(name)
     differentiable = op.differentiable()
     for seed in range(4):

@@ -195,13 +195,14 @@ def described(sig):
     return [sig.types, sorted((str(k), repr(v)) for k, v in sig.constexprs.items()),
             sorted((str(k), v) for k, v in sig.attrs.items() if v)]
 
-rms, rope = (importlib.import_module("dlblas_kernels." + n) for n in ("rms_norm", "apply_rotary_pos_emb"))
+from dlcore.runtime.template import UNKNOWN_DEVICE as profile
+rms, rope = (importlib.import_module("dlblas_kernels.kernels." + n) for n in ("rms_norm", "apply_rotary_pos_emb"))
 def calls(device):
     x, w = torch.empty(37, 300, device=device), torch.empty(300, device=device)
     q, k, cos = (torch.empty(*s, device=device, dtype=torch.bfloat16) for s in ((2, 7, 8, 64), (2, 7, 2, 64), (7, 64)))
-    plans = [rms.plan((x, w, 1e-6), {"BLOCK_M": 2, "BLOCK_N": 512, "num_warps": 4}),
-             rms.backward_plan((x, x, w, x, 1e-6), {"BLOCK_M": 1, "BLOCK_N": 128, "num_warps": 2}),
-             rope.plan((q, k, cos, cos, True, False), {"BLOCK_H": 4, "num_warps": 4})]
+    plans = [rms.plan((x, w, 1e-6), {"BLOCK_M": 2, "BLOCK_N": 512, "num_warps": 4}, profile),
+             rms.backward_plan((x, x, w, x, 1e-6), {"BLOCK_M": 1, "BLOCK_N": 128, "num_warps": 2}, profile),
+             rope.plan((q, k, cos, cos, True, False), {"BLOCK_H": 4, "num_warps": 4}, profile)]
     return [call for plan in plans for call in plan.calls] + [aligned, unaligned]
 
 by_triton = [described(launch_signature(call, target)) for call in calls("meta")]

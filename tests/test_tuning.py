@@ -26,7 +26,7 @@ class Sleepy(Implementation):
         super().__init__("double", "sleepy")
         self.calls = []
 
-    def space(self):
+    def space(self, profile=None):
         return SearchSpace(
             params=(PowerOfTwo("BLOCK", 8, 512), Choice("WARPS", (1, 2, 4, 8))),
             constraints=(Constraint("few warps for small blocks", lambda c: c["BLOCK"] >= 16 * c["WARPS"]

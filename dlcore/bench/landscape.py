@@ -129,7 +129,8 @@ def record(op_name: str, sizes: dict[str, int], dtype: str, impl_name: str = "tr
     args = op.example_inputs(sizes, getattr(torch, dtype), device)
     backend = reg.backend_for(device)
     signature = make_signature(op, op.bind(args), device)
-    space = reg.refine_space(impl.space(), signature, reg.profile(backend, device))
+    profile = reg.profile(backend, device)
+    space = reg.refine_space(impl.space(profile), signature, profile)
     configs = list(space.configs())
     random.Random(0).shuffle(configs)
     if workers > 1:

@@ -43,13 +43,13 @@ def per_call_us(fn: Callable[[], object], calls: int = CALLS) -> float:
 def warm(device: str = "cuda") -> dict[str, float]:
     """silu_and_mul on one row of 256: the launch is all there is."""
     from dlblas_kernels import silu_and_mul as silu_module
+    from dlblas_kernels.kernels.silu_and_mul import KERNEL
 
     import dlcore
 
-    module = sys.modules["dlblas_kernels.silu_and_mul"]
     x = torch.randn(1, 512, device=device, dtype=torch.float16)
     bound = dlcore.get_op("silu_and_mul", (x,))
-    plan = module.TRITON.plan((x,), bound.config)
+    plan = KERNEL.implementation.plan((x,), bound.config)
     (call,) = plan.calls
     out = plan.result
 

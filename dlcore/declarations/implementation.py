@@ -87,8 +87,9 @@ class Implementation:
         """The heuristic config, used when nothing is tuned. ``profile`` is None on direct use."""
         return {}
 
-    def space(self) -> SearchSpace | None:
-        """The declared search space, or None if there is nothing to tune."""
+    def space(self, profile: DeviceProfile | None = None) -> SearchSpace | None:
+        """The declared search space for a device of ``profile`` (None: no device in view), or None
+        if there is nothing to tune."""
         return None
 
     def source_hash(self) -> str:
@@ -227,7 +228,7 @@ class TritonImplementation(Implementation):
     def default_config(self, signature: Signature, profile: DeviceProfile | None) -> Config:
         return dict(self._default_config(signature, profile))
 
-    def space(self) -> SearchSpace | None:
+    def space(self, profile: DeviceProfile | None = None) -> SearchSpace | None:
         return self._space() if self._space is not None else None
 
     def source_hash(self) -> str:

@@ -32,7 +32,7 @@ def tune(
     for impl in call.candidates:
         objective = Objective(call.op, impl, call.args, call.backend, call.device, check=policy.check,
                               transform=call.transform)
-        space = impl.space()
+        space = impl.space(profile)
         if space is None:
             space = SearchSpace(params=(), fixed=impl.default_config(signature, profile))
         else:

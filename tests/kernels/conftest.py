@@ -17,9 +17,11 @@ ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") !
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from dlcore.declarations.device import DeviceProfile  # noqa: E402
 from dlcore.declarations.implementation import KernelCall  # noqa: E402
 from dlcore.declarations.signature import make_signature  # noqa: E402
 from dlcore.runtime import launch as warm  # noqa: E402
+from dlcore.runtime.template import device_profile  # noqa: E402
 from dlcore.testing import poison, strided_like  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
@@ -114,3 +116,9 @@ def relayout(request: pytest.FixtureRequest):
         return view
 
     return _relayout
+
+
+@pytest.fixture
+def profile(device: str) -> DeviceProfile:
+    """The profile of the test device, as the kernels' plans get it."""
+    return device_profile(torch.device(device))

@@ -5,14 +5,16 @@ import sys
 import dlblas_kernels
 import pytest
 import torch
-from dlblas_kernels.add_rms_norm import OP, TRITON, add_rms_norm, add_rms_norm_reference
-from dlblas_kernels.rms_norm import rms_norm_reference
+from dlblas_kernels.kernels.add_rms_norm import KERNEL, OP, add_rms_norm, add_rms_norm_reference
+from dlblas_kernels.kernels.rms_norm import rms_norm_reference
 from gradients import check_backward
 
 from dlcore import InvalidInputError
 from dlcore.testing import assert_close, randn, upcast
 
-rms_norm_module = sys.modules["dlblas_kernels.rms_norm"]  # the package exports the function as rms_norm
+TRITON = KERNEL.implementation
+
+rms_norm_module = sys.modules["dlblas_kernels.kernels.rms_norm"]
 
 
 def inputs(lead, k, dtype, device, gen):

@@ -5,9 +5,9 @@ import importlib
 import dlblas_kernels
 import pytest
 import torch
-from dlblas_kernels.apply_rotary_pos_emb import (
+from dlblas_kernels.kernels.apply_rotary_pos_emb import (
+    KERNEL,
     OP,
-    TRITON,
     apply_rotary_pos_emb,
     apply_rotary_pos_emb_backward_reference,
     apply_rotary_pos_emb_reference,
@@ -23,6 +23,8 @@ from gradients import check_backward
 from dlcore import InvalidInputError
 from dlcore.declarations.signature import make_signature
 from dlcore.testing import assert_close, randn, upcast
+
+TRITON = KERNEL.implementation
 
 INTERLEAVED = [False, True]
 
@@ -132,9 +134,9 @@ def test_backward_non_contiguous_inputs(dtype, device, gen):
 
 
 @pytest.mark.parametrize("interleaved", INTERLEAVED, ids=["half", "interleaved"])
-def test_backward_plan_writes_every_output(interleaved, dtype, device, gen, launch):
+def test_backward_plan_writes_every_output(interleaved, dtype, device, gen, launch, profile):
     dq, dk, cos, sin = inputs((2,), 5, 3, 2, 10, dtype, device, gen)
-    out = launch(backward_plan((dq, dk, cos, sin, interleaved), {"BLOCK_H": 8, "num_warps": 1}))
+    out = launch(backward_plan((dq, dk, cos, sin, interleaved), {"BLOCK_H": 8, "num_warps": 1}, profile))
     for a, b in zip(out, apply_rotary_pos_emb_backward_reference(*upcast(dq, dk, cos, sin), interleaved)):
         assert_close(a, b, dtype)
 
@@ -263,20 +265,20 @@ def test_bad_inputs_raise_before_launch(case, device, no_launch):
 
 
 @pytest.mark.parametrize("interleaved", INTERLEAVED, ids=["half", "interleaved"])
-def test_backward_plan_takes_gradients_whose_batch_does_not_flatten(interleaved, device, gen, launch):
+def test_backward_plan_takes_gradients_whose_batch_does_not_flatten(interleaved, device, gen, launch, profile):
     # [3, 2] storage seen as [2, 3]: the leading dimensions flatten only with a copy.
     dq = randn(3, 2, 4, 3, 8, device=device, generator=gen).transpose(0, 1)
     dk = randn(3, 2, 4, 1, 8, device=device, generator=gen).transpose(0, 1)
     cos, sin = (randn(4, 8, device=device, generator=gen) for _ in range(2))
     assert bshd_strides(dq) is None
     out = launch(backward_plan((dq, dk, cos, sin, interleaved), TRITON.default_config(
-        make_signature(OP, (dq, dk, cos, sin, interleaved, False), dq.device), None)))
+        make_signature(OP, (dq, dk, cos, sin, interleaved, False), dq.device), None), profile))
     for a, b in zip(out, apply_rotary_pos_emb_backward_reference(*upcast(dq, dk, cos, sin), interleaved)):
         assert_close(a, b, torch.float32)
 
 
 def test_backward_leaves_the_tables_alone_unless_asked(monkeypatch, device, gen, launches):
-    module = importlib.import_module("dlblas_kernels.apply_rotary_pos_emb")
+    module = importlib.import_module("dlblas_kernels.kernels.apply_rotary_pos_emb")
 
     q, k, cos, sin = inputs((2,), 5, 4, 2, 8, torch.float32, device, gen)
     table_grads = []

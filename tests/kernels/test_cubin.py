@@ -12,8 +12,9 @@ SCRIPT = """
 import importlib, json, torch
 from triton.backends.compiler import GPUTarget
 from dlcore.compiler.lowering import compile_call
+from dlcore.runtime.template import UNKNOWN_DEVICE as profile
 
-rms, silu, add, rope, mla = (importlib.import_module("dlblas_kernels." + name) for name in
+rms, silu, add, rope, mla = (importlib.import_module("dlblas_kernels.kernels." + name) for name in
                              ("rms_norm", "silu_and_mul", "add_rms_norm", "apply_rotary_pos_emb", "partial_rotary_emb"))
 
 def e(*shape, dtype):
@@ -22,22 +23,23 @@ def e(*shape, dtype):
 def plans(dtype):
     x, w = e(37, 300, dtype=dtype), e(300, dtype=dtype)
     one_block, looping = {"BLOCK_M": 4, "BLOCK_N": 512, "num_warps": 4}, {"BLOCK_M": 1, "BLOCK_N": 128, "num_warps": 2}
-    yield "rms_norm.backward", rms.backward_plan((x, x, w, None, 1e-6), one_block)
-    yield "rms_norm.backward.looping+dres", rms.backward_plan((x, x, w, x, 1e-6), looping)
-    yield "add_rms_norm.looping", add.plan((x, w, x, 1e-6), looping)
+    yield "rms_norm.backward", rms.backward_plan((x, x, w, None, 1e-6), one_block, profile)
+    yield "rms_norm.backward.looping+dres", rms.backward_plan((x, x, w, x, 1e-6), looping, profile)
+    yield "add_rms_norm.looping", add.plan((x, w, x, 1e-6), looping, profile)
     yield "silu_and_mul.backward", silu.backward_plan((e(37, 300, dtype=dtype), e(37, 600, dtype=dtype)),
-                                                      {"BLOCK_N": 256, "num_warps": 2})
+                                                      {"BLOCK_N": 256, "num_warps": 2}, profile)
     q, k, cos = e(2, 7, 8, 64, dtype=dtype), e(2, 7, 2, 64, dtype=dtype), e(7, 64, dtype=dtype)
-    yield "apply_rotary_pos_emb.interleaved", rope.plan((q, k, cos, cos, True, False), {"BLOCK_H": 4, "num_warps": 4})
-    yield "apply_rotary_pos_emb.backward", rope.backward_plan((q, k, cos, cos, False), {"BLOCK_H": 4, "num_warps": 4})
+    four = {"BLOCK_H": 4, "num_warps": 4}
+    yield "apply_rotary_pos_emb.interleaved", rope.plan((q, k, cos, cos, True, False), four, profile)
+    yield "apply_rotary_pos_emb.backward", rope.backward_plan((q, k, cos, cos, False), four, profile)
     q, k, cos = e(3, 5, 1, 2, dtype=dtype), e(3, 5, 3, 2, dtype=dtype), e(3, 5, 2, dtype=dtype)
-    yield "apply_rotary_pos_emb.tiny", rope.plan((q, k, cos, cos, True, False), {"BLOCK_H": 1, "num_warps": 1})
+    yield "apply_rotary_pos_emb.tiny", rope.plan((q, k, cos, cos, True, False), {"BLOCK_H": 1, "num_warps": 1}, profile)
     q, k_pe, kv, cos = e(2, 7, 8, 192, dtype=dtype), e(2, 7, 1, 64, dtype=dtype), e(2, 7, 8, 256, dtype=dtype), \\
         e(2, 7, 64, dtype=dtype)
     yield "partial_rotary_emb.backward", mla.backward_plan(
-        (q, e(2, 7, 2, 8, 192, dtype=dtype), cos, cos, k_pe, kv, 128, 64, 128), {"BLOCK_H": 4, "num_warps": 4})
+        (q, e(2, 7, 2, 8, 192, dtype=dtype), cos, cos, k_pe, kv, 128, 64, 128), {"BLOCK_H": 4, "num_warps": 4}, profile)
     q, k_pe, kv, cos = e(4, 3, 2, dtype=dtype), e(4, 1, 2, dtype=dtype), e(4, 3, 1, dtype=dtype), e(4, 2, dtype=dtype)
-    yield "partial_rotary_emb.tiny", mla.plan((q, k_pe, kv, cos, cos, 0, 2, 1), {"BLOCK_H": 2, "num_warps": 1})
+    yield "partial_rotary_emb.tiny", mla.plan((q, k_pe, kv, cos, cos, 0, 2, 1), {"BLOCK_H": 2, "num_warps": 1}, profile)
 
 found = {}
 for dtype, capability in ((torch.bfloat16, 90), (torch.float16, 80), (torch.float32, 80)):

@@ -5,10 +5,12 @@ import math
 import dlblas_kernels
 import pytest
 import torch
-from dlblas_kernels.ffn import OP, TRITON, ffn, ffn_reference
+from dlblas_kernels.kernels.ffn import KERNEL, OP, ffn, ffn_reference
 
 from dlcore import InvalidInputError
 from dlcore.testing import assert_close, randn, strided_like, upcast
+
+TRITON = KERNEL.implementation
 
 
 def inputs(lead, k, n, dtype, device, gen, rms_w_dtype=None):

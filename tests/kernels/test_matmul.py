@@ -1,17 +1,22 @@
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
 import dlblas_kernels
 import pytest
 import torch
-from dlblas_kernels.matmul import OP, SHARED_MEMORY_BYTES, TRITON, matmul, matmul_reference
+from dlblas_kernels.kernels.matmul import KERNEL, OP, backward_plan, matmul, matmul_backward_reference, matmul_reference
+from gradients import check_backward
 
 import dlcore
 from dlcore import InvalidInputError
+from dlcore.compiler.lowering import target_profile
 from dlcore.declarations.signature import make_signature, next_power_of_2
 from dlcore.testing import assert_close, randn, strided_like, upcast
+
+TRITON = KERNEL.implementation
 
 
 def inputs(lead, k, n, dtype, device, gen):
@@ -66,7 +71,7 @@ def test_empty_k_gives_zeros(device, run):
 
 
 def sampled_configs(count: int = 4) -> list[dict]:
-    space = TRITON.space()
+    space = TRITON.space(target_profile("cuda:90"))  # as on the H100 / H200 the GPU suite runs on
     rng = random.Random(0)
     configs: list[dict] = []
     while len(configs) < count:
@@ -96,16 +101,23 @@ def test_sampled_configs_agree(device, gen, run):
 
 
 def test_space_is_a_real_gemm_space():
-    space = TRITON.space()
+    """On an H100 (its profile's shared memory: 227 KiB a block); without a device in view the
+    shared memory bounds nothing."""
+    h100 = target_profile("cuda:90")
+    space = TRITON.space(h100)
     assert 200 <= space.size() <= 400
+    assert TRITON.space().size() > space.size()
     for c in space.configs():
         assert space.is_valid(c) is None
         stage_bytes = (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * 2
-        assert c["num_stages"] * stage_bytes <= SHARED_MEMORY_BYTES <= 228 * 1024
+        assert c["num_stages"] * stage_bytes <= h100.shared_memory_per_program <= 228 * 1024
         assert 16 <= c["BLOCK_M"] * c["BLOCK_N"] / (32 * c["num_warps"]) <= 128
         assert c["BLOCK_M"] * c["BLOCK_N"] <= 256 * 128
     too_big = dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
     assert "shared memory" in space.is_valid(too_big)
+    assert TRITON.space().is_valid(too_big) is None
+    # A chip with less shared memory (an A10's 99 KiB) narrows the space further.
+    assert TRITON.space(dataclasses.replace(h100, shared_memory_per_program=99 * 1024)).size() < space.size()
     spills = dict(BLOCK_M=256, BLOCK_N=256, BLOCK_K=32, GROUP_M=8, num_warps=8, num_stages=2)
     assert "registers" in space.is_valid(spills)
     # Every parameter keeps more than one value: no axis of the landscape is constant.
@@ -118,7 +130,7 @@ def test_default_config_is_in_the_space(rows, dtype_):
     a = torch.empty(rows, 4096, device="meta", dtype=dtype_)
     b = torch.empty(4096, 1024, device="meta", dtype=dtype_)
     config = TRITON.default_config(make_signature(OP, (a, b), a.device), None)
-    assert TRITON.space().is_valid(config) is None
+    assert TRITON.space(target_profile("cuda:90")).is_valid(config) is None
     # A row block no taller than the rows (rounded up to a power of two), bar the space's minimum of 32.
     assert config["BLOCK_M"] == min(max(32, next_power_of_2(rows)), 128)
 
@@ -144,8 +156,42 @@ def test_example_cost_and_baseline(device):
     assert OP.cost((a, b)) == ((m * k + k * n + m * n) * 4, 2 * m * n * k)
     lead = torch.empty(2, 3, k, dtype=torch.float16, device=device)
     assert OP.cost((lead, b.half())) == ((6 * k + k * n + 6 * n) * 2, 2 * 6 * n * k)
+    assert OP.cost((a, b), mode="bwd") == ((2 * m * k + 2 * k * n + m * n) * 4, 4 * m * n * k)
     assert OP.baselines["torch"]() is torch.matmul
     check(matmul(a, b), a, b)
+
+
+@pytest.mark.parametrize("lead, k, n, layout", [
+    ((7, 33), 33, 40, None), ((3, 5, 100), 100, 24, None), ((150,), 70, 90, "transposed b"), ((9,), 48, 40, "padded a"),
+])
+def test_backward_matches_reference(lead, k, n, layout, dtype, device, gen):
+    """``da = dc @ b^T`` and ``db = a^T @ dc`` through the custom op's autograd formula."""
+    a, b = inputs(lead, k, n, dtype, device, gen)
+    if layout == "transposed b":
+        b = strided_like(b, "transpose")
+    elif layout == "padded a":
+        a = strided_like(a, "pad")
+    check_backward(matmul, matmul_reference, (a, b), (0, 1), gen, reduce_dim=max(k, math.prod(lead)))
+
+
+def test_backward_of_a_sum_takes_an_expanded_gradient(device, gen):
+    a, b = inputs((2, 6), 20, 12, torch.float32, device, gen)
+    a, b = a.requires_grad_(), b.requires_grad_()
+    matmul(a, b).sum().backward()
+    a64, b64 = (t.detach().double().requires_grad_() for t in (a, b))
+    matmul_reference(a64, b64).sum().backward()
+    assert_close(a.grad, a64.grad, torch.float32, reduce_dim=12)
+    assert_close(b.grad, b64.grad, torch.float32, reduce_dim=12)
+
+
+def test_backward_plan_writes_every_output(dtype, device, gen, launch, profile):
+    a, b = inputs((37,), 40, 24, dtype, device, gen)
+    dc = randn(37, 24, dtype=dtype, device=device, generator=gen)
+    config = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=1, num_stages=1)
+    da, db = launch(backward_plan((dc, a, b), config, profile))
+    ref_da, ref_db = matmul_backward_reference(*upcast(dc, a, b))
+    assert_close(da, ref_da, dtype, reduce_dim=24)
+    assert_close(db, ref_db, dtype, reduce_dim=37)
 
 
 def test_zero_rows_launch_nothing(device, no_launch):

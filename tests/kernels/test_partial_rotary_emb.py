@@ -5,9 +5,9 @@ import importlib
 import dlblas_kernels
 import pytest
 import torch
-from dlblas_kernels.partial_rotary_emb import (
+from dlblas_kernels.kernels.partial_rotary_emb import (
+    KERNEL,
     OP,
-    TRITON,
     backward_plan,
     partial_rotary_emb,
     partial_rotary_emb_backward_reference,
@@ -18,7 +18,10 @@ from gradients import check_backward
 
 from dlcore import InvalidInputError
 from dlcore.declarations.signature import make_signature
+from dlcore.runtime.template import UNKNOWN_DEVICE
 from dlcore.testing import assert_close, randn, upcast
+
+TRITON = KERNEL.implementation
 
 # (leading dims, S, H, nope, rope, v): DeepSeek-V2's proportions shrunk, odd sizes, no nope part,
 # values as wide as the keys (no padding), values narrower than the nope part.
@@ -65,14 +68,15 @@ def test_matches_eager_deepseek_code(device, gen, run):
 
 
 @pytest.mark.parametrize("block_h, num_warps", [(1, 1), (2, 1), (8, 2)])
-def test_configs(block_h, num_warps, dtype, device, gen, run, launch):
+def test_configs(block_h, num_warps, dtype, device, gen, run, launch, profile):
     args = inputs((2,), 3, 5, 16, 8, 12, dtype, device, gen)
     config = {"BLOCK_H": block_h, "num_warps": num_warps}
     check(run(OP, TRITON, args, config), args)
     grads = (randn(*args[0].shape, dtype=dtype, device=device, generator=gen),
              randn(2, 3, 2, 5, 24, dtype=dtype, device=device, generator=gen))
-    out = launch(backward_plan((*grads, args[3], args[4], args[1], args[2], *args[5:]), config))
-    for a, b in zip(out, partial_rotary_emb_backward_reference(*upcast(*grads, args[3], args[4]), *args[5:])):
+    backward_args = (*grads, args[3], args[4], args[1], args[2], *args[5:])
+    out = launch(backward_plan(backward_args, config, profile))
+    for a, b in zip(out, partial_rotary_emb_backward_reference(*upcast(*backward_args[:6]), *args[5:])):
         assert_close(a, b, dtype, reduce_dim=5)
 
 
@@ -158,7 +162,7 @@ def test_bad_inputs_raise_before_launch(case, device, no_launch):
 
 
 def test_backward_leaves_the_tables_alone_unless_asked(monkeypatch, device, gen):
-    module = importlib.import_module("dlblas_kernels.partial_rotary_emb")
+    module = importlib.import_module("dlblas_kernels.kernels.partial_rotary_emb")
 
     args = inputs((2,), 3, 4, 8, 4, 8, torch.float32, device, gen)
     monkeypatch.setattr(module, "_table_grads", lambda *a: pytest.fail("cos and sin gradients computed"))
@@ -183,7 +187,7 @@ def test_default_launches_at_deepseek_sizes(heads, forward, backward):
     q, k_pe, kv, cos, sin, nope, rope, v = args
     grads = (torch.empty(q.shape, dtype=q.dtype, device="meta"),
              torch.empty(1, 4096, 2, heads, 192, dtype=q.dtype, device="meta"))
-    (call,) = backward_plan((*grads, cos, sin, k_pe, kv, nope, rope, v), config).calls
+    (call,) = backward_plan((*grads, cos, sin, k_pe, kv, nope, rope, v), config, UNKNOWN_DEVICE).calls
     assert (call.kwargs["BLOCK_H"], call.kwargs["num_warps"]) == backward and call.grid == (4096,)
     assert TRITON.space().is_valid(config) is None
 

@@ -16,7 +16,7 @@ from dlcore.runtime.torch_ops import CustomOpTritonImplementation
 from dlcore.testing import assert_close
 
 KERNELS = ["silu_and_mul", "rms_norm", "ffn", "add_rms_norm", "apply_rotary_pos_emb", "partial_rotary_emb", "matmul"]
-# The kernels that are PyTorch custom ops (torch.ops.dlblas.<name>), with their baselines.
+# Every kernel is a PyTorch custom op (torch.ops.dlblas.<name>); their baselines.
 CUSTOM_OPS = {
     "silu_and_mul": {"torch", "liger"},
     "rms_norm": {"torch", "liger"},
@@ -24,13 +24,14 @@ CUSTOM_OPS = {
     "add_rms_norm": {"torch", "liger"},
     "apply_rotary_pos_emb": {"torch", "liger"},
     "partial_rotary_emb": {"torch"},
+    "matmul": {"torch"},
 }
 PYPROJECT = Path(__file__).parents[2] / "plugins" / "dlblas_kernels" / "pyproject.toml"
 
 
 @pytest.mark.parametrize("name", KERNELS)
 def test_module_registers_its_op_and_implementation(name):
-    module = importlib.import_module(f"dlblas_kernels.{name}")
+    module = importlib.import_module(f"dlblas_kernels.kernels.{name}")
     pm = pluggy.PluginManager("dlcore")
     pm.add_hookspecs(dlcore.plugins.hookspecs)
     pm.register(module, name=name)
@@ -45,14 +46,14 @@ def test_module_registers_its_op_and_implementation(name):
 def test_one_entry_point_per_kernel_module():
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads(PYPROJECT.read_text())["project"]
-    assert project["entry-points"]["dlcore.kernels"] == {name: f"dlblas_kernels.{name}" for name in KERNELS}
+    assert project["entry-points"]["dlcore.kernels"] == {name: f"dlblas_kernels.kernels.{name}" for name in KERNELS}
     assert not any(dep.startswith("triton") for dep in project["dependencies"])
 
 
 @pytest.mark.parametrize("name", sorted(CUSTOM_OPS))
 def test_custom_op_cost_and_baselines(name):
-    module = importlib.import_module(f"dlblas_kernels.{name}")
-    op, impl = module.OP, module.TRITON
+    module = importlib.import_module(f"dlblas_kernels.kernels.{name}")
+    op, impl = module.OP, module.KERNEL.implementation
     assert isinstance(impl, CustomOpTritonImplementation)
     assert hasattr(torch.ops.dlblas, name)
     args = op.example(op.example_sizes, torch.float16, torch.device("cpu"), torch.Generator().manual_seed(0))

@@ -1,13 +1,14 @@
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import dlblas_kernels
 import pytest
 import torch
-from dlblas_kernels.rms_norm import (
+from dlblas_kernels.kernels.rms_norm import (
+    KERNEL,
     OP,
-    TRITON,
     backward_plan,
     rms_norm,
     rms_norm_backward_reference,
@@ -16,11 +17,14 @@ from dlblas_kernels.rms_norm import (
 from gradients import check_backward
 
 from dlcore import InvalidInputError
+from dlcore.compiler.lowering import target_profile
 from dlcore.declarations.signature import make_signature
+from dlcore.runtime.template import UNKNOWN_DEVICE
 from dlcore.runtime.torch_ops import plain_eager
 from dlcore.testing import assert_close, poison, randn, upcast
 
-rms_norm_module = sys.modules["dlblas_kernels.rms_norm"]  # the package exports the function as rms_norm
+TRITON = KERNEL.implementation
+rms_norm_module = sys.modules["dlblas_kernels.kernels.rms_norm"]
 
 
 def inputs(lead, k, dtype, device, gen, w_dtype=None):
@@ -90,7 +94,7 @@ def test_plan_on_meta_tensors_reads_no_data():
     assert plan.result.device.type == "meta" and plan.result.shape == x.shape
     (call,) = plan.calls
     assert call.grid == (6,) and call.kwargs == {"BLOCK_M": 4, "BLOCK_N": 64, "ONE_BLOCK": False, "num_warps": 2}
-    dx, dw = backward_plan((x, x, w, None, 1e-6), {"BLOCK_M": 4, "BLOCK_N": 64, "num_warps": 2}).result
+    dx, dw = backward_plan((x, x, w, None, 1e-6), {"BLOCK_M": 4, "BLOCK_N": 64, "num_warps": 2}, UNKNOWN_DEVICE).result
     assert dx.shape == x.shape and dw.shape == w.shape and dw.dtype == torch.float16
 
 
@@ -117,11 +121,11 @@ def test_backward_matches_reference(lead, k, dtype, device, gen):
     {"BLOCK_M": 1, "BLOCK_N": 32, "num_warps": 1},  # rows longer than a block
     {"BLOCK_M": 2, "BLOCK_N": 16, "num_warps": 1},
 ], ids=lambda c: "{BLOCK_M}x{BLOCK_N}".format(**c))
-def test_backward_plan_writes_every_output(config, dtype, device, gen, launch):
+def test_backward_plan_writes_every_output(config, dtype, device, gen, launch, profile):
     x, w = inputs((3, 9), 100, dtype, device, gen)
     dy, dres = (randn(*x.shape, dtype=dtype, device=device, generator=gen) for _ in range(2))
     for extra in (None, dres):
-        dx, dw = launch(backward_plan((dy, x, w, extra, 1e-6), config))
+        dx, dw = launch(backward_plan((dy, x, w, extra, 1e-6), config, profile))
         ref_dx, ref_dw = rms_norm_backward_reference(*upcast(dy, x, w, extra), 1e-6)
         assert_close(dx, ref_dx, dtype, reduce_dim=100)
         assert_close(dw, ref_dw, dtype, reduce_dim=27)
@@ -191,13 +195,13 @@ def test_bad_inputs_raise_before_launch(case, device, no_launch):
     ((1,), 100, {"BLOCK_M": 1, "BLOCK_N": 32, "num_warps": 1}, 1),  # two passes, one row block
     ((2,), 70, {"BLOCK_M": 8, "BLOCK_N": 16384, "num_warps": 1}, 1),  # tile narrowed, rows < BLOCK_M
 ], ids=["prefetch-1", "prefetch-3", "ragged", "two-pass-3", "two-pass-1", "two-pass-direct", "narrowed"])
-def test_backward_persistent_programs(lead, k, config, programs, dtype, device, gen, monkeypatch):
+def test_backward_persistent_programs(lead, k, config, programs, dtype, device, gen, monkeypatch, profile):
     monkeypatch.setattr(rms_norm_module, "backward_programs", lambda blocks, *_: min(blocks, programs))
     x, w = inputs(lead, k, dtype, device, gen)
     dy, dres = (randn(*x.shape, dtype=dtype, device=device, generator=gen) for _ in range(2))
     rows = x.numel() // k
     for extra in (None, dres):
-        plan = backward_plan((dy, x, w, extra, 1e-6), config)
+        plan = backward_plan((dy, x, w, extra, 1e-6), config, profile)
         main = plan.calls[0]
         assert main.grid == (programs,)
         # One program writes dweight itself when nothing accumulates across row blocks in memory.
@@ -213,11 +217,11 @@ def test_backward_persistent_programs(lead, k, config, programs, dtype, device, 
         assert_close(dw, ref_dw, dtype, reduce_dim=rows)
 
 
-def test_backward_more_programs_than_rows(dtype, device, gen):
+def test_backward_more_programs_than_rows(dtype, device, gen, profile):
     """Rows fewer than the programs the device holds: one program per row block, none idle."""
     x, w = inputs((3,), 64, dtype, device, gen)
     dy = randn(*x.shape, dtype=dtype, device=device, generator=gen)
-    plan = backward_plan((dy, x, w, None, 1e-6), {"BLOCK_M": 1, "BLOCK_N": 64, "num_warps": 1})
+    plan = backward_plan((dy, x, w, None, 1e-6), {"BLOCK_M": 1, "BLOCK_N": 64, "num_warps": 1}, profile)
     assert plan.calls[0].grid == (3,) and plan.calls[1].kernel.__name__ == "column_sum_kernel"
     dx, dw = plan.result
     for t in (dx, dw, plan.calls[0].args[5]):
@@ -231,12 +235,21 @@ def test_backward_more_programs_than_rows(dtype, device, gen):
 def test_backward_launch_for_llama_shapes():
     """The default configs of hidden 4096 and 8192 give the backward 16 elements per thread (no
     spills on sm_90: 117-128 registers), a whole row in registers, and a grid the device holds at
-    once: two programs per multiprocessor at 8 warps, one at 16."""
+    once, by the device profile: two programs per multiprocessor at 8 warps, one at 16."""
+    h100 = target_profile("cuda:90")
     for k, warps, per_sm in ((4096, 8, 2), (8192, 16, 1)):
         config = rms_norm_module.heuristic_config(4096, k)
         assert rms_norm_module.backward_config(config) == (1, k, warps)
-        assert rms_norm_module.backward_programs(4096, k, warps, torch.device("meta")) == 4 * per_sm
-        assert rms_norm_module.backward_programs(3, k, warps, torch.device("meta")) == 3
+        assert rms_norm_module.backward_programs(4096, k, warps, h100) == h100.cores * per_sm
+        assert rms_norm_module.backward_programs(3, k, warps, h100) == 3
+        # Twice the registers per core: twice the programs (the threads and RESIDENT_ELEMENTS allow them).
+        roomy = dataclasses.replace(h100, registers_per_core=2 * h100.registers_per_core)
+        assert rms_norm_module.backward_programs(4096, k, warps, roomy) == h100.cores * 2 * per_sm
+    # Limits the profile does not know bound nothing: RESIDENT_ELEMENTS per core, or with no core
+    # count one program per row block.
+    cpu = dataclasses.replace(UNKNOWN_DEVICE, cores=2)
+    assert rms_norm_module.backward_programs(4096, 4096, 8, cpu) == 2 * 4
+    assert rms_norm_module.backward_programs(4096, 4096, 8, UNKNOWN_DEVICE) == 4096
     # A wide forward tile is narrowed, and gets warps for 16 elements per thread at most.
     assert rms_norm_module.backward_config({"BLOCK_M": 4, "BLOCK_N": 4096, "num_warps": 16}) == (2, 4096, 16)
     assert rms_norm_module.backward_config({"BLOCK_M": 1, "BLOCK_N": 16384, "num_warps": 16}) == (1, 8192, 16)
@@ -270,16 +283,17 @@ def test_eager_backward_skips_the_dispatcher(device, gen, monkeypatch):
 COMPILE_SCRIPT = """
 import importlib, json, torch
 from triton.backends.compiler import GPUTarget
-from dlcore.compiler.lowering import compile_call
+from dlcore.compiler.lowering import compile_call, target_profile
 
-rms = importlib.import_module("dlblas_kernels.rms_norm")
+rms = importlib.import_module("dlblas_kernels.kernels.rms_norm")
 found = {}
 for dtype, capability in ((torch.bfloat16, 90), (torch.float16, 80), (torch.float32, 80)):
     for rows, k, config in ((4096, 4096, None), (64, 8192, None), (1, 4096, None),
                             (37, 300, {"BLOCK_M": 2, "BLOCK_N": 128, "num_warps": 2})):
         x, w = torch.empty(rows, k, device="meta", dtype=dtype), torch.empty(k, device="meta", dtype=dtype)
         for dres in (None, x):
-            plan = rms.backward_plan((x, x, w, dres, 1e-6), config or rms.heuristic_config(rows, k))
+            plan = rms.backward_plan((x, x, w, dres, 1e-6), config or rms.heuristic_config(rows, k),
+                                     target_profile(f"cuda:{capability}"))
             for call in plan.calls:
                 kernel = compile_call(call, GPUTarget("cuda", capability, 32))
                 name = f"{rows}x{k}/{dres is not None}/{call.kernel.__name__}/{str(dtype)[6:]}/sm_{capability}"

@@ -3,9 +3,9 @@ from __future__ import annotations
 import dlblas_kernels
 import pytest
 import torch
-from dlblas_kernels.silu_and_mul import (
+from dlblas_kernels.kernels.silu_and_mul import (
+    KERNEL,
     OP,
-    TRITON,
     backward_plan,
     silu_and_mul,
     silu_and_mul_backward_reference,
@@ -14,7 +14,10 @@ from dlblas_kernels.silu_and_mul import (
 from gradients import check_backward
 
 from dlcore import InvalidInputError
+from dlcore.runtime.template import UNKNOWN_DEVICE
 from dlcore.testing import assert_close, randn, upcast
+
+TRITON = KERNEL.implementation
 
 
 def expected(x):
@@ -62,7 +65,7 @@ def test_plan_on_meta_tensors_reads_no_data():
     assert plan.result.dtype == torch.bfloat16
     (call,) = plan.calls
     assert call.grid == (24, 2)
-    dx = backward_plan((plan.result, x), {"BLOCK_N": 64, "num_warps": 2}).result
+    dx = backward_plan((plan.result, x), {"BLOCK_N": 64, "num_warps": 2}, UNKNOWN_DEVICE).result
     assert dx.shape == x.shape and dx.dtype == torch.bfloat16
 
 
@@ -73,10 +76,10 @@ def test_backward_matches_reference(lead, n, dtype, device, gen):
 
 
 @pytest.mark.parametrize("block_n, num_warps", [(16, 1), (64, 2)])
-def test_backward_plan_writes_every_output(block_n, num_warps, dtype, device, gen, launch, relayout):
+def test_backward_plan_writes_every_output(block_n, num_warps, dtype, device, gen, launch, relayout, profile):
     x = relayout(randn(3, 5, 2 * 100, dtype=dtype, device=device, generator=gen, scale=3.0))
     dy = randn(3, 5, 100, dtype=dtype, device=device, generator=gen)
-    dx = launch(backward_plan((dy, x), {"BLOCK_N": block_n, "num_warps": num_warps}))
+    dx = launch(backward_plan((dy, x), {"BLOCK_N": block_n, "num_warps": num_warps}, profile))
     assert_close(dx, silu_and_mul_backward_reference(*upcast(dy, x)), dtype)
 
 

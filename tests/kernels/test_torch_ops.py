@@ -8,6 +8,7 @@ import torch
 from gradients import check_backward, leaves
 
 import dlcore
+import dlcore.dispatch.dispatcher
 from dlcore import InvalidInputError
 from dlcore.plugins.registry import registry
 from dlcore.testing import randn
@@ -21,6 +22,7 @@ CASES = {
     "add_rms_norm": ({"tokens": 5, "hidden": 24}, (0, 1, 2)),
     "apply_rotary_pos_emb": ({"tokens": 5, "heads": 3, "kv_heads": 1, "head_dim": 8}, (0, 1, 2, 3)),
     "partial_rotary_emb": ({"tokens": 3, "heads": 2, "nope_dim": 8, "rope_dim": 4, "v_dim": 6}, (0, 1, 2, 3, 4)),
+    "matmul": ({"tokens": 5, "hidden": 16, "inter": 8}, (0, 1)),
 }
 DIFFERENTIABLE = sorted(CASES)
 
@@ -34,7 +36,7 @@ def custom_op_call(name: str, args: tuple, config: tuple | None = None) -> tuple
     """The custom op of ``name`` and its arguments for bound ``args`` (config ints: all zero by default)."""
     if name == "apply_rotary_pos_emb":
         args = args[:5]  # the custom op is functional; inplace is the caller's copy
-    width = {"silu_and_mul": 2, "apply_rotary_pos_emb": 2, "partial_rotary_emb": 2, "ffn": 6}.get(name, 3)
+    width = {"silu_and_mul": 2, "apply_rotary_pos_emb": 2, "partial_rotary_emb": 2, "ffn": 6, "matmul": 6}.get(name, 3)
     return getattr(ops, name).default, (*args, *(config or (0,) * width))
 
 
@@ -56,7 +58,7 @@ def test_opcheck_forward_with_config(device, gen):
 
 
 @pytest.mark.parametrize("name", ["rms_norm", "add_rms_norm", "silu_and_mul", "apply_rotary_pos_emb",
-                                  "partial_rotary_emb"])
+                                  "partial_rotary_emb", "matmul"])
 def test_opcheck_backward(name, device, gen):
     def r(*shape):
         return randn(*shape, device=device, generator=gen)
@@ -71,6 +73,9 @@ def test_opcheck_backward(name, device, gen):
     elif name == "apply_rotary_pos_emb":
         q, k, cos, sin, *_ = example(name, torch.float32, device, gen)
         op, args = ops.apply_rotary_pos_emb_backward.default, (r(*q.shape), r(*k.shape), cos, sin, True, 2, 1)
+    elif name == "matmul":
+        a, b = example(name, torch.float32, device, gen)
+        op, args = ops.matmul_backward.default, (r(5, 8), a, b, 16, 16, 16, 1, 1, 1)
     else:
         q, k_pe, kv, cos, sin, *dims = example(name, torch.float32, device, gen)
         op = ops.partial_rotary_emb_backward.default
@@ -125,17 +130,22 @@ def test_autograd_path_launches_the_given_config(device, gen, launches):
 
 def test_inference_path_skips_the_custom_op(device, gen, monkeypatch):
     args = example("rms_norm", torch.float32, device, gen)
-    bound = dlcore.get_op("rms_norm", args)
+    impl = next(i for i in registry().implementations_of("rms_norm") if i.name == "triton")
 
     def no_custom_op(args, config):
         raise AssertionError("the inference path went through the custom op")
 
-    monkeypatch.setattr(bound.impl, "custom_op", no_custom_op)
+    # The bound op takes the implementation's custom op when it is made: patched first, then bound afresh.
+    monkeypatch.setattr(impl, "custom_op", no_custom_op)
+    dlcore.dispatch.dispatcher.default().clear()
+    bound = dlcore.get_op("rms_norm", args)
+    assert bound.impl is impl
     assert bound(*args).grad_fn is None
     with torch.no_grad():
         assert bound(*leaves(args, (0, 1))).grad_fn is None
     with pytest.raises(AssertionError, match="inference path"):
         bound(*leaves(args, (0, 1)))
+    dlcore.dispatch.dispatcher.default().clear()
 
 
 # -- torch.compile ---------------------------------------------------------------------------------
@@ -149,8 +159,9 @@ def block(x, w, residual, q, k, cos, sin, gate_up, q_mla, k_pe, kv, cos_r, sin_r
     act = dlblas_kernels.silu_and_mul(gate_up)
     z = dlblas_kernels.rms_norm(residual, w)
     mlp = dlblas_kernels.ffn(z.detach(), w1, w3, w.detach())  # forward only
+    down = dlblas_kernels.matmul(z, w3.T.contiguous())
     return (z.sum() + q.sum() + k.square().sum() + act.sum() + q_mla.sum() + out_kv.square().sum()
-            + residual.sum() + mlp.sum())
+            + residual.sum() + mlp.sum() + down.square().sum())
 
 
 def test_compiles_without_graph_breaks(device, gen):

@@ -1,12 +1,14 @@
-"""A brand-new op, softcap(x, cap) = cap * tanh(x / cap), with its Triton implementation."""
+"""A brand-new op, softcap(x, cap) = cap * tanh(x / cap), with its Triton kernel: the custom op
+``dlc_thirdparty_demo::softcap``, its implementation and hooks made by dlcore's kernel template."""
 
 import torch
 import triton
 import triton.language as tl
 
-from dlcore import hookimpl
-from dlcore.declarations.implementation import KernelCall, LaunchPlan, TritonImplementation
+from dlcore.declarations.implementation import KernelCall, LaunchPlan
 from dlcore.declarations.op import Op, ScalarArg, TensorArg
+from dlcore.declarations.space import PowerOfTwo, SearchSpace
+from dlcore.runtime.template import define_kernel
 
 
 @triton.jit
@@ -19,11 +21,11 @@ def _softcap(x_ptr, y_ptr, n, cap, BLOCK: tl.constexpr):
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def softcap_reference(x, cap):
+def softcap_reference(x, cap=30.0):
     return (cap * torch.tanh(x.float() / cap)).to(x.dtype)
 
 
-def _plan(args, config):
+def _plan(args, config, profile):
     x, cap = args
     y = torch.empty_like(x)
     n = x.numel()
@@ -42,17 +44,11 @@ OP = Op(
     example_sizes={"n": 1000},
 )
 
-TRITON = TritonImplementation(
-    "softcap", "triton", plan=_plan, kernels=(_softcap,),
+KERNEL = define_kernel(
+    OP, _plan, kernels=(_softcap,), namespace="dlc_thirdparty_demo",
+    results=lambda x, cap: torch.empty_like(x),
     default_config=lambda signature, profile: {"BLOCK": 256},
+    space=lambda profile: SearchSpace([PowerOfTwo("BLOCK", 64, 1024)]),
 )
-
-
-@hookimpl
-def dlcore_ops():
-    return [OP]
-
-
-@hookimpl
-def dlcore_implementations():
-    return [TRITON]
+softcap = KERNEL.function
+dlcore_ops, dlcore_implementations = KERNEL.dlcore_ops, KERNEL.dlcore_implementations

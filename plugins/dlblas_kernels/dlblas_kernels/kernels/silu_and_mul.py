@@ -18,27 +18,19 @@ import torch
 import triton
 import triton.language as tl
 
-from dlcore import InvalidInputError, hookimpl
+from dlcore import InvalidInputError
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
 from dlcore.declarations.layout import as_rows
 from dlcore.declarations.op import Op, TensorArg
-from dlcore.declarations.signature import Signature, cdiv, make_signature, next_power_of_2
+from dlcore.declarations.signature import Signature, cdiv, next_power_of_2
 from dlcore.declarations.space import Constraint, PowerOfTwo, SearchSpace, num_warps
-from dlcore.runtime.torch_ops import (
-    CustomOpTritonImplementation,
-    Launches,
-    call,
-    config_from_ints,
-    config_ints,
-    run_backward,
-)
+from dlcore.runtime.template import Backward, define_kernel
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Widest column block one program handles; wider rows are split across programs (grid axis 1).
 MAX_BLOCK_N = 1024
-CONFIG_KEYS = ("BLOCK_N", "num_warps")
 
 
 @triton.jit
@@ -88,10 +80,14 @@ def silu_and_mul_backward_kernel(
     tl.store(dx_row + (cols + N) * stride_dx_col, d_up.to(dx_ptr.dtype.element_ty), mask=mask)
 
 
-def plan(args: tuple, config: Config) -> LaunchPlan:
+def output(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty(*x.shape[:-1], x.shape[-1] // 2, dtype=x.dtype, device=x.device)
+
+
+def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     (x,) = args
     n = x.shape[-1] // 2
-    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    out = output(x)
     if out.numel() == 0:
         return LaunchPlan(calls=[], result=out)
     x2, out2 = as_rows(x), as_rows(out)
@@ -105,7 +101,7 @@ def plan(args: tuple, config: Config) -> LaunchPlan:
     return LaunchPlan(calls=[call], result=out)
 
 
-def backward_plan(args: tuple, config: Config) -> LaunchPlan:
+def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     """The launch for ``dx`` from ``args = (dy, x)``."""
     dy, x = args
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -140,7 +136,7 @@ def silu_and_mul_backward_reference(dy: torch.Tensor, x: torch.Tensor) -> torch.
     return torch.cat([dyf * up * s * (1 + gate * (1 - s)), dyf * gate * s], dim=-1).to(x.dtype)
 
 
-def default_config(sig: Signature, profile: DeviceProfile | None) -> Config:
+def default_config(sig: Signature, profile: DeviceProfile) -> Config:
     n = sig.tensor("x").shape[-1] // 2
     block_n = min(max(next_power_of_2(n), 16), MAX_BLOCK_N)
     # About 8 elements per thread once the block is wide; one warp for narrow rows.
@@ -151,7 +147,7 @@ def _elements_per_thread(c: Config) -> float:
     return c["BLOCK_N"] / (32 * c["num_warps"])
 
 
-def space() -> SearchSpace:
+def space(profile: DeviceProfile) -> SearchSpace:
     """Output columns per program and warps."""
     return SearchSpace(
         [PowerOfTwo("BLOCK_N", 32, 16384), num_warps(1, 2, 4, 8, 16, 32)],
@@ -222,99 +218,19 @@ OP = Op(
 )
 
 
-# -- PyTorch custom ops ----------------------------------------------------------------------------
+def _gradients(backward, saved, grads, needs) -> dict:
+    return {"x": backward(grads[0], saved.x)}
 
 
-def _config(x: torch.Tensor, values: tuple[int, ...]) -> Config:
-    return config_from_ints(CONFIG_KEYS, values, lambda: default_config(make_signature(OP, (x,), x.device), None))
-
-
-FORWARD = Launches(plan, lambda args, ints: _config(args[0], ints))
-BACKWARD = Launches(backward_plan, lambda args, ints: _config(args[1], ints))
-
-
-@torch.library.custom_op("dlblas::silu_and_mul", mutates_args=())
-def silu_and_mul_op(x: torch.Tensor, block_n: int, num_warps: int) -> torch.Tensor:
-    """``silu_and_mul`` with the launch config as trailing ints (all zero: the default). float64
-    inputs take the torch reference (the path ``torch.autograd.gradcheck`` runs)."""
-    if x.dtype == torch.float64:
-        return silu_and_mul_reference(x)
-    return FORWARD.run((x,), (block_n, num_warps))
-
-
-@silu_and_mul_op.register_fake
-def _silu_and_mul_fake(x, block_n, num_warps):
-    if x.dtype != torch.float64:
-        OP.validate((x,))
-    return torch.empty(*x.shape[:-1], x.shape[-1] // 2, dtype=x.dtype, device=x.device)
-
-
-def _silu_and_mul_backward(dy: torch.Tensor, x: torch.Tensor, block_n: int, num_warps: int) -> torch.Tensor:
-    """``dx`` of ``silu_and_mul`` for the output gradient ``dy``."""
-    if x.dtype == torch.float64:
-        return silu_and_mul_backward_reference(dy, x)
-    return BACKWARD.run((dy, x), (block_n, num_warps))
-
-
-silu_and_mul_backward_op = torch.library.custom_op("dlblas::silu_and_mul_backward",
-                                                   mutates_args=())(_silu_and_mul_backward)
-
-
-@silu_and_mul_backward_op.register_fake
-def _silu_and_mul_backward_fake(dy, x, block_n, num_warps):
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
-
-def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    x, *config = inputs
-    ctx.save_for_backward(x)
-    ctx.config = config
-
-
-def _backward(ctx: Any, dy: torch.Tensor) -> tuple:
-    (x,) = ctx.saved_tensors
-    return run_backward(torch.ops.dlblas.silu_and_mul_backward, _silu_and_mul_backward, dy, x, *ctx.config), None, None
-
-
-silu_and_mul_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-def custom_op(args: tuple, config: Config | None) -> torch.Tensor:
-    (x,) = args
-    return torch.ops.dlblas.silu_and_mul(x, *config_ints(config, CONFIG_KEYS))
-
-
-def backward_of(args: tuple, config: Config) -> LaunchPlan:
-    """The backward's launches for the forward's ``args``, the output gradient made up (``dlcore lower``)."""
-    (x,) = args
-    return backward_plan((x.new_empty(*x.shape[:-1], x.shape[-1] // 2), x), config)
-
-
-TRITON = CustomOpTritonImplementation(
-    "silu_and_mul", "triton",
-    plan=plan,
+KERNEL = define_kernel(
+    OP, plan,
     kernels=(silu_and_mul_kernel, silu_and_mul_backward_kernel),
+    results=output,
     default_config=default_config,
     space=space,
-    replayable=True,
-    backward_plan=backward_of,
-    custom_op=custom_op,
-    dtypes=DTYPES,
+    backward=Backward(_gradients, saved=("x",), plan=backward_plan, reference=silu_and_mul_backward_reference,
+                      results=lambda dy, x: torch.empty(x.shape, dtype=x.dtype, device=x.device)),
     doc="one program per (row, column block); math in float32; backward of the same layout",
 )
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(x[..., :N]) * x[..., N:]`` with the Triton kernel and its default config; differentiable,
-    and one node under ``torch.compile``."""
-    return call(OP, TRITON, (x,))
-
-
-@hookimpl
-def dlcore_ops() -> list[Op]:
-    return [OP]
-
-
-@hookimpl
-def dlcore_implementations() -> list[CustomOpTritonImplementation]:
-    return [TRITON]
+silu_and_mul = KERNEL.function
+dlcore_ops, dlcore_implementations = KERNEL.dlcore_ops, KERNEL.dlcore_implementations

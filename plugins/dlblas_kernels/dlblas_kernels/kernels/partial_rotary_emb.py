@@ -28,31 +28,23 @@ import torch
 import triton
 import triton.language as tl
 
-from dlblas_kernels.apply_rotary_pos_emb import (
+from dlblas_kernels.kernels.apply_rotary_pos_emb import (
     bsd_strides,
     bshd_strides,
     check_token_layouts,
     llama_cos_sin,
     rotate_pairs,
 )
-from dlcore import InvalidInputError, hookimpl
+from dlcore import InvalidInputError
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
 from dlcore.declarations.op import Op, ScalarArg, TensorArg
-from dlcore.declarations.signature import Signature, cdiv, make_signature, next_power_of_2
+from dlcore.declarations.signature import Signature, cdiv, next_power_of_2
 from dlcore.declarations.space import PowerOfTwo, SearchSpace, num_warps
-from dlcore.runtime.torch_ops import (
-    CustomOpTritonImplementation,
-    Launches,
-    call,
-    config_from_ints,
-    config_ints,
-    run_backward,
-)
+from dlcore.runtime.template import Backward, define_kernel
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ANY_LAYOUT = ("contiguous", "rows", "strided")
-CONFIG_KEYS = ("BLOCK_H", "num_warps")
 # Heads a forward program takes by default (the plan caps it at the head count), and the elements
 # of q each of its threads holds (8 warps for DeepSeek-V2's 128 heads). On the H200 (bfloat16, 4096
 # tokens of DeepSeek-V2) 128 heads with 8 warps was the best of the configs of the space measured,
@@ -206,8 +198,9 @@ def partial_rotary_backward_kernel(
 # -- plans -----------------------------------------------------------------------------------------
 
 
-def outputs(q: torch.Tensor, nope_dim: int, rope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q_out`` (q's shape) and ``out_kv [..., S, 2, H, nope + rope]``, contiguous."""
+def outputs(q: torch.Tensor, k_pe: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            nope_dim: int, rope_dim: int, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q_out`` (q's shape) and ``out_kv [..., S, 2, H, nope + rope]``, contiguous, for the op's arguments."""
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     out_kv = torch.empty(*q.shape[:-2], 2, q.shape[-2], nope_dim + rope_dim, dtype=q.dtype, device=q.device)
     return q_out, out_kv
@@ -222,9 +215,9 @@ def _blocks(h: int, nope: int, rope: int, v: int, config: Config) -> dict[str, i
     }
 
 
-def plan(args: tuple, config: Config) -> LaunchPlan:
+def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     q, k_pe, kv, cos, sin, nope, rope, v = args
-    q_out, out_kv = outputs(q, nope, rope)
+    q_out, out_kv = outputs(*args)
     *batch, seq, h, width = q.shape
     tokens = math.prod(batch) * seq
     if q.numel() == 0:
@@ -243,15 +236,17 @@ def plan(args: tuple, config: Config) -> LaunchPlan:
     return LaunchPlan(calls=[call], result=(q_out, out_kv))
 
 
-def backward_outputs(q: torch.Tensor, k_pe: torch.Tensor, kv: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k_pe, kv))
+def backward_outputs(dq_out: torch.Tensor, dout_kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     k_pe: torch.Tensor, kv: torch.Tensor, *_: Any) -> tuple[torch.Tensor, ...]:
+    """``(dq, dk_pe, dkv)`` for the backward's arguments: the shapes of q (dq_out's), k_pe and kv."""
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (dq_out, k_pe, kv))
 
 
-def backward_plan(args: tuple, config: Config) -> LaunchPlan:
+def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     """The launch for ``(dq, dk_pe, dkv)`` from ``args = (dq_out, dout_kv, cos, sin, k_pe, kv, nope, rope, v)``
     (``k_pe`` and ``kv`` for their shapes only)."""
     dq_out, dout_kv, cos, sin, k_pe, kv, nope, rope, v = args
-    dq, dk_pe, dkv = backward_outputs(dq_out, k_pe, kv)
+    dq, dk_pe, dkv = backward_outputs(*args)
     if dq.numel() == 0:
         return LaunchPlan(calls=[], result=(dq, dk_pe.zero_(), dkv))
     batch = tuple(dq.shape[:-3])
@@ -314,10 +309,11 @@ def _rope_backward(dy: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> to
 
 
 def partial_rotary_emb_backward_reference(dq_out: torch.Tensor, dout_kv: torch.Tensor, cos: torch.Tensor,
-                                          sin: torch.Tensor, nope_dim: int, rope_dim: int,
-                                          v_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                                          sin: torch.Tensor, k_pe: torch.Tensor, kv: torch.Tensor, nope_dim: int,
+                                          rope_dim: int, v_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk_pe, dkv)`` in float32 (or wider): the nope parts pass through, the rope parts get the
-    transposed rope (the keys' summed over the heads first), the values' padding gets nothing."""
+    transposed rope (the keys' summed over the heads first), the values' padding gets nothing.
+    ``k_pe`` and ``kv``, the backward kernel's arguments for its outputs' shapes, are not read."""
     compute = torch.promote_types(dq_out.dtype, torch.float32)
     c, s = cos.to(compute), sin.to(compute)
     dqf, dkvf = dq_out.to(compute), dout_kv.to(compute)
@@ -328,7 +324,7 @@ def partial_rotary_emb_backward_reference(dq_out: torch.Tensor, dout_kv: torch.T
     return dq.to(dq_out.dtype), dk_pe.to(dq_out.dtype), dkv.to(dq_out.dtype)
 
 
-def default_config(sig: Signature, profile: DeviceProfile | None) -> Config:
+def default_config(sig: Signature, profile: DeviceProfile) -> Config:
     """:data:`HEADS` heads per program, with the warps of a full block: with fewer heads (the plan
     caps BLOCK_H at the head count) each thread holds fewer elements, 16 for DeepSeek-V2-Lite's 16,
     which is what was measured. The head count is in the key (tuned configs are kept per head
@@ -337,7 +333,7 @@ def default_config(sig: Signature, profile: DeviceProfile | None) -> Config:
     return {"BLOCK_H": HEADS, "num_warps": min(max(HEADS * width // (32 * PER_THREAD), 1), 8)}
 
 
-def space() -> SearchSpace:
+def space(profile: DeviceProfile) -> SearchSpace:
     """Heads per program and warps."""
     return SearchSpace([PowerOfTwo("BLOCK_H", 1, 128), num_warps(1, 2, 4, 8, 16)])
 
@@ -430,60 +426,6 @@ OP = Op(
 )
 
 
-# -- PyTorch custom ops ----------------------------------------------------------------------------
-
-
-def _config(args: tuple, values: tuple[int, ...]) -> Config:
-    return config_from_ints(CONFIG_KEYS, values,
-                            lambda: default_config(make_signature(OP, args, args[0].device), None))
-
-
-FORWARD = Launches(plan, _config)
-# The backward's args are (dq_out, dout_kv, cos, sin, k_pe, kv, nope, rope, v); its config is the
-# forward's, whose args are (q, k_pe, kv, cos, sin, nope, rope, v) (dq_out has q's shape).
-BACKWARD = Launches(backward_plan, lambda a, ints: _config((a[0], a[4], a[5], a[2], a[3], a[6], a[7], a[8]), ints))
-
-
-@torch.library.custom_op("dlblas::partial_rotary_emb", mutates_args=())
-def partial_rotary_emb_op(q: torch.Tensor, k_pe: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor,
-                          sin: torch.Tensor, nope_dim: int, rope_dim: int, v_dim: int, block_h: int,
-                          num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``partial_rotary_emb`` with the launch config as trailing ints (all zero: the default).
-    float64 inputs take the torch reference (the path ``torch.autograd.gradcheck`` runs)."""
-    args = (q, k_pe, kv, cos, sin, nope_dim, rope_dim, v_dim)
-    if q.dtype == torch.float64:
-        return partial_rotary_emb_reference(*args)
-    return FORWARD.run(args, (block_h, num_warps))
-
-
-@partial_rotary_emb_op.register_fake
-def _partial_rotary_emb_fake(q, k_pe, kv, cos, sin, nope_dim, rope_dim, v_dim, block_h, num_warps):
-    if q.dtype != torch.float64:
-        OP.validate((q, k_pe, kv, cos, sin, nope_dim, rope_dim, v_dim))
-    return outputs(q, nope_dim, rope_dim)
-
-
-def _partial_rotary_emb_backward(dq_out: torch.Tensor, dout_kv: torch.Tensor, cos: torch.Tensor,
-                                 sin: torch.Tensor, k_pe: torch.Tensor, kv: torch.Tensor, nope_dim: int,
-                                 rope_dim: int, v_dim: int, block_h: int,
-                                 num_warps: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk_pe, dkv)`` of ``partial_rotary_emb`` for the output gradients (``k_pe`` and ``kv``
-    give the shapes of their gradients)."""
-    if dq_out.dtype == torch.float64:
-        return partial_rotary_emb_backward_reference(dq_out, dout_kv, cos, sin, nope_dim, rope_dim, v_dim)
-    return BACKWARD.run((dq_out, dout_kv, cos, sin, k_pe, kv, nope_dim, rope_dim, v_dim), (block_h, num_warps))
-
-
-partial_rotary_emb_backward_op = torch.library.custom_op("dlblas::partial_rotary_emb_backward",
-                                                         mutates_args=())(_partial_rotary_emb_backward)
-
-
-@partial_rotary_emb_backward_op.register_fake
-def _partial_rotary_emb_backward_fake(dq_out, dout_kv, cos, sin, k_pe, kv, nope_dim, rope_dim, v_dim, block_h,
-                                      num_warps):
-    return backward_outputs(dq_out, k_pe, kv)
-
-
 def _table_grads(dq_out: torch.Tensor, dout_kv: torch.Tensor, q: torch.Tensor, k_pe: torch.Tensor,
                  cos: torch.Tensor, nope: int,
                  wanted: tuple[bool, bool]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -502,69 +444,34 @@ def _table_grads(dq_out: torch.Tensor, dout_kv: torch.Tensor, q: torch.Tensor, k
     return grads[0], grads[1]
 
 
-def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k_pe, kv, cos, sin, nope, rope, v, *config = inputs
-    # k_pe and kv give the gradients' shapes; q is kept only for the gradients of cos and sin, which
-    # models do not ask for.
-    ctx.save_for_backward(cos, sin, k_pe, kv, *((q,) if any(ctx.needs_input_grad[3:5]) else ()))
-    ctx.dims, ctx.config = (nope, rope, v), config
+def _gradients(backward, saved, grads, needs) -> dict:
+    dq_out, dout_kv = grads
+    dims = saved.nope_dim, saved.rope_dim, saved.v_dim
+    got = {}
+    if needs["q"] or needs["k_pe"] or needs["kv"]:
+        got["q"], got["k_pe"], got["kv"] = backward(dq_out, dout_kv, saved.cos, saved.sin, saved.k_pe, saved.kv, *dims)
+    if needs["cos"] or needs["sin"]:
+        got["cos"], got["sin"] = _table_grads(dq_out, dout_kv, saved.q, saved.k_pe, saved.cos, saved.nope_dim,
+                                              (needs["cos"], needs["sin"]))
+    return got
 
 
-def _backward(ctx: Any, dq_out: torch.Tensor, dout_kv: torch.Tensor) -> tuple:
-    cos, sin, k_pe, kv, *q = ctx.saved_tensors
-    dq = dk_pe = dkv = dcos = dsin = None
-    if any(ctx.needs_input_grad[:3]):
-        dq, dk_pe, dkv = run_backward(torch.ops.dlblas.partial_rotary_emb_backward, _partial_rotary_emb_backward,
-                                      dq_out, dout_kv, cos, sin, k_pe, kv, *ctx.dims, *ctx.config)
-    if q:
-        dcos, dsin = _table_grads(dq_out, dout_kv, q[0], k_pe, cos, ctx.dims[0], ctx.needs_input_grad[3:5])
-    return dq, dk_pe, dkv, dcos, dsin, None, None, None, None, None
-
-
-partial_rotary_emb_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-def custom_op(args: tuple, config: Config | None) -> tuple[torch.Tensor, torch.Tensor]:
-    q, k_pe, kv, cos, sin, nope, rope, v = args
-    return torch.ops.dlblas.partial_rotary_emb(q, k_pe, kv, cos, sin, nope, rope, v, *config_ints(config, CONFIG_KEYS))
-
-
-def backward_of(args: tuple, config: Config) -> LaunchPlan:
-    """The backward's launches for the forward's ``args``, the output gradients made up (``dlcore lower``)."""
-    q, k_pe, kv, cos, sin, nope, rope, v = args
-    dq_out, dout_kv = outputs(q, nope, rope)
-    return backward_plan((dq_out, dout_kv, cos, sin, k_pe, kv, nope, rope, v), config)
-
-
-TRITON = CustomOpTritonImplementation(
-    "partial_rotary_emb", "triton",
-    plan=plan,
+KERNEL = define_kernel(
+    OP, plan,
     kernels=(partial_rotary_kernel, partial_rotary_backward_kernel),
+    results=outputs,
+    outputs=("q_out", "out_kv"),
     default_config=default_config,
     space=space,
-    replayable=True,
-    backward_plan=backward_of,
-    custom_op=custom_op,
-    dtypes=DTYPES,
+    # k_pe and kv give the gradients' shapes; q is kept only for the gradients of cos and sin, which
+    # models do not ask for.
+    backward=Backward(_gradients, saved=("cos", "sin", "k_pe", "kv", "nope_dim", "rope_dim", "v_dim"),
+                      saved_for={"cos": ("q",), "sin": ("q",)}, plan=backward_plan,
+                      reference=partial_rotary_emb_backward_reference,
+                      results=backward_outputs,
+                      renames={"q": "dq_out"}),
     doc="one program per (token, head block): nope copies, interleaved-in half-split-out rope, padded values; "
         "backward one program per token, dk_pe summed over heads in registers",
 )
-
-
-def partial_rotary_emb(q: torch.Tensor, k_pe: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor,
-                       sin: torch.Tensor, nope_dim: int, rope_dim: int,
-                       v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V2's MLA rotary step (see the module docstring): ``(q_out, out_kv)``, with the Triton
-    kernel and its default config. Differentiable in q, k_pe, kv, cos and sin, and one node under
-    ``torch.compile``."""
-    return call(OP, TRITON, (q, k_pe, kv, cos, sin, nope_dim, rope_dim, v_dim))
-
-
-@hookimpl
-def dlcore_ops() -> list[Op]:
-    return [OP]
-
-
-@hookimpl
-def dlcore_implementations() -> list[CustomOpTritonImplementation]:
-    return [TRITON]
+partial_rotary_emb = KERNEL.function
+dlcore_ops, dlcore_implementations = KERNEL.dlcore_ops, KERNEL.dlcore_implementations

@@ -33,24 +33,16 @@ import torch
 import triton
 import triton.language as tl
 
-from dlcore import InvalidInputError, hookimpl
+from dlcore import InvalidInputError
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
 from dlcore.declarations.op import Op, ScalarArg, TensorArg
-from dlcore.declarations.signature import Signature, cdiv, make_signature, next_power_of_2
+from dlcore.declarations.signature import Signature, cdiv, next_power_of_2
 from dlcore.declarations.space import PowerOfTwo, SearchSpace, num_warps
-from dlcore.runtime.torch_ops import (
-    CustomOpTritonImplementation,
-    Launches,
-    call,
-    config_from_ints,
-    config_ints,
-    run_backward,
-)
+from dlcore.runtime.template import Backward, define_kernel
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ANY_LAYOUT = ("contiguous", "rows", "strided")
-CONFIG_KEYS = ("BLOCK_H", "num_warps")
 # Elements a program rotates per step by default (BLOCK_T tokens of BLOCK_H heads of D), with one
 # warp: 64 per thread, many loads in flight per thread. On the H200 (bfloat16, 4096 and 16384 tokens of
 # LLaMA-3-8B and Qwen2.5-7B) that was within 3% of the best of the whole space; 4096 with 8 warps took
@@ -300,17 +292,17 @@ def _step(rows: int, heads: int, tokens: int) -> tuple[int, int]:
     return block_h, min(max(rows // block_h, 1), next_power_of_2(tokens))
 
 
-def outputs(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def outputs(q: torch.Tensor, k: torch.Tensor, *_: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
-def plan(args: tuple, config: Config) -> LaunchPlan:
+def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     q, k, cos, sin, interleaved, inplace = args
     q_out, k_out = (q, k) if inplace else outputs(q, k)
     return LaunchPlan(_launch(q, k, q_out, k_out, cos, sin, interleaved, False, config), (q_out, k_out))
 
 
-def backward_plan(args: tuple, config: Config) -> LaunchPlan:
+def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     """The launch for ``(dq, dk)`` from ``args = (dq_out, dk_out, cos, sin, interleaved)``."""
     dq_out, dk_out, cos, sin, interleaved = args
     dq, dk = outputs(dq_out, dk_out)
@@ -349,7 +341,7 @@ def apply_rotary_pos_emb_backward_reference(dq_out: torch.Tensor, dk_out: torch.
     return tuple((g.to(compute) * c - rotate(g.to(compute) * s, interleaved)).to(g.dtype) for g in (dq_out, dk_out))
 
 
-def default_config(sig: Signature, profile: DeviceProfile | None) -> Config:
+def default_config(sig: Signature, profile: DeviceProfile) -> Config:
     """16 rows of 128 per step (half a token of LLaMA-3-8B's q heads, two tokens of its k heads) and
     one warp: 64 elements per thread (see :data:`TILE`). With up to :data:`FEW_TOKENS` tokens, all
     of q's heads in one step; up to :data:`SOME_TOKENS`, steps of twice the tile; as many elements
@@ -365,7 +357,7 @@ def default_config(sig: Signature, profile: DeviceProfile | None) -> Config:
     return {"BLOCK_H": block_h, "num_warps": min(max(block_h * width // TILE, 1), 8)}
 
 
-def space() -> SearchSpace:
+def space(profile: DeviceProfile) -> SearchSpace:
     """(token, head) rows per step and warps."""
     return SearchSpace([PowerOfTwo("BLOCK_H", 1, 256), num_warps(1, 2, 4, 8, 16)])
 
@@ -466,56 +458,6 @@ OP = Op(
 )
 
 
-# -- PyTorch custom ops ----------------------------------------------------------------------------
-
-
-def _config(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, values: tuple[int, ...]) -> Config:
-    def default() -> Config:
-        return default_config(make_signature(OP, (q, k, cos, cos, False, False), q.device), None)
-
-    return config_from_ints(CONFIG_KEYS, values, default)
-
-
-# Both take (q or dq_out, k or dk_out, cos, sin, interleaved, ...): one config rule.
-FORWARD = Launches(plan, lambda args, ints: _config(args[0], args[1], args[2], ints))
-BACKWARD = Launches(backward_plan, lambda args, ints: _config(args[0], args[1], args[2], ints))
-
-
-@torch.library.custom_op("dlblas::apply_rotary_pos_emb", mutates_args=())
-def apply_rotary_pos_emb_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                            interleaved: bool, block_h: int, num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``apply_rotary_pos_emb`` (functional) with the launch config as trailing ints (all zero: the
-    default). float64 inputs take the torch reference (the path ``torch.autograd.gradcheck`` runs)."""
-    if q.dtype == torch.float64:
-        return apply_rotary_pos_emb_reference(q, k, cos, sin, interleaved)
-    return FORWARD.run((q, k, cos, sin, interleaved, False), (block_h, num_warps))
-
-
-@apply_rotary_pos_emb_op.register_fake
-def _apply_rotary_pos_emb_fake(q, k, cos, sin, interleaved, block_h, num_warps):
-    if q.dtype != torch.float64:
-        OP.validate((q, k, cos, sin, interleaved, False))
-    return outputs(q, k)
-
-
-def _apply_rotary_pos_emb_backward(dq_out: torch.Tensor, dk_out: torch.Tensor, cos: torch.Tensor,
-                                   sin: torch.Tensor, interleaved: bool, block_h: int,
-                                   num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dq, dk)`` of ``apply_rotary_pos_emb`` for the output gradients."""
-    if dq_out.dtype == torch.float64:
-        return apply_rotary_pos_emb_backward_reference(dq_out, dk_out, cos, sin, interleaved)
-    return BACKWARD.run((dq_out, dk_out, cos, sin, interleaved), (block_h, num_warps))
-
-
-apply_rotary_pos_emb_backward_op = torch.library.custom_op("dlblas::apply_rotary_pos_emb_backward",
-                                                           mutates_args=())(_apply_rotary_pos_emb_backward)
-
-
-@apply_rotary_pos_emb_backward_op.register_fake
-def _apply_rotary_pos_emb_backward_fake(dq_out, dk_out, cos, sin, interleaved, block_h, num_warps):
-    return outputs(dq_out, dk_out)
-
-
 def _table_grads(pairs: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tensor, interleaved: bool,
                  wanted: tuple[bool, bool]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """The ``wanted`` gradients of cos and sin (rarely asked for, so in torch): for each (output
@@ -532,72 +474,32 @@ def _table_grads(pairs: list[tuple[torch.Tensor, torch.Tensor]], cos: torch.Tens
     return grads[0], grads[1]
 
 
-def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    q, k, cos, sin, interleaved, *config = inputs
-    # q and k are kept only for the gradients of cos and sin, which models do not ask for.
-    ctx.save_for_backward(cos, sin, *((q, k) if any(ctx.needs_input_grad[2:4]) else ()))
-    ctx.interleaved, ctx.config = interleaved, config
+def _gradients(backward, saved, grads, needs) -> dict:
+    dq_out, dk_out = grads
+    got = {}
+    if needs["q"] or needs["k"]:
+        got["q"], got["k"] = backward(dq_out, dk_out, saved.cos, saved.sin, saved.interleaved)
+    if needs["cos"] or needs["sin"]:
+        got["cos"], got["sin"] = _table_grads([(dq_out, saved.q), (dk_out, saved.k)], saved.cos, saved.interleaved,
+                                              (needs["cos"], needs["sin"]))
+    return got
 
 
-def _backward(ctx: Any, dq_out: torch.Tensor, dk_out: torch.Tensor) -> tuple:
-    cos, sin, *qk = ctx.saved_tensors
-    dq = dk = dcos = dsin = None
-    if any(ctx.needs_input_grad[:2]):
-        dq, dk = run_backward(torch.ops.dlblas.apply_rotary_pos_emb_backward, _apply_rotary_pos_emb_backward,
-                              dq_out, dk_out, cos, sin, ctx.interleaved, *ctx.config)
-    if qk:
-        dcos, dsin = _table_grads([(dq_out, qk[0]), (dk_out, qk[1])], cos, ctx.interleaved,
-                                  ctx.needs_input_grad[2:4])
-    return dq, dk, dcos, dsin, None, None, None
-
-
-apply_rotary_pos_emb_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-def custom_op(args: tuple, config: Config | None) -> tuple[torch.Tensor, torch.Tensor]:
-    q, k, cos, sin, interleaved, inplace = args
-    q_out, k_out = torch.ops.dlblas.apply_rotary_pos_emb(q, k, cos, sin, bool(interleaved),
-                                                         *config_ints(config, CONFIG_KEYS))
-    if inplace:
-        # Autograd records the copies; under torch.compile they become input mutations.
-        return q.copy_(q_out), k.copy_(k_out)
-    return q_out, k_out
-
-
-def backward_of(args: tuple, config: Config) -> LaunchPlan:
-    """The backward's launches for the forward's ``args``, the output gradients made up (``dlcore lower``)."""
-    q, k, cos, sin, interleaved, _ = args
-    return backward_plan((*outputs(q, k), cos, sin, interleaved), config)
-
-
-TRITON = CustomOpTritonImplementation(
-    "apply_rotary_pos_emb", "triton",
-    plan=plan,
+KERNEL = define_kernel(
+    OP, plan,
     kernels=(rotary_kernel,),
+    results=outputs,
+    outputs=("q_out", "k_out"),
+    inplace="inplace",
     default_config=default_config,
     space=space,
-    replayable=True,
-    backward_plan=backward_of,
-    custom_op=custom_op,
-    dtypes=DTYPES,
+    # q and k are kept only for the gradients of cos and sin, which models do not ask for.
+    backward=Backward(_gradients, saved=("cos", "sin", "interleaved"), saved_for={"cos": ("q", "k"), "sin": ("q", "k")},
+                      plan=backward_plan, reference=apply_rotary_pos_emb_backward_reference,
+                      results=outputs,
+                      renames={"q": "dq_out", "k": "dk_out"}),
     doc="one program per block of tokens, all heads of q and k, cos and sin read once; the backward is the "
         "same kernel, rotation transposed",
 )
-
-
-def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         interleaved: bool = False, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary embedding of q ``[..., S, Hq, D]`` and k ``[..., S, Hk, D]`` with cos and sin
-    ``[..., S, D]``: ``(q_out, k_out)``, new tensors or (``inplace``) q and k themselves.
-    Differentiable in q, k, cos and sin, and one node under ``torch.compile``."""
-    return call(OP, TRITON, (q, k, cos, sin, interleaved, inplace))
-
-
-@hookimpl
-def dlcore_ops() -> list[Op]:
-    return [OP]
-
-
-@hookimpl
-def dlcore_implementations() -> list[CustomOpTritonImplementation]:
-    return [TRITON]
+apply_rotary_pos_emb = KERNEL.function
+dlcore_ops, dlcore_implementations = KERNEL.dlcore_ops, KERNEL.dlcore_implementations

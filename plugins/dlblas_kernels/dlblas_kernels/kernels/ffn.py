@@ -22,17 +22,16 @@ import torch
 import triton
 import triton.language as tl
 
-from dlcore import InvalidInputError, hookimpl
+from dlcore import InvalidInputError
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
 from dlcore.declarations.layout import as_rows
 from dlcore.declarations.op import Op, ScalarArg, TensorArg
-from dlcore.declarations.signature import Signature, cdiv, make_signature, next_power_of_2
+from dlcore.declarations.signature import Signature, cdiv, next_power_of_2
 from dlcore.declarations.space import Choice, Constraint, PowerOfTwo, SearchSpace, num_stages, num_warps
-from dlcore.runtime.torch_ops import CustomOpTritonImplementation, call, config_from_ints, config_ints
+from dlcore.runtime.template import define_kernel
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
 
 
 @triton.jit
@@ -104,10 +103,14 @@ def ffn_kernel(
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def plan(args: tuple, config: Config) -> LaunchPlan:
+def output(x: torch.Tensor, w1: torch.Tensor, *_: Any) -> torch.Tensor:
+    return torch.empty(*x.shape[:-1], w1.shape[0], dtype=x.dtype, device=x.device)
+
+
+def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     x, w1, w3, rms_w, eps = args
     n = w1.shape[0]
-    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    out = output(x, w1)
     if out.numel() == 0:
         return LaunchPlan(calls=[], result=out)
     x2, out2 = as_rows(x), as_rows(out)
@@ -139,24 +142,21 @@ def ffn_reference(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, rms_w: to
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
 
 
-def default_config(sig: Signature, profile: DeviceProfile | None) -> Config:
+def default_config(sig: Signature, profile: DeviceProfile) -> Config:
     m = sig.tensor("x").shape[0]  # rows, rounded up to a power of two
     # Few rows (decoding): a thin row block, wasting fewer masked rows.
     block_m = min(max(next_power_of_2(m), 16), 64)
     return {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
 
 
-# The most shared memory one block may use on an H100 / H200 (228 KiB per SM, 1 KiB of it reserved).
-SHARED_MEMORY_BYTES = 227 * 1024
 # Declared for 16-bit inputs; a float32 config that overflows shared memory fails to compile and the
 # tuner records it as failed.
 SPACE_ELEMENT_BYTES = 2
 
 
-def _shared_memory_fits(c: Config) -> bool:
+def _shared_memory_bytes(c: Config) -> int:
     # Per stage: the x tile, the w1 and w3 tiles and the BLOCK_K slice of rms_w.
-    stage_elements = (c["BLOCK_M"] + 2 * c["BLOCK_N"] + 1) * c["BLOCK_K"]
-    return c["num_stages"] * stage_elements * SPACE_ELEMENT_BYTES <= SHARED_MEMORY_BYTES
+    return c["num_stages"] * (c["BLOCK_M"] + 2 * c["BLOCK_N"] + 1) * c["BLOCK_K"] * SPACE_ELEMENT_BYTES
 
 
 def _accumulators_per_thread(c: Config) -> float:
@@ -164,8 +164,15 @@ def _accumulators_per_thread(c: Config) -> float:
     return 2 * c["BLOCK_M"] * c["BLOCK_N"] / (32 * c["num_warps"])
 
 
-def space() -> SearchSpace:
-    """Tile shapes, program order, warps and pipelining depth of the fused GEMM, as fit an H100 / H200."""
+def space(profile: DeviceProfile) -> SearchSpace:
+    """Tile shapes, program order, warps and pipelining depth of the fused GEMM; the pipelined tiles
+    within the shared memory a program may use on the device (no bound where the profile knows none)."""
+    shared = profile.shared_memory_per_program
+    fits = [Constraint(
+        f"num_stages * (BLOCK_M + 2 * BLOCK_N + 1) * BLOCK_K * {SPACE_ELEMENT_BYTES} bytes <= {shared} "
+        f"(the pipelined x, w1, w3 and rms_w tiles fit in shared memory)",
+        lambda c: _shared_memory_bytes(c) <= shared,
+    )] if shared else []
     return SearchSpace(
         [
             PowerOfTwo("BLOCK_M", 16, 128),
@@ -176,11 +183,7 @@ def space() -> SearchSpace:
             num_stages(2, 3, 4),
         ],
         [
-            Constraint(
-                f"num_stages * (BLOCK_M + 2 * BLOCK_N + 1) * BLOCK_K * {SPACE_ELEMENT_BYTES} bytes <= "
-                f"{SHARED_MEMORY_BYTES} (the pipelined x, w1, w3 and rms_w tiles fit in shared memory)",
-                _shared_memory_fits,
-            ),
+            *fits,
             Constraint("2 * BLOCK_M * BLOCK_N / (32 * num_warps) <= 128 (both float32 accumulators fit in registers)",
                        lambda c: _accumulators_per_thread(c) <= 128),
             Constraint("2 * BLOCK_M * BLOCK_N / (32 * num_warps) >= 16 (every warp has enough of the tile to work on)",
@@ -248,56 +251,13 @@ OP = Op(
 )
 
 
-# -- PyTorch custom op -----------------------------------------------------------------------------
-
-
-@torch.library.custom_op("dlblas::ffn", mutates_args=())
-def ffn_op(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, rms_w: torch.Tensor, eps: float,
-           block_m: int, block_n: int, block_k: int, group_m: int, num_warps: int,
-           num_stages: int) -> torch.Tensor:
-    """``ffn`` with the launch config as trailing ints (all zero: the default); forward only."""
-    args = (x, w1, w3, rms_w, eps)
-    config = config_from_ints(CONFIG_KEYS, (block_m, block_n, block_k, group_m, num_warps, num_stages),
-                              lambda: default_config(make_signature(OP, args, x.device), None))
-    return plan(args, config).run()
-
-
-@ffn_op.register_fake
-def _ffn_fake(x, w1, w3, rms_w, eps, block_m, block_n, block_k, group_m, num_warps, num_stages):
-    OP.validate((x, w1, w3, rms_w, eps))
-    return torch.empty(*x.shape[:-1], w1.shape[0], dtype=x.dtype, device=x.device)
-
-
-def custom_op(args: tuple, config: Config | None) -> torch.Tensor:
-    x, w1, w3, rms_w, eps = args
-    return torch.ops.dlblas.ffn(x, w1, w3, rms_w, float(eps), *config_ints(config, CONFIG_KEYS))
-
-
-TRITON = CustomOpTritonImplementation(
-    "ffn", "triton",
-    plan=plan,
+KERNEL = define_kernel(
+    OP, plan,
     kernels=(ffn_kernel,),
+    results=output,
     default_config=default_config,
     space=space,
-    replayable=True,
-    custom_op=custom_op,
-    dtypes=DTYPES,
     doc="one tiled GEMM with two accumulators; the RMSNorm scale applied after the K loop",
 )
-
-
-def ffn(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, rms_w: torch.Tensor,
-        eps: float = 1e-6) -> torch.Tensor:
-    """``silu(xn @ w1.T) * (xn @ w3.T)`` with ``xn = rms_norm(x, rms_w, eps)``: one fused Triton kernel;
-    one node under ``torch.compile``, forward only."""
-    return call(OP, TRITON, (x, w1, w3, rms_w, eps))
-
-
-@hookimpl
-def dlcore_ops() -> list[Op]:
-    return [OP]
-
-
-@hookimpl
-def dlcore_implementations() -> list[CustomOpTritonImplementation]:
-    return [TRITON]
+ffn = KERNEL.function
+dlcore_ops, dlcore_implementations = KERNEL.dlcore_ops, KERNEL.dlcore_implementations

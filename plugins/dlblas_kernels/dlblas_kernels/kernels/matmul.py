@@ -6,7 +6,10 @@ output, accumulating ``BLOCK_K``-wide slices of the product in float32. The ``tl
 the input dtype (float16 / bfloat16 tensor cores, exact float32 for float32 inputs).
 
 The kernel exists above all for its search space: the tile sizes, the program order, the warps and
-the pipelining depth of a GEMM, declared with the constraints of an H100 / H200.
+the pipelining depth of a GEMM, the pipelined tiles bounded by the device's shared memory.
+
+Backward, with ``dc`` the output gradient viewed as ``[rows, N]``: ``da = dc @ b^T`` and
+``db = a^T @ dc``, two launches of the same kernel on transposed views (it takes any strides).
 """
 
 from __future__ import annotations
@@ -17,18 +20,16 @@ import torch
 import triton
 import triton.language as tl
 
-from dlcore import hookimpl
 from dlcore.declarations.device import DeviceProfile
-from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan, TritonImplementation, call_directly
+from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
 from dlcore.declarations.layout import as_rows
 from dlcore.declarations.op import Op, TensorArg
 from dlcore.declarations.signature import Signature, cdiv
 from dlcore.declarations.space import Choice, Constraint, PowerOfTwo, SearchSpace, num_stages, num_warps
+from dlcore.runtime.template import Backward, define_kernel
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# The most shared memory one block may use on an H100 / H200 (228 KiB per SM, 1 KiB of it reserved).
-SHARED_MEMORY_BYTES = 227 * 1024
 # The space is declared for 16-bit inputs (what GEMMs are tuned for); a float32 config that
 # overflows shared memory fails to compile and the tuner records it as failed.
 SPACE_ELEMENT_BYTES = 2
@@ -89,27 +90,49 @@ def matmul_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def plan(args: tuple, config: Config) -> LaunchPlan:
-    a, b = args
-    n = b.shape[1]
-    out = torch.empty(*a.shape[:-1], n, dtype=a.dtype, device=a.device)
-    if out.numel() == 0:
-        return LaunchPlan(calls=[], result=out)
-    a2, out2 = as_rows(a), as_rows(out)
-    m, k = a2.shape
+def gemm_call(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Config) -> KernelCall:
+    """The launch of ``c = a @ b`` for 2-D ``a [M, K]``, ``b [K, N]`` and ``c [M, N]`` of any strides."""
+    (m, k), n = a.shape, b.shape[1]
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
-    grid = (cdiv(m, block_m) * cdiv(n, block_n),)
-    call = KernelCall(
-        matmul_kernel, grid,
-        (a2, b, out2, m, n, k,
-         a2.stride(0), a2.stride(1), b.stride(0), b.stride(1), out2.stride(0), out2.stride(1)),
+    return KernelCall(
+        matmul_kernel, (cdiv(m, block_m) * cdiv(n, block_n),),
+        (a, b, c, m, n, k, a.stride(0), a.stride(1), b.stride(0), b.stride(1), c.stride(0), c.stride(1)),
         {
             "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": config["BLOCK_K"],
             "GROUP_M": config["GROUP_M"],
             "num_warps": config["num_warps"], "num_stages": config["num_stages"],
         },
     )
-    return LaunchPlan(calls=[call], result=out)
+
+
+def output(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.empty(*a.shape[:-1], b.shape[1], dtype=a.dtype, device=a.device)
+
+
+def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
+    a, b = args
+    out = output(a, b)
+    if out.numel() == 0:
+        return LaunchPlan(calls=[], result=out)
+    return LaunchPlan(calls=[gemm_call(as_rows(a), b, as_rows(out), config)], result=out)
+
+
+def backward_outputs(dc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty(a.shape, dtype=a.dtype, device=a.device),
+            torch.empty(b.shape, dtype=b.dtype, device=b.device))
+
+
+def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
+    """The launches for ``(da, db)`` from ``args = (dc, a, b)``: ``da = dc @ b^T``, ``db = a^T @ dc``."""
+    dc, a, b = args
+    da, db = backward_outputs(dc, a, b)
+    k = a.shape[-1]
+    if da.numel() == 0 or db.numel() == 0 or dc.numel() == 0:
+        return LaunchPlan(calls=[], result=(da.zero_(), db.zero_()))
+    # dc comes from autograd in any layout (even expanded); reshape copies only when it must.
+    dc2, a2 = dc.reshape(-1, dc.shape[-1]), as_rows(a)
+    return LaunchPlan(calls=[gemm_call(dc2, b.T, da.view(-1, k), config), gemm_call(a2.T, dc2, db, config)],
+                      result=(da, db))
 
 
 def matmul_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -118,7 +141,16 @@ def matmul_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.matmul(a.to(compute), b.to(compute)).to(a.dtype)
 
 
-def default_config(sig: Signature, profile: DeviceProfile | None) -> Config:
+def matmul_backward_reference(dc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dc @ b^T, a^T @ dc)`` in float32 (or wider), in the dtypes of ``a`` and ``b``."""
+    compute = torch.promote_types(a.dtype, torch.float32)
+    dc2 = dc.to(compute).reshape(-1, dc.shape[-1])
+    da = (dc2 @ b.to(compute).T).reshape(a.shape)
+    db = a.to(compute).reshape(-1, a.shape[-1]).T @ dc2
+    return da.to(a.dtype), db.to(b.dtype)
+
+
+def default_config(sig: Signature, profile: DeviceProfile) -> Config:
     m = sig.tensor("a").shape[0]  # rows, rounded up to a power of two
     if m <= 64:
         # Few rows (decoding): a thin row block wastes fewer masked rows, and a deeper pipeline
@@ -127,17 +159,23 @@ def default_config(sig: Signature, profile: DeviceProfile | None) -> Config:
     return {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
 
 
-def _shared_memory_fits(c: Config) -> bool:
-    tile_bytes = (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * SPACE_ELEMENT_BYTES
-    return c["num_stages"] * tile_bytes <= SHARED_MEMORY_BYTES
+def _shared_memory_bytes(c: Config) -> int:
+    return c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] * SPACE_ELEMENT_BYTES
 
 
 def _accumulator_per_thread(c: Config) -> float:
     return c["BLOCK_M"] * c["BLOCK_N"] / (32 * c["num_warps"])
 
 
-def space() -> SearchSpace:
-    """The tile shapes, program order, warps and pipelining depth of the GEMM, as fit an H100 / H200."""
+def space(profile: DeviceProfile) -> SearchSpace:
+    """The tile shapes, program order, warps and pipelining depth of the GEMM; the pipelined tiles
+    within the shared memory a program may use on the device (no bound where the profile knows none)."""
+    shared = profile.shared_memory_per_program
+    fits = [Constraint(
+        f"num_stages * (BLOCK_M + BLOCK_N) * BLOCK_K * {SPACE_ELEMENT_BYTES} bytes <= {shared} "
+        f"(the pipelined a and b tiles fit in shared memory)",
+        lambda c: _shared_memory_bytes(c) <= shared,
+    )] if shared else []
     return SearchSpace(
         [
             PowerOfTwo("BLOCK_M", 32, 256),
@@ -148,11 +186,7 @@ def space() -> SearchSpace:
             num_stages(2, 3, 4),
         ],
         [
-            Constraint(
-                f"num_stages * (BLOCK_M + BLOCK_N) * BLOCK_K * {SPACE_ELEMENT_BYTES} bytes <= "
-                f"{SHARED_MEMORY_BYTES} (the pipelined a and b tiles fit in shared memory)",
-                _shared_memory_fits,
-            ),
+            *fits,
             Constraint(
                 f"BLOCK_M * BLOCK_N / (32 * num_warps) <= {MAX_ACC_PER_THREAD} "
                 f"(the float32 accumulator fits in registers)",
@@ -182,12 +216,15 @@ def example(sizes: dict[str, int], dtype: torch.dtype, device: torch.device,
     return (a.to(device=device, dtype=dtype), b.to(device=device, dtype=dtype))
 
 
-def cost(args: tuple) -> tuple[int, int]:
-    """a and b read once, the output written once; one multiply and one add per product term."""
+def cost(args: tuple, mode: str = "fwd") -> tuple[int, int]:
+    """Forward: a and b read once, the output written once; one multiply and one add per product
+    term. Backward: the output gradient, a and b read, da and db written; two such products."""
     a, b = args
     m, k = a.numel() // a.shape[-1], a.shape[-1]
     n = b.shape[1]
     nbytes = (a.numel() + b.numel() + m * n) * a.element_size()
+    if mode == "bwd":
+        return nbytes + (a.numel() + b.numel()) * a.element_size(), 4 * m * n * k
     return nbytes, 2 * m * n * k
 
 
@@ -206,28 +243,21 @@ OP = Op(
     baselines={"torch": lambda: torch.matmul},
 )
 
-TRITON = TritonImplementation(
-    "matmul", "triton",
-    plan=plan,
+def _gradients(backward, saved, grads, needs) -> dict:
+    da, db = backward(grads[0], saved.a, saved.b)
+    return {"a": da, "b": db}
+
+
+KERNEL = define_kernel(
+    OP, plan,
     kernels=(matmul_kernel,),
+    results=output,
     default_config=default_config,
     space=space,
-    replayable=True,
-    dtypes=DTYPES,
-    doc="classic tiled GEMM: grouped program order, float32 accumulator, any strides",
+    backward=Backward(_gradients, saved=("a", "b"), plan=backward_plan, reference=matmul_backward_reference,
+                      results=backward_outputs),
+    doc="classic tiled GEMM: grouped program order, float32 accumulator, any strides; "
+        "backward: the same kernel on transposed views",
 )
-
-
-def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` for ``a [..., M, K]`` and ``b [K, N]``: the Triton kernel with its default config."""
-    return call_directly(OP, TRITON, (a, b), {})
-
-
-@hookimpl
-def dlcore_ops() -> list[Op]:
-    return [OP]
-
-
-@hookimpl
-def dlcore_implementations() -> list[TritonImplementation]:
-    return [TRITON]
+matmul = KERNEL.function
+dlcore_ops, dlcore_implementations = KERNEL.dlcore_ops, KERNEL.dlcore_implementations

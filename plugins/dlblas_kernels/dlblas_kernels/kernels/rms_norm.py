@@ -15,7 +15,8 @@ Backward, with ``xhat = x * rstd`` and ``g = dy * weight``::
 memory-bound: it reads ``dy`` and ``x`` and writes ``dx`` (three times the size of ``x``, the
 minimum), plus a ``[programs, K]`` float32 buffer of dweight partials written and read once (4 MiB
 at hidden 4096 on 132 multiprocessors, against 96 MiB for 4096 tokens in bfloat16). Its grid is
-persistent, as many programs as the multiprocessors hold at once; each takes row blocks ``pid,
+persistent, as many programs as the device's cores hold at once (by its profile's core count,
+registers and threads per core); each takes row blocks ``pid,
 pid + programs, ...``, issues the loads of its next row block before computing the current one,
 keeps its ``dweight`` share in registers, and writes it once at the end; a second kernel sums
 the partials' columns. With a single program the share is ``dweight`` itself: one launch. Rows
@@ -25,28 +26,19 @@ in the input dtypes (``weight`` may have another float dtype than ``x``).
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
 
-from dlcore import hookimpl
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
 from dlcore.declarations.layout import as_rows
 from dlcore.declarations.op import Op, ScalarArg, TensorArg
-from dlcore.declarations.signature import Signature, cdiv, make_signature, next_power_of_2
+from dlcore.declarations.signature import Signature, cdiv, next_power_of_2
 from dlcore.declarations.space import Constraint, PowerOfTwo, SearchSpace, num_warps
-from dlcore.runtime.torch_ops import (
-    CustomOpTritonImplementation,
-    Launches,
-    call,
-    config_from_ints,
-    config_ints,
-    run_backward,
-)
+from dlcore.runtime.template import Backward, define_kernel
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -56,16 +48,13 @@ MAX_BLOCK_N = 8192
 TILE = 2048
 # Fewest programs the default config keeps before it packs several short rows into one.
 MIN_PROGRAMS = 1024
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps")
 # The backward holds about three times the forward's live values per element (x, dy, the next row
 # block's x and dy, weight, the dweight share): its tile is at most this many elements, and each
 # thread holds at most BACKWARD_ELEMENTS_PER_THREAD of them (16 warps for the widest tile).
 MAX_BACKWARD_TILE = 8192
 BACKWARD_ELEMENTS_PER_THREAD = 16
-# What a multiprocessor holds (all NVIDIA GPUs since Volta), and the elements of its resident backward
-# tiles that keep enough loads in flight to stream from DRAM.
-REGISTERS_PER_MULTIPROCESSOR = 65536
-MAX_WARPS_PER_MULTIPROCESSOR = 64
+# The elements of the backward tiles resident on one core that keep enough loads in flight to stream
+# from DRAM.
 RESIDENT_ELEMENTS = 16384
 
 
@@ -240,7 +229,7 @@ def column_sum_kernel(
     tl.store(out_ptr + cols * stride_out, tl.sum(acc, axis=0).to(out_ptr.dtype.element_ty), mask=cols < K)
 
 
-def plan(args: tuple, config: Config) -> LaunchPlan:
+def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     x, weight, eps = args
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
@@ -257,13 +246,6 @@ def plan(args: tuple, config: Config) -> LaunchPlan:
     return LaunchPlan(calls=[call], result=out)
 
 
-@functools.cache
-def _multiprocessors(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4  # the interpreter, meta tensors, other devices: few programs, each looping more
-
-
 def backward_config(config: Config) -> tuple[int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps)`` of the backward for the op's ``config``: its tile narrowed to
     MAX_BACKWARD_TILE elements (BLOCK_M first; rows wider than BLOCK_N take the two-pass path), and
@@ -275,20 +257,26 @@ def backward_config(config: Config) -> tuple[int, int, int]:
     return block_m, block_n, num_warps
 
 
-def backward_programs(blocks: int, tile: int, num_warps: int, device: torch.device) -> int:
+def backward_programs(blocks: int, tile: int, num_warps: int, profile: DeviceProfile) -> int:
     """Programs of the backward's persistent grid for ``blocks`` row blocks of ``tile`` elements.
 
-    As many as the multiprocessors hold at once, and no more: a program that waits for a free
-    multiprocessor doubles the time, and each writes a K-wide float32 dweight partial. Registers
-    bound the resident threads: ``ptxas`` gives 32-48 registers at 2-4 elements per thread, 74-93
-    at 8, 117-128 at 16 (sm_90, bfloat16; 32 + 6 per element bounds them all). Beyond
-    RESIDENT_ELEMENTS per multiprocessor, more programs would add partials and no bandwidth.
+    As many as the device's cores hold at once, and no more: a program that waits for a free core
+    doubles the time, and each writes a K-wide float32 dweight partial. Registers bound the resident
+    threads: ``ptxas`` gives 32-48 registers at 2-4 elements per thread, 74-93 at 8, 117-128 at 16
+    (sm_90, bfloat16; 32 + 6 per element bounds them all), and so do the threads a core holds.
+    Beyond RESIDENT_ELEMENTS per core, more programs would add partials and no bandwidth. A limit
+    the profile does not know (0) bounds nothing; with no core count, one program per row block.
     """
-    registers = 32 + 6 * tile // (32 * num_warps)
-    resident = REGISTERS_PER_MULTIPROCESSOR // (registers * 32 * num_warps)
-    per_multiprocessor = max(min(resident, MAX_WARPS_PER_MULTIPROCESSOR // num_warps,
-                                 cdiv(RESIDENT_ELEMENTS, tile)), 1)
-    return min(blocks, _multiprocessors(device) * per_multiprocessor)
+    warp = profile.warp_size or 32
+    threads = warp * num_warps
+    per_core = cdiv(RESIDENT_ELEMENTS, tile)
+    if profile.registers_per_core:
+        per_core = min(per_core, profile.registers_per_core // ((32 + 6 * tile // threads) * threads))
+    if profile.threads_per_core:
+        per_core = min(per_core, profile.threads_per_core // threads)
+    if not profile.cores:
+        return blocks
+    return min(blocks, profile.cores * max(per_core, 1))
 
 
 def backward_outputs(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,7 +284,7 @@ def backward_outputs(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tenso
             torch.empty(weight.shape, dtype=weight.dtype, device=weight.device))
 
 
-def backward_plan(args: tuple, config: Config) -> LaunchPlan:
+def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     """Launches for ``(dx, dweight)`` from ``args = (dy, x, weight, dres | None, eps)``: the persistent
     row kernel, then (with more than one program) the column sum of the dweight partials."""
     dy, x, weight, dres, eps = args
@@ -312,7 +300,7 @@ def backward_plan(args: tuple, config: Config) -> LaunchPlan:
     block_m, block_n, num_warps = backward_config(config)
     one_block = k <= block_n
     blocks = cdiv(rows, block_m)
-    programs = backward_programs(blocks, block_m * block_n, num_warps, x.device)
+    programs = backward_programs(blocks, block_m * block_n, num_warps, profile)
     # One program with rows in one block (or one row block) writes dweight itself, in its dtype:
     # one launch, no buffer. Otherwise each program writes a float32 partial, summed by a second kernel.
     direct = programs == 1 and (one_block or blocks == 1)
@@ -327,14 +315,14 @@ def backward_plan(args: tuple, config: Config) -> LaunchPlan:
     )
     if direct:
         return LaunchPlan(calls=[main], result=(dx, dw))
-    return LaunchPlan(calls=[main, column_sum_call(partial, dw, x.device)], result=(dx, dw), scratch=(partial,))
+    return LaunchPlan(calls=[main, column_sum_call(partial, dw, profile)], result=(dx, dw), scratch=(partial,))
 
 
-def column_sum_call(partial: torch.Tensor, out: torch.Tensor, device: torch.device) -> KernelCall:
-    """``out = partial.sum(0)``: column strips narrow enough for a program per multiprocessor or more
-    (at least 32 float32 columns: whole 128-byte lines), each summed in tiles of up to 4096 elements."""
+def column_sum_call(partial: torch.Tensor, out: torch.Tensor, profile: DeviceProfile) -> KernelCall:
+    """``out = partial.sum(0)``: column strips narrow enough for a program per core or more (at least
+    32 float32 columns: whole 128-byte lines), each summed in tiles of up to 4096 elements."""
     programs, k = partial.shape
-    block_k = min(max(next_power_of_2(cdiv(k, _multiprocessors(device))), 32), 256)
+    block_k = min(max(next_power_of_2(cdiv(k, max(profile.cores, 1))), 32), 256)
     block_p = min(next_power_of_2(programs), 4096 // block_k)
     return KernelCall(
         column_sum_kernel, (cdiv(k, block_k),),
@@ -375,7 +363,7 @@ def heuristic_config(rows: int, k: int) -> Config:
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": min(max(block_m * block_n // 512, 1), 16)}
 
 
-def default_config(sig: Signature, profile: DeviceProfile | None) -> Config:
+def default_config(sig: Signature, profile: DeviceProfile) -> Config:
     rows, k = sig.tensor("x").shape  # rows rounded up to a power of two
     return heuristic_config(rows, k)
 
@@ -384,7 +372,7 @@ def _elements_per_thread(c: Config) -> float:
     return c["BLOCK_M"] * c["BLOCK_N"] / (32 * c["num_warps"])
 
 
-def space() -> SearchSpace:
+def space(profile: DeviceProfile) -> SearchSpace:
     """Rows per program, row block width and warps. Rows wider than BLOCK_N loop (two passes). The
     backward derives its launch from the same config (:func:`backward_config`)."""
     return SearchSpace(
@@ -455,114 +443,22 @@ OP = Op(
 )
 
 
-# -- PyTorch custom ops ----------------------------------------------------------------------------
+def _gradients(backward, saved, grads, needs) -> dict:
+    dx, dw = backward(grads[0], saved.x, saved.weight, None, saved.eps)
+    return {"x": dx, "weight": dw}
 
 
-def _config(args: tuple, values: tuple[int, ...]) -> Config:
-    return config_from_ints(CONFIG_KEYS, values,
-                            lambda: default_config(make_signature(OP, args, args[0].device), None))
-
-
-FORWARD = Launches(plan, _config)
-# The backward's args are (dy, x, weight, dres, eps); its config is the forward's.
-BACKWARD = Launches(backward_plan, lambda args, ints: _config((args[1], args[2], args[4]), ints))
-
-
-@torch.library.custom_op("dlblas::rms_norm", mutates_args=())
-def rms_norm_op(x: torch.Tensor, weight: torch.Tensor, eps: float,
-                block_m: int, block_n: int, num_warps: int) -> torch.Tensor:
-    """``rms_norm`` with the launch config as trailing ints (all zero: the default). float64 inputs
-    take the torch reference (the path ``torch.autograd.gradcheck`` runs)."""
-    if x.dtype == torch.float64:
-        return rms_norm_reference(x, weight, eps)
-    return FORWARD.run((x, weight, eps), (block_m, block_n, num_warps))
-
-
-@rms_norm_op.register_fake
-def _rms_norm_fake(x, weight, eps, block_m, block_n, num_warps):
-    if x.dtype != torch.float64:
-        OP.validate((x, weight, eps))
-    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-
-
-def _rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, dres: torch.Tensor | None,
-                       eps: float, block_m: int, block_n: int, num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dx, dweight)`` of ``rms_norm`` for the output gradient ``dy``; ``dres``, if given, is added
-    to ``dx`` (``add_rms_norm``'s gradient of ``residual_out``)."""
-    if x.dtype == torch.float64:
-        return rms_norm_backward_reference(dy, x, weight, dres, eps)
-    return BACKWARD.run((dy, x, weight, dres, eps), (block_m, block_n, num_warps))
-
-
-rms_norm_backward_op = torch.library.custom_op("dlblas::rms_norm_backward", mutates_args=())(_rms_norm_backward)
-
-
-@rms_norm_backward_op.register_fake
-def _rms_norm_backward_fake(dy, x, weight, dres, eps, block_m, block_n, num_warps):
-    return backward_outputs(x, weight)
-
-
-def _setup_context(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
-    x, weight, eps, *config = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.eps, ctx.config = eps, config
-
-
-def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, dres: torch.Tensor | None, eps: float,
-             config: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dx, dweight)`` for an autograd formula (this module's and ``add_rms_norm``'s): in plain
-    eager autograd the kernels are launched directly, as the inference path does, sparing the
-    dispatcher's tens of microseconds per call that small shapes would wait for; anywhere else
-    through the custom op ``dlblas::rms_norm_backward``, which tracers see as one node."""
-    return run_backward(torch.ops.dlblas.rms_norm_backward, _rms_norm_backward, dy, x, weight, dres, eps, *config)
-
-
-def _backward(ctx: Any, dy: torch.Tensor) -> tuple:
-    x, weight = ctx.saved_tensors
-    dx, dw = backward(dy, x, weight, None, ctx.eps, ctx.config)
-    return dx, dw, None, None, None, None
-
-
-rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-def custom_op(args: tuple, config: Config | None) -> torch.Tensor:
-    x, weight, eps = args
-    return torch.ops.dlblas.rms_norm(x, weight, float(eps), *config_ints(config, CONFIG_KEYS))
-
-
-def backward_of(args: tuple, config: Config) -> LaunchPlan:
-    """The backward's launches for the forward's ``args``, the output gradient made up (``dlcore lower``)."""
-    x, weight, eps = args
-    return backward_plan((x.new_empty(x.shape), x, weight, None, eps), config)
-
-
-TRITON = CustomOpTritonImplementation(
-    "rms_norm", "triton",
-    plan=plan,
+KERNEL = define_kernel(
+    OP, plan,
     kernels=(rms_norm_kernel, rms_norm_backward_kernel, column_sum_kernel),
+    results=lambda x, weight, eps: torch.empty(x.shape, dtype=x.dtype, device=x.device),
     default_config=default_config,
     space=space,
-    replayable=True,
-    backward_plan=backward_of,
-    custom_op=custom_op,
-    dtypes=DTYPES,
+    backward=Backward(_gradients, saved=("x", "weight", "eps"), plan=backward_plan,
+                      reference=rms_norm_backward_reference,
+                      results=lambda dy, x, weight, dres, eps: backward_outputs(x, weight)),
     doc="BLOCK_M rows per program, each in registers up to BLOCK_N, two passes beyond; "
         "backward: dx per row, dweight from per-program partial sums",
 )
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """RMSNorm over the last dimension with the Triton kernel and its default config; differentiable
-    in ``x`` and ``weight``, and one node under ``torch.compile``."""
-    return call(OP, TRITON, (x, weight, eps))
-
-
-@hookimpl
-def dlcore_ops() -> list[Op]:
-    return [OP]
-
-
-@hookimpl
-def dlcore_implementations() -> list[CustomOpTritonImplementation]:
-    return [TRITON]
+rms_norm = KERNEL.function
+dlcore_ops, dlcore_implementations = KERNEL.dlcore_ops, KERNEL.dlcore_implementations

@@ -9,8 +9,8 @@ two passes (the second recomputes the sum from ``x`` and ``residual``, now in ca
 
 Backward: the gradient reaching ``residual_out`` is the RMSNorm gradient of ``y`` plus the gradient
 of ``residual_out`` itself, and it is the gradient of both ``x`` and ``residual``. It is
-``rms_norm``'s backward (:func:`dlblas_kernels.rms_norm.backward`: its kernels, through the custom
-op ``dlblas::rms_norm_backward`` where a tracer watches) on the saved ``residual_out`` with that
+``rms_norm``'s backward (its kernels, through the custom op ``dlblas::rms_norm_backward`` where a
+tracer watches) on the saved ``residual_out`` with that
 second gradient added as it writes ``dx``: one output, returned for both inputs.
 """
 
@@ -22,19 +22,16 @@ import torch
 import triton
 import triton.language as tl
 
-from dlblas_kernels.rms_norm import backward as rms_norm_backward
-from dlblas_kernels.rms_norm import backward_plan as rms_norm_backward_plan
-from dlblas_kernels.rms_norm import heuristic_config, rms_norm_reference, space, torch_rms_norm
-from dlcore import hookimpl
+from dlblas_kernels.kernels.rms_norm import KERNEL as RMS_NORM
+from dlblas_kernels.kernels.rms_norm import heuristic_config, rms_norm_reference, space, torch_rms_norm
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
 from dlcore.declarations.layout import as_rows
 from dlcore.declarations.op import Op, ScalarArg, TensorArg
-from dlcore.declarations.signature import Signature, cdiv, make_signature
-from dlcore.runtime.torch_ops import CustomOpTritonImplementation, Launches, call, config_from_ints, config_ints
+from dlcore.declarations.signature import Signature, cdiv
+from dlcore.runtime.template import Backward, define_kernel
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "num_warps")
 
 
 @triton.jit
@@ -93,12 +90,12 @@ def add_rms_norm_kernel(
                      (hf * rstd * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def outputs(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def outputs(x: torch.Tensor, *_: Any) -> tuple[torch.Tensor, torch.Tensor]:
     return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
             torch.empty(x.shape, dtype=x.dtype, device=x.device))
 
 
-def plan(args: tuple, config: Config) -> LaunchPlan:
+def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     x, weight, residual, eps = args
     y, h = outputs(x)
     if x.numel() == 0:
@@ -125,7 +122,7 @@ def add_rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, residual: torc
     return rms_norm_reference(h, weight, eps), h
 
 
-def default_config(sig: Signature, profile: DeviceProfile | None) -> Config:
+def default_config(sig: Signature, profile: DeviceProfile) -> Config:
     rows, k = sig.tensor("x").shape  # rows rounded up to a power of two
     return heuristic_config(rows, k)
 
@@ -191,87 +188,21 @@ OP = Op(
 )
 
 
-# -- PyTorch custom op -----------------------------------------------------------------------------
+def _gradients(backward, saved, grads, needs) -> dict:
+    dy, d_residual_out = grads
+    dh, dw = backward(dy, saved.residual_out, saved.weight, d_residual_out, saved.eps)
+    return {"x": dh, "weight": dw, "residual": dh}
 
 
-def _config(args: tuple, values: tuple[int, ...]) -> Config:
-    return config_from_ints(CONFIG_KEYS, values, lambda: default_config(make_signature(OP, args, args[0].device), None))
-
-
-FORWARD = Launches(plan, _config)
-
-
-@torch.library.custom_op("dlblas::add_rms_norm", mutates_args=())
-def add_rms_norm_op(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, eps: float,
-                    block_m: int, block_n: int, num_warps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``add_rms_norm`` with the launch config as trailing ints (all zero: the default). float64
-    inputs take the torch reference (the path ``torch.autograd.gradcheck`` runs)."""
-    if x.dtype == torch.float64:
-        return add_rms_norm_reference(x, weight, residual, eps)
-    return FORWARD.run((x, weight, residual, eps), (block_m, block_n, num_warps))
-
-
-@add_rms_norm_op.register_fake
-def _add_rms_norm_fake(x, weight, residual, eps, block_m, block_n, num_warps):
-    if x.dtype != torch.float64:
-        OP.validate((x, weight, residual, eps))
-    return outputs(x)
-
-
-def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    _, weight, _, eps, *config = inputs
-    ctx.save_for_backward(output[1], weight)
-    ctx.eps, ctx.config = eps, config
-
-
-def _backward(ctx: Any, dy: torch.Tensor, d_residual_out: torch.Tensor) -> tuple:
-    h, weight = ctx.saved_tensors
-    dh, dw = rms_norm_backward(dy, h, weight, d_residual_out, ctx.eps, ctx.config)
-    return dh, dw, dh, None, None, None, None
-
-
-add_rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-def custom_op(args: tuple, config: Config | None) -> tuple[torch.Tensor, torch.Tensor]:
-    x, weight, residual, eps = args
-    return torch.ops.dlblas.add_rms_norm(x, weight, residual, float(eps), *config_ints(config, CONFIG_KEYS))
-
-
-def backward_of(args: tuple, config: Config) -> LaunchPlan:
-    """The backward's launches (rms_norm's, with the gradient of ``residual_out`` added) for the
-    forward's ``args``, the output gradients made up (``dlcore lower``)."""
-    x, weight, residual, eps = args
-    return rms_norm_backward_plan((x.new_empty(x.shape), x, weight, x.new_empty(x.shape), eps), config)
-
-
-TRITON = CustomOpTritonImplementation(
-    "add_rms_norm", "triton",
-    plan=plan,
+KERNEL = define_kernel(
+    OP, plan,
     kernels=(add_rms_norm_kernel,),
+    results=outputs,
+    outputs=("y", "residual_out"),
     default_config=default_config,
     space=space,
-    replayable=True,
-    backward_plan=backward_of,
-    custom_op=custom_op,
-    dtypes=DTYPES,
+    backward=Backward(_gradients, saved=("residual_out", "weight", "eps"), of=RMS_NORM),
     doc="one pass: residual add, residual_out stored, RMSNorm; backward through rms_norm's kernels",
 )
-
-
-def add_rms_norm(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor,
-                 eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(y, residual_out)``: ``residual_out = x + residual``, ``y = rms_norm(residual_out, weight,
-    eps)``, in one Triton kernel with its default config; differentiable in ``x``, ``weight`` and
-    ``residual``, and one node under ``torch.compile``."""
-    return call(OP, TRITON, (x, weight, residual, eps))
-
-
-@hookimpl
-def dlcore_ops() -> list[Op]:
-    return [OP]
-
-
-@hookimpl
-def dlcore_implementations() -> list[CustomOpTritonImplementation]:
-    return [TRITON]
+add_rms_norm = KERNEL.function
+dlcore_ops, dlcore_implementations = KERNEL.dlcore_ops, KERNEL.dlcore_implementations

@@ -1,0 +1,471 @@
+"""The kernel template: everything a Triton kernel module would otherwise repeat, generated from its
+op's declaration by one :func:`define_kernel` call.
+
+A kernel module holds its ``@triton.jit`` code, its plans, its search space and heuristic default,
+its reference, and::
+
+    KERNEL = define_kernel(OP, plan, kernels=(rms_norm_kernel,), results=outputs,
+                           default_config=default_config, space=space, backward=Backward(...))
+    rms_norm = KERNEL.function
+    dlcore_ops, dlcore_implementations = KERNEL.dlcore_ops, KERNEL.dlcore_implementations
+
+What it generates, ``<ns>`` being ``namespace`` (``dlblas`` for dlblas-kernels; a third party names
+its own):
+
+- **the custom op** ``<ns>::<op>``: its schema is the op's declared arguments (a ``TensorArg`` is a
+  ``Tensor``; a ``ScalarArg`` a ``bool``, ``int`` or ``float`` by its types), less the ``inplace``
+  argument if one is named, then the launch config as trailing ``int`` arguments named after the
+  space's parameters, lowercased (``block_m``, ``num_warps``). All zero means the heuristic
+  default, computed in the body from the actual shapes. The body launches the plan, its launches
+  recorded per exact input and replayed after (:class:`~dlcore.runtime.torch_ops.Launches`);
+  float64 inputs take the reference (the path ``torch.autograd.gradcheck`` runs);
+- **its fake**: ``op.validate`` (so bad inputs raise while ``torch.compile`` traces), then
+  ``results(*args)``, the outputs allocated as the plan allocates them;
+- **its autograd** (with a :class:`Backward`): the named arguments and outputs saved, the backward
+  custom op ``<ns>::<op>_backward`` (schema: the backward reference's annotated signature, then the
+  same config ints), launched directly in plain eager autograd and through the op where a tracer
+  watches (:func:`~dlcore.runtime.torch_ops.run_backward`);
+- **the implementation** (a :class:`~dlcore.runtime.torch_ops.CustomOpTritonImplementation`): the
+  inference path launches the plan directly, the training path calls the custom op with the
+  selected config; its ``backward_plan`` (what ``dlcore lower`` compiles) comes from the backward's
+  own formula run on made-up output gradients;
+- **the public function** ``KERNEL.function``: the op's signature; validation, the heuristic config
+  and the implementation's ``run``, with no dispatcher; under ``torch.compile`` tracing the custom
+  op alone (one node, no graph break);
+- **the plugin hooks** ``dlcore_ops`` and ``dlcore_implementations``.
+
+Hardware comes from the device profile, never from constants in kernels. A plan is called as
+``plan(args, config, profile)`` and a space as ``space(profile)``, ``profile`` being the
+:class:`~dlcore.declarations.device.DeviceProfile` of the device the inputs live on, as the backend
+that owns it describes it (:meth:`Registry.profile <dlcore.plugins.registry.Registry.profile>`, the
+object the dispatcher's ``Call`` carries): tuning passes ``Call.profile`` to the space; plans look
+it up by their inputs' device, once per device. Where no available backend owns the device (meta
+tensors while lowering, a space asked for without a device) it is :data:`UNKNOWN_DEVICE`: no cores
+known and every limit 0, and a limit of 0 bounds nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from dlcore.declarations.device import DeviceProfile
+from dlcore.declarations.implementation import Config, LaunchPlan
+from dlcore.declarations.op import REQUIRED, Op, ScalarArg, TensorArg
+from dlcore.declarations.signature import Signature, make_signature
+from dlcore.declarations.space import SearchSpace
+from dlcore.errors import BackendUnavailableError
+from dlcore.plugins.hookspecs import hookimpl
+from dlcore.plugins.registry import registry
+from dlcore.runtime.torch_ops import CustomOpTritonImplementation, Launches, run_backward
+
+#: ``plan(args, config, profile) -> LaunchPlan``
+Plan = Callable[[tuple, Config, DeviceProfile], LaunchPlan]
+#: ``gradients(backward, saved, grads, needs) -> {argument name: gradient}``: see :class:`Backward`
+Gradients = Callable[[Callable[..., Any], SimpleNamespace, tuple, Mapping[str, bool]], Mapping[str, Any]]
+
+#: the profile of a device no available backend owns: no cores known, no limit
+UNKNOWN_DEVICE = DeviceProfile(backend="", vendor="", name="unknown device", arch="", cores=0)
+
+_profiles: dict[torch.device, DeviceProfile] = {}
+
+
+def device_profile(device: torch.device) -> DeviceProfile:
+    """The profile of ``device`` as its backend describes it, or :data:`UNKNOWN_DEVICE`."""
+    profile = _profiles.get(device)
+    if profile is None:
+        reg = registry()
+        try:
+            profile = reg.profile(reg.backend_for(device), device)
+        except BackendUnavailableError:
+            profile = UNKNOWN_DEVICE
+        _profiles[device] = profile
+    return profile
+
+
+@dataclass(frozen=True)
+class Backward:
+    """A kernel's autograd formula, and the backward kernel it runs.
+
+    :param gradients: ``gradients(backward, saved, grads, needs)`` returns the gradient of each
+        differentiable argument by name (missing names: no gradient). ``backward(*args)`` runs the
+        backward custom op on the backward's arguments (the config ints are appended);
+        ``saved.<name>`` holds each saved argument or output; ``grads`` are the output gradients in
+        order; ``needs[name]`` says whether the gradient of that argument is wanted.
+    :param saved: the names of the forward arguments and outputs the formula reads.
+    :param saved_for: more names saved only when the gradient of a given argument is wanted
+        (``{"cos": ("q", "k")}``: q and k, for cos's gradient, which models rarely ask for).
+    :param plan: ``plan(args, config, profile)``, the backward's launches; its config is the forward's.
+    :param reference: the backward in torch, for float64 inputs. Its annotated signature is the
+        backward custom op's schema (before the config ints).
+    :param results: ``results(*args)``: the backward's outputs, allocated (the fake implementation).
+    :param renames: the forward arguments the default config reads, by the backward argument that
+        holds them when their names differ (``{"q": "dq_out"}``: dq_out has q's shape); forward
+        arguments the backward lacks take their declared defaults.
+    :param of: run another kernel's backward op instead of declaring one (``add_rms_norm`` runs
+        ``rms_norm``'s); then ``plan``, ``reference``, ``results`` and ``renames`` stay unset, and
+        both kernels must have the same config keys.
+    """
+
+    gradients: Gradients
+    saved: tuple[str, ...]
+    saved_for: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    plan: Plan | None = None
+    reference: Callable[..., Any] | None = None
+    results: Callable[..., Any] | None = None
+    renames: Mapping[str, str] = field(default_factory=dict)
+    of: Kernel | None = None
+
+
+def _scalar_type(arg: ScalarArg) -> tuple[str, type]:
+    """The schema type of a scalar argument and the Python type its value is converted to."""
+    if arg.types == (bool,):
+        return "bool", bool
+    if float in arg.types:
+        return "float", float
+    if int in arg.types:
+        return "int", int
+    raise TypeError(f"scalar argument {arg.name!r} of types {arg.types} has no custom-op type (bool, int, float)")
+
+
+def _returns(count: int) -> str:
+    return "Tensor" if count == 1 else f"({', '.join(['Tensor'] * count)})"
+
+
+def _first_tensor(op: Op) -> int:
+    return next(i for i, a in enumerate(op.args) if isinstance(a, TensorArg))
+
+
+class _Configs:
+    """A body's config from its trailing ints: the named values, or (all zero) the heuristic default
+    for the forward arguments ``forward(args)`` computes from the body's."""
+
+    __slots__ = ("keys", "op", "default_config", "forward", "first")
+
+    def __init__(self, keys: tuple[str, ...], op: Op, default_config: Callable[[Signature, DeviceProfile], Config],
+                 forward: Callable[[tuple], tuple]):
+        self.keys, self.op, self.default_config, self.forward = keys, op, default_config, forward
+        self.first = _first_tensor(op)
+
+    def __call__(self, args: tuple, ints: tuple) -> Config:
+        if any(ints):
+            return dict(zip(self.keys, ints))
+        forward = self.forward(args)
+        device = forward[self.first].device
+        return self.default_config(make_signature(self.op, forward, device), device_profile(device))
+
+
+def _on_device(plan: Plan, first: int) -> Callable[[tuple, Config], LaunchPlan]:
+    """``plan`` given the profile of its inputs' device; it keeps the plan's name and module (the
+    source hash in cache keys covers the kernel module, not this one)."""
+
+    @functools.wraps(plan)
+    def planned(args: tuple, config: Config) -> LaunchPlan:
+        return plan(args, config, device_profile(args[first].device))
+
+    return planned
+
+
+class _BackwardOp:
+    """A backward custom op: its body, and how an autograd formula runs it."""
+
+    def __init__(self, kernel: str, namespace: str, keys: tuple[str, ...], op: Op, backward: Backward,
+                 default_config: Callable[[Signature, DeviceProfile], Config]):
+        reference, results, plan = backward.reference, backward.results, backward.plan
+        if reference is None or results is None or plan is None:
+            raise TypeError(f"{kernel}: a Backward declares plan, reference and results, or names another kernel (of=)")
+        self.name = f"{kernel}_backward"
+        self.keys = keys
+        self.plan = plan
+        self.results = results
+        self.namespace = getattr(torch.ops, namespace)
+        parameters = inspect.signature(reference).parameters
+        names = tuple(parameters)
+        count = len(names)
+        schema = torch.library.infer_schema(reference, mutates_args=())
+        arguments, returns = schema.split(") -> ", 1)
+        ints = ", ".join(f"int {k.lower()}" for k in keys)
+        schema = f"{arguments}{', ' if names and ints else ''}{ints}) -> {returns}"
+        missing = [a.name for a in op.args if backward.renames.get(a.name, a.name) not in names
+                   and getattr(a, "default", REQUIRED) is REQUIRED]
+        if missing:
+            raise TypeError(f"{kernel}: the backward's arguments {names} lack {missing}, which the default config "
+                            f"reads; name the backward argument that holds each in renames")
+        sources = [names.index(backward.renames.get(a.name, a.name)) if backward.renames.get(a.name, a.name) in names
+                   else None for a in op.args]
+        defaults = [getattr(a, "default", None) for a in op.args]
+
+        def forward(args: tuple) -> tuple:
+            return tuple(defaults[i] if s is None else args[s] for i, s in enumerate(sources))
+
+        self.launches = Launches(_on_device(plan, 0), _Configs(keys, op, default_config, forward))
+        first = next(i for i, p in enumerate(parameters.values()) if "Tensor" in str(p.annotation))
+        launches = self.launches
+
+        def body(*values: Any) -> Any:
+            args = values[:count]
+            if args[first].dtype == torch.float64:
+                return reference(*args)
+            return launches.run(args, values[count:])
+
+        self.body = body
+        self.op = torch.library.custom_op(f"{namespace}::{self.name}", body, mutates_args=(), schema=schema)
+        self.op.register_fake(lambda *values: results(*values[:count]))
+
+    def run(self, ints: tuple, *args: Any) -> Any:
+        """The backward on ``args`` with the forward's config ``ints``: its body at once in plain
+        eager autograd, else through the custom op (looked up each time: tests may wrap it)."""
+        return run_backward(getattr(self.namespace, self.name), self.body, *args, *ints)
+
+
+class _Implementation(CustomOpTritonImplementation):
+    """A template kernel's implementation: its space takes the device profile."""
+
+    def __init__(self, *args: Any, space_of: Callable[[DeviceProfile], SearchSpace] | None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._space_of = space_of
+
+    def space(self, profile: DeviceProfile | None = None) -> SearchSpace | None:
+        return None if self._space_of is None else self._space_of(profile or UNKNOWN_DEVICE)
+
+
+class Kernel:
+    """What :func:`define_kernel` made: ``op``, ``implementation``, the public ``function``, the
+    custom op ``custom_op`` (and ``backward_op``), and the plugin hooks."""
+
+    def __init__(self, op: Op, implementation: CustomOpTritonImplementation, function: Callable[..., Any],
+                 custom_op: Any, backward: _BackwardOp | None):
+        self.op = op
+        self.implementation = implementation
+        self.function = function
+        self.custom_op = custom_op
+        self.backward = backward
+        self.backward_op = backward.op if backward is not None else None
+
+    @hookimpl
+    def dlcore_ops(self) -> list[Op]:
+        return [self.op]
+
+    @hookimpl
+    def dlcore_implementations(self) -> list[CustomOpTritonImplementation]:
+        return [self.implementation]
+
+    def __repr__(self) -> str:
+        return f"<Kernel {self.op.name}: {self.custom_op}>"
+
+
+def define_kernel(
+    op: Op,
+    plan: Plan,
+    *,
+    kernels: tuple,
+    results: Callable[..., Any],
+    default_config: Callable[[Signature, DeviceProfile], Config],
+    space: Callable[[DeviceProfile], SearchSpace] | None = None,
+    backward: Backward | None = None,
+    outputs: tuple[str, ...] = ("out",),
+    inplace: str | None = None,
+    namespace: str = "dlblas",
+    name: str = "triton",
+    replayable: bool = True,
+    doc: str = "",
+) -> Kernel:
+    """Generate ``op``'s custom op, fake, autograd, implementation, public function and hooks (see
+    the module docstring).
+
+    :param plan: ``plan(args, config, profile)``: the launches for the op's bound ``args``.
+    :param kernels: the ``@triton.jit`` functions the plans launch (lowering, source hash).
+    :param results: ``results(*args)``: the outputs, allocated as the plan allocates them (the fake).
+    :param default_config: ``(signature, profile) -> config``, the heuristic default.
+    :param space: ``space(profile)``: the search space; its parameters name the config ints. None:
+        nothing to tune, the custom op takes no config ints.
+    :param backward: the autograd formula; None: forward only (a backward through the op raises).
+    :param outputs: the outputs' names, in order (what ``Backward.saved`` may name).
+    :param inplace: the name of a ``bool`` argument that, when true, writes the results into the
+        leading tensor arguments: the custom op stays functional (the argument is not in its schema)
+        and the call copies the results (autograd records the copies; ``torch.compile`` sees input
+        mutations).
+    :param namespace: the custom ops' namespace: ``dlblas`` is dlblas-kernels'; a third party names its own.
+    :param replayable: the plan depends only on the exact input (see ``TritonImplementation``).
+    :param doc: the implementation's one-line description (``dlcore ops``).
+    """
+    space_params = space(UNKNOWN_DEVICE) if space is not None else None
+    keys = () if space_params is None else (*space_params.names, *space_params.fixed)
+    names = tuple(a.name for a in op.args if a.name != inplace)
+    taken = {k.lower() for k in keys} & set(names)
+    if taken or len({k.lower() for k in keys}) != len(keys):
+        raise TypeError(f"{op.name}: config keys {keys} collide, lowercased, with each other or the arguments {names}")
+    converters = []
+    schema_args = []
+    for a in op.args:
+        if a.name == inplace:
+            continue
+        if isinstance(a, TensorArg):
+            schema_args.append(f"Tensor {a.name}")
+            converters.append(None)
+        else:
+            kind, convert = _scalar_type(a)
+            schema_args.append(f"{kind} {a.name}")
+            converters.append(convert)
+    schema = f"({', '.join([*schema_args, *(f'int {k.lower()}' for k in keys)])}) -> {_returns(len(outputs))}"
+    position = {a.name: i for i, a in enumerate(op.args)}
+    at = position.get(inplace) if inplace is not None else None
+    count = len(names)
+    first = _first_tensor(op)
+    reference = op.reference
+    planned = _on_device(plan, first)
+
+    def full(values: Sequence[Any]) -> tuple:
+        """The op's arguments from the custom op's: the ``inplace`` one put back, false."""
+        return tuple(values) if at is None else (*values[:at], False, *values[at:])
+
+    launches = Launches(planned, _Configs(keys, op, default_config, lambda args: args))
+
+    def forward(*values: Any) -> Any:
+        args = full(values[:count])
+        if args[first].dtype == torch.float64:
+            return reference(*args)
+        return launches.run(args, values[count:])
+
+    def fake(*values: Any) -> Any:
+        args = full(values[:count])
+        if args[first].dtype != torch.float64:
+            op.validate(args)
+        return results(*args)
+
+    custom_op = torch.library.custom_op(f"{namespace}::{op.name}", forward, mutates_args=(), schema=schema)
+    custom_op.register_fake(fake)
+    ops = getattr(torch.ops, namespace)
+    zeros = (0,) * len(keys)
+
+    def call_custom_op(args: tuple, config: Config | None) -> Any:
+        ints = zeros if config is None else tuple(int(config[k]) for k in keys)
+        values = [a if c is None else c(a) for c, a in zip(converters, (a for i, a in enumerate(args) if i != at))]
+        result = getattr(ops, op.name)(*values, *ints)
+        if at is not None and args[at]:
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            return tuple(t.copy_(r) for t, r in zip(tensors, result))
+        return result
+
+    backward_op = None
+    backward_plan = None
+    if backward is not None:
+        if backward.of is None:
+            backward_op = _BackwardOp(op.name, namespace, keys, op, backward, default_config)
+        else:
+            backward_op = backward.of.backward
+            if backward_op is None or backward_op.keys != keys:
+                raise TypeError(f"{op.name}: backward of {backward.of.op.name} needs its backward op and the same "
+                                f"config keys ({keys})")
+        _register_autograd(custom_op, backward, backward_op, names, outputs, len(keys))
+        backward_plan = _backward_plan(op, backward, backward_op, results, outputs, first)
+
+    implementation = _Implementation(
+        op.name, name, plan=planned, kernels=kernels, default_config=default_config, space_of=space,
+        replayable=replayable, backward_plan=backward_plan, custom_op=call_custom_op, dtypes=op.dtypes(), doc=doc,
+    )
+    function = _public_function(op, implementation, call_custom_op, plan.__module__, backward is not None)
+    return Kernel(op, implementation, function, custom_op, backward_op if backward and backward.of is None else None)
+
+
+def _register_autograd(custom_op: Any, backward: Backward, backward_op: _BackwardOp, names: tuple[str, ...],
+                       outputs: tuple[str, ...], config_count: int) -> None:
+    """``custom_op``'s autograd formula: save what ``backward`` names, run its ``gradients``."""
+    count = len(names)
+    index = {n: i for i, n in enumerate(names)}
+    unknown = [n for n in (*backward.saved, *backward.saved_for, *(x for v in backward.saved_for.values() for x in v))
+               if n not in index and n not in outputs]
+    if unknown:
+        raise TypeError(f"{custom_op}: Backward names {unknown}, neither arguments {names} nor outputs {outputs}")
+    saved_for = [(index[n], extra) for n, extra in backward.saved_for.items()]
+    gradients = backward.gradients
+    none = (None,) * config_count
+    single = len(outputs) == 1
+
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        named = dict(zip(names, inputs))
+        named.update(zip(outputs, (output,) if single else output))
+        keep = list(backward.saved)
+        needs = ctx.needs_input_grad
+        for i, extra in saved_for:
+            if needs[i]:
+                keep.extend(n for n in extra if n not in keep)
+        tensors = [n for n in keep if isinstance(named[n], torch.Tensor)]
+        ctx.save_for_backward(*(named[n] for n in tensors))
+        ctx.tensor_names = tensors
+        ctx.values = {n: named[n] for n in keep if n not in tensors}
+        ctx.config = inputs[count:]
+
+    def formula(ctx: Any, *grads: Any) -> tuple:
+        saved = SimpleNamespace(**ctx.values, **dict(zip(ctx.tensor_names, ctx.saved_tensors)))
+        got = gradients(functools.partial(backward_op.run, ctx.config), saved, grads,
+                        dict(zip(names, ctx.needs_input_grad)))
+        return (*(got.get(n) for n in names), *none)
+
+    custom_op.register_autograd(formula, setup_context=setup_context)
+
+
+def _backward_plan(op: Op, backward: Backward, backward_op: _BackwardOp, results: Callable[..., Any],
+                   outputs: tuple[str, ...], first: int) -> Callable[[tuple, Config], LaunchPlan]:
+    """The backward's launches for the forward's bound ``args`` (``dlcore lower``): the formula run
+    on made-up output gradients, every declared-differentiable argument wanted, its backward call
+    captured and planned instead of run."""
+    names = tuple(a.name for a in op.args)
+    needs = {a.name: isinstance(a, TensorArg) and a.differentiable for a in op.args}
+
+    def backward_plan(args: tuple, config: Config) -> LaunchPlan:
+        made = results(*args)
+        made = (made,) if len(outputs) == 1 else tuple(made)
+        grads = results(*args)
+        grads = (grads,) if len(outputs) == 1 else tuple(grads)
+        named = {**dict(zip(names, args)), **dict(zip(outputs, made))}
+        captured: list[tuple] = []
+
+        def capture(*backward_args: Any) -> Any:
+            captured.append(backward_args)
+            return backward_op.results(*backward_args)
+
+        backward.gradients(capture, SimpleNamespace(**{n: named[n] for n in backward.saved}), grads, needs)
+        return backward_op.plan(captured[0], config, device_profile(args[first].device))
+
+    return backward_plan
+
+
+def _public_function(op: Op, implementation: CustomOpTritonImplementation,
+                     call_custom_op: Callable[[tuple, Config | None], Any], module: str,
+                     differentiable: bool) -> Callable[..., Any]:
+    """The kernel's public function: a plain Python function with the op's parameters and defaults
+    (Python checks the arity, as it does for a hand-written one), validated, the heuristic config,
+    no dispatcher; under ``torch.compile`` tracing the custom op alone."""
+    if not all(n.isidentifier() for n in (op.name, *(a.name for a in op.args))):
+        raise TypeError(f"{op.usage()}: the op and its arguments need Python identifiers as names")
+    validate, default_config, run = op.validate, implementation.default_config, implementation.run
+
+    def call(bound: tuple) -> Any:
+        if torch.compiler.is_compiling():
+            return call_custom_op(bound, None)
+        device = validate(bound)
+        return run(bound, default_config(make_signature(op, bound, device), device_profile(device)))
+
+    defaults = {f"_default_{a.name}": a.default for a in op.args if getattr(a, "default", REQUIRED) is not REQUIRED}
+    parameters = ", ".join(f"{a.name}=_default_{a.name}" if f"_default_{a.name}" in defaults else a.name
+                           for a in op.args)
+    names = "".join(f"{a.name}, " for a in op.args)
+    scope: dict[str, Any] = {"_call": call, **defaults}
+    # The op's argument names are identifiers its declaration gave; the source holds nothing else.
+    exec(f"def {op.name}({parameters}):\n    return _call(({names}))\n", scope)  # noqa: S102
+    function = scope[op.name]
+    function.__module__ = module
+    wrt = ", ".join(op.args[i].name for i in op.differentiable())
+    function.__doc__ = (
+        f"{op.doc}.\n\nThe Triton kernel with its heuristic config (``dlcore.get_op`` selects and tunes); "
+        + (f"differentiable in {wrt}" if differentiable else "forward only")
+        + ", and one node under ``torch.compile``."
+    )
+    return function
