@@ -17,9 +17,9 @@ ON_GPU = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") !
 if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from dlcore import replay  # noqa: E402
 from dlcore.declarations.implementation import KernelCall  # noqa: E402
 from dlcore.declarations.signature import make_signature  # noqa: E402
+from dlcore.runtime import replay  # noqa: E402
 from dlcore.testing import poison, strided_like  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
