@@ -142,7 +142,9 @@ def test_triton_kernel_tuning(kernel_device):
     torch.testing.assert_close(op(x, w), registry().op("rms_norm").reference(x, w), rtol=1e-4, atol=1e-4)
 
 
-SPACED_OPS = ["silu_and_mul", "rms_norm", "add_rms_norm", "ffn", "matmul", "apply_rotary_pos_emb", "partial_rotary_emb"]
+# The rotary spaces hold blocks of one or two heads: many programs, seconds each in the interpreter.
+SPACED_OPS = ["silu_and_mul", "rms_norm", "add_rms_norm", "ffn", "matmul",
+              *(pytest.param(name, marks=pytest.mark.slow) for name in ("apply_rotary_pos_emb", "partial_rotary_emb"))]
 
 
 @pytest.mark.parametrize("name", SPACED_OPS)
