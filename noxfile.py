@@ -2,6 +2,11 @@
 
 Every session builds a fresh virtualenv with torch pinned (a CPU build on CPU machines) and the
 five distributions installed as real, non-editable installs, exactly as users install them.
+
+`nox -s test` is what CI runs: the whole suite on the newest Triton, the fast lane (the tests not
+marked ``slow``) on the older ones. Arguments after ``--`` go to pytest after the lane's own, so
+``nox -s test -- -m "not slow"`` runs the fast lane on every version and ``nox -s test -- -m ""``
+the whole suite on every version.
 """
 
 import nox
@@ -25,13 +30,16 @@ def install(session: nox.Session, triton: str) -> None:
 @nox.session
 @nox.parametrize("triton", TRITON_VERSIONS)
 def test(session: nox.Session, triton: str) -> None:
-    """The test suite, with Triton kernels run by the interpreter on the CPU."""
+    """The tests (Triton kernels in the interpreter): all on the newest Triton, the fast lane on others.
+
+    pytest takes the last ``-m`` it is given, so one after ``--`` replaces the lane's."""
     install(session, triton)
     session.install("pytest", "ruff", "matplotlib", "import-linter")
     session.run("ruff", "check", ".")
     session.run("lint-imports")
+    lane = [] if triton == TRITON_VERSIONS[-1] else ["-m", "not slow"]
     session.run(
-        "pytest", "-p", "no:cacheprovider", *session.posargs,
+        "pytest", "-p", "no:cacheprovider", *lane, *session.posargs,
         env={"TRITON_INTERPRET": "1", "DLCORE_EXPECT_INSTALLED": "1", "TRITON_DEFAULT_FP_FUSION": "1"},
     )
 

@@ -145,7 +145,7 @@ if MODE == "dlcore":
 elif MODE == "direct":
     import importlib
 
-    rms_norm = step("import_kernel_module", lambda: importlib.import_module("dlblas_kernels.rms_norm").rms_norm)
+    rms_norm = step("import_kernel_module", lambda: importlib.import_module("dlblas_kernels.kernels.rms_norm").rms_norm)
     step("first_call", lambda: rms_norm(x, w, 1e-6))
     step("second_call", lambda: rms_norm(x, w, 1e-6))
 elif MODE == "triton":

@@ -24,6 +24,17 @@ TESTS = Path(__file__).parent
 PLUGIN_SOURCES = TESTS / "plugins"
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``gpu`` need a CUDA device: without one they are skipped, and ``-m "not gpu"``
+    leaves them out altogether."""
+    if torch.cuda.is_available():
+        return
+    no_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(no_gpu)
+
+
 @pytest.fixture(autouse=True)
 def fresh_dlcore(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """Each test discovers plugins anew and starts with no cached selection, on disk or in memory."""

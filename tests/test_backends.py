@@ -97,7 +97,7 @@ def test_cuda_unavailable_without_a_gpu():
     assert not availability and "torch.cuda.is_available() is False" in availability.reason
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.gpu
 def test_cuda_profile():
     profile = CudaBackend().profile(torch.device("cuda", 0))
     assert profile.cores > 0 and profile.memory_bytes > 0 and profile.arch.startswith(("sm_", "gfx"))

@@ -7,6 +7,8 @@ import contextlib
 import dataclasses
 import json
 import math
+import statistics
+import time
 
 import pytest
 import torch
@@ -206,6 +208,12 @@ def log(monkeypatch):
 
     monkeypatch.setattr(torch, "compile", fake_compile)
     monkeypatch.setattr(torch._dynamo, "reset", lambda: resets.append(1))
+    # The fake op's cost claims gigabytes; the same-size copy is timed by the fake timer, so a small
+    # one serves (allocating the claimed bytes made each test seconds slower).
+    log.copied = []
+    copy_ms = harness.copy_ms
+    monkeypatch.setattr(harness, "copy_ms", lambda device, timer, moved: log.copied.append(moved)
+                        or copy_ms(device, timer, min(moved, COPY_BYTES)))
     return log
 
 
@@ -237,6 +245,7 @@ def test_report_numbers_on_a_fake_timer(monkeypatch, log):
     assert report.geomean("torch") == pytest.approx(4.0) and report.worst("torch") == 2.0
     assert report.geomean("compile") == pytest.approx(2.0) and report.worst("compile") == 1.0
     assert log.compiles == 2  # compiled once per shape
+    assert log.copied == [10**9, 10**9]  # a same-size copy of each shape's bytes
     table = report.table()
     assert "1000 GB/s" in table and "50%" in table and "4.00x" in table and "%copy same size" in table
     assert "note: liger: not installed here; skipped" in table
@@ -479,14 +488,21 @@ def test_rms_norm_end_to_end_in_the_interpreter(tmp_path, capsys):
     (shape,) = data["shapes"]
     assert shape["sizes"] == {"tokens": 3, "hidden": 64} and "tokens=3,hidden=64" in table
     assert shape["chosen"].startswith("triton"), "the Triton kernel ran, in the interpreter"
-    assert shape["results"][OWN]["ms"] > 0 and data["copy_bandwidth_gbps"] > 0
+    # each figure follows from the rounds timed: a median of 3 positive times, rates and ratios of it
+    own = shape["results"][OWN]
+    assert len(own["rounds_ms"]) == 3 and min(own["rounds_ms"]) > 0
+    assert own["ms"] == statistics.median(own["rounds_ms"])
+    assert data["copy_bandwidth_gbps"] == max(data["copy_bandwidth_runs_gbps"]) > 0
     if "torch" in op.baselines:
-        assert shape["results"]["torch"]["ms"] > 0 and shape["max_abs_diff_vs_dlcore"]["torch"] < 1e-4
-        assert data["geomean_speedup"]["torch"] > 0
+        torch_ms = shape["results"]["torch"]["ms"]
+        assert torch_ms > 0 and shape["max_abs_diff_vs_dlcore"]["torch"] < 1e-4
+        assert shape["speedup"]["torch"] == pytest.approx(torch_ms / own["ms"])
+        assert data["geomean_speedup"]["torch"] == pytest.approx(shape["speedup"]["torch"])  # one shape
     else:
         assert "torch: rms_norm declares no 'torch' baseline; skipped" in table
     if op.cost is not None:
-        assert shape["bytes"] >= 2 * 3 * 64 * 4 and shape["results"][OWN]["gbps"] > 0
+        assert shape["bytes"] >= 2 * 3 * 64 * 4
+        assert own["gbps"] == pytest.approx(shape["bytes"] / own["ms"] / 1e6)
 
 
 def test_timers_are_named():
@@ -496,7 +512,11 @@ def test_timers_are_named():
     with pytest.raises(ValueError, match="unknown timer 'wall'; use one of do_bench, cudagraph"):
         harness.default_timer(torch.device("cpu"), backend, kind="wall")
     timer, name = harness.default_timer(torch.device("cpu"), backend, kind="cudagraph")
-    assert "cpu" in name and timer(lambda: None) >= 0  # CUDA graphs exist on CUDA only: the backend's timer
+    assert "cpu" in name  # CUDA graphs exist on CUDA only: the backend's timer
+    calls = []
+    # a call that sleeps 5 ms: timed in milliseconds, each call timed alone (the median, not the sum)
+    ms = timer(lambda: calls.append(time.sleep(0.005)))
+    assert len(calls) > 1 and 5 <= ms < 5 * len(calls), (ms, len(calls))
 
 
 def test_graph_timer_runs_shapes_on_its_stream_and_copies_with_do_bench(monkeypatch, log):

@@ -119,6 +119,7 @@ for i in range(40):
 """
 
 
+@pytest.mark.slow
 def test_concurrent_writers_lose_nothing(tmp_path):
     writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path / "c"), str(n)]) for n in range(4)]
     assert all(w.wait(timeout=120) == 0 for w in writers)

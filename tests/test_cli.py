@@ -50,6 +50,7 @@ def test_bad_size_syntax():
         parse_sizes("tokens:5")
 
 
+@pytest.mark.slow
 def test_console_script_is_installed():
     done = subprocess.run([sys.executable, "-m", "dlcore.cli", "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and "plugins" in done.stdout

@@ -39,7 +39,8 @@ def test_tuned_result_is_used_by_get_op(capsys):
     import dlcore
     import dlcore.dispatch.dispatcher
 
-    assert main(["tune", "rms_norm", "--shape", "tokens=4,hidden=64", "--dtype", "fp32", "--strategy", "grid"]) == 0
+    assert main(["tune", "rms_norm", "--shape", "tokens=4,hidden=64", "--dtype", "fp32", "--strategy", "grid",
+                 "--budget", "3"]) == 0
     dlcore.dispatch.dispatcher.default().clear()
     x, w = torch.randn(4, 64), torch.randn(64)
     op = dlcore.get_op("rms_norm", (x, w))

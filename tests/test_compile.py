@@ -9,6 +9,9 @@ in a process without ``TRITON_INTERPRET``.
 import pytest
 from isolated import run_json
 
+# A fresh interpreter compiles every kernel to a cubin.
+pytestmark = pytest.mark.slow
+
 SCRIPT = """
 import json, torch
 from triton.backends.compiler import GPUTarget

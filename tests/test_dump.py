@@ -66,6 +66,7 @@ def first_dump(tmp_path_factory):
     return cwd, cache, kernels
 
 
+@pytest.mark.slow
 def test_every_stage_of_every_kernel_is_dumped(first_dump):
     cwd, _, kernels = first_dump
     dumped = folders(cwd / "dlc_ir")
@@ -80,6 +81,7 @@ def test_every_stage_of_every_kernel_is_dumped(first_dump):
         assert (folder / "05-cubin.cubin").read_bytes()[:4] == b"\x7fELF"
 
 
+@pytest.mark.slow
 def test_a_cached_compile_is_dumped_and_nothing_is_overwritten(first_dump, tmp_path):
     cwd, cache, _ = first_dump
     root = tmp_path / "dumps"
@@ -98,6 +100,7 @@ def test_a_cached_compile_is_dumped_and_nothing_is_overwritten(first_dump, tmp_p
     assert not (folder / "02-ttgir.1.ttgir").exists()  # same content: written once
 
 
+@pytest.mark.slow
 def test_nothing_is_dumped_unless_asked(tmp_path):
     compile_kernels(tmp_path, tmp_path / "cache", DLC_DUMP_IR="0")
     assert not (tmp_path / "dlc_ir").exists()

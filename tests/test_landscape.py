@@ -40,6 +40,7 @@ def test_space_and_objective_rebuild_the_recording():
         objective({"BLOCK_M": 256, "BLOCK_N": 16, "num_warps": 4, "num_stages": 4})
 
 
+@pytest.mark.slow
 def test_tpe_beats_random_and_grid_on_a_synthetic_landscape():
     reg = registry()
     strategies = [reg.strategy(n) for n in ("grid", "random", "tpe")]

@@ -75,6 +75,7 @@ def lowered(tmp_path_factory):
                     TRITON_CACHE_DIR=str(tmp_path_factory.mktemp("triton-cache")))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("op", ["silu_and_mul", "rms_norm", "ffn"])
 @pytest.mark.parametrize("target", ["cuda:80", "cuda:90"])
 def test_every_stage_of_each_kernel(lowered, op, target):
@@ -89,6 +90,7 @@ def test_every_stage_of_each_kernel(lowered, op, target):
         assert found["seconds"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("op,kernel", [("silu_and_mul", "silu_and_mul_kernel"), ("rms_norm", "rms_norm_kernel")])
 def test_folded_kernels_lower_to_cubin(lowered, op, kernel):
     found = lowered[f"{op}/{kernel}_folded/cuda:90"]
@@ -97,6 +99,7 @@ def test_folded_kernels_lower_to_cubin(lowered, op, kernel):
     assert any(f"-> {kernel}_folded grid" in note for note in found["notes"])
 
 
+@pytest.mark.slow
 def test_ascend_stops_after_ttir_naming_the_missing_tools(lowered):
     npu = lowered["npu"]
     assert npu["stages"] == ["python", "source", "ttir"]
@@ -105,6 +108,7 @@ def test_ascend_stops_after_ttir_naming_the_missing_tools(lowered):
     assert set(npu["missing"]) <= {"triton-adapter-opt", "bishengir-compile", "hivmc"}
 
 
+@pytest.mark.slow
 def test_cli_report_for_every_kernel():
     done = lower_cli("--all", "--report", "--target", "cuda:80", "--target", "cuda:90")
     assert done.returncode == 0, done.stderr
@@ -116,6 +120,7 @@ def test_cli_report_for_every_kernel():
             assert rows and all("5/5 (cubin)" in row for row in rows), (op, target, done.stdout)
 
 
+@pytest.mark.slow
 def test_cli_prints_one_stage_and_dumps_files(tmp_path):
     done = lower_cli("rms_norm", "--target", "cuda:90", "--stage", "ttgir", "--pass", "grid_folding",
                      "--shape", "tokens=20000")
@@ -134,6 +139,7 @@ def test_cli_prints_one_stage_and_dumps_files(tmp_path):
     assert (tmp_path / "out" / "mine.txt").read_text() == "kept"
 
 
+@pytest.mark.slow
 def test_cli_dumps_a_kernel_launched_both_ways_into_two_folders(tmp_path):
     """Rotary's one kernel rotates forward and, transposed, backward: two specializations."""
     done = lower_cli("apply_rotary_pos_emb", "--target", "cuda:90", "--stage", "ttir", "--dump", str(tmp_path))
@@ -142,6 +148,7 @@ def test_cli_dumps_a_kernel_launched_both_ways_into_two_folders(tmp_path):
     assert forward.read_text() != backward.read_text()
 
 
+@pytest.mark.slow
 def test_cli_lowers_as_far_as_it_can_and_says_why():
     done = lower_cli("silu_and_mul", "--target", "npu:Ascend910B", "--stage", "ttir")
     assert done.returncode == 1
@@ -149,6 +156,7 @@ def test_cli_lowers_as_far_as_it_can_and_says_why():
     assert "lowered as far as ttir" in done.stderr and "bishengir-compile" in done.stderr
 
 
+@pytest.mark.slow
 def test_cli_refuses_unknown_names():
     done = lower_cli("no_such_op", "--target", "cuda:90")
     assert done.returncode != 0 and "'no_such_op' is no op, op.implementation or Triton kernel name" in done.stderr
@@ -229,6 +237,7 @@ def _divisible_args(ir: str) -> set[str]:
     return {part.split(":")[0].strip().lstrip("%") for part in header.split("%")[1:] if "tt.divisibility = 16" in part}
 
 
+@pytest.mark.slow
 def test_aligned_pointers_and_sizes_carry_divisibility(specialized):
     found = specialized["aligned"]
     assert found["divisible"] == ["n", "out_ptr", "x_ptr"]
@@ -239,12 +248,14 @@ def test_aligned_pointers_and_sizes_carry_divisibility(specialized):
     assert "ld.global.v4.b32" in found["ptx"], found["ptx"]
 
 
+@pytest.mark.slow
 def test_unspecialized_compile_has_no_hints(specialized):
     found = specialized["plain"]
     assert "tt.divisibility" not in found["ttir"]
     assert "ld.global.v2" not in found["ptx"] and "ld.global.v4" not in found["ptx"]
 
 
+@pytest.mark.slow
 def test_a_meta_view_off_a_16_byte_boundary_is_not_aligned(specialized):
     found = specialized["unaligned"]
     assert found["divisible"] == ["out_ptr"]  # x_ptr is one bf16 into its storage, n = 4095
@@ -252,14 +263,17 @@ def test_a_meta_view_off_a_16_byte_boundary_is_not_aligned(specialized):
     assert found["types"]["stride"] == "i32"
 
 
+@pytest.mark.slow
 def test_meta_tensors_specialize_like_allocated_ones(specialized):
     assert specialized["real_tensors_agree"]
 
 
+@pytest.mark.slow
 def test_the_rule_based_fallback_agrees_with_triton(specialized):
     assert specialized["rule_agrees"], specialized["rule_differs_at"]
 
 
+@pytest.mark.slow
 def test_cli_specializes_unless_told_not_to():
     done = lower_cli("silu_and_mul", "--target", "cuda:90", "--stage", "ttir")
     assert done.returncode == 0, done.stderr

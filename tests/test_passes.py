@@ -310,6 +310,7 @@ print(json.dumps({
 """
 
 
+@pytest.mark.slow
 def test_real_compile_chains_hooks_and_keys_the_cache(tmp_path):
     """A binary compiled without the IR pass is not reused with it, nor the other way round."""
     script = tmp_path / "real_compile.py"  # @triton.jit needs its source in a file

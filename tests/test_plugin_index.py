@@ -5,7 +5,11 @@ import os
 import shutil
 from pathlib import Path
 
+import pytest
 from isolated import run_json
+
+# Every test starts two to five fresh interpreters.
+pytestmark = pytest.mark.slow
 
 REPORT = """
 import json, sys, warnings

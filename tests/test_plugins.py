@@ -1,5 +1,6 @@
 """Plugin discovery: built-ins through entry points, third-party plugins, broken plugins, selection by env."""
 
+import pytest
 from isolated import run_json, run_python
 
 from dlcore.plugins.registry import registry
@@ -33,6 +34,7 @@ def test_builtins_arrive_through_entry_points():
     assert {"silu_and_mul", "rms_norm", "ffn"} <= set(reg.ops)
 
 
+@pytest.mark.slow
 def test_third_party_plugin_adds_an_implementation_and_an_op(plugin_site):
     result = run_json("""
 import json, torch, dlcore
@@ -88,6 +90,7 @@ def test_broken_plugins_are_isolated_and_reported(plugin_site):
         assert sum(name in w for w in result["warnings"]) == 1, (name, result["warnings"])
 
 
+@pytest.mark.slow
 def test_broken_plugin_does_not_stop_get_op(plugin_site):
     result = run_json("""
 import json, torch, dlcore
@@ -99,6 +102,7 @@ print(json.dumps({"err": (out - ref).abs().max().item()}))
     assert result["err"] < 1e-5
 
 
+@pytest.mark.slow
 def test_cli_shows_the_load_errors(plugin_site):
     done = run_python("import sys; from dlcore.cli import main; sys.exit(main(['plugins', '-v']))", plugin_site)
     assert done.returncode == 0, done.stderr
@@ -107,6 +111,7 @@ def test_cli_shows_the_load_errors(plugin_site):
     assert "dlc-broken-demo" in done.stdout
 
 
+@pytest.mark.slow
 def test_disable_plugins(plugin_site):
     result = run_json(REPORT_RECORDS, plugin_site,
                       DLCORE_DISABLE_PLUGINS="raises_on_import,dlcore.kernels:unknown_hook,raising_hook,steals_cpu,ffn")
@@ -117,6 +122,7 @@ def test_disable_plugins(plugin_site):
     assert "ffn" not in result["ops"] and "rms_norm" in result["ops"]
 
 
+@pytest.mark.slow
 def test_only_the_named_plugins_load(plugin_site):
     result = run_json(REPORT_RECORDS, plugin_site, DLCORE_PLUGINS="softcap")
     records = result["records"]
@@ -128,6 +134,7 @@ def test_only_the_named_plugins_load(plugin_site):
     assert result["ops"] == ["softcap"]
 
 
+@pytest.mark.slow
 def test_a_named_plugin_that_fails_raises(plugin_site):
     done = run_python("from dlcore.plugins.registry import registry; registry()", plugin_site,
                       DLCORE_PLUGINS="raises_on_import")
@@ -138,6 +145,7 @@ def test_a_named_plugin_that_fails_raises(plugin_site):
     assert "PluginLoadError" in done.stderr and "no_such_plugin" in done.stderr
 
 
+@pytest.mark.slow
 def test_nothing_is_discovered_or_probed_at_import():
     result = run_json("""
 import json, sys

@@ -238,6 +238,7 @@ def test_tpe_keeps_hyperopt_quiet(caplog, capsys):
     assert logging.getLogger("hyperopt").level == level
 
 
+@pytest.mark.slow
 def test_tpe_finds_the_optimum_sooner_than_grid_and_random():
     space = kernel_space()
 

@@ -8,6 +8,9 @@ from __future__ import annotations
 import pytest
 from isolated import run_json
 
+# A fresh interpreter compiles every variant to a cubin.
+pytestmark = pytest.mark.slow
+
 SCRIPT = """
 import importlib, json, torch
 from triton.backends.compiler import GPUTarget

@@ -175,6 +175,7 @@ def test_backward_of_one_table_alone(device, gen):
     check_backward(partial_rotary_emb, partial_rotary_emb_reference, args, (3,), gen, reduce_dim=16)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("heads, forward, backward", [(128, (128, 8), (32, 8)), (16, (16, 8), (8, 2))])
 def test_default_launches_at_deepseek_sizes(heads, forward, backward):
     """DeepSeek-V2 (128 heads) and V2-Lite (16): the forward takes every head of a token with 8

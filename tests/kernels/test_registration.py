@@ -1,22 +1,28 @@
-"""Each kernel module is a dlcore plugin of its own: one entry point, and hooks that match the specs."""
+"""Each kernel module is a dlcore plugin of its own: its installed entry point loads a module whose
+hooks declare one op and implementations of that op, and get_op selects such an implementation."""
 
 from __future__ import annotations
 
 import importlib
-from pathlib import Path
+import importlib.metadata
 
 import pluggy
 import pytest
 import torch
 
+import dlcore
 import dlcore.plugins.hookspecs
 from dlcore.declarations.implementation import TritonImplementation
 from dlcore.declarations.op import Op
 from dlcore.runtime.torch_ops import CustomOpTritonImplementation
 from dlcore.testing import assert_close
 
-KERNELS = ["silu_and_mul", "rms_norm", "ffn", "add_rms_norm", "apply_rotary_pos_emb", "partial_rotary_emb", "matmul"]
-# Every kernel is a PyTorch custom op (torch.ops.dlblas.<name>); their baselines.
+#: the kernel entry points of the installed dlblas-kernels distribution, as pip wrote them
+ENTRY_POINTS = sorted(
+    (ep for ep in importlib.metadata.distribution("dlblas-kernels").entry_points if ep.group == "dlcore.kernels"),
+    key=lambda ep: ep.name,
+)
+# The kernels that are PyTorch custom ops (torch.ops.dlblas.<name>), with their baselines.
 CUSTOM_OPS = {
     "silu_and_mul": {"torch", "liger"},
     "rms_norm": {"torch", "liger"},
@@ -26,28 +32,24 @@ CUSTOM_OPS = {
     "partial_rotary_emb": {"torch"},
     "matmul": {"torch"},
 }
-PYPROJECT = Path(__file__).parents[2] / "plugins" / "dlblas_kernels" / "pyproject.toml"
 
 
-@pytest.mark.parametrize("name", KERNELS)
-def test_module_registers_its_op_and_implementation(name):
-    module = importlib.import_module(f"dlblas_kernels.kernels.{name}")
+@pytest.mark.parametrize("entry_point", ENTRY_POINTS, ids=lambda ep: ep.name)
+def test_each_entry_point_provides_an_op_that_get_op_selects(entry_point):
+    module = entry_point.load()
     pm = pluggy.PluginManager("dlcore")
     pm.add_hookspecs(dlcore.plugins.hookspecs)
-    pm.register(module, name=name)
+    pm.register(module, name=entry_point.name)
     pm.check_pending()
     [[op]] = pm.hook.dlcore_ops()
-    [[impl]] = pm.hook.dlcore_implementations()
-    assert isinstance(op, Op) and op.name == name
-    assert isinstance(impl, TritonImplementation) and impl.op == name
-    assert impl.kernels and all(hasattr(k, "__getitem__") for k in impl.kernels)
-
-
-def test_one_entry_point_per_kernel_module():
-    tomllib = pytest.importorskip("tomllib")
-    project = tomllib.loads(PYPROJECT.read_text())["project"]
-    assert project["entry-points"]["dlcore.kernels"] == {name: f"dlblas_kernels.kernels.{name}" for name in KERNELS}
-    assert not any(dep.startswith("triton") for dep in project["dependencies"])
+    impls = [impl for found in pm.hook.dlcore_implementations() for impl in found]
+    assert isinstance(op, Op) and op.name == entry_point.name
+    assert impls and all(isinstance(i, TritonImplementation) and i.op == op.name for i in impls)
+    assert all(impl.kernels and all(hasattr(k, "__getitem__") for k in impl.kernels) for impl in impls)
+    args = op.example(op.example_sizes, torch.float32, torch.device("cpu"), torch.Generator().manual_seed(0))
+    bound = dlcore.get_op(op.name, args)
+    assert bound.impl.plugin == f"{entry_point.group}:{entry_point.name}", bound.explain()
+    assert bound.impl.name in {i.name for i in impls}
 
 
 @pytest.mark.parametrize("name", sorted(CUSTOM_OPS))

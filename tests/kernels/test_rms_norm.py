@@ -116,6 +116,7 @@ def test_backward_matches_reference(lead, k, dtype, device, gen):
     check_backward(rms_norm, rms_norm_reference, (x, w, 1e-6), (0, 1), gen, reduce_dim=max(k, x.numel() // k))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", [
     {"BLOCK_M": 4, "BLOCK_N": 128, "num_warps": 2},  # several rows per tile, ragged last tile
     {"BLOCK_M": 1, "BLOCK_N": 32, "num_warps": 1},  # rows longer than a block
@@ -186,6 +187,7 @@ def test_bad_inputs_raise_before_launch(case, device, no_launch):
 # -- backward launch: persistent grid, prefetch, partials ------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("lead, k, config, programs", [
     ((29,), 100, {"BLOCK_M": 1, "BLOCK_N": 128, "num_warps": 4}, 1),  # one program, 29 row blocks
     ((29,), 100, {"BLOCK_M": 1, "BLOCK_N": 128, "num_warps": 4}, 3),  # 10, 10 and 9 row blocks
@@ -302,6 +304,7 @@ print(json.dumps(found))
 """
 
 
+@pytest.mark.slow
 def test_backward_compiles_for_nvidia_targets():
     """Every backward variant (persistent one-block rows at hidden 4096 and 8192, one program writing
     dweight directly, two passes, each with and without dres) compiles to a cubin for sm_80/sm_90."""

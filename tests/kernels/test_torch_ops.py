@@ -164,6 +164,7 @@ def block(x, w, residual, q, k, cos, sin, gate_up, q_mla, k_pe, kv, cos_r, sin_r
             + residual.sum() + mlp.sum() + down.square().sum())
 
 
+@pytest.mark.slow
 def test_compiles_without_graph_breaks(device, gen):
     torch._dynamo.reset()
     x, w, residual = example("add_rms_norm", torch.float32, device, gen)[:3]
