@@ -5,7 +5,7 @@
     python3 docs/results/render.py --check         exit 1 if docs/performance.md is not what the JSON gives
     python3 docs/results/render.py import-overhead FILE.txt
                                                    turn the output of `python3 -m dlcore.bench.overhead
-                                                   warm hot cold` into docs/results/overhead.json
+                                                   warm hot cold first` into docs/results/overhead.json
 
 Inputs, all in this folder:
 - ``OP_MODE.json``: ``dlcore bench ... --json`` (``bash .ci/gpu.sh bench``), one per op and mode;
@@ -294,8 +294,8 @@ def overhead_section(overhead: dict | None, first: dict | None) -> list[str]:
         lines += [f"`{overhead['command']}` on the {overhead.get('gpu', 'GPU')} host ({overhead.get('date', '?')}). "
                   "Host time per call, median of 10^4 calls (silu_and_mul on one row of 256, float16), and for "
                   "a new process the median of five (rms_norm, float32, 8 x 256; torch and triton imported "
-                  "first; the disk cache filled by a `dlcore tune` and the binding by an earlier process; "
-                  "Triton's cache warm).", ""]
+                  "first; the disk cache filled by a `dlcore tune`, the plugin index and the launch shelf by an "
+                  "earlier process; Triton's cache warm).", ""]
         rows = [[row["name"], f"{row['value']:.2f} {row['unit']}"] for row in overhead["rows"]]
         lines += md_table(["what", "time"], rows, "lr")
         lines.append("")
@@ -305,6 +305,7 @@ def overhead_section(overhead: dict | None, first: dict | None) -> list[str]:
     if first:
         modes = first["modes"]
         lines += ["### The first call", "",
+                  (f"Of {first['code']}: " if first.get("code") else "") +
                   f"`{first['command']}`: each step's milliseconds in a new process with Triton's cache warm "
                   f"(median of {len(next(iter(modes.values()))['runs_ms']['first_call'])}; {first['shape']}; "
                   f"{first.get('gpu', '')} {first.get('date', '')}). `dlcore` calls `dlcore.get_op` and its "
@@ -384,7 +385,7 @@ _LINE = re.compile(r"^(?P<name>\S.*?|\s+\S.*?)\s+(?P<value>-?\d+(?:\.\d+)?)(?P<u
 
 
 def import_overhead(text_path: str, folder: str) -> int:
-    """Parse `python3 -m dlcore.bench.overhead warm hot cold` output into overhead.json (other keys kept)."""
+    """Parse `python3 -m dlcore.bench.overhead warm hot cold first` output into overhead.json (other keys kept)."""
     path = os.path.join(folder, "overhead.json")
     data = load_optional(folder, "overhead.json") or {}
     rows = []
@@ -400,7 +401,7 @@ def import_overhead(text_path: str, folder: str) -> int:
     if not rows:
         print(f"no results found in {text_path}", file=sys.stderr)
         return 1
-    data.update({"command": "python3 -m dlcore.bench.overhead warm hot cold", "rows": rows})
+    data.update({"command": "python3 -m dlcore.bench.overhead warm hot cold first", "rows": rows})
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
         f.write("\n")
