@@ -324,3 +324,17 @@ def test_backends_without_a_pipeline_refuse_to_lower():
     todo, _ = launches(registry(), "rms_norm", torch.float32, {}, target_profile("cuda:90"), Pipeline("cuda"))
     with pytest.raises(LoweringError, match="the cpu backend has no compiler pipeline"):
         registry().backends["cpu"].lower(todo[0].call, "cpu:x86_64")
+
+
+def test_plans_lowered_for_a_target_are_sized_by_its_profile():
+    """rms_norm's persistent backward grid comes from the target's cores and registers, not meta's."""
+    sizes = {"tokens": 65536, "hidden": 4096}
+    grids = {}
+    for target in ("cuda:90", "cuda:80"):
+        todo, _ = launches(registry(), "rms_norm", torch.float16, sizes, target_profile(target), pipeline("cuda"))
+        backward = [t for t in todo if t.backward and t.call.grid[0] < sizes["tokens"]]
+        assert backward, [(t.name, t.call.grid) for t in todo]
+        grids[target] = backward[0].call.grid[0]
+    cores = {t: target_profile(t).cores for t in grids}
+    assert grids["cuda:90"] // cores["cuda:90"] == grids["cuda:80"] // cores["cuda:80"] >= 1
+    assert grids["cuda:90"] % cores["cuda:90"] == grids["cuda:80"] % cores["cuda:80"] == 0

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
-from dlcore.declarations.device import DeviceProfile
+from dlcore.declarations.device import DeviceProfile, planning_for
 from dlcore.declarations.implementation import KernelCall
 from dlcore.errors import LoweringError, ToolchainMissingError
 
@@ -428,9 +428,10 @@ def launches(reg: Registry, selector: str | None, dtype: torch.dtype, sizes: dic
                 continue
             args = op.example_inputs(sizes, dtype, meta)
             config = impl.default_config(make_signature(op, args, meta), profile)
-            plans = [(False, impl.plan(args, config))]
-            if getattr(impl, "backward_plan", None) is not None:
-                plans.append((True, impl.backward_plan(args, config)))
+            with planning_for(profile):  # the plans size their grids for the target, not for meta
+                plans = [(False, impl.plan(args, config))]
+                if getattr(impl, "backward_plan", None) is not None:
+                    plans.append((True, impl.backward_plan(args, config)))
             launched = set()
             for backward, plan in plans:
                 lowered = apply_launch_passes(plan, profile, passes)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 
@@ -40,3 +43,23 @@ class DeviceProfile:
     def describe(self) -> str:
         memory = f", {self.memory_bytes / 2**30:.0f} GiB" if self.memory_bytes else ""
         return f"{self.name} ({self.vendor} {self.arch}, {self.cores} cores{memory})"
+
+
+_target: contextvars.ContextVar[DeviceProfile | None] = contextvars.ContextVar("dlcore_planning_target",
+                                                                              default=None)
+
+
+@contextlib.contextmanager
+def planning_for(profile: DeviceProfile) -> Iterator[DeviceProfile]:
+    """Plans built on ``meta`` tensors inside this block are for ``profile``'s device: what lowering
+    for a target without the device does (``dlcore lower --target cuda:90``)."""
+    token = _target.set(profile)
+    try:
+        yield profile
+    finally:
+        _target.reset(token)
+
+
+def planning_target() -> DeviceProfile | None:
+    """The profile :func:`planning_for` set, if any."""
+    return _target.get()

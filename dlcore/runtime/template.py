@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from dlcore.declarations.device import DeviceProfile
+from dlcore.declarations.device import DeviceProfile, planning_target
 from dlcore.declarations.implementation import Config, LaunchPlan
 from dlcore.declarations.op import REQUIRED, Op, ScalarArg, TensorArg
 from dlcore.declarations.signature import Signature, make_signature
@@ -77,7 +77,12 @@ _profiles: dict[torch.device, DeviceProfile] = {}
 
 
 def device_profile(device: torch.device) -> DeviceProfile:
-    """The profile of ``device`` as its backend describes it, or :data:`UNKNOWN_DEVICE`."""
+    """The profile of ``device`` as its backend describes it, or :data:`UNKNOWN_DEVICE`; for ``meta``
+    tensors, the target being lowered for (:func:`~dlcore.declarations.device.planning_for`), if any."""
+    if device.type == "meta":
+        target = planning_target()
+        if target is not None:
+            return target
     profile = _profiles.get(device)
     if profile is None:
         reg = registry()
