@@ -60,7 +60,7 @@ from dlcore.declarations.implementation import Config, LaunchPlan
 from dlcore.declarations.op import REQUIRED, Op, ScalarArg, TensorArg
 from dlcore.declarations.signature import Signature, make_signature
 from dlcore.declarations.space import SearchSpace
-from dlcore.errors import BackendUnavailableError
+from dlcore.errors import BackendUnavailableError, DeclarationError
 from dlcore.plugins.hookspecs import hookimpl
 from dlcore.plugins.registry import registry
 from dlcore.runtime.torch_ops import CustomOpTritonImplementation, Launches, run_backward
@@ -136,7 +136,8 @@ def _scalar_type(arg: ScalarArg) -> tuple[str, type]:
         return "float", float
     if int in arg.types:
         return "int", int
-    raise TypeError(f"scalar argument {arg.name!r} of types {arg.types} has no custom-op type (bool, int, float)")
+    raise DeclarationError(
+        f"scalar argument {arg.name!r} of types {arg.types} has no custom-op type (bool, int, float)")
 
 
 def _returns(count: int) -> str:
@@ -184,7 +185,8 @@ class _BackwardOp:
                  default_config: Callable[[Signature, DeviceProfile], Config]):
         reference, results, plan = backward.reference, backward.results, backward.plan
         if reference is None or results is None or plan is None:
-            raise TypeError(f"{kernel}: a Backward declares plan, reference and results, or names another kernel (of=)")
+            raise DeclarationError(
+                f"{kernel}: a Backward declares plan, reference and results, or names another kernel (of=)")
         self.name = f"{kernel}_backward"
         self.keys = keys
         self.plan = plan
@@ -200,8 +202,9 @@ class _BackwardOp:
         missing = [a.name for a in op.args if backward.renames.get(a.name, a.name) not in names
                    and getattr(a, "default", REQUIRED) is REQUIRED]
         if missing:
-            raise TypeError(f"{kernel}: the backward's arguments {names} lack {missing}, which the default config "
-                            f"reads; name the backward argument that holds each in renames")
+            raise DeclarationError(
+                f"{kernel}: the backward's arguments {names} lack {missing}, which the default config "
+                f"reads; name the backward argument that holds each in renames")
         sources = [names.index(backward.renames.get(a.name, a.name)) if backward.renames.get(a.name, a.name) in names
                    else None for a in op.args]
         defaults = [getattr(a, "default", None) for a in op.args]
@@ -305,7 +308,8 @@ def define_kernel(
     names = tuple(a.name for a in op.args if a.name != inplace)
     taken = {k.lower() for k in keys} & set(names)
     if taken or len({k.lower() for k in keys}) != len(keys):
-        raise TypeError(f"{op.name}: config keys {keys} collide, lowercased, with each other or the arguments {names}")
+        raise DeclarationError(
+            f"{op.name}: config keys {keys} collide, lowercased, with each other or the arguments {names}")
     converters = []
     schema_args = []
     for a in op.args:
@@ -366,8 +370,9 @@ def define_kernel(
         else:
             backward_op = backward.of.backward
             if backward_op is None or backward_op.keys != keys:
-                raise TypeError(f"{op.name}: backward of {backward.of.op.name} needs its backward op and the same "
-                                f"config keys ({keys})")
+                raise DeclarationError(
+                    f"{op.name}: backward of {backward.of.op.name} needs its backward op and the same "
+                    f"config keys ({keys})")
         _register_autograd(custom_op, backward, backward_op, names, outputs, len(keys))
         backward_plan = _backward_plan(op, backward, backward_op, results, outputs, first)
 
@@ -387,7 +392,8 @@ def _register_autograd(custom_op: Any, backward: Backward, backward_op: _Backwar
     unknown = [n for n in (*backward.saved, *backward.saved_for, *(x for v in backward.saved_for.values() for x in v))
                if n not in index and n not in outputs]
     if unknown:
-        raise TypeError(f"{custom_op}: Backward names {unknown}, neither arguments {names} nor outputs {outputs}")
+        raise DeclarationError(
+            f"{custom_op}: Backward names {unknown}, neither arguments {names} nor outputs {outputs}")
     saved_for = [(index[n], extra) for n, extra in backward.saved_for.items()]
     gradients = backward.gradients
     none = (None,) * config_count
@@ -449,7 +455,7 @@ def _public_function(op: Op, implementation: CustomOpTritonImplementation,
     (Python checks the arity, as it does for a hand-written one), validated, the heuristic config,
     no dispatcher; under ``torch.compile`` tracing the custom op alone."""
     if not all(n.isidentifier() for n in (op.name, *(a.name for a in op.args))):
-        raise TypeError(f"{op.usage()}: the op and its arguments need Python identifiers as names")
+        raise DeclarationError(f"{op.usage()}: the op and its arguments need Python identifiers as names")
     validate, default_config, run = op.validate, implementation.default_config, implementation.run
 
     def call(bound: tuple) -> Any:

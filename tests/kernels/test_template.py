@@ -19,6 +19,7 @@ from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
 from dlcore.declarations.op import Op, ScalarArg, TensorArg
 from dlcore.declarations.signature import Signature, cdiv, make_signature
 from dlcore.declarations.space import PowerOfTwo, SearchSpace
+from dlcore.errors import DeclarationError
 from dlcore.runtime.template import UNKNOWN_DEVICE, Backward, define_kernel, device_profile
 from dlcore.testing import randn
 
@@ -105,7 +106,7 @@ def test_config_ints_are_named_after_the_config_keys():
     assert kernel.backward_op is None
     clash = Op("scale_clash", args=(TensorArg("x", (torch.float32,)), ScalarArg("block", (int,))),
                reference=scale_reference)
-    with pytest.raises(TypeError, match="collide"):
+    with pytest.raises(DeclarationError, match="collide"):
         define_kernel(clash, plan, kernels=(_scale_kernel,), results=lambda x, block: x, default_config=default_config,
                       space=space, namespace=NAMESPACE)
 
