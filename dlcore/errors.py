@@ -77,6 +77,10 @@ class DeclarationError(DlcoreError, ValueError):
     or something it does not declare is asked of it (example inputs, say)."""
 
 
+class CacheFileError(DlcoreError, ValueError):
+    """A file handed to the cache (``dlcore cache import``) is not a dlcore cache export."""
+
+
 class InvalidOptionError(DlcoreError, ValueError):
     """An option (an argument of ``get_op``, ``tune`` or a search, or the variable standing for it) has
     a value dlcore does not know."""

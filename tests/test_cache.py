@@ -18,6 +18,7 @@ from dlcore.declarations.implementation import source_modules
 from dlcore.declarations.signature import make_signature
 from dlcore.dispatch.key import Key
 from dlcore.dispatch.store import CacheWarning, DiskCache, make_record
+from dlcore.errors import CacheFileError
 from dlcore.plugins.registry import registry
 from dlcore.tuning.selection import Selection
 
@@ -142,9 +143,10 @@ def test_import_rejects_bad_entries(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps({"format": "dlcore-cache", "entries": {"a": record(), "b": {"selection": 3}}}))
     assert DiskCache(tmp_path / "c").import_(path) == (1, 1)
-    path.write_text("[1, 2]")
-    with pytest.raises(ValueError, match="not a dlcore cache export"):
-        DiskCache(tmp_path / "c").import_(path)
+    for text in ("[1, 2]", "not json"):
+        path.write_text(text)
+        with pytest.raises(CacheFileError, match="not a dlcore cache export"):
+            DiskCache(tmp_path / "c").import_(path)
 
 
 def test_a_corrupt_database_is_set_aside_and_rebuilt(tmp_path):

@@ -19,6 +19,7 @@ from typing import Any
 
 from dlcore.cachedir import default_directory
 from dlcore.dispatch.key import SCHEMA_VERSION
+from dlcore.errors import CacheFileError
 from dlcore.tuning.selection import Selection
 
 EXPORT_FORMAT = "dlcore-cache"
@@ -121,9 +122,12 @@ class DiskCache:
 
     def import_(self, path: Path | str) -> tuple[int, int]:
         """Add the entries of an exported file; returns (imported, rejected)."""
-        data = json.loads(Path(path).read_text())
+        try:
+            data = json.loads(Path(path).read_text())
+        except ValueError as exc:  # not JSON, or not text
+            raise CacheFileError(f"{path} is not a dlcore cache export: {exc}") from None
         if not isinstance(data, dict) or data.get("format") != EXPORT_FORMAT:
-            raise ValueError(f"{path} is not a dlcore cache export (no \"format\": \"{EXPORT_FORMAT}\")")
+            raise CacheFileError(f"{path} is not a dlcore cache export (no \"format\": \"{EXPORT_FORMAT}\")")
         imported = rejected = 0
         for key, record in data.get("entries", {}).items():
             if isinstance(key, str) and parse_record(json.dumps(record)) is not None:
