@@ -15,6 +15,7 @@ from dlcore.declarations.implementation import Config, Implementation, PlanTrans
 from dlcore.declarations.op import Op
 from dlcore.errors import InvalidOptionError, WrongResultError
 from dlcore.runtime.runner import runner
+from dlcore.tuning.policy import CHECKS
 from dlcore.tuning.selection import clone_args
 from dlcore.tuning.verify import mismatch, reduce_dim_of, reference_result
 
@@ -24,8 +25,8 @@ class Objective:
 
     def __init__(self, op: Op, impl: Implementation, bound: tuple, backend: Backend, device: torch.device,
                  check: str = "first", transform: PlanTransform | None = None):
-        if check not in ("first", "all", "none"):
-            raise InvalidOptionError(f"check={check!r}; use 'first', 'all' or 'none'")
+        if check not in CHECKS:
+            raise InvalidOptionError(f"check={check!r}; use one of {', '.join(CHECKS)}")
         self.op = op
         self.impl = impl
         self.backend = backend
