@@ -5,6 +5,8 @@ The stand-in kernel computes ``out = x * scale`` in torch from the tensors it is
 how it was reached: through ``kernel[grid](...)`` (the plan's path) or ``compiled.run`` (direct).
 """
 
+import threading
+import time
 import warnings
 from types import SimpleNamespace
 
@@ -379,6 +381,44 @@ def test_direct_launches_after_the_first(triton_runtime):
         torch.testing.assert_close(out, x * 2, rtol=0, atol=0)
     assert len(kernel.planned) == 2, "16 and 32 specialize alike; 7 does not divide by 16"
     assert len(kernel.replays) == 2
+
+
+class SlowToCompile(JITFunction):
+    """Its first launch takes long enough for other threads to arrive; counts how many overlap."""
+
+    def __init__(self):
+        super().__init__()
+        self.inside, self.most = 0, 0
+
+    def __getitem__(self, grid):
+        launch_it = super().__getitem__(grid)
+
+        def run(*args, **kwargs):
+            self.inside += 1
+            self.most = max(self.most, self.inside)
+            time.sleep(0.05)
+            self.inside -= 1
+            return launch_it(*args, **kwargs)
+
+        return run
+
+
+SlowToCompile.__name__ = "JITFunction"  # what the launch path takes for a compiled kernel
+
+
+def test_threads_launching_a_new_specialization_compile_it_once(triton_runtime):
+    kernel = SlowToCompile()
+    xs = [torch.randn(64) for _ in range(4)]
+    outs = [torch.empty_like(x) for x in xs]
+    calls = [KernelCall(kernel, (1,), (x, out, 64, 2.0), {"BLOCK": 64}) for x, out in zip(xs, outs)]
+    threads = [threading.Thread(target=launch.launch, args=(call,)) for call in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert kernel.most == 1 and len(kernel.planned) == 1 and len(kernel.replays) == 3
+    for x, out in zip(xs, outs):
+        torch.testing.assert_close(out, x * 2, rtol=0, atol=0)
 
 
 def test_an_empty_hook_chain_is_no_hook(triton_runtime):

@@ -54,6 +54,7 @@ import inspect
 import json
 import os
 import re
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -276,11 +277,14 @@ class KernelEntry:
                        triton.runtime.add_stages_inspection_hook)
         compiled = self.compiled.get(key)
         if compiled is None:
-            compiled, launched = self._first(call, key)
-            if compiled is not None:
-                self.compiled[key] = compiled
-            if launched:
-                return compiled, values
+            with _FIRST_LAUNCH:
+                compiled = self.compiled.get(key)  # another thread's first launch may have got it
+                if compiled is None:
+                    compiled, launched = self._first(call, key)
+                    if compiled is not None:
+                        self.compiled[key] = compiled
+                    if launched:
+                        return compiled, values
         run_compiled(compiled, grid3(call.grid), active.get_current_stream(device), values)
         return compiled, values
 
@@ -303,6 +307,9 @@ class KernelEntry:
 
 
 _entries: dict[Any, KernelEntry | None] = {}
+#: one first launch (Triton's compile or a shelf load) at a time in the process: Triton's compile is
+#: not thread-safe, and two threads would each compile and shelve the same specialization
+_FIRST_LAUNCH = threading.RLock()
 
 
 def entry(kernel: Any) -> KernelEntry | None:
