@@ -568,3 +568,14 @@ def test_launch_options_are_part_of_the_key(triton_runtime):
     for options in ({"num_warps": 4}, {"num_warps": 8}, {"num_warps": 4, "launch_pdl": True}, {"num_warps": 4}):
         launch.launch(KernelCall(kernel, (1,), (x, torch.empty_like(x), 16, 2.0), options))
     assert len(kernel.planned) == 3 and len(kernel.replays) == 1
+
+
+def test_the_shelf_keeps_the_most_recently_shelved(tmp_path, monkeypatch):
+    monkeypatch.setattr(launch, "SHELF_LIMIT", 3)
+    shelf = launch.Shelf(tmp_path / "kernel.json")
+    compiled = Shelved(JITFunction())
+    for name in ("a", "b", "c", "a", "d"):  # a is shelved again (another hash, say) after c
+        compiled.hash = f"hash-{name}-{len(shelf.entries)}"
+        shelf.store(name, compiled)
+    assert list(shelf.entries) == ["c", "a", "d"]
+    assert list(launch.Shelf(tmp_path / "kernel.json").entries) == ["c", "a", "d"]  # as written

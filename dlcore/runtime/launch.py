@@ -68,6 +68,8 @@ from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan, P
 
 #: exact inputs remembered per bound op
 LIMIT = 64
+#: specializations shelved per kernel; the least recently shelved are forgotten first
+SHELF_LIMIT = 256
 
 #: how JITFunction.run launches what it compiled (whitespace removed): the call this module repeats
 _TRITON_LAUNCH = ("kernel.run(grid_0,grid_1,grid_2,stream,kernel.function,kernel.packed_metadata,launch_metadata,"
@@ -458,7 +460,10 @@ class Shelf:
         except (AttributeError, TypeError):
             return  # not an AST-compiled kernel, or a constant JSON cannot hold
         if self.entries.get(name) != found:
+            self.entries.pop(name, None)
             self.entries[name] = found
+            while len(self.entries) > SHELF_LIMIT:  # the least recently shelved go first
+                del self.entries[next(iter(self.entries))]
             write_json(self.path, self.entries)
 
 
