@@ -15,8 +15,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from dlcore.declarations.signature import make_signature
-
 if TYPE_CHECKING:
     from dlcore.declarations.device import DeviceProfile
     from dlcore.declarations.op import Op
@@ -236,14 +234,3 @@ class TritonImplementation(Implementation):
 
     def run(self, args: tuple, config: Config) -> Any:
         return self.plan(args, config).run()
-
-
-def call_directly(op: Op, impl: Implementation, args: tuple, kwargs: dict[str, Any]) -> Any:
-    """Validate and run ``impl`` with its heuristic default config, bypassing selection.
-
-    What a kernel module's public function does: the same checks as ``get_op``, no plugin
-    discovery, no cache.
-    """
-    bound = op.bind(args, kwargs or None)
-    device = op.validate(bound)
-    return impl.run(bound, impl.default_config(make_signature(op, bound, device), None))
