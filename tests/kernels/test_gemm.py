@@ -20,15 +20,17 @@ SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=1, num_sta
 ACT = {None: lambda z: z, "relu": torch.relu, "silu": F.silu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh")}
 
 
-@pytest.fixture(params=["pointers", "descriptors", "split-k"])
+PATHS = ["pointers", "descriptors", "split-k pointers", "split-k descriptors"]
+
+
+@pytest.fixture(params=PATHS)
 def path(request, profile, device):
     """``(profile, config extras, kernel the GEMM runs)`` of one launch path."""
-    if request.param == "descriptors":
-        cores = 3 if device == "cpu" else profile.cores
-        return dataclasses.replace(profile, arch="sm_90", cores=cores), {}, "gemm_tma_kernel"
-    if request.param == "split-k":
-        return profile, {"SPLIT_K": 3}, "gemm_kernel"
-    return profile, {"TMA": 0}, "gemm_kernel"
+    descriptors = request.param.endswith("descriptors")
+    if descriptors:
+        profile = dataclasses.replace(profile, arch="sm_90", cores=3 if device == "cpu" else profile.cores)
+    extra = {"TMA": int(descriptors), **({"SPLIT_K": 3} if request.param.startswith("split-k") else {})}
+    return profile, extra, "gemm_tma_kernel" if descriptors else "gemm_kernel"
 
 
 def run(calls):
@@ -79,7 +81,7 @@ def test_swiglu(form, path, dtype, device, gen):
     pre-activations, from separate weights or the two halves of one ``w13``."""
     profile, extra, kernel = path
     if extra.get("SPLIT_K"):
-        pytest.skip("both products share one program: no split-K")
+        extra = {**extra, "SPLIT_K": 1}  # both products share one program: swiglu_calls takes no split
     m, n, k = 37, 24, 56
     a = randn(m, k, dtype=dtype, device=device, generator=gen)
     w13 = randn(2 * n, k, dtype=dtype, device=device, generator=gen, scale=1 / math.sqrt(k))
@@ -94,6 +96,20 @@ def test_swiglu(form, path, dtype, device, gen):
     assert_close(gate, ref_gate, dtype, reduce_dim=k)
     assert_close(up, ref_up, dtype, reduce_dim=k)
     assert_close(out, F.silu(ref_gate) * ref_up, dtype, reduce_dim=k)
+
+
+def test_a_stored_transposed(path, dtype, device, gen):
+    """``a`` with a unit M stride (``x.T`` of a row-major ``x``, what ``a^T @ dc`` of a backward
+    passes): the descriptor kernel reads it through a transposed descriptor."""
+    profile, extra, kernel = path
+    m, n, k = 40, 24, 37
+    a = randn(k, m, dtype=dtype, device=device, generator=gen).T
+    b = randn(k, n, dtype=dtype, device=device, generator=gen, scale=1 / math.sqrt(k))
+    c = poison(torch.empty(m, n, dtype=dtype, device=device))
+    calls, _ = gemm.gemm_calls(a, b, c, {**SMALL, **extra}, profile)
+    assert calls[0].kernel.__name__ == kernel
+    run(calls)
+    assert_close(c, a.double() @ b.double(), dtype, reduce_dim=k)
 
 
 def test_swiglu_allocates_its_output(profile, device, gen):

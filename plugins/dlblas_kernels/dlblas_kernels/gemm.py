@@ -242,19 +242,28 @@ def splitk_reduce_kernel(
 def gemm_tma_kernel(
     a_ptr, b_ptr, b3_ptr, c_ptr, pre_ptr, pre3_ptr, dc_ptr, bias_ptr, scale_ptr,
     M, N, K,
-    stride_am, stride_b, stride_b3, stride_cm,
-    B_K_MAJOR: tl.constexpr,
+    stride_a, stride_b, stride_b3, stride_cm,
+    A_M_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr,
+    SPLIT_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ACTIVATION: tl.constexpr,
     SWIGLU: tl.constexpr, ACT_GRAD: tl.constexpr, STORE_PRE: tl.constexpr,
 ):
-    """Persistent: program ``pid`` computes output tiles ``pid, pid + programs, ...``; every tile
-    moved by the copy engine through descriptors. ``a`` is ``[M, K]`` with unit K stride; ``b``
+    """Persistent: program ``pid`` computes work units ``pid, pid + programs, ...`` (an output
+    tile, or with SPLIT_K > 1 one K range of one, summed into the float32 workspace ``c_ptr``
+    ``[SPLIT_K, M, N]`` for :func:`splitk_reduce_kernel`); every operand tile moved by the copy
+    engine through descriptors. ``a`` is ``[M, K]`` with unit K stride (``stride_a`` its M
+    stride), or with unit M stride when A_M_MAJOR (``a.T`` stored row-major, ``stride_a`` its K
+    stride: what ``a^T @ dc`` of a backward takes); ``b``
     (and ``b3``) is ``[N, K]`` with unit K stride when B_K_MAJOR (an nn.Linear weight; ``stride_b``
     its N stride), else ``[K, N]`` with unit N stride (``stride_b`` its K stride); ``c`` and the
     pre-activations ``[M, N]`` with unit N stride; ``dc`` has ``c``'s strides."""
-    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K])
+    if A_M_MAJOR:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[stride_a, 1],
+                                           block_shape=[BLOCK_K, BLOCK_M])
+    else:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_a, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
     if B_K_MAJOR:
         b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1],
                                            block_shape=[BLOCK_N, BLOCK_K])
@@ -268,7 +277,9 @@ def gemm_tma_kernel(
         else:
             b3_desc = tl.make_tensor_descriptor(b3_ptr, shape=[K, N], strides=[stride_b3, 1],
                                                 block_shape=[BLOCK_K, BLOCK_N])
-    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1], block_shape=[BLOCK_M, BLOCK_N])
+    if SPLIT_K == 1:
+        c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
+                                           block_shape=[BLOCK_M, BLOCK_N])
     if STORE_PRE:
         pre_desc = tl.make_tensor_descriptor(pre_ptr, shape=[M, N], strides=[stride_cm, 1],
                                              block_shape=[BLOCK_M, BLOCK_N])
@@ -278,18 +289,23 @@ def gemm_tma_kernel(
 
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    # The descriptors zero-fill out-of-bounds rows and columns, so ragged edges and a ragged
-    # last K step need no masks.
-    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
-        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+    # Each unit's K steps: whole BLOCK_K steps, the last unit of a tile ragged.
+    k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+    # The descriptors zero-fill out-of-bounds rows and columns (and K beyond K), so ragged edges
+    # and a ragged last K step need no masks.
+    for unit in tl.range(tl.program_id(0), num_pid_m * num_pid_n * SPLIT_K, tl.num_programs(0), flatten=FLATTEN):
+        pid_m, pid_n = grouped_tile(unit // SPLIT_K, num_pid_m, num_pid_n, GROUP_M)
+        split = unit % SPLIT_K
         off_m = pid_m * BLOCK_M
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc3 = acc
-        for ki in range(k_tiles):
-            off_k = ki * BLOCK_K
-            a = a_desc.load([off_m, off_k])
+        for ki in range(k_steps):
+            off_k = (split * k_steps + ki) * BLOCK_K
+            if A_M_MAJOR:
+                a = a_desc.load([off_k, off_m]).T
+            else:
+                a = a_desc.load([off_m, off_k])
             if B_K_MAJOR:
                 b = b_desc.load([off_n, off_k]).T
             else:
@@ -304,18 +320,23 @@ def gemm_tma_kernel(
 
         offs_m = off_m + tl.arange(0, BLOCK_M)
         offs_n = off_n + tl.arange(0, BLOCK_N)
-        dc = acc
-        if ACT_GRAD:
+        if SPLIT_K > 1:
             mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-            dc = tl.load(dc_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :], mask=mask, other=0.0)
-        out, z, z3 = epilogue(acc, acc3, dc, offs_m, offs_n, M, N, bias_ptr, scale_ptr,
-                              HAS_BIAS, HAS_SCALE, ACTIVATION, SWIGLU, ACT_GRAD)
-        c_desc.store([off_m, off_n], out.to(c_desc.dtype))
-        if STORE_PRE:
-            pre_desc.store([off_m, off_n], z.to(pre_desc.dtype))
-            if SWIGLU:
-                pre3_desc.store([off_m, off_n], z3.to(pre3_desc.dtype))
-
+            offsets = (split * M + offs_m).to(tl.int64)[:, None] * N + offs_n[None, :]
+            tl.store(c_ptr + offsets, acc, mask=mask)
+        else:
+            dc = acc
+            if ACT_GRAD:
+                mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+                dc = tl.load(dc_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :], mask=mask,
+                             other=0.0)
+            out, z, z3 = epilogue(acc, acc3, dc, offs_m, offs_n, M, N, bias_ptr, scale_ptr,
+                                  HAS_BIAS, HAS_SCALE, ACTIVATION, SWIGLU, ACT_GRAD)
+            c_desc.store([off_m, off_n], out.to(c_desc.dtype))
+            if STORE_PRE:
+                pre_desc.store([off_m, off_n], z.to(pre_desc.dtype))
+                if SWIGLU:
+                    pre3_desc.store([off_m, off_n], z3.to(pre3_desc.dtype))
 
 KERNELS = (gemm_kernel, splitk_reduce_kernel, gemm_tma_kernel)
 
@@ -364,18 +385,24 @@ def _aligned(t: torch.Tensor) -> bool:
             and (t.stride(0) * size) % TMA_ALIGNMENT == 0)
 
 
+def _transposed(t: torch.Tensor) -> bool | None:
+    """How the copy engine reads 2-D ``t``: False row by row, True as ``t.T`` row by row, None not at all."""
+    if _aligned(t):
+        return False
+    return True if _aligned(t.T) else None
+
+
 def takes_tma(profile: DeviceProfile, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
               b3: torch.Tensor | None = None, epilogue: Epilogue = Epilogue()) -> bool:
     """Whether the persistent tensor-descriptor kernel can run ``c = a @ b`` (and ``b3``) here:
-    a Hopper profile with its core count, and operands the copy engine takes."""
+    a Hopper profile with its core count, and operands the copy engine takes (``a``, ``b`` and
+    ``b3`` either way round, ``b3`` as ``b``; ``c`` row-major; ``dc`` and the pre-activations with
+    ``c``'s strides)."""
     if profile.arch not in TMA_ARCHS or profile.cores <= 0:
         return False
-    if not (_aligned(a) and _aligned(c)):
+    if _transposed(a) is None or _transposed(b) is None or not _aligned(c):
         return False
-    for w in (b, b3):
-        if w is not None and not (_aligned(w) or _aligned(w.T)):
-            return False
-    if b3 is not None and (b3.stride(0) == 1) != (b.stride(0) == 1):
+    if b3 is not None and _transposed(b3) != _transposed(b):
         return False
     outputs = (epilogue.pre, epilogue.pre3, epilogue.act_grad)
     return all(t is None or (t.stride() == c.stride() and t.data_ptr() % TMA_ALIGNMENT == 0) for t in outputs)
@@ -390,11 +417,14 @@ def gemm_calls(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Config
     :param b: ``[K, N]``, any strides (row-major, or ``w.T`` of an nn.Linear weight ``w [N, K]``).
     :param c: ``[M, N]``, written.
     :param config: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``GROUP_M``, ``num_warps``,
-        ``num_stages``; optional ``SPLIT_K`` (default 1; above 1 the split-K pair, not with ``b3``),
-        ``TMA`` (default 1: the tensor-descriptor kernel where :func:`takes_tma`), ``FLATTEN``
-        (default 1: the persistent loop's tile and K loops pipelined as one).
+        ``num_stages``; optional ``SPLIT_K`` (default 1; above 1 the products go to a float32
+        workspace and a reduce applies the epilogue: not with ``b3`` or pre-activations), ``TMA``
+        (default 1: the persistent tensor-descriptor kernel where :func:`takes_tma`, else the
+        pointer kernel), ``FLATTEN`` (default 1: the persistent loop's tile and K loops
+        software-pipelined as one).
     :param profile: the device's: its architecture picks the kernel, its cores the persistent grid.
     :param b3: a second ``[K, N]`` operand (SwiGLU: ``c = silu(z) * z3``, ``z3`` from ``a @ b3``).
+    :param epilogue: see :class:`Epilogue`.
     :param input_precision: ``tl.dot``'s for float32 operands: ``"ieee"`` (exact) or ``"tf32"``.
     """
     (m, k), n = a.shape, b.shape[1]
@@ -403,49 +433,50 @@ def gemm_calls(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Config
         raise ValueError(f"activation {e.activation!r} is none of {ACTIVATIONS}")
     swiglu = b3 is not None
     split_k = config.get("SPLIT_K", 1)
+    if split_k > 1 and (swiglu or e.pre is not None):
+        raise ValueError("split-K takes no second operand and stores no pre-activations")
     block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     flags = {
         "HAS_BIAS": e.bias is not None, "HAS_SCALE": e.row_scale is not None, "ACTIVATION": e.activation,
         "ACT_GRAD": e.act_grad is not None,
     }
-    launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    tile = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": config["GROUP_M"],
+            "SPLIT_K": split_k, "INPUT_PRECISION": input_precision,
+            "num_warps": config["num_warps"], "num_stages": config["num_stages"]}
     # Absent tensors: any pointer the constexprs keep the kernel from reading.
     b3_, pre, pre3, dc, bias, scale = (t if t is not None else c for t in (b3, e.pre, e.pre3, e.act_grad, e.bias,
                                                                            e.row_scale))
-    tiles = cdiv(m, block_m) * cdiv(n, block_n)
     if split_k > 1:
-        if swiglu or e.pre is not None:
-            raise ValueError("split-K takes no second operand and stores no pre-activations")
-        ws = torch.empty(split_k, m, n, dtype=torch.float32, device=c.device)
-        calls = [
-            KernelCall(gemm_kernel, (tiles, split_k), (
-                a, b, b, ws, ws, ws, ws, ws, ws, m, n, k,
-                a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(0), b.stride(1), n, 1,
-            ), {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": config["GROUP_M"],
-                "SPLIT_K": split_k, "INPUT_PRECISION": input_precision, "HAS_BIAS": False, "HAS_SCALE": False,
-                "ACTIVATION": None, "SWIGLU": False, "ACT_GRAD": False, "STORE_PRE": False, **launch}),
-            KernelCall(splitk_reduce_kernel, (cdiv(m, block_m), cdiv(n, block_n)), (
-                ws, c, dc, bias, scale, m, n, c.stride(0), c.stride(1),
-            ), {"BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT_K": split_k, **flags, "num_warps": 4}),
-        ]
-        return calls, (ws,)
-    flags |= {"SWIGLU": swiglu, "STORE_PRE": e.pre is not None}
+        # The products alone into the workspace; the reduce runs the epilogue.
+        target = torch.empty(split_k, m, n, dtype=torch.float32, device=c.device)
+        gemm_flags = {"HAS_BIAS": False, "HAS_SCALE": False, "ACTIVATION": None, "ACT_GRAD": False,
+                      "SWIGLU": False, "STORE_PRE": False}
+        scratch: tuple = (target,)
+    else:
+        target, gemm_flags, scratch = c, {**flags, "SWIGLU": swiglu, "STORE_PRE": e.pre is not None}, ()
+    tiles = cdiv(m, block_m) * cdiv(n, block_n)
     if config.get("TMA", 1) and takes_tma(profile, a, b, c, b3, e):
         ensure_allocator()
-        k_major = b.stride(0) == 1
-        stride_b = b.stride(1) if k_major else b.stride(0)
-        stride_b3 = (b3_.stride(1) if k_major else b3_.stride(0)) if swiglu else stride_b
-        return [KernelCall(gemm_tma_kernel, (min(tiles, profile.cores),), (
-            a, b, b3_, c, pre, pre3, dc, bias, scale, m, n, k, a.stride(0), stride_b, stride_b3, c.stride(0),
-        ), {"B_K_MAJOR": k_major, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
-            "GROUP_M": config["GROUP_M"], "INPUT_PRECISION": input_precision,
-            "FLATTEN": bool(config.get("FLATTEN", 1)),
-            **flags, **launch})], ()
-    return [KernelCall(gemm_kernel, (tiles, 1), (
-        a, b, b3_, c, pre, pre3, dc, bias, scale, m, n, k,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b3_.stride(0), b3_.stride(1), c.stride(0), c.stride(1),
-    ), {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": config["GROUP_M"], "SPLIT_K": 1,
-        "INPUT_PRECISION": input_precision, **flags, **launch})], ()
+        a_m_major, b_k_major = bool(_transposed(a)), bool(_transposed(b))
+        stride_a = a.stride(1) if a_m_major else a.stride(0)
+        stride_b = b.stride(1) if b_k_major else b.stride(0)
+        stride_b3 = (b3_.stride(1) if b_k_major else b3_.stride(0)) if swiglu else stride_b
+        gemm = KernelCall(gemm_tma_kernel, (min(tiles * split_k, profile.cores),), (
+            a, b, b3_, target, pre, pre3, dc, bias, scale, m, n, k, stride_a, stride_b, stride_b3, c.stride(0),
+        ), {"A_M_MAJOR": a_m_major, "B_K_MAJOR": b_k_major, **tile, "FLATTEN": bool(config.get("FLATTEN", 1)),
+            **gemm_flags})
+    else:
+        stride_cm, stride_cn = (n, 1) if split_k > 1 else (c.stride(0), c.stride(1))
+        gemm = KernelCall(gemm_kernel, (tiles, split_k), (
+            a, b, b3_, target, pre, pre3, dc, bias, scale, m, n, k, a.stride(0), a.stride(1),
+            b.stride(0), b.stride(1), b3_.stride(0), b3_.stride(1), stride_cm, stride_cn,
+        ), {**tile, **gemm_flags})
+    if split_k == 1:
+        return [gemm], scratch
+    reduce = KernelCall(splitk_reduce_kernel, (cdiv(m, block_m), cdiv(n, block_n)), (
+        target, c, dc, bias, scale, m, n, c.stride(0), c.stride(1),
+    ), {"BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT_K": split_k, **flags, "num_warps": 4})
+    return [gemm, reduce], scratch
 
 
 # --- the prefill ffn -----------------------------------------------------------------------------
