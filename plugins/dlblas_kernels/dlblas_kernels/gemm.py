@@ -64,6 +64,8 @@ from dlcore.declarations.signature import cdiv
 ACTIVATIONS = (None, "relu", "silu", "gelu_tanh")
 #: the architectures whose programs take the tensor-descriptor (TMA) path
 TMA_ARCHS = ("sm_90",)
+#: row blocks per group of the grouped program order where a config names none
+GROUP_M = 8
 #: the copy engine's alignment of a base address and of every stride but the unit one, in bytes
 TMA_ALIGNMENT = 16
 
@@ -416,8 +418,8 @@ def gemm_calls(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Config
     :param a: ``[M, K]``, any strides.
     :param b: ``[K, N]``, any strides (row-major, or ``w.T`` of an nn.Linear weight ``w [N, K]``).
     :param c: ``[M, N]``, written.
-    :param config: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``GROUP_M``, ``num_warps``,
-        ``num_stages``; optional ``SPLIT_K`` (default 1; above 1 the products go to a float32
+    :param config: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages``; optional
+        ``GROUP_M`` (default :data:`GROUP_M`), ``SPLIT_K`` (default 1; above 1 the products go to a float32
         workspace and a reduce applies the epilogue: not with ``b3`` or pre-activations), ``TMA``
         (default 1: the persistent tensor-descriptor kernel where :func:`takes_tma`, else the
         pointer kernel), ``FLATTEN`` (default 1: the persistent loop's tile and K loops
@@ -440,7 +442,7 @@ def gemm_calls(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Config
         "HAS_BIAS": e.bias is not None, "HAS_SCALE": e.row_scale is not None, "ACTIVATION": e.activation,
         "ACT_GRAD": e.act_grad is not None,
     }
-    tile = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": config["GROUP_M"],
+    tile = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": config.get("GROUP_M", GROUP_M),
             "SPLIT_K": split_k, "INPUT_PRECISION": input_precision,
             "num_warps": config["num_warps"], "num_stages": config["num_stages"]}
     # Absent tensors: any pointer the constexprs keep the kernel from reading.
