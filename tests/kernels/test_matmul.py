@@ -196,7 +196,17 @@ def test_default_config_is_in_the_space(rows, dtype_):
 
 
 def test_heuristic_by_regime():
+    """The H200 sweep's choices (docs/performance.md)."""
     h100 = target_profile("cuda:90")
+    # a few hundred rows: most work units within one wave, the larger tile on a tie
+    picked = {(n, k): heuristic(128, n, k, h100) for n, k in PRESETS}
+    assert [(c["BLOCK_M"], c["BLOCK_N"], c["SPLIT_K"], c["TMA"]) for c in picked.values()] == [
+        (128, 128, 1, 1), (128, 64, 2, 1), (128, 256, 1, 1), (128, 128, 2, 1), (128, 128, 1, 1), (128, 64, 2, 1),
+        (64, 64, 2, 1), (64, 128, 1, 0)]
+    for c in picked.values():
+        assert TRITON.space(h100).is_valid(c) is None
+    # decoding with long rows of b: K steps of 256
+    assert heuristic(1, 28672, 8192, h100)["BLOCK_K"] == 256
     # decoding: split-K where the column tiles fill under half the multiprocessors
     assert heuristic(1, 14336, 4096, h100)["SPLIT_K"] == 1
     assert heuristic(1, 4096, 14336, h100)["SPLIT_K"] == 4

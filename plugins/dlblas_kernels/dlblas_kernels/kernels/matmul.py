@@ -56,13 +56,14 @@ DECODE_ROWS = 64
 
 # The persistent kernel's tiles the heuristic weighs (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
 # num_stages) with their throughput relative to the best, measured on the H200 at 4096 rows
-# (bf16, .ci/sweep_gemm.py): 128x256 leads; smaller tiles pay ~7% but fill more multiprocessors.
+# (bf16, .ci/sweep_gemm.py): 128x256 leads; smaller tiles pay ~7% but fill more multiprocessors
+# (the two smallest, for a few hundred rows, estimated from 128 rows).
 TILES = (
     ((128, 256, 64, 8, 3), 1.0),
     ((256, 128, 64, 8, 3), 0.95),
     ((128, 128, 64, 4, 4), 0.93),
     ((64, 256, 64, 4, 4), 0.93),
-    ((64, 128, 64, 4, 4), 0.75),
+    ((128, 64, 128, 4, 4), 0.8),
     ((64, 64, 128, 4, 4), 0.7),
 )
 # the H200's dense bf16 rate per multiprocessor and copy bandwidth, for the model's time units
@@ -225,37 +226,63 @@ def _tile(block_m: int, block_n: int, block_k: int, warps: int, stages: int, **e
 
 
 def heuristic(m: int, n: int, k: int, profile: DeviceProfile | None, element_size: int = 2) -> Config:
-    """A config for ``[m, k] @ [k, n]`` on the device of ``profile``.
+    """A config for ``[m, k] @ [k, n]`` on the device of ``profile``; the rules were read off the
+    H200 sweeps of the LLM presets (bf16, .ci/sweep_gemm.py, docs/performance.md has the numbers).
 
-    Decoding (``m <= 64``): the time is reading ``b`` once; a row block of the rows (16 at least,
-    what ``tl.dot`` takes), 64-column tiles, a deep pipeline of 128-wide K steps, and split-K by 4
-    when the column tiles fill fewer than half the multiprocessors (and K gives each split 8 steps
-    at least): at 1 and 16 rows on the H200 within 0.95-1.01x of cuBLAS at the LLM presets.
-    More rows: the persistent descriptor kernel's tile (and split) with the least modelled time:
-    waves of ``cores`` programs, each tile's time its FLOPs over the tile's measured rate, plus the
-    split-K reduce's traffic.
+    - Decoding (``m <= 64``): the time is reading ``b`` once. A row block of the rows (16 at least,
+      what ``tl.dot`` takes), 64-column tiles; split-K by 4 when the column tiles fill under half
+      the multiprocessors (and K gives each split 8 steps); K steps of 256 for rows of ``b`` of
+      8192 and more (more bytes in flight per program), else 128 (pointer kernel, 4 stages).
+    - A few hundred rows (``m <= 512``): too few output tiles to fill the chip with the large
+      tiles. K of 2048 or less at up to 128 rows: the pointer kernel's 64x128 tiles. Otherwise the
+      persistent descriptor kernel's tile (no taller than the rows) and split (1 or 2) making the
+      most work units within one wave (1.15 x ``cores``), ties to the larger tile, then to no split.
+    - More rows, or nothing fits one wave: the persistent tile (and split) of least modelled time:
+      waves of ``cores`` programs, each tile's FLOPs over the tile's measured rate, plus the
+      split-K reduce's traffic.
+    Configs whose tiles overflow the profile's shared memory are never chosen.
     """
     cores = profile.cores if profile is not None else 0
+    limit = profile.shared_memory_per_program if profile is not None else 0
     narrow = element_size > 2  # float32 tiles take twice the shared memory: half the K step
+
+    def fits(config: Config) -> bool:
+        return not limit or gemm.shared_memory_bytes(config, element_size) <= limit
+
     if m <= DECODE_ROWS:
         block_m = max(16, next_power_of_2(m))
         tiles = cdiv(m, block_m) * cdiv(n, 64)
-        split = 4 if cores and 2 * tiles <= cores and k >= 4 * 8 * 128 else 1
-        return _tile(block_m, 64, 64 if narrow else 128, 4, 4, SPLIT_K=split, TMA=0)
+        if cores and 2 * tiles <= cores and k >= 4 * 8 * 128:
+            return _tile(block_m, 64, 64 if narrow else 128, 4, 4, SPLIT_K=4, TMA=0)
+        if k >= 8192 and block_m <= 32:
+            return _tile(block_m, 64, 128 if narrow else 256, 4, 3, TMA=0)
+        return _tile(block_m, 64, 64 if narrow else 128, 4, 4, TMA=0)
     if profile is None or profile.arch not in gemm.TMA_ARCHS or not cores:
         return _tile(128, 128, 32 if narrow else 64, 8, 3, TMA=0)
+    if m <= 128 and k <= 2048:
+        return _tile(64, 128, 64 if narrow else 128, 4, 4, TMA=0)
+    if m <= 512:
+        one_wave = []
+        for (block_m, block_n, block_k, warps, stages), _ in TILES:
+            for split in (1, 2):
+                config = _tile(block_m, block_n, block_k // 2 if narrow else block_k, warps, stages, SPLIT_K=split)
+                units = cdiv(m, block_m) * cdiv(n, block_n) * split
+                if block_m <= m and fits(config) and units <= 1.15 * cores and k >= split * 8 * block_k:
+                    one_wave.append((units, block_m * block_n, -split, config))
+        if one_wave:
+            return max(one_wave, key=lambda found: found[:3])[3]
     best: tuple[float, Config] | None = None
     for (block_m, block_n, block_k, warps, stages), rate in TILES:
         tiles = cdiv(m, block_m) * cdiv(n, block_n)
         for split in (1, 2, 4):
-            if split > 1 and k < split * 8 * block_k:
+            config = _tile(block_m, block_n, block_k // 2 if narrow else block_k, warps, stages, SPLIT_K=split)
+            if not fits(config) or (split > 1 and k < split * 8 * block_k):
                 continue
             waves = math.ceil(tiles * split / cores)
             seconds = waves * 2 * block_m * block_n * k / split / (rate * PEAK_FLOPS_PER_CORE)
             if split > 1:
                 seconds += (split + 1) * m * n * 4 / BANDWIDTH + LAUNCH_SECONDS
             if best is None or seconds < best[0]:
-                config = _tile(block_m, block_n, block_k // 2 if narrow else block_k, warps, stages, SPLIT_K=split)
                 best = (seconds, config)
     return best[1]
 
@@ -267,9 +294,7 @@ def default_config(sig: Signature, profile: DeviceProfile) -> Config:
 
 
 def _shared_memory_bytes(c: Config) -> int:
-    # The pipelined a and b tiles; the descriptor kernel also stages the output tile for its store.
-    staged = c["BLOCK_M"] * c["BLOCK_N"] if c["TMA"] and c["SPLIT_K"] == 1 else 0
-    return (c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] + staged) * SPACE_ELEMENT_BYTES
+    return gemm.shared_memory_bytes(c, SPACE_ELEMENT_BYTES)
 
 
 def _accumulator_per_thread(c: Config) -> float:
@@ -284,8 +309,9 @@ def space(profile: DeviceProfile) -> SearchSpace:
     memory a program may use on the device (no bound where the profile knows none)."""
     shared = profile.shared_memory_per_program
     fits = [Constraint(
-        f"(num_stages * (BLOCK_M + BLOCK_N) * BLOCK_K + TMA * BLOCK_M * BLOCK_N) * {SPACE_ELEMENT_BYTES} bytes "
-        f"<= {shared} (the pipelined a and b tiles and the staged output tile fit in shared memory)",
+        f"(num_stages * (BLOCK_M + BLOCK_N) * BLOCK_K + TMA * BLOCK_M * BLOCK_N * (2 if SPLIT_K > 1 else 1)) * "
+        f"{SPACE_ELEMENT_BYTES} bytes <= {shared} (the pipelined a and b tiles and the staged output tile fit in "
+        f"shared memory)",
         lambda c: _shared_memory_bytes(c) <= shared,
     )] if shared else []
     return SearchSpace(
