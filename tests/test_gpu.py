@@ -33,13 +33,14 @@ def test_get_op_on_cuda(name, sizes, dtype):
     op = registry().op(name)
     args = op.example(sizes, dtype, torch.device("cuda"), torch.Generator().manual_seed(0))
     bound = dlcore.get_op(name, args)
-    assert bound.impl.name == "triton", bound.explain()
+    # ffn has a vendor candidate (cuBLAS through torch), which may win: the kernel is checked too
+    assert bound.impl.name in ("triton", "torch"), bound.explain()
     assert bound.profile.backend == "cuda" and bound.profile.arch.startswith("sm_")
-    out = bound(*args)
-    torch.cuda.synchronize()
-    reduce_dim = sizes.get("hidden", 1)
-    problem = mismatch(out, reference_result(op, args), reduce_dim)
-    assert problem is None, problem
+    for chosen in (bound, dlcore.get_op(name, args, impl="triton")):
+        out = chosen(*args)
+        torch.cuda.synchronize()
+        problem = mismatch(out, reference_result(op, args), sizes.get("hidden", 1))
+        assert problem is None, f"{chosen.impl.name}: {problem}"
 
 
 def test_selection_times_candidates_with_do_bench():
@@ -94,7 +95,7 @@ def test_bound_ops_replay_their_launches(name, sizes, offset, monkeypatch):
             args = (flat[1:].view(first.shape).copy_(first), *args[1:])
         return args
 
-    bound = dlcore.get_op(name, inputs(0))
+    bound = dlcore.get_op(name, inputs(0), impl="triton")  # not the vendor candidate, which may win here
     assert bound.impl.replayable
     seen = set()
     for seed in range(1, 5):
