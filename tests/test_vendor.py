@@ -21,6 +21,7 @@ from dlblas_kernels import vendor
 
 import dlcore
 from dlcore.backends.cpu import CpuBackend
+from dlcore.cli import main
 from dlcore.declarations.implementation import TritonImplementation, VendorImplementation
 from dlcore.dispatch.dispatcher import Dispatcher, disabled_implementations
 from dlcore.errors import InvalidOptionError, NoKernelError
@@ -293,7 +294,7 @@ def test_get_op_picks_the_vendor_library_over_a_slow_kernel_and_falls_back_when_
 # -- discovery when an op's own plugin is missing -----------------------------------------------------
 
 
-def test_a_vendor_implementation_of_a_disabled_op_is_left_out_quietly(monkeypatch):
+def test_a_vendor_implementation_of_a_disabled_op_is_left_out_quietly(monkeypatch, capsys):
     monkeypatch.setenv("DLCORE_DISABLE_PLUGINS", "ffn")
     with warnings.catch_warnings():
         warnings.simplefilter("error", PluginWarning)
@@ -306,3 +307,5 @@ def test_a_vendor_implementation_of_a_disabled_op_is_left_out_quietly(monkeypatc
     assert record.ignored == ["ffn.torch: op 'ffn' is declared by no loaded plugin"]
     # what it would provide is remembered, so that a later process without the variable loads it for ffn
     assert reg.index.entries["dlcore.kernels:vendor_ffn"].ops == ["ffn"]
+    assert main(["plugins"]) == 0
+    assert "loaded (ignored ffn.torch: op 'ffn' is declared by no loaded plugin)" in capsys.readouterr().out
