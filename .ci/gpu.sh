@@ -10,10 +10,12 @@
 #   landscape-matmul, landscape-ffn
 #              every config of a space timed (ffn: a random sample within LANDSCAPE_SECONDS)
 #   bench      dlcore bench of every op against torch, torch.compile and Liger: docs/results/*.json
-#              (bench-ops then bench-gemm; about 6 + 4 minutes on the H200)
+#              (bench-ops then bench-gemm: about 11 minutes on the H200, more than one device call
+#              may take: run the two apart)
 #   bench-ops  the memory-bound ops alone (about 6 minutes)
-#   bench-gemm matmul (up and down projections) and ffn on the gemm preset, with the Triton and vendor
-#              implementations timed alone beside get_op's choice (about 4 minutes)
+#   bench-gemm matmul (up and down projections, 48 shapes) and ffn (24 shapes) on the gemm preset, with
+#              the Triton and vendor implementations timed alone beside get_op's choice (about 5
+#              minutes: 4 to 5 s a shape, most of it torch.compile and the example inputs)
 #   first-call the first call in new processes with Triton's cache warm: docs/results/first_call.json
 #   compiler   grid folding measurements and the `dlcore lower --all --report` table
 # e.g. bash .ci/gpu.sh tests overhead. Results land under $OUT.
