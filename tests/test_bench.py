@@ -400,6 +400,7 @@ def test_the_op_may_declare_what_compile_compiles_and_what_is_prepared_once(monk
     prepared.clear()
     report = bench(op, log, mode="bwd", baselines=("compile",), tokens=(1,))
     assert prepared == [True] and report.shapes[0].max_abs_diff == {"compile": 0.0}
+    assert "(prepared in the untimed forward: " in report.baseline_docs["compile"]
     # without a 'compile' baseline of its own, the op's torch baseline is compiled
     op = register(monkeypatch, fake_op(log, baselines={"compile": lambda: None}))
     report = bench(op, log, baselines=("compile",), tokens=(1,))

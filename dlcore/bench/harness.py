@@ -501,7 +501,12 @@ def load_baselines(op: Op, names: list[str]) -> tuple[dict[str, Callable[..., An
     return found, notes
 
 
-def baseline_doc(name: str, fn: Callable[..., Any]) -> str:
+#: where a baseline's ``prepare`` runs, per mode
+PREPARED = {"fwd": "prepared once per shape, untimed", "bwd": "prepared in the untimed forward",
+            "fwd+bwd": "prepared in each timed call"}
+
+
+def baseline_doc(name: str, fn: Callable[..., Any], mode: str = "fwd") -> str:
     """What a baseline runs, in a line: its function's name and the first line of its docstring."""
     module = getattr(fn, "__module__", None) or ""
     if module.partition(".")[0] == "torch" or module == "":  # torch.matmul: torch._C's, documented by torch
@@ -512,7 +517,7 @@ def baseline_doc(name: str, fn: Callable[..., Any]) -> str:
     text = f"{label}: {first[0]}" if first else label
     text = f"torch.compile of {text}" if name == COMPILE else text
     if getattr(fn, "prepare", None) is not None:
-        text += f" (prepared once per shape, untimed: {getattr(fn.prepare, '__qualname__', 'prepare')})"
+        text += f" ({PREPARED[mode]}: {getattr(fn.prepare, '__qualname__', 'prepare')})"
     return text
 
 
@@ -837,7 +842,7 @@ def run_bench(
     requested = [b for b in baselines if b in loaded]
     report = Report(op.name, mode, dtype, reg.profile(backend, device).as_dict(), requested, copy_bytes,
                     impls=[impl_column(n) for n in impl_names],
-                    baseline_docs={b: baseline_doc(b, loaded[b]) for b in requested},
+                    baseline_docs={b: baseline_doc(b, loaded[b], mode) for b in requested},
                     timer=timer_name, rounds=rounds, command=command,
                     date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     versions=versions(), environment={k: v for k, v in os.environ.items()
