@@ -401,6 +401,10 @@ def test_the_op_may_declare_what_compile_compiles_and_what_is_prepared_once(monk
     report = bench(op, log, mode="bwd", baselines=("compile",), tokens=(1,))
     assert prepared == [True] and report.shapes[0].max_abs_diff == {"compile": 0.0}
     assert "(prepared in the untimed forward: " in report.baseline_docs["compile"]
+    # forward and backward timed together: prepared in each call (a warm-up and 3 rounds)
+    prepared.clear()
+    report = bench(op, log, mode="fwd+bwd", baselines=("compile",), tokens=(1,))
+    assert prepared == [True] * 4 and report.shapes[0].ms("compile") == 4.0
     # without a 'compile' baseline of its own, the op's torch baseline is compiled
     op = register(monkeypatch, fake_op(log, baselines={"compile": lambda: None}))
     report = bench(op, log, baselines=("compile",), tokens=(1,))
