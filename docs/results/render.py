@@ -41,7 +41,9 @@ OP_NOTES = {
                             "and k `[tokens, kv_heads, head_dim]` (GQA models).",
     "partial_rotary_emb": "`partial_rotary_emb`: MLA's rotary part (the 64 rope dimensions of each query head and of "
                           "the shared key head; DeepSeek models).",
-    "matmul": "`matmul(a, b)`: a `[tokens, hidden]` @ b `[hidden, inter]` (M = tokens, K = hidden, N = inter).",
+    "matmul": "`matmul(a, b)`: a `[tokens, hidden]` @ b `[hidden, inter]` (M = tokens, K = hidden, N = inter). A model "
+              "marked (down) is its MLP's down projection: `hidden` (K) is then the model's intermediate size and "
+              "`inter` (N) its hidden size.",
     "ffn": "`ffn(x, w1, w3, rms_w, eps)`: RMSNorm, the gate and up projections and SwiGLU in one op; the "
            "baseline is the same composite in PyTorch.",
 }
