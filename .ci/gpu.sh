@@ -16,6 +16,8 @@
 #   bench-gemm matmul (up and down projections, 48 shapes) and ffn (24 shapes) on the gemm preset, with
 #              the Triton and vendor implementations timed alone beside get_op's choice (about 5
 #              minutes: 4 to 5 s a shape, most of it torch.compile and the example inputs)
+#   bench-gemm-bwd  ffn's backward on the gemm preset, the same columns (not measured: about 2 to 3
+#              minutes); not part of bench
 #   first-call the first call in new processes with Triton's cache warm: docs/results/first_call.json
 #   compiler   grid folding measurements and the `dlcore lower --all --report` table
 # e.g. bash .ci/gpu.sh tests overhead. Results land under $OUT.
@@ -70,7 +72,7 @@ for stage in "$@"; do
         python3 -m dlcore.bench.landscape record partial_rotary_emb --shape $shape --dtype bfloat16 --workers 15 \
             --seconds "${ROTARY_SECONDS:-60}" --out "$OUT/partial_${shape//[=,]/_}.json" 2>&1 | tail -1
       done ;;
-    bench|bench-ops|bench-gemm)
+    bench|bench-ops|bench-gemm|bench-gemm-bwd)
       # Every op's docs/results JSON (docs/performance.md is rendered from them):
       # OP:MODE:SHAPES:TOKENS:VS[:IMPLS] specs, one `dlcore bench` each, bf16, do_bench, 2 rounds;
       # results.tgz is rewritten after each, so what is done survives a time-out. BENCH_SPECS replaces the list.
@@ -83,7 +85,12 @@ for stage in "$@"; do
       # DeepSeek-V3's shared expert; matmul both projections (gemm: K = hidden, N = inter; gemm-down:
       # K = inter, N = hidden), 48 shapes; ffn 24 shapes
       gemm=(matmul:fwd:gemm,gemm-down::torch,compile:triton,vendor ffn:fwd:gemm::torch,compile:triton,vendor)
-      case $stage in bench) specs=("${ops[@]}" "${gemm[@]}") ;; bench-ops) specs=("${ops[@]}") ;; *) specs=("${gemm[@]}") ;; esac
+      case $stage in
+        bench) specs=("${ops[@]}" "${gemm[@]}") ;;
+        bench-ops) specs=("${ops[@]}") ;;
+        bench-gemm) specs=("${gemm[@]}") ;;
+        *) specs=(ffn:bwd:gemm::torch,compile:triton,vendor) ;;
+      esac
       [ -n "$BENCH_SPECS" ] && read -r -a specs <<< "$BENCH_SPECS"
       python3 .ci/bench_group.py /tmp/results "$OUT/results.tgz" "${specs[@]}" 2>&1 | tee -a "$OUT/bench.log" | grep -E '^== |geomean' ;;
     first-call)
