@@ -34,6 +34,8 @@ class TensorArg:
     ``D`` exact; ``None``: exact shape). ``differentiable``: whether a
     model takes gradients with respect to this argument: False for tables and constants (rotary
     cos and sin), which backwards need not differentiate and ``dlcore bench`` never asks gradients of.
+    ``optional``: the argument may be ``None`` (its default, so it may be left out: a bias); the
+    signature then records it as absent, and it has no gradient.
     """
 
     name: str
@@ -44,16 +46,25 @@ class TensorArg:
     same_dtype_as: str | None = None
     bucket: str | None = None
     differentiable: bool = True
+    optional: bool = False
+
+    @property
+    def default(self) -> Any:
+        """``None`` for an optional tensor (it may be left out), else :data:`REQUIRED`."""
+        return None if self.optional else REQUIRED
 
 
 @dataclass(frozen=True)
 class ScalarArg:
-    """A Python scalar argument. ``keyed``: its value (not only its type) selects the kernel."""
+    """A Python scalar argument. ``keyed``: its value (not only its type) selects the kernel.
+    ``choices``: the values accepted, if only some are (an activation's name); ``types`` may then
+    include ``str`` and ``type(None)``."""
 
     name: str
     types: tuple[type, ...] = (float, int)
     default: Any = REQUIRED
     keyed: bool = False
+    choices: tuple[Any, ...] | None = None
 
 
 Arg = TensorArg | ScalarArg
@@ -100,7 +111,7 @@ class Op:
     def usage(self) -> str:
         parts = []
         for a in self.args:
-            if isinstance(a, ScalarArg) and a.default is not REQUIRED:
+            if a.default is not REQUIRED:
                 parts.append(f"{a.name}={a.default!r}")
             else:
                 parts.append(a.name)
@@ -124,7 +135,7 @@ class Op:
             values[i] = value
         for i, a in enumerate(self.args):
             if values[i] is REQUIRED:
-                default = getattr(a, "default", REQUIRED)
+                default = a.default
                 if default is REQUIRED:
                     raise InvalidInputError(self.name, a.name, "is missing", self.usage())
                 values[i] = default
@@ -139,6 +150,8 @@ class Op:
         for spec, value in zip(self.args, bound):
             if isinstance(spec, ScalarArg):
                 self._check_scalar(spec, value)
+                continue
+            if value is None and spec.optional:
                 continue
             self._check_tensor(spec, value, bound)
             if device is None:
@@ -156,8 +169,11 @@ class Op:
         if isinstance(value, torch.Tensor) or not isinstance(value, spec.types) or (
             isinstance(value, bool) and bool not in spec.types
         ):
-            names = " or ".join(t.__name__ for t in spec.types)
+            names = " or ".join("None" if t is type(None) else t.__name__ for t in spec.types)
             raise InvalidInputError(self.name, spec.name, f"is a {type(value).__name__}", f"a {names} for {spec.name}")
+        if spec.choices is not None and value not in spec.choices:
+            raise InvalidInputError(self.name, spec.name, f"is {value!r}",
+                                    f"one of {', '.join(repr(c) for c in spec.choices)}")
 
     def _check_tensor(self, spec: TensorArg, value: Any, bound: tuple) -> None:
         if not isinstance(value, torch.Tensor):

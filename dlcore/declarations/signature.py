@@ -1,7 +1,8 @@
 """The signature of a call: what selects a kernel and keys the cache.
 
 For each tensor: dtype, shape (bucketed by the argument's key policy), stride class and 16-byte
-alignment; for each scalar: its value (keyed scalars) or its type.
+alignment; for each scalar: its value (keyed scalars) or its type. An optional tensor left out
+(``None``) is not among the tensors: it is recorded as absent, and the key says ``name=None``.
 """
 
 from __future__ import annotations
@@ -35,12 +36,18 @@ class Signature:
     device_type: str
     tensors: tuple[tuple[str, TensorSpec], ...]
     scalars: tuple[tuple[str, Any], ...]
+    #: the optional tensor arguments left out (None)
+    absent: tuple[str, ...] = ()
 
     def tensor(self, name: str) -> TensorSpec:
         for n, spec in self.tensors:
             if n == name:
                 return spec
         raise KeyError(name)
+
+    def optional(self, name: str) -> TensorSpec | None:
+        """The spec of optional tensor ``name``, or None when it was left out."""
+        return None if name in self.absent else self.tensor(name)
 
     def scalar(self, name: str) -> Any:
         for n, value in self.scalars:
@@ -56,6 +63,7 @@ class Signature:
     def key(self) -> str:
         """A stable text form: equal for calls that may share a tuned config."""
         parts = [f"{n}={s.describe()}" for n, s in self.tensors]
+        parts += [f"{n}=None" for n in self.absent]
         parts += [f"{n}={v!r}" for n, v in self.scalars]
         return f"{self.op}[{self.device_type}]({'; '.join(parts)})"
 
@@ -100,8 +108,11 @@ def _scalar_key(spec: ScalarArg, value: Any) -> Any:
 def make_signature(op: Op, bound: tuple, device: torch.device) -> Signature:
     tensors = []
     scalars = []
+    absent = []
     for spec, value in zip(op.args, bound):
-        if isinstance(spec, TensorArg):
+        if isinstance(spec, TensorArg) and value is None:
+            absent.append(spec.name)
+        elif isinstance(spec, TensorArg):
             tensors.append((spec.name, TensorSpec(
                 dtype=value.dtype,
                 shape=bucket_shape(tuple(value.shape), spec.bucket),
@@ -110,4 +121,4 @@ def make_signature(op: Op, bound: tuple, device: torch.device) -> Signature:
             )))
         else:
             scalars.append((spec.name, _scalar_key(spec, value)))
-    return Signature(op.name, device.type, tuple(tensors), tuple(scalars))
+    return Signature(op.name, device.type, tuple(tensors), tuple(scalars), tuple(absent))

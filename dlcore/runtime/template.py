@@ -13,7 +13,8 @@ What it generates, ``<ns>`` being ``namespace`` (``dlblas`` for dlblas-kernels; 
 its own):
 
 - **the custom op** ``<ns>::<op>``: its schema is the op's declared arguments (a ``TensorArg`` is a
-  ``Tensor``; a ``ScalarArg`` a ``bool``, ``int`` or ``float`` by its types), less the ``inplace``
+  ``Tensor``, an optional one a ``Tensor?``; a ``ScalarArg`` a ``bool``, ``int``, ``float`` or
+  ``str`` by its types, ``str?`` and so on when ``None`` is among them), less the ``inplace``
   argument if one is named, then the launch config as trailing ``int`` arguments named after the
   space's parameters, lowercased (``block_m``, ``num_warps``). All zero means the heuristic
   default, computed in the body from the actual shapes. The body launches the plan, its launches
@@ -128,16 +129,25 @@ class Backward:
     of: Kernel | None = None
 
 
-def _scalar_type(arg: ScalarArg) -> tuple[str, type]:
-    """The schema type of a scalar argument and the Python type its value is converted to."""
-    if arg.types == (bool,):
-        return "bool", bool
-    if float in arg.types:
-        return "float", float
-    if int in arg.types:
-        return "int", int
-    raise DeclarationError(
-        f"scalar argument {arg.name!r} of types {arg.types} has no custom-op type (bool, int, float)")
+def _scalar_type(arg: ScalarArg) -> tuple[str, Callable[[Any], Any]]:
+    """The schema type of a scalar argument and the conversion its value takes (``None`` passes
+    through where the types admit it: the schema type is then optional, ``str?``)."""
+    types = tuple(t for t in arg.types if t is not type(None))
+    if types == (bool,):
+        kind, convert = "bool", bool
+    elif types == (str,):
+        kind, convert = "str", str
+    elif float in types:
+        kind, convert = "float", float
+    elif int in types:
+        kind, convert = "int", int
+    else:
+        raise DeclarationError(
+            f"scalar argument {arg.name!r} of types {arg.types} has no custom-op type (bool, int, float, str, "
+            f"any of them or None)")
+    if len(types) == len(arg.types):
+        return kind, convert
+    return f"{kind}?", lambda value: None if value is None else convert(value)
 
 
 def _returns(count: int) -> str:
@@ -145,7 +155,11 @@ def _returns(count: int) -> str:
 
 
 def _first_tensor(op: Op) -> int:
-    return next(i for i, a in enumerate(op.args) if isinstance(a, TensorArg))
+    first = next((i for i, a in enumerate(op.args) if isinstance(a, TensorArg)), None)
+    if first is None or op.args[first].optional:
+        raise DeclarationError(f"{op.usage()}: a kernel's op needs a tensor argument first among its tensors "
+                               f"that is not optional (it gives the device)")
+    return first
 
 
 class _Configs:
@@ -316,7 +330,7 @@ def define_kernel(
         if a.name == inplace:
             continue
         if isinstance(a, TensorArg):
-            schema_args.append(f"Tensor {a.name}")
+            schema_args.append(f"Tensor{'?' if a.optional else ''} {a.name}")
             converters.append(None)
         else:
             kind, convert = _scalar_type(a)
