@@ -196,7 +196,7 @@ def test_default_config_is_in_the_space(rows, dtype_):
 
 
 def test_heuristic_by_regime():
-    """The H200 sweep's choices (docs/performance.md)."""
+    """The H200 bench's choices (.ci/sweep_gemm.py bench)."""
     h100 = target_profile("cuda:90")
     # a few hundred rows: most work units within one wave, the larger tile on a tie
     picked = {(n, k): heuristic(128, n, k, h100) for n, k in PRESETS}

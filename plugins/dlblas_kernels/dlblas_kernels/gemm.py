@@ -1,12 +1,14 @@
 """The GEMM building block: ``c = epilogue(a @ b)`` for every GEMM of dlblas-kernels.
 
-One tile loop, written once and launched three ways, chosen per call from the config and the
-device profile:
+One tile loop, written in two kernels (tensor descriptors, pointers), either of them split along
+K, chosen per call from the config and the device profile:
 
 - **tensor descriptors, persistent** (:func:`gemm_tma_kernel`): on Hopper (``profile.arch ==
   "sm_90"``) when every operand suits the bulk tensor copy engine (16-byte aligned base, unit
-  inner stride, other strides multiples of 16 bytes). ``min(tiles, profile.cores)`` programs, each
-  walking the output tiles ``pid, pid + programs, ...`` in the grouped order, the tiles loaded
+  inner stride, other strides multiples of 16 bytes; ``a`` and ``b`` either way round: an
+  nn.Linear weight's ``w.T`` is read through a ``[N, K]`` descriptor, a transposed ``a`` through
+  a ``[K, M]`` one). ``min(units, profile.cores)`` programs, each walking the output tiles
+  ``pid, pid + programs, ...`` in the grouped order, the tiles loaded
   through descriptors built on the device (``tl.make_tensor_descriptor``, which asks Triton's
   allocator for 128 bytes of global memory per descriptor and program: :func:`ensure_allocator`
   installs one backed by torch where none is set). No warp specialisation: Triton 3.6 ignores
@@ -18,10 +20,16 @@ device profile:
 - **pointers** (:func:`gemm_kernel`): everything else, the interpreter included (pre-Hopper chips,
   strides or alignments the copy engine cannot take): one program per output tile, masked loads
   of any strides, software-pipelined by Triton (``num_stages``).
-- **split-K** (``SPLIT_K > 1``, pointers): for few rows and a long K (decoding), where the output
-  tiles alone are too few to keep every multiprocessor streaming ``b``. Each of ``SPLIT_K``
-  programs per tile sums one K range into a float32 workspace ``[SPLIT_K, M, N]``;
-  :func:`splitk_reduce_kernel` adds the slices and applies the epilogue.
+- **split-K** (``SPLIT_K > 1``, either kernel): for few rows and a long K (decoding, a few
+  hundred rows), where the output tiles alone are too few to keep every multiprocessor busy.
+  Each of ``SPLIT_K`` work units per tile sums one K range into a float32 workspace
+  ``[SPLIT_K, M, N]`` (a plan's scratch); :func:`splitk_reduce_kernel` adds the slices and
+  applies the epilogue (deterministic: no atomics).
+
+The heuristics that choose among them for ``matmul`` live in
+:func:`dlblas_kernels.kernels.matmul.heuristic`; :func:`shared_memory_bytes` is what a config
+takes of shared memory (the spaces' constraint), and the descriptor kernel drops pipeline stages
+of a config that would not fit beside its epilogue.
 
 The epilogue, selected by constexprs, runs in float32 on the accumulator before the one store:
 

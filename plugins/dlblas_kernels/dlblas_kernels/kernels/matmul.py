@@ -227,7 +227,7 @@ def _tile(block_m: int, block_n: int, block_k: int, warps: int, stages: int, **e
 
 def heuristic(m: int, n: int, k: int, profile: DeviceProfile | None, element_size: int = 2) -> Config:
     """A config for ``[m, k] @ [k, n]`` on the device of ``profile``; the rules were read off the
-    H200 sweeps of the LLM presets (bf16, .ci/sweep_gemm.py, docs/performance.md has the numbers).
+    H200 sweeps of the LLM presets (bf16, `python3 .ci/sweep_gemm.py sweep|bench`).
 
     - Decoding (``m <= 64``): the time is reading ``b`` once. A row block of the rows (16 at least,
       what ``tl.dot`` takes), 64-column tiles; split-K by 4 when the column tiles fill under half
