@@ -478,7 +478,12 @@ def _public_function(op: Op, implementation: CustomOpTritonImplementation,
         device = validate(bound)
         return run(bound, default_config(make_signature(op, bound, device), device_profile(device)))
 
-    defaults = {f"_default_{a.name}": a.default for a in op.args if getattr(a, "default", REQUIRED) is not REQUIRED}
+    # Python's rule: a parameter keeps its default only if every later one has one too (ffn's optional
+    # w1 and w3 come before the required rms_w: they are passed, as None where w13 replaces them).
+    trailing = len(op.args)
+    while trailing and op.args[trailing - 1].default is not REQUIRED:
+        trailing -= 1
+    defaults = {f"_default_{a.name}": a.default for a in op.args[trailing:]}
     parameters = ", ".join(f"{a.name}=_default_{a.name}" if f"_default_{a.name}" in defaults else a.name
                            for a in op.args)
     names = "".join(f"{a.name}, " for a in op.args)

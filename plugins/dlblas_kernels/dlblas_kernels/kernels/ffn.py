@@ -1,17 +1,45 @@
-"""ffn: the gate and up half of a LLaMA MLP, fused: RMSNorm, two projections and SwiGLU.
+"""ffn: the gate and up half of a LLaMA MLP, fused: RMSNorm, two projections and SwiGLU, with its backward.
 
     xn  = x * rsqrt(mean(x**2, -1) + eps) * rms_w          x: [M, K], rms_w: [K]
     out = silu(xn @ w1.T) * (xn @ w3.T)                     w1, w3: [N, K] (nn.Linear layout)
 
-One tiled GEMM kernel computes it without writing ``xn``: the row scale factors out of the
-product, ``xn @ w.T = rstd[:, None] * ((x * rms_w) @ w.T)``, so each program accumulates the
-two products of ``x * rms_w`` with its tiles of ``w1`` and ``w3`` and the sum of squares of its
-rows during the same K loop, then scales both accumulators by ``rstd`` at the end.
-The ``tl.dot`` inputs keep the input dtype (float16 / bfloat16 tensor cores, exact float32 for
-float32 inputs), accumulating in float32.
+The weights come either as ``w1`` and ``w3``, or as one ``w13`` of shape ``[2N, K]`` (rows ``0..N-1``
+being ``w1``, ``N..2N-1`` being ``w3``: what vLLM and SGLang keep) with ``w1 = w3 = None``. Both
+forms run the same kernels: ``w13``'s halves are two views.
 
-Forward only: ``dlblas::ffn`` is a PyTorch custom op (one node under ``torch.compile``) without an
-autograd formula, so a backward through it raises.
+The row scale factors out of the product, ``xn @ w.T = rstd[:, None] * ((x * rms_w) @ w.T)``, so the
+normalised input is never written at full precision and the GEMMs need only ``rstd`` per row. Two
+regimes, chosen by the config: when one row block holds every row (``rows <= BLOCK_M``),
+
+- **weight streaming** (decoding, a few tokens): one kernel, one program per ``BLOCK_N`` columns of
+  both weights, every row in it. Each program computes the rows' sums of squares and ``x * rms_w``
+  in its K loop from ``x`` (a few kilobytes, read from L2), and streams its slices of ``w1`` and
+  ``w3`` once from memory (loads marked evict-first: nothing reads them again), so the kernel
+  reads the weights once at close to the copy bandwidth;
+
+otherwise
+
+- **prefill** (many tokens): a row kernel writes ``xs = x * rms_w`` (input dtype) and ``rstd``
+  (float32), then one tiled GEMM computes both ``xs @ w1.T`` and ``xs @ w3.T`` in the same program
+  (two float32 accumulators over the same ``xs`` tile), scales them by ``rstd`` and applies SwiGLU
+  in the epilogue: the ``[M, 2N]`` pre-activations never reach memory. The GEMM's loop then feeds
+  the tensor cores straight from the loaded tiles. The ``tl.dot`` inputs keep the input dtype
+  (float16 / bfloat16 tensor cores, exact float32 for float32 inputs), accumulating in float32.
+
+Backward, with ``g = xn @ w1.T``, ``u = xn @ w3.T``, ``s = sigmoid(g)`` and ``dout`` the output
+gradient::
+
+    dg = dout * u * s * (1 + g * (1 - s))      du = dout * g * s          dh = [dg | du]   [M, 2N]
+    dxn = dg @ w1 + du @ w3                    dw1 = dg.T @ xn            dw3 = du.T @ xn
+    dx, drms_w = rms_norm's backward of dxn
+
+The pre-activations ``g`` and ``u`` are recomputed, not saved: the forward writes only its output
+(the kernel template saves arguments and outputs, and a second output would cost every inference
+call an ``[M, 2N]`` write). The recomputation is fused: the forward's GEMM with a backward epilogue
+that reads ``dout`` and writes ``dh`` directly, so ``g`` and ``u`` never reach memory either. The
+backward therefore runs three GEMMs of the forward's size (``dh``, ``dxn``, ``dw13``) where a
+backward from saved pre-activations runs two. ``xn`` is written once (input dtype) for the ``dh``
+and ``dw`` GEMMs; ``dx`` and ``drms_w`` come from rms_norm's backward kernels.
 """
 
 from __future__ import annotations
@@ -22,6 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
+from dlblas_kernels.kernels import rms_norm
+from dlblas_kernels.kernels.matmul import gemm_call, matmul_kernel
 from dlcore import InvalidInputError
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
@@ -29,23 +59,64 @@ from dlcore.declarations.layout import as_rows
 from dlcore.declarations.op import Op, ScalarArg, TensorArg
 from dlcore.declarations.signature import Signature, cdiv, next_power_of_2
 from dlcore.declarations.space import Choice, Constraint, PowerOfTwo, SearchSpace, num_stages, num_warps
-from dlcore.runtime.template import define_kernel
+from dlcore.runtime.template import Backward, define_kernel
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
+# tl.dot's smallest row count: the weight-streaming kernel pads its row block to it.
+MIN_DOT_ROWS = 16
+# Widest row slice the row kernel holds at once (longer rows loop).
+MAX_ROW_BLOCK = 4096
+# Most rows the heuristic default streams the weights for (decoding); more take the prefill GEMM.
+DECODE_ROWS = 64
+
 
 @triton.jit
-def ffn_kernel(
-    x_ptr, w1_ptr, w3_ptr, rms_w_ptr, out_ptr,
-    M, N, K, eps,
+def rms_scale_kernel(
+    x_ptr, rms_w_ptr, xs_ptr, rstd_ptr,
+    K, eps,
     stride_xm, stride_xk,
+    stride_rms_w,
+    stride_xsm, stride_xsk,
+    BLOCK_K: tl.constexpr, NORMALISE: tl.constexpr,
+):
+    # One row per program: rstd = rsqrt(mean(x**2) + eps), then xs = x * rms_w (NORMALISE: the
+    # normalised row x * rstd * rms_w), in xs's dtype; the second pass reads the row from cache.
+    row = tl.program_id(0).to(tl.int64)  # 64-bit: row * row stride may pass 2**31
+    cols = tl.arange(0, BLOCK_K)
+    x_row = x_ptr + row * stride_xm
+    sum_sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        mask = start + cols < K
+        x = tl.load(x_row + (start + cols) * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        sum_sq += x * x
+    rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / K + eps)
+    tl.store(rstd_ptr + row, rstd)
+    for start in range(0, K, BLOCK_K):
+        mask = start + cols < K
+        x = tl.load(x_row + (start + cols) * stride_xk, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(rms_w_ptr + (start + cols) * stride_rms_w, mask=mask, other=0.0).to(tl.float32)
+        xs = x * g
+        if NORMALISE:
+            xs = xs * rstd
+        tl.store(xs_ptr + row * stride_xsm + (start + cols) * stride_xsk, xs.to(xs_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def ffn_gemm_kernel(
+    a_ptr, w1_ptr, w3_ptr, rstd_ptr, out_ptr, dout_ptr,
+    M, N, K,
+    stride_am, stride_ak,
     stride_w1n, stride_w1k,
     stride_w3n, stride_w3k,
-    stride_rms_w,
     stride_om, stride_on,
+    stride_dm, stride_dn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    GROUP_M: tl.constexpr, SCALED: tl.constexpr, BACKWARD: tl.constexpr,
 ):
+    # gate = a @ w1.T and up = a @ w3.T for one BLOCK_M x BLOCK_N tile, times rstd per row when
+    # SCALED. Forward: out = silu(gate) * up. BACKWARD: out is dh [M, 2N], its first N columns
+    # d gate and its last N d up, from the output gradient dout.
     # Grouped order: GROUP_M row blocks sweep the column blocks together, so the w1/w3 tiles
     # they share are read from L2 rather than memory.
     pid = tl.program_id(0)
@@ -57,96 +128,340 @@ def ffn_kernel(
     pid_m = first_pid_m + (pid % pids_per_group) % group_size_m
     pid_n = (pid % pids_per_group) // group_size_m
 
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # 64-bit offsets along M and N: row * stride may pass 2**31 elements.
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
 
-    # 64-bit offsets along M and N: row * stride may pass 2**31 elements.
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
     # The w tiles are read as [BLOCK_K, BLOCK_N], i.e. tiles of w.T.
-    w1_ptrs = w1_ptr + offs_k[:, None] * stride_w1k + offs_n.to(tl.int64)[None, :] * stride_w1n
-    w3_ptrs = w3_ptr + offs_k[:, None] * stride_w3k + offs_n.to(tl.int64)[None, :] * stride_w3n
+    w1_ptrs = w1_ptr + offs_k[:, None] * stride_w1k + offs_n[None, :] * stride_w1n
+    w3_ptrs = w3_ptr + offs_k[:, None] * stride_w3k + offs_n[None, :] * stride_w3n
+
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        # Masked-off elements load as 0, so a ragged last K slice adds nothing to the sums.
+        mask_k = offs_k < K - k
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w1 = tl.load(w1_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        w3 = tl.load(w3_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        # "ieee": exact float32 products for float32 inputs (TF32 would miss float32 tolerances);
+        # float16 / bfloat16 inputs use the tensor cores either way.
+        acc1 = tl.dot(a, w1, acc1, input_precision="ieee")
+        acc3 = tl.dot(a, w3, acc3, input_precision="ieee")
+        a_ptrs += BLOCK_K * stride_ak
+        w1_ptrs += BLOCK_K * stride_w1k
+        w3_ptrs += BLOCK_K * stride_w3k
+
+    gate, up = acc1, acc3
+    if SCALED:
+        rstd = tl.load(rstd_ptr + offs_m, mask=mask_m, other=0.0)
+        gate = gate * rstd[:, None]
+        up = up * rstd[:, None]
+    s = tl.sigmoid(gate)
+    mask = mask_m[:, None] & mask_n[None, :]
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    if BACKWARD:
+        dout = tl.load(dout_ptr + offs_m[:, None] * stride_dm + offs_n[None, :] * stride_dn,
+                       mask=mask, other=0.0).to(tl.float32)
+        # d silu(g) / dg = s * (1 + g * (1 - s))
+        d_gate = dout * up * s * (1 + gate * (1 - s))
+        d_up = dout * gate * s
+        tl.store(out_ptrs, d_gate.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_ptrs + N * stride_on, d_up.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(out_ptrs, (gate * s * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def ffn_decode_kernel(
+    x_ptr, rms_w_ptr, w1_ptr, w3_ptr, out_ptr,
+    M, N, K, eps,
+    stride_xm, stride_xk,
+    stride_rms_w,
+    stride_w1n, stride_w1k,
+    stride_w3n, stride_w3k,
+    stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    # Every row (M <= BLOCK_M) against BLOCK_N columns of w1 and w3: each weight element is read
+    # once by one program. x is small and shared by all programs (L2); the weights stream through.
+    pid_n = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
     rms_w_ptrs = rms_w_ptr + offs_k * stride_rms_w
+    # The w tiles in their own layout, [BLOCK_N, BLOCK_K]: contiguous along K for nn.Linear weights.
+    w1_ptrs = w1_ptr + offs_n[:, None] * stride_w1n + offs_k[None, :] * stride_w1k
+    w3_ptrs = w3_ptr + offs_n[:, None] * stride_w3n + offs_k[None, :] * stride_w3k
 
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
         mask_k = offs_k < K - k
+        w1 = tl.load(w1_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")
+        w3 = tl.load(w3_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")
         x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         g = tl.load(rms_w_ptrs, mask=mask_k, other=0.0).to(tl.float32)
-        w1 = tl.load(w1_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        w3 = tl.load(w3_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-
         xf = x.to(tl.float32)
         sum_sq += tl.sum(xf * xf, axis=1)
-        a = (xf * g[None, :]).to(x.dtype)
-        # "ieee": exact float32 products for float32 inputs (TF32 would miss float32 tolerances);
-        # float16 / bfloat16 inputs use the tensor cores either way.
-        acc1 = tl.dot(a, w1, acc1, input_precision="ieee")
-        acc3 = tl.dot(a, w3, acc3, input_precision="ieee")
-
+        a = (xf * g[None, :]).to(w1.dtype)
+        acc1 = tl.dot(a, tl.trans(w1), acc1, input_precision="ieee")
+        acc3 = tl.dot(a, tl.trans(w3), acc3, input_precision="ieee")
         x_ptrs += BLOCK_K * stride_xk
+        rms_w_ptrs += BLOCK_K * stride_rms_w
         w1_ptrs += BLOCK_K * stride_w1k
         w3_ptrs += BLOCK_K * stride_w3k
-        rms_w_ptrs += BLOCK_K * stride_rms_w
 
     rstd = tl.rsqrt(sum_sq / K + eps)
     gate = acc1 * rstd[:, None]
     up = acc3 * rstd[:, None]
-    # silu(gate) * up, with silu(g) = g * sigmoid(g)
-    out = gate * tl.sigmoid(gate) * up
-
-    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty),
+             mask=mask_m[:, None] & mask_n[None, :])
 
 
-def output(x: torch.Tensor, w1: torch.Tensor, *_: Any) -> torch.Tensor:
-    return torch.empty(*x.shape[:-1], w1.shape[0], dtype=x.dtype, device=x.device)
+@triton.jit
+def ffn_input_grad_kernel(
+    dh_ptr, w1_ptr, w3_ptr, out_ptr,
+    M, K, N,
+    stride_dm, stride_dn,
+    stride_w1n, stride_w1k,
+    stride_w3n, stride_w3k,
+    stride_om, stride_ok,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # out [M, K] = dh[:, :N] @ w1 + dh[:, N:] @ w3: one accumulator, the reduction over the N
+    # columns of d gate against w1's rows, then over those of d up against w3's. BLOCK_N tiles
+    # the output's K columns and BLOCK_K the reduction.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(K, BLOCK_N)
+    pids_per_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // pids_per_group) * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % pids_per_group) % group_size_m
+    pid_n = (pid % pids_per_group) // group_size_m
+
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_c = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_r = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_c = offs_c < K
+    # 64-bit: the reduction step times a weight's row stride may pass 2**31 elements.
+    stride_w1n = tl.cast(stride_w1n, tl.int64)
+    stride_w3n = tl.cast(stride_w3n, tl.int64)
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    a_ptrs = dh_ptr + offs_m[:, None] * stride_dm + offs_r[None, :] * stride_dn
+    b_ptrs = w1_ptr + offs_r[:, None] * stride_w1n + offs_c[None, :] * stride_w1k
+    for r in range(0, N, BLOCK_K):
+        mask_r = offs_r < N - r
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=mask_r[:, None] & mask_c[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+        a_ptrs += BLOCK_K * stride_dn
+        b_ptrs += BLOCK_K * stride_w1n
+    a_ptrs = dh_ptr + offs_m[:, None] * stride_dm + (N + offs_r)[None, :] * stride_dn
+    b_ptrs = w3_ptr + offs_r[:, None] * stride_w3n + offs_c[None, :] * stride_w3k
+    for r in range(0, N, BLOCK_K):
+        mask_r = offs_r < N - r
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=mask_r[:, None] & mask_c[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+        a_ptrs += BLOCK_K * stride_dn
+        b_ptrs += BLOCK_K * stride_w3n
+
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_c[None, :] * stride_ok
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_c[None, :])
+
+
+def weights(w1: torch.Tensor | None, w3: torch.Tensor | None,
+            w13: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w1, w3)``: the arguments themselves, or the two halves of ``w13`` (views)."""
+    if w13 is None:
+        return w1, w3
+    n = w13.shape[0] // 2
+    return w13[:n], w13[n:]
+
+
+def output(x: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None, rms_w: torch.Tensor,
+           eps: float = 1e-6, w13: torch.Tensor | None = None) -> torch.Tensor:
+    n = (w1 if w13 is None else w13).shape[0] // (1 if w13 is None else 2)
+    return torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+
+
+def _tile_kwargs(config: Config, **extra: Any) -> dict[str, Any]:
+    return {"BLOCK_M": config["BLOCK_M"], "BLOCK_N": config["BLOCK_N"], "BLOCK_K": config["BLOCK_K"],
+            "GROUP_M": config["GROUP_M"], "num_warps": config["num_warps"], "num_stages": config["num_stages"],
+            **extra}
+
+
+def rms_scale_call(x2: torch.Tensor, rms_w: torch.Tensor, xs: torch.Tensor, rstd: torch.Tensor, eps: float,
+                   normalise: bool) -> KernelCall:
+    """``rstd [M]`` and ``xs [M, K]`` = ``x * rms_w`` (``normalise``: ``x * rstd * rms_w``), a program per row."""
+    m, k = x2.shape
+    block_k = min(next_power_of_2(k), MAX_ROW_BLOCK)
+    return KernelCall(
+        rms_scale_kernel, (m,),
+        (x2, rms_w, xs, rstd, k, float(eps), x2.stride(0), x2.stride(1), rms_w.stride(0), xs.stride(0), xs.stride(1)),
+        # About 16 elements of the row slice per thread.
+        {"BLOCK_K": block_k, "NORMALISE": normalise, "num_warps": min(max(block_k // 512, 1), 8)},
+    )
+
+
+def swiglu_gemm_call(a: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, rstd: torch.Tensor | None,
+                     out: torch.Tensor, dout: torch.Tensor | None, config: Config) -> KernelCall:
+    """``silu(g) * u`` into ``out [M, N]`` with ``g = rstd * (a @ w1.T)`` and ``u = rstd * (a @ w3.T)``
+    (no ``rstd``: unscaled); with ``dout``, ``[dg | du]`` into ``out [M, 2N]`` instead."""
+    (m, k), n = a.shape, w1.shape[0]
+    grid = (cdiv(m, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"]),)
+    backward = dout is not None
+    d = dout if backward else out
+    return KernelCall(
+        ffn_gemm_kernel, grid,
+        (a, w1, w3, a if rstd is None else rstd, out, d, m, n, k,
+         a.stride(0), a.stride(1), w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1),
+         out.stride(0), out.stride(1), d.stride(0), d.stride(1)),
+        _tile_kwargs(config, SCALED=rstd is not None, BACKWARD=backward),
+    )
+
+
+def decode_call(x2: torch.Tensor, rms_w: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, out2: torch.Tensor,
+                eps: float, config: Config) -> KernelCall:
+    """The weight-streaming launch: a program per ``BLOCK_N`` columns, every row in it."""
+    m, k = x2.shape
+    n = w1.shape[0]
+    return KernelCall(
+        ffn_decode_kernel, (cdiv(n, config["BLOCK_N"]),),
+        (x2, rms_w, w1, w3, out2, m, n, k, float(eps), x2.stride(0), x2.stride(1), rms_w.stride(0),
+         w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1), out2.stride(0), out2.stride(1)),
+        {"BLOCK_M": max(next_power_of_2(m), MIN_DOT_ROWS), "BLOCK_N": config["BLOCK_N"],
+         "BLOCK_K": config["BLOCK_K"], "num_warps": config["num_warps"], "num_stages": config["num_stages"]},
+    )
 
 
 def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
-    x, w1, w3, rms_w, eps = args
-    n = w1.shape[0]
-    out = output(x, w1)
+    """Weight streaming when one row block holds every row; otherwise the row kernel and the GEMM."""
+    x, w1, w3, rms_w, eps, w13 = args
+    w1, w3 = weights(w1, w3, w13)
+    out = output(*args)
     if out.numel() == 0:
         return LaunchPlan(calls=[], result=out)
     x2, out2 = as_rows(x), as_rows(out)
     m, k = x2.shape
-    block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
-    grid = (cdiv(m, block_m) * cdiv(n, block_n),)
-    call = KernelCall(
-        ffn_kernel, grid,
-        (x2, w1, w3, rms_w, out2, m, n, k, float(eps),
-         x2.stride(0), x2.stride(1), w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1),
-         rms_w.stride(0), out2.stride(0), out2.stride(1)),
-        {
-            "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": config["BLOCK_K"],
-            "GROUP_M": config["GROUP_M"],
-            "num_warps": config["num_warps"], "num_stages": config["num_stages"],
-        },
+    if m <= config["BLOCK_M"]:
+        return LaunchPlan(calls=[decode_call(x2, rms_w, w1, w3, out2, eps, config)], result=out)
+    xs = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    calls = [rms_scale_call(x2, rms_w, xs, rstd, eps, normalise=False),
+             swiglu_gemm_call(xs, w1, w3, rstd, out2, None, config)]
+    return LaunchPlan(calls=calls, result=out, scratch=(xs, rstd))
+
+
+def backward_outputs(dout: torch.Tensor, x: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None,
+                     rms_w: torch.Tensor, eps: float, w13: torch.Tensor | None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dx, dw13 [2N, K], drms_w)``: the weights' gradient in one buffer, w1's rows first."""
+    w = w1 if w13 is None else w13
+    rows = w.shape[0] * (2 if w13 is None else 1)
+    return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
+            torch.empty((rows, x.shape[-1]), dtype=w.dtype, device=x.device),
+            torch.empty(rms_w.shape, dtype=rms_w.dtype, device=x.device))
+
+
+def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
+    """Launches for ``(dx, dw13, drms_w)`` from ``args = (dout, x, w1, w3, rms_w, eps, w13)``: ``xn`` and
+    ``rstd``; ``dh`` by the forward's GEMM with the backward epilogue; ``dxn`` from ``dh`` and both
+    weights; ``dw13 = dh.T @ xn``; rms_norm's backward of ``dxn``."""
+    dout, x, w1, w3, rms_w, eps, w13 = args
+    dx, dw13, drms_w = backward_outputs(*args)
+    w1, w3 = weights(w1, w3, w13)
+    n, k = w1.shape
+    x2 = as_rows(x)
+    m = x2.shape[0]
+    if m == 0 or n == 0:
+        return LaunchPlan(calls=[], result=(dx.zero_(), dw13.zero_(), drms_w.zero_()))
+    # dout comes from autograd in any layout (even expanded); reshape copies only when it must.
+    dout2 = dout.reshape(m, n)
+    xn = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    dh = torch.empty((m, 2 * n), dtype=x.dtype, device=x.device)
+    dxn = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    input_grad = KernelCall(
+        ffn_input_grad_kernel, (cdiv(m, config["BLOCK_M"]) * cdiv(k, config["BLOCK_N"]),),
+        (dh, w1, w3, dxn, m, k, n, dh.stride(0), dh.stride(1), w1.stride(0), w1.stride(1),
+         w3.stride(0), w3.stride(1), dxn.stride(0), dxn.stride(1)),
+        _tile_kwargs(config),
     )
-    return LaunchPlan(calls=[call], result=out)
+    norm = rms_norm.backward_plan((dxn, x2, rms_w, None, eps), rms_norm.heuristic_config(m, k), profile)
+    dx_rows, drms = norm.result
+    calls = [
+        rms_scale_call(x2, rms_w, xn, rstd, eps, normalise=True),
+        swiglu_gemm_call(xn, w1, w3, None, dh, dout2, config),
+        input_grad,
+        gemm_call(dh.T, xn, dw13, config),
+        *norm.calls,
+    ]
+    return LaunchPlan(calls=calls, result=(dx_rows.view(x.shape), dw13, drms),
+                      scratch=(xn, rstd, dh, dxn, *norm.scratch))
 
 
-def ffn_reference(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, rms_w: torch.Tensor,
-                  eps: float = 1e-6) -> torch.Tensor:
-    """RMSNorm, gate and up projections and SwiGLU, in float32 (or wider), returned in ``x``'s dtype."""
+def _composite(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, rms_w: torch.Tensor, eps: float
+               ) -> tuple[torch.Tensor, ...]:
+    """``(xf, rstd, xn, gate, up)`` in float32 (or wider)."""
     compute = torch.promote_types(x.dtype, torch.float32)
     xf = x.to(compute)
-    xn = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps) * rms_w.to(compute)
-    gate = xn @ w1.to(compute).T
-    up = xn @ w3.to(compute).T
+    rstd = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    xn = xf * rstd * rms_w.to(compute)
+    return xf, rstd, xn, xn @ w1.to(compute).T, xn @ w3.to(compute).T
+
+
+def ffn_reference(x: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None, rms_w: torch.Tensor,
+                  eps: float = 1e-6, w13: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm, gate and up projections and SwiGLU, in float32 (or wider), returned in ``x``'s dtype."""
+    _, _, _, gate, up = _composite(x, *weights(w1, w3, w13), rms_w, eps)
     return (torch.nn.functional.silu(gate) * up).to(x.dtype)
 
 
+def ffn_backward_reference(dout: torch.Tensor, x: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None,
+                           rms_w: torch.Tensor, eps: float, w13: torch.Tensor | None
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward formulas of the module docstring in torch, in float32 (or wider)."""
+    w1, w3 = weights(w1, w3, w13)
+    xf, rstd, xn, gate, up = _composite(x, w1, w3, rms_w, eps)
+    compute = xf.dtype
+    d = dout.to(compute)
+    s = torch.sigmoid(gate)
+    d_gate = d * up * s * (1 + gate * (1 - s))
+    d_up = d * gate * s
+    dxn = d_gate @ w1.to(compute) + d_up @ w3.to(compute)
+    k = x.shape[-1]
+    dw13 = torch.cat([d_gate.reshape(-1, w1.shape[0]).T, d_up.reshape(-1, w1.shape[0]).T]) @ xn.reshape(-1, k)
+    xhat = xf * rstd
+    g = dxn * rms_w.to(compute)
+    dx = rstd * (g - xhat * (g * xhat).mean(dim=-1, keepdim=True))
+    drms_w = (dxn * xhat).reshape(-1, k).sum(dim=0)
+    return dx.to(x.dtype), dw13.to(w1.dtype), drms_w.to(rms_w.dtype)
+
+
 def default_config(sig: Signature, profile: DeviceProfile) -> Config:
-    m = sig.tensor("x").shape[0]  # rows, rounded up to a power of two
-    # Few rows (decoding): a thin row block, wasting fewer masked rows.
-    block_m = min(max(next_power_of_2(m), 16), 64)
-    return {"BLOCK_M": block_m, "BLOCK_N": 64, "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 4, "num_stages": 3}
+    """Up to DECODE_ROWS rows (rounded up to a power of two): weight streaming, narrow column
+    blocks so every core streams, wide K slices several stages deep so enough bytes are in flight.
+    More: the GEMM's tiles, both accumulators of a 128 x 64 tile (a 128 x 128 output of gate and up)."""
+    m = sig.tensor("x").shape[0]
+    if m <= DECODE_ROWS:
+        return {"BLOCK_M": DECODE_ROWS, "BLOCK_N": 32, "BLOCK_K": 256, "GROUP_M": 1, "num_warps": 4, "num_stages": 3}
+    return {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 4}
 
 
 # Declared for 16-bit inputs; a float32 config that overflows shared memory fails to compile and the
@@ -155,8 +470,8 @@ SPACE_ELEMENT_BYTES = 2
 
 
 def _shared_memory_bytes(c: Config) -> int:
-    # Per stage: the x tile, the w1 and w3 tiles and the BLOCK_K slice of rms_w.
-    return c["num_stages"] * (c["BLOCK_M"] + 2 * c["BLOCK_N"] + 1) * c["BLOCK_K"] * SPACE_ELEMENT_BYTES
+    # Per stage: the x (or xs) tile and the w1 and w3 tiles.
+    return c["num_stages"] * (c["BLOCK_M"] + 2 * c["BLOCK_N"]) * c["BLOCK_K"] * SPACE_ELEMENT_BYTES
 
 
 def _accumulators_per_thread(c: Config) -> float:
@@ -165,41 +480,56 @@ def _accumulators_per_thread(c: Config) -> float:
 
 
 def space(profile: DeviceProfile) -> SearchSpace:
-    """Tile shapes, program order, warps and pipelining depth of the fused GEMM; the pipelined tiles
-    within the shared memory a program may use on the device (no bound where the profile knows none)."""
+    """Tile shapes, program order, warps and pipelining depth of both paths; the pipelined tiles
+    within the shared memory a program may use on the device (no bound where the profile knows
+    none). BLOCK_M at or above the row count selects weight streaming (see the module docstring)."""
     shared = profile.shared_memory_per_program
     fits = [Constraint(
-        f"num_stages * (BLOCK_M + 2 * BLOCK_N + 1) * BLOCK_K * {SPACE_ELEMENT_BYTES} bytes <= {shared} "
-        f"(the pipelined x, w1, w3 and rms_w tiles fit in shared memory)",
+        f"num_stages * (BLOCK_M + 2 * BLOCK_N) * BLOCK_K * {SPACE_ELEMENT_BYTES} bytes <= {shared} "
+        f"(the pipelined x, w1 and w3 tiles fit in shared memory)",
         lambda c: _shared_memory_bytes(c) <= shared,
     )] if shared else []
     return SearchSpace(
         [
-            PowerOfTwo("BLOCK_M", 16, 128),
-            PowerOfTwo("BLOCK_N", 32, 256),
-            PowerOfTwo("BLOCK_K", 32, 128),
+            PowerOfTwo("BLOCK_M", 16, 256),
+            PowerOfTwo("BLOCK_N", 16, 256),
+            PowerOfTwo("BLOCK_K", 32, 256),
             Choice("GROUP_M", (1, 8)),
             num_warps(4, 8),
-            num_stages(2, 3, 4),
+            num_stages(2, 3, 4, 5),
         ],
         [
             *fits,
             Constraint("2 * BLOCK_M * BLOCK_N / (32 * num_warps) <= 128 (both float32 accumulators fit in registers)",
                        lambda c: _accumulators_per_thread(c) <= 128),
-            Constraint("2 * BLOCK_M * BLOCK_N / (32 * num_warps) >= 16 (every warp has enough of the tile to work on)",
-                       lambda c: _accumulators_per_thread(c) >= 16),
+            Constraint("2 * BLOCK_M * BLOCK_N / (32 * num_warps) >= 8 (every warp has enough of the tile to work on)",
+                       lambda c: _accumulators_per_thread(c) >= 8),
         ],
     )
 
 
 def check(op: Op, args: dict[str, Any]) -> None:
-    x, w1 = args["x"], args["w1"]
+    x, w1, w3, w13 = args["x"], args["w1"], args["w3"], args["w13"]
     k = x.shape[-1]
     if k == 0:
         raise InvalidInputError(op.name, "x", f"has an empty last dimension (shape {tuple(x.shape)})",
                                 "x with at least one feature to normalise")
-    op.expect_shape("w1", w1, (w1.shape[0], k), "nn.Linear layout [N, K], K being x's last dimension")
-    op.expect_shape("w3", args["w3"], tuple(w1.shape), "the shape of w1")
+    if w13 is not None:
+        for name in ("w1", "w3"):
+            if args[name] is not None:
+                raise InvalidInputError(op.name, name, "is given together with w13",
+                                        "either w1 and w3, or w13 alone (w1 = w3 = None)")
+        if w13.shape[0] % 2:
+            raise InvalidInputError(op.name, "w13", f"has an odd number of rows (shape {tuple(w13.shape)})",
+                                    "[2N, K]: w1's N rows, then w3's")
+        op.expect_shape("w13", w13, (w13.shape[0], k), "[2N, K], K being x's last dimension")
+    else:
+        for name in ("w1", "w3"):
+            if args[name] is None:
+                raise InvalidInputError(op.name, name, "is None and w13 is not given",
+                                        "w1 and w3 of shape [N, K], or w13 of shape [2N, K]")
+        op.expect_shape("w1", w1, (w1.shape[0], k), "nn.Linear layout [N, K], K being x's last dimension")
+        op.expect_shape("w3", w3, tuple(w1.shape), "the shape of w1")
     op.expect_shape("rms_w", args["rms_w"], (k,), "one scale per feature of x's last dimension")
 
 
@@ -212,21 +542,29 @@ def example(sizes: dict[str, int], dtype: torch.dtype, device: torch.device,
     w1 = torch.randn(inter, hidden, generator=generator) / hidden**0.5
     w3 = torch.randn(inter, hidden, generator=generator) / hidden**0.5
     rms_w = 1 + 0.2 * torch.randn(hidden, generator=generator)
-    return (*(t.to(device=device, dtype=dtype) for t in (x, w1, w3, rms_w)), 1e-6)
+    return (*(t.to(device=device, dtype=dtype) for t in (x, w1, w3, rms_w)), 1e-6, None)
 
 
-def cost(args: tuple) -> tuple[int, int]:
-    """Read x, w1, w3 and rms_w, write the output; two GEMMs of 2*M*N*K flops each."""
-    x, w1, w3, rms_w, _ = args
+def cost(args: tuple, mode: str = "fwd") -> tuple[int, int]:
+    """Forward: read x, the weights and rms_w, write the output; two GEMMs of 2*M*N*K flops each.
+    Backward: read dout, x, the weights and rms_w, write dx, the weights' gradient and drms_w;
+    the six GEMMs of a backward from saved pre-activations (recomputing them adds two more)."""
+    x, w1, w3, rms_w, _, w13 = args
+    w1, w3 = weights(w1, w3, w13)
     m, k, n = x.numel() // max(x.shape[-1], 1), x.shape[-1], w1.shape[0]
-    moved = (x.numel() * x.element_size() + (w1.numel() + w3.numel()) * w1.element_size()
-             + rms_w.numel() * rms_w.element_size() + m * n * x.element_size())
+    size = x.element_size()
+    moved = (x.numel() * size + (w1.numel() + w3.numel()) * w1.element_size()
+             + rms_w.numel() * rms_w.element_size() + m * n * size)
+    if mode == "bwd":
+        return moved + (x.numel() + w1.numel() + w3.numel()) * size + rms_w.numel() * rms_w.element_size(), \
+            8 * m * n * k
     return moved, 4 * m * n * k
 
 
-def torch_ffn(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, rms_w: torch.Tensor,
-              eps: float = 1e-6) -> torch.Tensor:
+def torch_ffn(x: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None, rms_w: torch.Tensor,
+              eps: float = 1e-6, w13: torch.Tensor | None = None) -> torch.Tensor:
     """What a model runs in eager torch: LlamaRMSNorm, then LlamaMLP's ``act_fn(gate_proj(h)) * up_proj(h)``."""
+    w1, w3 = weights(w1, w3, w13)
     h = x.to(torch.float32)
     h = rms_w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return torch.nn.functional.silu(h @ w1.T) * (h @ w3.T)
@@ -236,13 +574,15 @@ OP = Op(
     name="ffn",
     args=(
         TensorArg("x", DTYPES, bucket="rows"),
-        TensorArg("w1", DTYPES, min_rank=2, max_rank=2, same_dtype_as="x"),
-        TensorArg("w3", DTYPES, min_rank=2, max_rank=2, same_dtype_as="x"),
+        TensorArg("w1", DTYPES, min_rank=2, max_rank=2, same_dtype_as="x", optional=True),
+        TensorArg("w3", DTYPES, min_rank=2, max_rank=2, same_dtype_as="x", optional=True),
         TensorArg("rms_w", DTYPES, max_rank=1),
         ScalarArg("eps", (float, int), default=1e-6),
+        TensorArg("w13", DTYPES, min_rank=2, max_rank=2, same_dtype_as="x", optional=True),
     ),
     reference=ffn_reference,
-    doc="silu(rms_norm(x) @ w1.T) * (rms_norm(x) @ w3.T): fused RMSNorm + gate/up projections + SwiGLU",
+    doc="silu(rms_norm(x) @ w1.T) * (rms_norm(x) @ w3.T): fused RMSNorm + gate/up projections + SwiGLU; "
+        "w13 [2N, K] (w1's rows, then w3's) may replace w1 and w3",
     check=check,
     example=example,
     example_sizes={"tokens": 37, "hidden": 256, "inter": 96},
@@ -251,13 +591,26 @@ OP = Op(
 )
 
 
+def _gradients(backward, saved, grads, needs) -> dict:
+    dx, dw13, drms_w = backward(grads[0], saved.x, saved.w1, saved.w3, saved.rms_w, saved.eps, saved.w13)
+    if saved.w13 is not None:
+        return {"x": dx, "w13": dw13, "rms_w": drms_w}
+    n = saved.w1.shape[0]
+    return {"x": dx, "w1": dw13[:n], "w3": dw13[n:], "rms_w": drms_w}
+
+
 KERNEL = define_kernel(
     OP, plan,
-    kernels=(ffn_kernel,),
+    kernels=(ffn_decode_kernel, rms_scale_kernel, ffn_gemm_kernel, ffn_input_grad_kernel, matmul_kernel,
+             rms_norm.rms_norm_backward_kernel, rms_norm.column_sum_kernel),
     results=output,
     default_config=default_config,
     space=space,
-    doc="one tiled GEMM with two accumulators; the RMSNorm scale applied after the K loop",
+    backward=Backward(_gradients, saved=("x", "w1", "w3", "rms_w", "eps", "w13"), plan=backward_plan,
+                      reference=ffn_backward_reference, results=backward_outputs),
+    doc="weight streaming for a few rows; else x * rms_w and rstd, then one GEMM with two accumulators, "
+        "rstd and SwiGLU in its epilogue; backward: the GEMM with a dh epilogue, the input and weight "
+        "GEMMs, rms_norm's backward",
 )
 ffn = KERNEL.function
 dlcore_ops, dlcore_implementations = KERNEL.dlcore_ops, KERNEL.dlcore_implementations
