@@ -1,0 +1,521 @@
+"""The GEMM building block: ``c = epilogue(a @ b)`` for every GEMM of dlblas-kernels.
+
+One tile loop, written once and launched three ways, chosen per call from the config and the
+device profile:
+
+- **tensor descriptors, persistent** (:func:`gemm_tma_kernel`): on Hopper (``profile.arch ==
+  "sm_90"``) when every operand suits the bulk tensor copy engine (16-byte aligned base, unit
+  inner stride, other strides multiples of 16 bytes). ``min(tiles, profile.cores)`` programs, each
+  walking the output tiles ``pid, pid + programs, ...`` in the grouped order, the tiles loaded
+  through descriptors built on the device (``tl.make_tensor_descriptor``, which asks Triton's
+  allocator for 128 bytes of global memory per descriptor and program: :func:`ensure_allocator`
+  installs one backed by torch where none is set). No warp specialisation: Triton 3.6 ignores
+  ``tl.range(warp_specialize=True)`` on sm_90 (the cubin is the same as without it) and fails to
+  compile it for sm_100 with this epilogue. The descriptors are made in the kernel, not on
+  the host, because a launch's arguments must stay plain tensors and numbers: dlcore's launch
+  templates replay a launch with new tensors in the same slots, which a host-side descriptor
+  (holding its tensor) would defeat.
+- **pointers** (:func:`gemm_kernel`): everything else, the interpreter included (pre-Hopper chips,
+  strides or alignments the copy engine cannot take): one program per output tile, masked loads
+  of any strides, software-pipelined by Triton (``num_stages``).
+- **split-K** (``SPLIT_K > 1``, pointers): for few rows and a long K (decoding), where the output
+  tiles alone are too few to keep every multiprocessor streaming ``b``. Each of ``SPLIT_K``
+  programs per tile sums one K range into a float32 workspace ``[SPLIT_K, M, N]``;
+  :func:`splitk_reduce_kernel` adds the slices and applies the epilogue.
+
+The epilogue, selected by constexprs, runs in float32 on the accumulator before the one store:
+
+    z   = acc * scale[m]  (HAS_SCALE, a per-row float32 scale)  + bias[n]  (HAS_BIAS)
+    out = act(z)                       act in None, "relu", "silu", "gelu_tanh"
+    out = silu(z) * z3                 SWIGLU: z3 from a second operand b3 accumulated alongside
+    out = dc * act'(z)                 ACT_GRAD: the gradient through the activation (backward)
+    c   = out cast to c's dtype; z (and z3) stored too when pre-activations are asked for
+
+How the later GEMMs use it:
+
+- **fp8** (e4m3 / e5m2 operands): the loop is the same with ``tl.dot`` on fp8 tiles (Hopper's
+  ``wgmma`` takes them from shared memory; ``b`` must then be K-major, the nn.Linear layout);
+  per-tensor or per-row dequantisation scales are the row scale (``scale_ptr``) and a per-column
+  scale beside ``bias`` in the same epilogue; blockwise (1x128 / 128x128) scales scale each
+  K step's partial product inside the loop before it is added, a constexpr of the loop.
+- **MoE** (grouped GEMM): the rows of ``a`` come sorted by expert; a table of (expert, row
+  block) pairs replaces the grouped order's ``tile -> (pid_m, pid_n)`` map, ``b`` is offset by
+  the expert's weight in the loop's first descriptor / pointer, and the routing weight of each
+  row is the row scale. The persistent loop walks that table instead of the rectangle.
+
+Host side, :func:`gemm_calls` turns operands, outputs, epilogue and a config into the
+:class:`~dlcore.declarations.implementation.KernelCall` list (and the scratch tensors) of a
+launch plan; :func:`swiglu_calls` / :func:`swiglu` are the prefill ffn's entry point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from dlcore.declarations.device import DeviceProfile
+from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
+from dlcore.declarations.signature import cdiv
+
+#: what ``activation`` may be
+ACTIVATIONS = (None, "relu", "silu", "gelu_tanh")
+#: the architectures whose programs take the tensor-descriptor (TMA) path
+TMA_ARCHS = ("sm_90",)
+#: the copy engine's alignment of a base address and of every stride but the unit one, in bytes
+TMA_ALIGNMENT = 16
+
+
+# --- device helpers ------------------------------------------------------------------------------
+
+@triton.jit
+def grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """The (row block, column block) of output tile number ``tile``: GROUP_M row blocks sweep the
+    column blocks together, so the ``b`` tiles they share are read from L2 rather than memory."""
+    tiles_per_group = GROUP_M * num_pid_n
+    first_m = (tile // tiles_per_group) * GROUP_M
+    group_m = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % tiles_per_group) % group_m
+    pid_n = (tile % tiles_per_group) // group_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def activate(z, ACTIVATION: tl.constexpr):
+    """``act(z)`` in float32. gelu_tanh: ``0.5 z (1 + tanh(u)) = z * sigmoid(2u)``,
+    ``u = sqrt(2/pi) (z + 0.044715 z^3)``."""
+    if ACTIVATION == "relu":
+        z = tl.maximum(z, 0.0)
+    elif ACTIVATION == "silu":
+        z = z * tl.sigmoid(z)
+    elif ACTIVATION == "gelu_tanh":
+        z = z * tl.sigmoid(1.5957691216057308 * (z + 0.044715 * z * z * z))
+    return z
+
+
+@triton.jit
+def activation_grad(z, ACTIVATION: tl.constexpr):
+    """``act'(z)`` in float32 (1 without an activation)."""
+    if ACTIVATION == "relu":
+        d = tl.where(z > 0.0, 1.0, 0.0)
+    elif ACTIVATION == "silu":
+        s = tl.sigmoid(z)
+        d = s * (1.0 + z * (1.0 - s))
+    elif ACTIVATION == "gelu_tanh":
+        s = tl.sigmoid(1.5957691216057308 * (z + 0.044715 * z * z * z))
+        d = s + z * s * (1.0 - s) * 1.5957691216057308 * (1.0 + 0.134145 * z * z)
+    else:
+        d = tl.full(z.shape, 1.0, tl.float32)
+    return d
+
+
+@triton.jit
+def epilogue(acc, acc3, dc, offs_m, offs_n, M, N, bias_ptr, scale_ptr,
+             HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ACTIVATION: tl.constexpr,
+             SWIGLU: tl.constexpr, ACT_GRAD: tl.constexpr):
+    """``(out, z, z3)`` of a float32 tile (see the module doc); ``acc3`` and ``dc`` are read only
+    under SWIGLU and ACT_GRAD (callers pass ``acc`` otherwise)."""
+    z = acc
+    z3 = acc3
+    if HAS_SCALE:
+        scale = tl.load(scale_ptr + offs_m, mask=offs_m < M, other=0.0).to(tl.float32)
+        z = z * scale[:, None]
+        if SWIGLU:
+            z3 = z3 * scale[:, None]
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        z = z + bias[None, :]
+    if SWIGLU:
+        out = z * tl.sigmoid(z) * z3
+    elif ACT_GRAD:
+        out = dc.to(tl.float32) * activation_grad(z, ACTIVATION)
+    else:
+        out = activate(z, ACTIVATION)
+    return out, z, z3
+
+
+@triton.jit
+def store_tile(acc, acc3, offs_m, offs_n, M, N, c_ptr, pre_ptr, pre3_ptr, dc_ptr, stride_cm, stride_cn,
+               bias_ptr, scale_ptr,
+               HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ACTIVATION: tl.constexpr,
+               SWIGLU: tl.constexpr, ACT_GRAD: tl.constexpr, STORE_PRE: tl.constexpr):
+    """The epilogue of one tile and its masked stores (``c``, ``pre``, ``pre3`` and ``dc`` share
+    ``c``'s strides)."""
+    offsets = offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    dc = acc
+    if ACT_GRAD:
+        dc = tl.load(dc_ptr + offsets, mask=mask, other=0.0)
+    out, z, z3 = epilogue(acc, acc3, dc, offs_m, offs_n, M, N, bias_ptr, scale_ptr,
+                          HAS_BIAS, HAS_SCALE, ACTIVATION, SWIGLU, ACT_GRAD)
+    tl.store(c_ptr + offsets, out.to(c_ptr.dtype.element_ty), mask=mask)
+    if STORE_PRE:
+        tl.store(pre_ptr + offsets, z.to(pre_ptr.dtype.element_ty), mask=mask)
+        if SWIGLU:
+            tl.store(pre3_ptr + offsets, z3.to(pre3_ptr.dtype.element_ty), mask=mask)
+
+
+# --- the kernels ---------------------------------------------------------------------------------
+
+@triton.jit
+def gemm_kernel(
+    a_ptr, b_ptr, b3_ptr, c_ptr, pre_ptr, pre3_ptr, dc_ptr, bias_ptr, scale_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_b3k, stride_b3n, stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ACTIVATION: tl.constexpr,
+    SWIGLU: tl.constexpr, ACT_GRAD: tl.constexpr, STORE_PRE: tl.constexpr,
+):
+    """One output tile per program (axis 0), one K range per program (axis 1, SPLIT_K of them).
+    With SPLIT_K > 1 ``c_ptr`` is the float32 workspace ``[SPLIT_K, M, N]`` and the epilogue is
+    :func:`splitk_reduce_kernel`'s."""
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
+    pid_k = tl.program_id(1)
+    # K range of this program: whole BLOCK_K steps, the last range ragged.
+    k_span = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_start = pid_k * k_span
+    k_end = tl.minimum(K, k_start + k_span)
+
+    # 64-bit offsets: row * row stride, column * column stride and the K step (BLOCK_K * a K
+    # stride, e.g. the row count of a column-major a) may each pass 2**31 elements.
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    stride_ak = tl.cast(stride_ak, tl.int64)
+    stride_bk = tl.cast(stride_bk, tl.int64)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + (k_start + offs_k)[None, :] * stride_ak
+    b_ptrs = b_ptr + (k_start + offs_k)[:, None] * stride_bk + offs_n[None, :] * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc3 = acc
+    if SWIGLU:
+        stride_b3k = tl.cast(stride_b3k, tl.int64)
+        b3_ptrs = b3_ptr + (k_start + offs_k)[:, None] * stride_b3k + offs_n[None, :] * stride_b3n
+    for k in range(k_start, k_end, BLOCK_K):
+        # Masked-off elements load as 0, so a ragged last K slice adds nothing to the sum.
+        mask_k = offs_k < k_end - k
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+        if SWIGLU:
+            b3 = tl.load(b3_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            acc3 = tl.dot(a, b3, acc3, input_precision=INPUT_PRECISION)
+            b3_ptrs += BLOCK_K * stride_b3k
+
+    if SPLIT_K > 1:
+        offsets = pid_k.to(tl.int64) * M * N + offs_m[:, None] * N + offs_n[None, :]
+        tl.store(c_ptr + offsets, acc, mask=mask_m[:, None] & mask_n[None, :])
+    else:
+        store_tile(acc, acc3, offs_m, offs_n, M, N, c_ptr, pre_ptr, pre3_ptr, dc_ptr, stride_cm, stride_cn,
+                   bias_ptr, scale_ptr, HAS_BIAS, HAS_SCALE, ACTIVATION, SWIGLU, ACT_GRAD, STORE_PRE)
+
+
+@triton.jit
+def splitk_reduce_kernel(
+    ws_ptr, c_ptr, dc_ptr, bias_ptr, scale_ptr,
+    M, N, stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ACTIVATION: tl.constexpr, ACT_GRAD: tl.constexpr,
+):
+    """The sum of the SPLIT_K float32 slices of ``ws [SPLIT_K, M, N]``, through the epilogue, into ``c``."""
+    offs_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    ws_ptrs = ws_ptr + offs_m[:, None] * N + offs_n[None, :]
+    slice_size = tl.cast(M, tl.int64) * N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for _ in tl.static_range(SPLIT_K):
+        acc += tl.load(ws_ptrs, mask=mask, other=0.0)
+        ws_ptrs += slice_size
+    store_tile(acc, acc, offs_m, offs_n, M, N, c_ptr, c_ptr, c_ptr, dc_ptr, stride_cm, stride_cn,
+               bias_ptr, scale_ptr, HAS_BIAS, HAS_SCALE, ACTIVATION, False, ACT_GRAD, False)
+
+
+@triton.jit
+def gemm_tma_kernel(
+    a_ptr, b_ptr, b3_ptr, c_ptr, pre_ptr, pre3_ptr, dc_ptr, bias_ptr, scale_ptr,
+    M, N, K,
+    stride_a, stride_b, stride_b3, stride_cm,
+    A_M_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ACTIVATION: tl.constexpr,
+    SWIGLU: tl.constexpr, ACT_GRAD: tl.constexpr, STORE_PRE: tl.constexpr,
+):
+    """Persistent: program ``pid`` computes work units ``pid, pid + programs, ...`` (an output
+    tile, or with SPLIT_K > 1 one K range of one, summed into the float32 workspace ``c_ptr``
+    ``[SPLIT_K, M, N]`` for :func:`splitk_reduce_kernel`); every operand tile moved by the copy
+    engine through descriptors. ``a`` is ``[M, K]`` with unit K stride (``stride_a`` its M
+    stride), or with unit M stride when A_M_MAJOR (``a.T`` stored row-major, ``stride_a`` its K
+    stride: what ``a^T @ dc`` of a backward takes); ``b``
+    (and ``b3``) is ``[N, K]`` with unit K stride when B_K_MAJOR (an nn.Linear weight; ``stride_b``
+    its N stride), else ``[K, N]`` with unit N stride (``stride_b`` its K stride); ``c`` and the
+    pre-activations ``[M, N]`` with unit N stride; ``dc`` has ``c``'s strides."""
+    if A_M_MAJOR:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[stride_a, 1],
+                                           block_shape=[BLOCK_K, BLOCK_M])
+    else:
+        a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_a, 1],
+                                           block_shape=[BLOCK_M, BLOCK_K])
+    if B_K_MAJOR:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[N, K], strides=[stride_b, 1],
+                                           block_shape=[BLOCK_N, BLOCK_K])
+    else:
+        b_desc = tl.make_tensor_descriptor(b_ptr, shape=[K, N], strides=[stride_b, 1],
+                                           block_shape=[BLOCK_K, BLOCK_N])
+    if SWIGLU:
+        if B_K_MAJOR:
+            b3_desc = tl.make_tensor_descriptor(b3_ptr, shape=[N, K], strides=[stride_b3, 1],
+                                                block_shape=[BLOCK_N, BLOCK_K])
+        else:
+            b3_desc = tl.make_tensor_descriptor(b3_ptr, shape=[K, N], strides=[stride_b3, 1],
+                                                block_shape=[BLOCK_K, BLOCK_N])
+    if SPLIT_K == 1:
+        c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1],
+                                           block_shape=[BLOCK_M, BLOCK_N])
+    if STORE_PRE:
+        pre_desc = tl.make_tensor_descriptor(pre_ptr, shape=[M, N], strides=[stride_cm, 1],
+                                             block_shape=[BLOCK_M, BLOCK_N])
+        if SWIGLU:
+            pre3_desc = tl.make_tensor_descriptor(pre3_ptr, shape=[M, N], strides=[stride_cm, 1],
+                                                  block_shape=[BLOCK_M, BLOCK_N])
+
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    # Each unit's K steps: whole BLOCK_K steps, the last unit of a tile ragged.
+    k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+    # The descriptors zero-fill out-of-bounds rows and columns (and K beyond K), so ragged edges
+    # and a ragged last K step need no masks.
+    for unit in tl.range(tl.program_id(0), num_pid_m * num_pid_n * SPLIT_K, tl.num_programs(0), flatten=FLATTEN):
+        pid_m, pid_n = grouped_tile(unit // SPLIT_K, num_pid_m, num_pid_n, GROUP_M)
+        split = unit % SPLIT_K
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc3 = acc
+        for ki in range(k_steps):
+            off_k = (split * k_steps + ki) * BLOCK_K
+            if A_M_MAJOR:
+                a = a_desc.load([off_k, off_m]).T
+            else:
+                a = a_desc.load([off_m, off_k])
+            if B_K_MAJOR:
+                b = b_desc.load([off_n, off_k]).T
+            else:
+                b = b_desc.load([off_k, off_n])
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            if SWIGLU:
+                if B_K_MAJOR:
+                    b3 = b3_desc.load([off_n, off_k]).T
+                else:
+                    b3 = b3_desc.load([off_k, off_n])
+                acc3 = tl.dot(a, b3, acc3, input_precision=INPUT_PRECISION)
+
+        offs_m = off_m + tl.arange(0, BLOCK_M)
+        offs_n = off_n + tl.arange(0, BLOCK_N)
+        if SPLIT_K > 1:
+            mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+            offsets = (split * M + offs_m).to(tl.int64)[:, None] * N + offs_n[None, :]
+            tl.store(c_ptr + offsets, acc, mask=mask)
+        else:
+            dc = acc
+            if ACT_GRAD:
+                mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+                dc = tl.load(dc_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :], mask=mask,
+                             other=0.0)
+            out, z, z3 = epilogue(acc, acc3, dc, offs_m, offs_n, M, N, bias_ptr, scale_ptr,
+                                  HAS_BIAS, HAS_SCALE, ACTIVATION, SWIGLU, ACT_GRAD)
+            c_desc.store([off_m, off_n], out.to(c_desc.dtype))
+            if STORE_PRE:
+                pre_desc.store([off_m, off_n], z.to(pre_desc.dtype))
+                if SWIGLU:
+                    pre3_desc.store([off_m, off_n], z3.to(pre3_desc.dtype))
+
+KERNELS = (gemm_kernel, splitk_reduce_kernel, gemm_tma_kernel)
+
+
+# --- host side -----------------------------------------------------------------------------------
+
+def _torch_allocator(size: int, alignment: int, stream: int | None) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def ensure_allocator() -> None:
+    """Give Triton an allocator (torch's caching allocator) for the device-side descriptors' global
+    scratch, unless one is set in this context already. Triton keeps it in a context variable: a
+    thread that replays a launch of another thread's plan needs its own (a plan call sets it)."""
+    from triton.runtime import _allocation  # Triton's own holder; no public getter exists
+
+    current = getattr(_allocation, "_allocator", None)
+    if current is None or isinstance(current.get(), getattr(_allocation, "NullAllocator", ())):
+        triton.set_allocator(_torch_allocator)
+
+
+@dataclass(frozen=True)
+class Epilogue:
+    """What :func:`gemm_calls` applies to the float32 tile before the store (see the module doc).
+
+    :param bias: ``[N]``, added after the row scale.
+    :param activation: one of :data:`ACTIVATIONS`.
+    :param row_scale: ``[M]`` float32, multiplies row ``m`` of the product (and of ``b3``'s).
+    :param act_grad: ``dc [M, N]`` with the output's strides: the output is ``dc * act'(z)``.
+    :param pre: ``[M, N]`` with the output's strides: receives ``z`` (the pre-activation).
+    :param pre3: with ``pre``, under SwiGLU: receives ``z3``.
+    """
+
+    bias: torch.Tensor | None = None
+    activation: str | None = None
+    row_scale: torch.Tensor | None = None
+    act_grad: torch.Tensor | None = None
+    pre: torch.Tensor | None = None
+    pre3: torch.Tensor | None = None
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    """``t`` is 2-D with a unit inner stride, its base and outer stride 16-byte aligned."""
+    size = t.element_size()
+    return (t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % TMA_ALIGNMENT == 0
+            and (t.stride(0) * size) % TMA_ALIGNMENT == 0)
+
+
+def _transposed(t: torch.Tensor) -> bool | None:
+    """How the copy engine reads 2-D ``t``: False row by row, True as ``t.T`` row by row, None not at all."""
+    if _aligned(t):
+        return False
+    return True if _aligned(t.T) else None
+
+
+def takes_tma(profile: DeviceProfile, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+              b3: torch.Tensor | None = None, epilogue: Epilogue = Epilogue()) -> bool:
+    """Whether the persistent tensor-descriptor kernel can run ``c = a @ b`` (and ``b3``) here:
+    a Hopper profile with its core count, and operands the copy engine takes (``a``, ``b`` and
+    ``b3`` either way round, ``b3`` as ``b``; ``c`` row-major; ``dc`` and the pre-activations with
+    ``c``'s strides)."""
+    if profile.arch not in TMA_ARCHS or profile.cores <= 0:
+        return False
+    if _transposed(a) is None or _transposed(b) is None or not _aligned(c):
+        return False
+    if b3 is not None and _transposed(b3) != _transposed(b):
+        return False
+    outputs = (epilogue.pre, epilogue.pre3, epilogue.act_grad)
+    return all(t is None or (t.stride() == c.stride() and t.data_ptr() % TMA_ALIGNMENT == 0) for t in outputs)
+
+
+def gemm_calls(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Config, profile: DeviceProfile,
+               *, b3: torch.Tensor | None = None, epilogue: Epilogue = Epilogue(),
+               input_precision: str = "ieee") -> tuple[list[KernelCall], tuple]:
+    """The launches of ``c = epilogue(a @ b [, a @ b3])`` and the scratch tensors they use.
+
+    :param a: ``[M, K]``, any strides.
+    :param b: ``[K, N]``, any strides (row-major, or ``w.T`` of an nn.Linear weight ``w [N, K]``).
+    :param c: ``[M, N]``, written.
+    :param config: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``GROUP_M``, ``num_warps``,
+        ``num_stages``; optional ``SPLIT_K`` (default 1; above 1 the products go to a float32
+        workspace and a reduce applies the epilogue: not with ``b3`` or pre-activations), ``TMA``
+        (default 1: the persistent tensor-descriptor kernel where :func:`takes_tma`, else the
+        pointer kernel), ``FLATTEN`` (default 1: the persistent loop's tile and K loops
+        software-pipelined as one).
+    :param profile: the device's: its architecture picks the kernel, its cores the persistent grid.
+    :param b3: a second ``[K, N]`` operand (SwiGLU: ``c = silu(z) * z3``, ``z3`` from ``a @ b3``).
+    :param epilogue: see :class:`Epilogue`.
+    :param input_precision: ``tl.dot``'s for float32 operands: ``"ieee"`` (exact) or ``"tf32"``.
+    """
+    (m, k), n = a.shape, b.shape[1]
+    e = epilogue
+    if e.activation not in ACTIVATIONS:
+        raise ValueError(f"activation {e.activation!r} is none of {ACTIVATIONS}")
+    swiglu = b3 is not None
+    split_k = config.get("SPLIT_K", 1)
+    if split_k > 1 and (swiglu or e.pre is not None):
+        raise ValueError("split-K takes no second operand and stores no pre-activations")
+    block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    flags = {
+        "HAS_BIAS": e.bias is not None, "HAS_SCALE": e.row_scale is not None, "ACTIVATION": e.activation,
+        "ACT_GRAD": e.act_grad is not None,
+    }
+    tile = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": config["GROUP_M"],
+            "SPLIT_K": split_k, "INPUT_PRECISION": input_precision,
+            "num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    # Absent tensors: any pointer the constexprs keep the kernel from reading.
+    b3_, pre, pre3, dc, bias, scale = (t if t is not None else c for t in (b3, e.pre, e.pre3, e.act_grad, e.bias,
+                                                                           e.row_scale))
+    if split_k > 1:
+        # The products alone into the workspace; the reduce runs the epilogue.
+        target = torch.empty(split_k, m, n, dtype=torch.float32, device=c.device)
+        gemm_flags = {"HAS_BIAS": False, "HAS_SCALE": False, "ACTIVATION": None, "ACT_GRAD": False,
+                      "SWIGLU": False, "STORE_PRE": False}
+        scratch: tuple = (target,)
+    else:
+        target, gemm_flags, scratch = c, {**flags, "SWIGLU": swiglu, "STORE_PRE": e.pre is not None}, ()
+    tiles = cdiv(m, block_m) * cdiv(n, block_n)
+    if config.get("TMA", 1) and takes_tma(profile, a, b, c, b3, e):
+        ensure_allocator()
+        a_m_major, b_k_major = bool(_transposed(a)), bool(_transposed(b))
+        stride_a = a.stride(1) if a_m_major else a.stride(0)
+        stride_b = b.stride(1) if b_k_major else b.stride(0)
+        stride_b3 = (b3_.stride(1) if b_k_major else b3_.stride(0)) if swiglu else stride_b
+        gemm = KernelCall(gemm_tma_kernel, (min(tiles * split_k, profile.cores),), (
+            a, b, b3_, target, pre, pre3, dc, bias, scale, m, n, k, stride_a, stride_b, stride_b3, c.stride(0),
+        ), {"A_M_MAJOR": a_m_major, "B_K_MAJOR": b_k_major, **tile, "FLATTEN": bool(config.get("FLATTEN", 1)),
+            **gemm_flags})
+    else:
+        stride_cm, stride_cn = (n, 1) if split_k > 1 else (c.stride(0), c.stride(1))
+        gemm = KernelCall(gemm_kernel, (tiles, split_k), (
+            a, b, b3_, target, pre, pre3, dc, bias, scale, m, n, k, a.stride(0), a.stride(1),
+            b.stride(0), b.stride(1), b3_.stride(0), b3_.stride(1), stride_cm, stride_cn,
+        ), {**tile, **gemm_flags})
+    if split_k == 1:
+        return [gemm], scratch
+    reduce = KernelCall(splitk_reduce_kernel, (cdiv(m, block_m), cdiv(n, block_n)), (
+        target, c, dc, bias, scale, m, n, c.stride(0), c.stride(1),
+    ), {"BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT_K": split_k, **flags, "num_warps": 4})
+    return [gemm, reduce], scratch
+
+
+# --- the prefill ffn -----------------------------------------------------------------------------
+
+def swiglu_calls(a: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None, rstd: torch.Tensor,
+                 out: torch.Tensor, config: Config, profile: DeviceProfile, *, w13: torch.Tensor | None = None,
+                 gate: torch.Tensor | None = None, up: torch.Tensor | None = None) -> list[KernelCall]:
+    """The launch of the prefill ffn's GEMM pair, one kernel:
+    ``out = silu(rstd[:, None] * (a @ w1.T)) * (rstd[:, None] * (a @ w3.T))``.
+
+    :param a: ``[M, K]`` (the rows already multiplied by the norm weight ``rms_w``), any strides.
+    :param w1: ``[N, K]`` (nn.Linear layout), any strides; None with ``w13``.
+    :param w3: ``[N, K]``, like ``w1``; None with ``w13``.
+    :param rstd: ``[M]`` float32, each row's ``rsqrt(mean(x**2) + eps)``.
+    :param out: ``[M, N]``, written.
+    :param config: see :func:`gemm_calls` (``SPLIT_K`` must be 1: both products share the program).
+    :param w13: ``[2N, K]``: rows ``0..N-1`` are w1, ``N..2N-1`` w3 (the halves are views, no copy).
+    :param gate: ``[M, N]`` with ``out``'s strides, optional: receives ``rstd * (a @ w1.T)`` (for
+        the backward); ``up`` (with ``gate``) receives ``rstd * (a @ w3.T)``.
+    """
+    if w13 is not None:
+        n = w13.shape[0] // 2
+        w1, w3 = w13[:n], w13[n:]
+    if (gate is None) != (up is None):
+        raise ValueError("gate and up are stored together or not at all")
+    calls, _ = gemm_calls(a, w1.T, out, {**config, "SPLIT_K": 1}, profile, b3=w3.T,
+                          epilogue=Epilogue(row_scale=rstd, pre=gate, pre3=up))
+    return calls
+
+
+def swiglu(a: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None, rstd: torch.Tensor,
+           config: Config, profile: DeviceProfile, *, w13: torch.Tensor | None = None,
+           preactivations: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Run :func:`swiglu_calls` on a new ``out [M, N]`` in ``a``'s dtype; with ``preactivations``
+    returns ``(out, gate, up)``."""
+    n = (w13.shape[0] // 2) if w13 is not None else w1.shape[0]
+    new = lambda: torch.empty(a.shape[0], n, dtype=a.dtype, device=a.device)  # noqa: E731
+    out = new()
+    gate, up = (new(), new()) if preactivations else (None, None)
+    LaunchPlan(calls=swiglu_calls(a, w1, w3, rstd, out, config, profile, w13=w13, gate=gate, up=up),
+               result=out).run()
+    return (out, gate, up) if preactivations else out

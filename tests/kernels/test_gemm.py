@@ -1,0 +1,142 @@
+"""The GEMM building block (dlblas_kernels.gemm) through its host entry points: the epilogues, the
+three launch paths and the prefill ffn's SwiGLU pair, against float64 references.
+
+On a CPU the tensor-descriptor kernel runs in the interpreter under a profile that claims sm_90
+(three cores, so each persistent program walks several tiles)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from dlblas_kernels import gemm
+
+from dlcore.testing import assert_close, poison, randn
+
+SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=1, num_stages=1)
+ACT = {None: lambda z: z, "relu": torch.relu, "silu": F.silu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh")}
+
+
+PATHS = ["pointers", "descriptors", "split-k pointers", "split-k descriptors"]
+
+
+@pytest.fixture(params=PATHS)
+def path(request, profile, device):
+    """``(profile, config extras, kernel the GEMM runs)`` of one launch path."""
+    descriptors = request.param.endswith("descriptors")
+    if descriptors:
+        profile = dataclasses.replace(profile, arch="sm_90", cores=3 if device == "cpu" else profile.cores)
+    extra = {"TMA": int(descriptors), **({"SPLIT_K": 3} if request.param.startswith("split-k") else {})}
+    return profile, extra, "gemm_tma_kernel" if descriptors else "gemm_kernel"
+
+
+def run(calls):
+    for call in calls:
+        call.launch()
+
+
+def rows_scaled(a, b, scale):
+    return (a.double() @ b.double()) * scale.double()[:, None]
+
+
+@pytest.mark.parametrize("activation", gemm.ACTIVATIONS)
+@pytest.mark.parametrize("k_major", [False, True], ids=["b row-major", "b = w.T"])
+def test_epilogue(activation, k_major, path, dtype, device, gen):
+    profile, extra, kernel = path
+    m, n, k = 37, 40, 72  # no multiple of a tile; 16-byte aligned rows for the copy engine
+    a = randn(m, k, dtype=dtype, device=device, generator=gen)
+    w = randn(n, k, dtype=dtype, device=device, generator=gen, scale=1 / math.sqrt(k))
+    b = w.T if k_major else w.T.contiguous()
+    bias = randn(n, dtype=dtype, device=device, generator=gen)
+    scale = randn(m, device=device, generator=gen).abs() + 0.5
+    c = poison(torch.empty(m, n, dtype=dtype, device=device))
+    calls, scratch = gemm.gemm_calls(a, b, c, {**SMALL, **extra}, profile,
+                                     epilogue=gemm.Epilogue(bias=bias, activation=activation, row_scale=scale))
+    assert calls[0].kernel.__name__ == kernel and len(scratch) == (1 if extra.get("SPLIT_K") else 0)
+    run(calls)
+    assert_close(c, ACT[activation](rows_scaled(a, b, scale) + bias.double()), dtype, reduce_dim=k)
+
+
+@pytest.mark.parametrize("activation", gemm.ACTIVATIONS)
+def test_activation_gradient(activation, path, device, gen):
+    """``act_grad``: ``dc * act'(a @ b + bias)``, what a backward through the activation needs."""
+    profile, extra, _ = path
+    m, n, k = 21, 24, 40
+    a, b = randn(m, k, device=device, generator=gen), randn(k, n, device=device, generator=gen, scale=0.2)
+    bias, dc = randn(n, device=device, generator=gen), randn(m, n, device=device, generator=gen)
+    c = poison(torch.empty(m, n, device=device))
+    run(gemm.gemm_calls(a, b, c, {**SMALL, **extra}, profile,
+                        epilogue=gemm.Epilogue(bias=bias, activation=activation, act_grad=dc))[0])
+    z = (a.double() @ b.double() + bias.double()).requires_grad_()
+    ACT[activation](z).backward(dc.double())
+    assert_close(c, z.grad, torch.float32, reduce_dim=k)
+
+
+@pytest.mark.parametrize("form", ["w1, w3", "w13"])
+def test_swiglu(form, path, dtype, device, gen):
+    """The prefill ffn's pair: ``silu(rstd * (a @ w1.T)) * (rstd * (a @ w3.T))`` and the two
+    pre-activations, from separate weights or the two halves of one ``w13``."""
+    profile, extra, kernel = path
+    if extra.get("SPLIT_K"):
+        extra = {**extra, "SPLIT_K": 1}  # both products share one program: swiglu_calls takes no split
+    m, n, k = 37, 24, 56
+    a = randn(m, k, dtype=dtype, device=device, generator=gen)
+    w13 = randn(2 * n, k, dtype=dtype, device=device, generator=gen, scale=1 / math.sqrt(k))
+    rstd = randn(m, device=device, generator=gen).abs() + 0.5
+    out, gate, up = (poison(torch.empty(m, n, dtype=dtype, device=device)) for _ in range(3))
+    w1, w3 = (None, None) if form == "w13" else (w13[:n].clone(), w13[n:].clone())
+    calls = gemm.swiglu_calls(a, w1, w3, rstd, out, {**SMALL, **extra}, profile,
+                              w13=w13 if form == "w13" else None, gate=gate, up=up)
+    assert [c.kernel.__name__ for c in calls] == [kernel]
+    run(calls)
+    ref_gate, ref_up = rows_scaled(a, w13[:n].T, rstd), rows_scaled(a, w13[n:].T, rstd)
+    assert_close(gate, ref_gate, dtype, reduce_dim=k)
+    assert_close(up, ref_up, dtype, reduce_dim=k)
+    assert_close(out, F.silu(ref_gate) * ref_up, dtype, reduce_dim=k)
+
+
+def test_a_stored_transposed(path, dtype, device, gen):
+    """``a`` with a unit M stride (``x.T`` of a row-major ``x``, what ``a^T @ dc`` of a backward
+    passes): the descriptor kernel reads it through a transposed descriptor."""
+    profile, extra, kernel = path
+    m, n, k = 40, 24, 37
+    a = randn(k, m, dtype=dtype, device=device, generator=gen).T
+    b = randn(k, n, dtype=dtype, device=device, generator=gen, scale=1 / math.sqrt(k))
+    c = poison(torch.empty(m, n, dtype=dtype, device=device))
+    calls, _ = gemm.gemm_calls(a, b, c, {**SMALL, **extra}, profile)
+    assert calls[0].kernel.__name__ == kernel
+    run(calls)
+    assert_close(c, a.double() @ b.double(), dtype, reduce_dim=k)
+
+
+def test_swiglu_allocates_its_output(profile, device, gen):
+    m, n, k = 9, 20, 32
+    a, w1, w3 = (randn(*s, device=device, generator=gen) for s in ((m, k), (n, k), (n, k)))
+    rstd = torch.ones(m, device=device)
+    out = gemm.swiglu(a, w1, w3, rstd, SMALL, profile)
+    assert_close(out, F.silu(a.double() @ w1.double().T) * (a.double() @ w3.double().T), torch.float32, reduce_dim=k)
+
+
+def test_descriptor_path_only_where_the_copy_engine_can_go(profile, device):
+    hopper = dataclasses.replace(profile, arch="sm_90", cores=132)
+    a, b, c = (torch.empty(*s, dtype=torch.float16, device=device) for s in ((64, 64), (64, 32), (64, 32)))
+    assert gemm.takes_tma(hopper, a, b, c) and gemm.takes_tma(hopper, a, b.T.contiguous().T, c)
+    assert not gemm.takes_tma(profile if profile.arch != "sm_90" else dataclasses.replace(profile, arch="sm_80"),
+                              a, b, c)
+    assert not gemm.takes_tma(hopper, a[:, 1:], b[1:], c)  # a's base 2 bytes off
+    odd = torch.empty(64, 36, dtype=torch.float16, device=device)[:, :33]
+    assert not gemm.takes_tma(hopper, a, b, odd)  # 33 columns: a 66-byte row
+    assert not gemm.takes_tma(hopper, a, b[:, ::2], c[:, :16])  # no unit stride in b
+    calls, _ = gemm.gemm_calls(a, b, c, {**SMALL, "TMA": 0}, hopper)
+    assert calls[0].kernel.__name__ == "gemm_kernel"
+
+
+def test_bad_epilogues_raise(profile, device):
+    a, b, c = (torch.empty(*s, device=device) for s in ((8, 8), (8, 8), (8, 8)))
+    with pytest.raises(ValueError, match="activation"):
+        gemm.gemm_calls(a, b, c, SMALL, profile, epilogue=gemm.Epilogue(activation="tanh"))
+    with pytest.raises(ValueError, match="split-K"):
+        gemm.gemm_calls(a, b, c, {**SMALL, "SPLIT_K": 2}, profile, b3=b)
