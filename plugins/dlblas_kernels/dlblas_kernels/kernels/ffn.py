@@ -20,11 +20,14 @@ regimes, chosen by the config: when one row block holds every row (``rows <= BLO
 otherwise
 
 - **prefill** (many tokens): a row kernel writes ``xs = x * rms_w`` (input dtype) and ``rstd``
-  (float32), then one tiled GEMM computes both ``xs @ w1.T`` and ``xs @ w3.T`` in the same program
-  (two float32 accumulators over the same ``xs`` tile), scales them by ``rstd`` and applies SwiGLU
-  in the epilogue: the ``[M, 2N]`` pre-activations never reach memory. The GEMM's loop then feeds
-  the tensor cores straight from the loaded tiles. The ``tl.dot`` inputs keep the input dtype
-  (float16 / bfloat16 tensor cores, exact float32 for float32 inputs), accumulating in float32.
+  (float32), then the GEMM block's SwiGLU GEMM (:func:`dlblas_kernels.gemm.swiglu_calls`: on sm_90
+  persistent, through tensor descriptors) computes ``xs @ w1.T`` and ``xs @ w3.T`` in the same
+  program (two float32 accumulators over the same ``xs`` tile), scales both by ``rstd`` and applies
+  SwiGLU in its epilogue: the ``[M, 2N]`` pre-activations never reach memory, and the GEMM's loop
+  feeds the tensor cores straight from the loaded tiles.
+
+The ``tl.dot`` inputs keep the input dtype (float16 / bfloat16 tensor cores, exact float32 for
+float32 inputs), accumulating in float32.
 
 Backward, with ``g = xn @ w1.T``, ``u = xn @ w3.T``, ``s = sigmoid(g)`` and ``dout`` the output
 gradient::
@@ -33,13 +36,16 @@ gradient::
     dxn = dg @ w1 + du @ w3                    dw1 = dg.T @ xn            dw3 = du.T @ xn
     dx, drms_w = rms_norm's backward of dxn
 
-The pre-activations ``g`` and ``u`` are recomputed, not saved: the forward writes only its output
-(the kernel template saves arguments and outputs, and a second output would cost every inference
-call an ``[M, 2N]`` write). The recomputation is fused: the forward's GEMM with a backward epilogue
-that reads ``dout`` and writes ``dh`` directly, so ``g`` and ``u`` never reach memory either. The
-backward therefore runs three GEMMs of the forward's size (``dh``, ``dxn``, ``dw13``) where a
-backward from saved pre-activations runs two. ``xn`` is written once (input dtype) for the ``dh``
-and ``dw`` GEMMs; ``dx`` and ``drms_w`` come from rms_norm's backward kernels.
+The pre-activations ``g`` and ``u`` are recomputed, not saved: the kernel template saves arguments
+and outputs, and the forward's one output is ``out`` (a second output would change the op and cost
+every inference call an ``[M, 2N]`` write). The backward therefore runs three GEMMs of the
+forward's size where a backward from saved pre-activations (what ``torch.compile`` of the composite
+keeps) runs two: ``xn`` (input dtype) and ``rstd`` by the row kernel, ``[g | u] = xn @ w13.T`` (one
+GEMM over ``w13``, or one per weight), ``dh`` elementwise, ``dxn = dh @ w13`` (for separate ``w1``
+and ``w3``, :func:`ffn_input_grad_kernel` reduces over both without a concatenated copy),
+``dw13 = dh.T @ xn``, all GEMMs through the GEMM block; ``dx`` and ``drms_w`` from rms_norm's
+backward kernels. The weights' gradient is one ``[2N, K]`` buffer; with ``w1`` and ``w3`` given,
+their gradients are its two halves (views).
 """
 
 from __future__ import annotations
@@ -50,8 +56,9 @@ import torch
 import triton
 import triton.language as tl
 
+from dlblas_kernels import gemm as gemm_block
+from dlblas_kernels.gemm import gemm_calls, swiglu_calls
 from dlblas_kernels.kernels import rms_norm
-from dlblas_kernels.kernels.matmul import gemm_call, matmul_kernel
 from dlcore import InvalidInputError
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
@@ -69,6 +76,8 @@ MIN_DOT_ROWS = 16
 MAX_ROW_BLOCK = 4096
 # Most rows the heuristic default streams the weights for (decoding); more take the prefill GEMM.
 DECODE_ROWS = 64
+# Widest row slice of the SwiGLU backward's programs.
+SWIGLU_BLOCK = 2048
 
 
 @triton.jit
@@ -103,83 +112,9 @@ def rms_scale_kernel(
 
 
 @triton.jit
-def ffn_gemm_kernel(
-    a_ptr, w1_ptr, w3_ptr, rstd_ptr, out_ptr, dout_ptr,
-    M, N, K,
-    stride_am, stride_ak,
-    stride_w1n, stride_w1k,
-    stride_w3n, stride_w3k,
-    stride_om, stride_on,
-    stride_dm, stride_dn,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr, SCALED: tl.constexpr, BACKWARD: tl.constexpr,
-):
-    # gate = a @ w1.T and up = a @ w3.T for one BLOCK_M x BLOCK_N tile, times rstd per row when
-    # SCALED. Forward: out = silu(gate) * up. BACKWARD: out is dh [M, 2N], its first N columns
-    # d gate and its last N d up, from the output gradient dout.
-    # Grouped order: GROUP_M row blocks sweep the column blocks together, so the w1/w3 tiles
-    # they share are read from L2 rather than memory.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pids_per_group = GROUP_M * num_pid_n
-    first_pid_m = (pid // pids_per_group) * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % pids_per_group) % group_size_m
-    pid_n = (pid % pids_per_group) // group_size_m
-
-    # 64-bit offsets along M and N: row * stride may pass 2**31 elements.
-    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
-
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
-    # The w tiles are read as [BLOCK_K, BLOCK_N], i.e. tiles of w.T.
-    w1_ptrs = w1_ptr + offs_k[:, None] * stride_w1k + offs_n[None, :] * stride_w1n
-    w3_ptrs = w3_ptr + offs_k[:, None] * stride_w3k + offs_n[None, :] * stride_w3n
-
-    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        # Masked-off elements load as 0, so a ragged last K slice adds nothing to the sums.
-        mask_k = offs_k < K - k
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        w1 = tl.load(w1_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        w3 = tl.load(w3_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        # "ieee": exact float32 products for float32 inputs (TF32 would miss float32 tolerances);
-        # float16 / bfloat16 inputs use the tensor cores either way.
-        acc1 = tl.dot(a, w1, acc1, input_precision="ieee")
-        acc3 = tl.dot(a, w3, acc3, input_precision="ieee")
-        a_ptrs += BLOCK_K * stride_ak
-        w1_ptrs += BLOCK_K * stride_w1k
-        w3_ptrs += BLOCK_K * stride_w3k
-
-    gate, up = acc1, acc3
-    if SCALED:
-        rstd = tl.load(rstd_ptr + offs_m, mask=mask_m, other=0.0)
-        gate = gate * rstd[:, None]
-        up = up * rstd[:, None]
-    s = tl.sigmoid(gate)
-    mask = mask_m[:, None] & mask_n[None, :]
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    if BACKWARD:
-        dout = tl.load(dout_ptr + offs_m[:, None] * stride_dm + offs_n[None, :] * stride_dn,
-                       mask=mask, other=0.0).to(tl.float32)
-        # d silu(g) / dg = s * (1 + g * (1 - s))
-        d_gate = dout * up * s * (1 + gate * (1 - s))
-        d_up = dout * gate * s
-        tl.store(out_ptrs, d_gate.to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(out_ptrs + N * stride_on, d_up.to(out_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.store(out_ptrs, (gate * s * up).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def ffn_decode_kernel(
     x_ptr, rms_w_ptr, w1_ptr, w3_ptr, out_ptr,
-    M, N, K, eps,
+    M, N, K, eps, w3_offset,
     stride_xm, stride_xk,
     stride_rms_w,
     stride_w1n, stride_w1k,
@@ -187,8 +122,9 @@ def ffn_decode_kernel(
     stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    # Every row (M <= BLOCK_M) against BLOCK_N columns of w1 and w3: each weight element is read
-    # once by one program. x is small and shared by all programs (L2); the weights stream through.
+    # Every row (M <= BLOCK_M) against BLOCK_N columns of w1 and w3 (w3's rows from w3_offset
+    # elements on: w13's second half): each weight element is read once by one program. x is
+    # small and shared by all programs (L2); the weights stream through.
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -200,7 +136,7 @@ def ffn_decode_kernel(
     rms_w_ptrs = rms_w_ptr + offs_k * stride_rms_w
     # The w tiles in their own layout, [BLOCK_N, BLOCK_K]: contiguous along K for nn.Linear weights.
     w1_ptrs = w1_ptr + offs_n[:, None] * stride_w1n + offs_k[None, :] * stride_w1k
-    w3_ptrs = w3_ptr + offs_n[:, None] * stride_w3n + offs_k[None, :] * stride_w3k
+    w3_ptrs = w3_ptr + w3_offset + offs_n[:, None] * stride_w3n + offs_k[None, :] * stride_w3k
 
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -227,6 +163,29 @@ def ffn_decode_kernel(
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
     tl.store(out_ptrs, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty),
              mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def swiglu_backward_kernel(
+    gate_ptr, up_ptr, dout_ptr, dh_ptr,
+    N, up_offset,
+    stride_gm, stride_um, stride_dm, stride_dn, stride_hm,
+    BLOCK_N: tl.constexpr,
+):
+    # One row slice per program: dh [M, 2N] = [d gate | d up] from the pre-activations gate and up
+    # (unit column stride; up starts up_offset elements into its buffer: the second half of gate's
+    # when both come from one GEMM over w13) and the output gradient dout [M, N].
+    row = tl.program_id(0).to(tl.int64)  # 64-bit: row * row stride may pass 2**31
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < N
+    gate = tl.load(gate_ptr + row * stride_gm + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + up_offset + row * stride_um + cols, mask=mask, other=0.0).to(tl.float32)
+    dout = tl.load(dout_ptr + row * stride_dm + cols * stride_dn, mask=mask, other=0.0).to(tl.float32)
+    s = tl.sigmoid(gate)
+    dh_row = dh_ptr + row * stride_hm
+    # d silu(g) / dg = s * (1 + g * (1 - s))
+    tl.store(dh_row + cols, (dout * up * s * (1 + gate * (1 - s))).to(dh_ptr.dtype.element_ty), mask=mask)
+    tl.store(dh_row + N + cols, (dout * gate * s).to(dh_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -300,12 +259,6 @@ def output(x: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None, rm
     return torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
 
 
-def _tile_kwargs(config: Config, **extra: Any) -> dict[str, Any]:
-    return {"BLOCK_M": config["BLOCK_M"], "BLOCK_N": config["BLOCK_N"], "BLOCK_K": config["BLOCK_K"],
-            "GROUP_M": config["GROUP_M"], "num_warps": config["num_warps"], "num_stages": config["num_stages"],
-            **extra}
-
-
 def rms_scale_call(x2: torch.Tensor, rms_w: torch.Tensor, xs: torch.Tensor, rstd: torch.Tensor, eps: float,
                    normalise: bool) -> KernelCall:
     """``rstd [M]`` and ``xs [M, K]`` = ``x * rms_w`` (``normalise``: ``x * rstd * rms_w``), a program per row."""
@@ -319,31 +272,18 @@ def rms_scale_call(x2: torch.Tensor, rms_w: torch.Tensor, xs: torch.Tensor, rstd
     )
 
 
-def swiglu_gemm_call(a: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, rstd: torch.Tensor | None,
-                     out: torch.Tensor, dout: torch.Tensor | None, config: Config) -> KernelCall:
-    """``silu(g) * u`` into ``out [M, N]`` with ``g = rstd * (a @ w1.T)`` and ``u = rstd * (a @ w3.T)``
-    (no ``rstd``: unscaled); with ``dout``, ``[dg | du]`` into ``out [M, 2N]`` instead."""
-    (m, k), n = a.shape, w1.shape[0]
-    grid = (cdiv(m, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"]),)
-    backward = dout is not None
-    d = dout if backward else out
-    return KernelCall(
-        ffn_gemm_kernel, grid,
-        (a, w1, w3, a if rstd is None else rstd, out, d, m, n, k,
-         a.stride(0), a.stride(1), w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1),
-         out.stride(0), out.stride(1), d.stride(0), d.stride(1)),
-        _tile_kwargs(config, SCALED=rstd is not None, BACKWARD=backward),
-    )
-
-
-def decode_call(x2: torch.Tensor, rms_w: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, out2: torch.Tensor,
-                eps: float, config: Config) -> KernelCall:
-    """The weight-streaming launch: a program per ``BLOCK_N`` columns, every row in it."""
+def decode_call(x2: torch.Tensor, rms_w: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None,
+                w13: torch.Tensor | None, out2: torch.Tensor, eps: float, config: Config) -> KernelCall:
+    """The weight-streaming launch: a program per ``BLOCK_N`` columns, every row in it. ``w13`` is
+    passed whole, w3 being its rows from N on (an argument at offset zero: the launch replays)."""
     m, k = x2.shape
-    n = w1.shape[0]
+    n = out2.shape[1]
+    if w13 is not None:
+        w1 = w3 = w13
+    w3_offset = n * w13.stride(0) if w13 is not None else 0
     return KernelCall(
         ffn_decode_kernel, (cdiv(n, config["BLOCK_N"]),),
-        (x2, rms_w, w1, w3, out2, m, n, k, float(eps), x2.stride(0), x2.stride(1), rms_w.stride(0),
+        (x2, rms_w, w1, w3, out2, m, n, k, float(eps), w3_offset, x2.stride(0), x2.stride(1), rms_w.stride(0),
          w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1), out2.stride(0), out2.stride(1)),
         {"BLOCK_M": max(next_power_of_2(m), MIN_DOT_ROWS), "BLOCK_N": config["BLOCK_N"],
          "BLOCK_K": config["BLOCK_K"], "num_warps": config["num_warps"], "num_stages": config["num_stages"]},
@@ -351,20 +291,20 @@ def decode_call(x2: torch.Tensor, rms_w: torch.Tensor, w1: torch.Tensor, w3: tor
 
 
 def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
-    """Weight streaming when one row block holds every row; otherwise the row kernel and the GEMM."""
+    """Weight streaming when one row block holds every row; otherwise the row kernel and the GEMM
+    block's SwiGLU GEMM (:func:`dlblas_kernels.gemm.swiglu_calls`)."""
     x, w1, w3, rms_w, eps, w13 = args
-    w1, w3 = weights(w1, w3, w13)
     out = output(*args)
     if out.numel() == 0:
         return LaunchPlan(calls=[], result=out)
     x2, out2 = as_rows(x), as_rows(out)
     m, k = x2.shape
     if m <= config["BLOCK_M"]:
-        return LaunchPlan(calls=[decode_call(x2, rms_w, w1, w3, out2, eps, config)], result=out)
+        return LaunchPlan(calls=[decode_call(x2, rms_w, w1, w3, w13, out2, eps, config)], result=out)
     xs = torch.empty((m, k), dtype=x.dtype, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     calls = [rms_scale_call(x2, rms_w, xs, rstd, eps, normalise=False),
-             swiglu_gemm_call(xs, w1, w3, rstd, out2, None, config)]
+             *swiglu_calls(xs, w1, w3, rstd, out2, config, profile, w13=w13)]
     return LaunchPlan(calls=calls, result=out, scratch=(xs, rstd))
 
 
@@ -379,41 +319,62 @@ def backward_outputs(dout: torch.Tensor, x: torch.Tensor, w1: torch.Tensor | Non
             torch.empty(rms_w.shape, dtype=rms_w.dtype, device=x.device))
 
 
+def backward_gemm_config(config: Config) -> Config:
+    """The config of the backward's single-operand GEMMs: the forward's tile with both accumulators'
+    columns in one (a forward tile of 128 x 64 per weight is a 128 x 128 GEMM tile)."""
+    return {**config, "BLOCK_N": min(2 * config["BLOCK_N"], 256)}
+
+
 def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     """Launches for ``(dx, dw13, drms_w)`` from ``args = (dout, x, w1, w3, rms_w, eps, w13)``: ``xn`` and
-    ``rstd``; ``dh`` by the forward's GEMM with the backward epilogue; ``dxn`` from ``dh`` and both
-    weights; ``dw13 = dh.T @ xn``; rms_norm's backward of ``dxn``."""
+    ``rstd``; the pre-activations ``gate`` and ``up`` again (GEMM block); ``dh``; ``dxn`` from ``dh``
+    and both weights; ``dw13 = dh.T @ xn`` (GEMM block); rms_norm's backward of ``dxn``."""
     dout, x, w1, w3, rms_w, eps, w13 = args
     dx, dw13, drms_w = backward_outputs(*args)
-    w1, w3 = weights(w1, w3, w13)
-    n, k = w1.shape
+    n = (w1 if w13 is None else w13).shape[0] // (1 if w13 is None else 2)
     x2 = as_rows(x)
-    m = x2.shape[0]
+    m, k = x2.shape
     if m == 0 or n == 0:
         return LaunchPlan(calls=[], result=(dx.zero_(), dw13.zero_(), drms_w.zero_()))
+    gemm = backward_gemm_config(config)
+    new = lambda *shape: torch.empty(shape, dtype=x.dtype, device=x.device)  # noqa: E731
     # dout comes from autograd in any layout (even expanded); reshape copies only when it must.
     dout2 = dout.reshape(m, n)
-    xn = torch.empty((m, k), dtype=x.dtype, device=x.device)
-    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
-    dh = torch.empty((m, 2 * n), dtype=x.dtype, device=x.device)
-    dxn = torch.empty((m, k), dtype=x.dtype, device=x.device)
-    input_grad = KernelCall(
-        ffn_input_grad_kernel, (cdiv(m, config["BLOCK_M"]) * cdiv(k, config["BLOCK_N"]),),
-        (dh, w1, w3, dxn, m, k, n, dh.stride(0), dh.stride(1), w1.stride(0), w1.stride(1),
-         w3.stride(0), w3.stride(1), dxn.stride(0), dxn.stride(1)),
-        _tile_kwargs(config),
-    )
+    xn, rstd, dh, dxn = new(m, k), torch.empty(m, dtype=torch.float32, device=x.device), new(m, 2 * n), new(m, k)
+    calls = [rms_scale_call(x2, rms_w, xn, rstd, eps, normalise=True)]
+    if w13 is not None:
+        # gate and up side by side in one [M, 2N] buffer: one GEMM over w13
+        gate = up = new(m, 2 * n)
+        calls_h, scratch_h = gemm_calls(xn, w13.T, gate, gemm, profile)
+        up_offset, scratch_h = n, (*scratch_h, gate)
+    else:
+        gate, up = new(m, n), new(m, n)
+        calls_g, scratch_g = gemm_calls(xn, w1.T, gate, gemm, profile)
+        calls_u, scratch_u = gemm_calls(xn, w3.T, up, gemm, profile)
+        calls_h, up_offset, scratch_h = [*calls_g, *calls_u], 0, (*scratch_g, *scratch_u, gate, up)
+    calls += calls_h
+    block = min(next_power_of_2(n), SWIGLU_BLOCK)
+    calls.append(KernelCall(
+        swiglu_backward_kernel, (m, cdiv(n, block)),
+        (gate, up, dout2, dh, n, up_offset, gate.stride(0), up.stride(0), dout2.stride(0), dout2.stride(1),
+         dh.stride(0)),
+        {"BLOCK_N": block, "num_warps": min(max(block // 256, 1), 4)},
+    ))
+    if w13 is not None:
+        calls_x, scratch_x = gemm_calls(dh, w13, dxn, gemm, profile)
+    else:
+        calls_x, scratch_x = [KernelCall(
+            ffn_input_grad_kernel, (cdiv(m, gemm["BLOCK_M"]) * cdiv(k, gemm["BLOCK_N"]),),
+            (dh, w1, w3, dxn, m, k, n, dh.stride(0), dh.stride(1), w1.stride(0), w1.stride(1),
+             w3.stride(0), w3.stride(1), dxn.stride(0), dxn.stride(1)),
+            {"BLOCK_M": gemm["BLOCK_M"], "BLOCK_N": gemm["BLOCK_N"], "BLOCK_K": gemm["BLOCK_K"],
+             "GROUP_M": gemm["GROUP_M"], "num_warps": gemm["num_warps"], "num_stages": gemm["num_stages"]},
+        )], ()
+    calls_w, scratch_w = gemm_calls(dh.T, xn, dw13, gemm, profile)
     norm = rms_norm.backward_plan((dxn, x2, rms_w, None, eps), rms_norm.heuristic_config(m, k), profile)
     dx_rows, drms = norm.result
-    calls = [
-        rms_scale_call(x2, rms_w, xn, rstd, eps, normalise=True),
-        swiglu_gemm_call(xn, w1, w3, None, dh, dout2, config),
-        input_grad,
-        gemm_call(dh.T, xn, dw13, config),
-        *norm.calls,
-    ]
-    return LaunchPlan(calls=calls, result=(dx_rows.view(x.shape), dw13, drms),
-                      scratch=(xn, rstd, dh, dxn, *norm.scratch))
+    return LaunchPlan(calls=[*calls, *calls_x, *calls_w, *norm.calls], result=(dx_rows.view(x.shape), dw13, drms),
+                      scratch=(xn, rstd, dh, dxn, *scratch_h, *scratch_x, *scratch_w, *norm.scratch))
 
 
 def _composite(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, rms_w: torch.Tensor, eps: float
@@ -601,7 +562,7 @@ def _gradients(backward, saved, grads, needs) -> dict:
 
 KERNEL = define_kernel(
     OP, plan,
-    kernels=(ffn_decode_kernel, rms_scale_kernel, ffn_gemm_kernel, ffn_input_grad_kernel, matmul_kernel,
+    kernels=(ffn_decode_kernel, rms_scale_kernel, swiglu_backward_kernel, ffn_input_grad_kernel, *gemm_block.KERNELS,
              rms_norm.rms_norm_backward_kernel, rms_norm.column_sum_kernel),
     results=output,
     default_config=default_config,
