@@ -6,7 +6,15 @@ import dlblas_kernels
 import pytest
 import torch
 from conftest import ON_GPU
-from dlblas_kernels.kernels.ffn import KERNEL, OP, backward_plan, ffn, ffn_reference
+from dlblas_kernels.kernels.ffn import (
+    KERNEL,
+    OP,
+    backward_plan,
+    ffn,
+    ffn_reference,
+    ffn_training_reference,
+    training_plan,
+)
 from gradients import check_backward
 from isolated import run_json
 
@@ -80,6 +88,22 @@ def test_w13_form(path, dtype, device, gen, run):
     assert torch.equal(ffn(x, None, None, rms_w, w13=w13), ffn(x, w1, w3, rms_w))
 
 
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+def test_training_plan_stores_the_preactivations(path, dtype, device, gen, launch):
+    """What the custom op runs (autograd saves gate and up): the output and both pre-activations,
+    poisoned first, against the float64 reference; the public function returns the output alone."""
+    x, w1, w3, rms_w = inputs((3, 7), 40, 21, dtype, device, gen)
+    config = DECODE if path == "decode" else PREFILL
+    for weights in ((w1, w3, None), (None, None, torch.cat([w1, w3]))):
+        args = (x, weights[0], weights[1], rms_w, 1e-6, weights[2])
+        got = launch(training_plan(args, config, UNKNOWN_DEVICE))
+        for result, expected in zip(got, ffn_training_reference(*upcast(x, w1, w3, rms_w))):
+            assert_close(result, expected, dtype, reduce_dim=40)
+    leaf = x.detach().requires_grad_()
+    assert isinstance(ffn(leaf, w1, w3, rms_w), torch.Tensor)
+    assert len(torch.ops.dlblas.ffn(x, w1, w3, rms_w, 1e-6, None, *(config[k] for k in config))) == 3
+
+
 def composite(x, w1, w3, rms_w, eps=1e-6):
     """The unfused MLP half in torch (autograd differentiates it): RMSNorm, two projections, SwiGLU."""
     xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * rms_w
@@ -129,7 +153,8 @@ def test_backward_plan_writes_every_output(config, device, gen, launch):
     # odd sizes with ragged tiles everywhere; the outputs poisoned before the launches
     x, w1, w3, rms_w = inputs((2, 17), 41, 23, torch.float32, device, gen)
     dout = randn(2, 17, 23, device=device, generator=gen)
-    dx, dw13, drms_w = launch(backward_plan((dout, x, w1, w3, rms_w, 1e-6, None), config, UNKNOWN_DEVICE))
+    _, gate, up = ffn_training_reference(x, w1, w3, rms_w)
+    dx, dw13, drms_w = launch(backward_plan((dout, x, w1, w3, rms_w, 1e-6, None, gate, up), config, UNKNOWN_DEVICE))
     leaves = [t.double().requires_grad_() for t in (x, w1, w3, rms_w)]
     grads = torch.autograd.grad(composite(*leaves), leaves, dout.double())
     for got, want in zip((dx, dw13[:23], dw13[23:], drms_w), grads):
@@ -263,12 +288,14 @@ def e(*shape, dtype):
 found = {}
 for dtype in (torch.bfloat16, torch.float16, torch.float32):
     x, w, w13, g = e(37, 256, dtype=dtype), e(96, 256, dtype=dtype), e(192, 256, dtype=dtype), e(256, dtype=dtype)
-    dout = e(37, 96, dtype=dtype)
+    dout = gate = up = e(37, 96, dtype=dtype)
     small = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=2)
     plans = {"decode": ffn.plan((x, w, w, g, 1e-6, None), {**small, "BLOCK_M": 64}, profile),
              "prefill": ffn.plan((x, None, None, g, 1e-6, w13), small, profile),
-             "backward": ffn.backward_plan((dout, x, w, w, g, 1e-6, None), small, profile),
-             "backward13": ffn.backward_plan((dout, x, None, None, g, 1e-6, w13), small, profile)}
+             "decode_training": ffn.training_plan((x, w, w, g, 1e-6, None), {**small, "BLOCK_M": 64}, profile),
+             "prefill_training": ffn.training_plan((x, None, None, g, 1e-6, w13), small, profile),
+             "backward": ffn.backward_plan((dout, x, w, w, g, 1e-6, None, gate, up), small, profile),
+             "backward13": ffn.backward_plan((dout, x, None, None, g, 1e-6, w13, gate, up), small, profile)}
     for name, plan in plans.items():
         for call in plan.calls:
             for capability in (80, 90, 100):
@@ -284,9 +311,10 @@ def test_every_kernel_compiles_to_cubin():
     compiled = run_json(CUBIN_SCRIPT, None, TRITON_INTERPRET="0")
     norm = ["rms_norm_backward_kernel", "column_sum_kernel"]
     kernels = {"decode": ["ffn_decode_kernel"], "prefill": ["rms_scale_kernel", "gemm_kernel"],
-               "backward": ["rms_scale_kernel", "gemm_kernel", "swiglu_backward_kernel", "ffn_input_grad_kernel",
+               "decode_training": ["ffn_decode_kernel"], "prefill_training": ["rms_scale_kernel", "gemm_kernel"],
+               "backward": ["rms_scale_kernel", "swiglu_backward_kernel", "ffn_input_grad_kernel", "gemm_kernel",
                             *norm],
-               "backward13": ["rms_scale_kernel", "gemm_kernel", "swiglu_backward_kernel", *norm]}
+               "backward13": ["rms_scale_kernel", "swiglu_backward_kernel", "gemm_kernel", *norm]}
     expected = {f"{plan}/{kernel}/{dtype}/sm_{capability}" for plan, names in kernels.items() for kernel in names
                 for dtype in ("bfloat16", "float16", "float32") for capability in (80, 90, 100)}
     assert set(compiled) == expected

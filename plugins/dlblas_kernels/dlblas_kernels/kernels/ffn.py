@@ -36,16 +36,20 @@ gradient::
     dxn = dg @ w1 + du @ w3                    dw1 = dg.T @ xn            dw3 = du.T @ xn
     dx, drms_w = rms_norm's backward of dxn
 
-The pre-activations ``g`` and ``u`` are recomputed, not saved: the kernel template saves arguments
-and outputs, and the forward's one output is ``out`` (a second output would change the op and cost
-every inference call an ``[M, 2N]`` write). The backward therefore runs three GEMMs of the
-forward's size where a backward from saved pre-activations (what ``torch.compile`` of the composite
-keeps) runs two: ``xn`` (input dtype) and ``rstd`` by the row kernel, ``[g | u] = xn @ w13.T`` (one
-GEMM over ``w13``, or one per weight), ``dh`` elementwise, ``dxn = dh @ w13`` (for separate ``w1``
-and ``w3``, :func:`ffn_input_grad_kernel` reduces over both without a concatenated copy),
-``dw13 = dh.T @ xn``, all GEMMs through the GEMM block; ``dx`` and ``drms_w`` from rms_norm's
-backward kernels. The weights' gradient is one ``[2N, K]`` buffer; with ``w1`` and ``w3`` given,
-their gradients are its two halves (views).
+The pre-activations ``g`` and ``u`` are saved, not recomputed (what ``torch.compile`` of the
+composite keeps too): recomputing them would cost the backward a third GEMM of the forward's size
+(1.32 ms of 4.19 at LLaMA-3-8B's shape and 4096 tokens on the H200, where the composite's whole
+backward takes 3.06). The op's custom op, which autograd and ``torch.compile`` call, runs
+:func:`training_plan`: the forward with ``g`` and ``u`` stored by the GEMM's (or the streaming
+kernel's) epilogue, returned as the template's residuals (:class:`~dlcore.runtime.template.Residuals`)
+and saved; that costs the forward an ``[M, 2N]`` write (about 3% at 4096 tokens). The public
+function without autograd and bound ops run :func:`plan`, which stores neither. The backward:
+``xn`` (input dtype) and ``rstd`` again by the row kernel, ``dh`` elementwise from the saved
+``g``, ``u`` and ``dout``, ``dxn = dh @ w13`` (for separate ``w1`` and ``w3``,
+:func:`ffn_input_grad_kernel` reduces over both without a concatenated copy), ``dw13 = dh.T @ xn``
+(GEMMs through the GEMM block), then ``dx`` and ``drms_w`` from rms_norm's backward kernels. The
+weights' gradient is one ``[2N, K]`` buffer; with ``w1`` and ``w3`` given, their gradients are its
+two halves (views).
 """
 
 from __future__ import annotations
@@ -66,7 +70,7 @@ from dlcore.declarations.layout import as_rows
 from dlcore.declarations.op import Op, ScalarArg, TensorArg
 from dlcore.declarations.signature import Signature, cdiv, next_power_of_2
 from dlcore.declarations.space import Choice, Constraint, PowerOfTwo, SearchSpace, num_stages, num_warps
-from dlcore.runtime.template import Backward, define_kernel
+from dlcore.runtime.template import Backward, Residuals, define_kernel
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -113,18 +117,19 @@ def rms_scale_kernel(
 
 @triton.jit
 def ffn_decode_kernel(
-    x_ptr, rms_w_ptr, w1_ptr, w3_ptr, out_ptr,
+    x_ptr, rms_w_ptr, w1_ptr, w3_ptr, out_ptr, gate_ptr, up_ptr,
     M, N, K, eps, w3_offset,
     stride_xm, stride_xk,
     stride_rms_w,
     stride_w1n, stride_w1k,
     stride_w3n, stride_w3k,
     stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STORE_PRE: tl.constexpr,
 ):
     # Every row (M <= BLOCK_M) against BLOCK_N columns of w1 and w3 (w3's rows from w3_offset
     # elements on: w13's second half): each weight element is read once by one program. x is
-    # small and shared by all programs (L2); the weights stream through.
+    # small and shared by all programs (L2); the weights stream through. STORE_PRE: the
+    # pre-activations gate and up stored too (out's strides), for the backward.
     pid_n = tl.program_id(0)
     offs_m = tl.arange(0, BLOCK_M).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
@@ -160,26 +165,28 @@ def ffn_decode_kernel(
     rstd = tl.rsqrt(sum_sq / K + eps)
     gate = acc1 * rstd[:, None]
     up = acc3 * rstd[:, None]
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(out_ptrs, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_n[None, :])
+    offsets = offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    mask = mask_m[:, None] & mask_n[None, :]
+    tl.store(out_ptr + offsets, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=mask)
+    if STORE_PRE:
+        tl.store(gate_ptr + offsets, gate.to(gate_ptr.dtype.element_ty), mask=mask)
+        tl.store(up_ptr + offsets, up.to(up_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def swiglu_backward_kernel(
     gate_ptr, up_ptr, dout_ptr, dh_ptr,
-    N, up_offset,
-    stride_gm, stride_um, stride_dm, stride_dn, stride_hm,
+    N,
+    stride_gm, stride_gn, stride_um, stride_un, stride_dm, stride_dn, stride_hm,
     BLOCK_N: tl.constexpr,
 ):
-    # One row slice per program: dh [M, 2N] = [d gate | d up] from the pre-activations gate and up
-    # (unit column stride; up starts up_offset elements into its buffer: the second half of gate's
-    # when both come from one GEMM over w13) and the output gradient dout [M, N].
+    # One row slice per program: dh [M, 2N] = [d gate | d up] (unit column stride) from the saved
+    # pre-activations gate and up and the output gradient dout, each [M, N].
     row = tl.program_id(0).to(tl.int64)  # 64-bit: row * row stride may pass 2**31
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < N
-    gate = tl.load(gate_ptr + row * stride_gm + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + up_offset + row * stride_um + cols, mask=mask, other=0.0).to(tl.float32)
+    gate = tl.load(gate_ptr + row * stride_gm + cols * stride_gn, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * stride_um + cols * stride_un, mask=mask, other=0.0).to(tl.float32)
     dout = tl.load(dout_ptr + row * stride_dm + cols * stride_dn, mask=mask, other=0.0).to(tl.float32)
     s = tl.sigmoid(gate)
     dh_row = dh_ptr + row * stride_hm
@@ -273,9 +280,11 @@ def rms_scale_call(x2: torch.Tensor, rms_w: torch.Tensor, xs: torch.Tensor, rstd
 
 
 def decode_call(x2: torch.Tensor, rms_w: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None,
-                w13: torch.Tensor | None, out2: torch.Tensor, eps: float, config: Config) -> KernelCall:
+                w13: torch.Tensor | None, out2: torch.Tensor, eps: float, config: Config,
+                gate: torch.Tensor | None = None, up: torch.Tensor | None = None) -> KernelCall:
     """The weight-streaming launch: a program per ``BLOCK_N`` columns, every row in it. ``w13`` is
-    passed whole, w3 being its rows from N on (an argument at offset zero: the launch replays)."""
+    passed whole, w3 being its rows from N on (an argument at offset zero: the launch replays).
+    ``gate`` and ``up`` (``out2``'s strides), when given, receive the pre-activations."""
     m, k = x2.shape
     n = out2.shape[1]
     if w13 is not None:
@@ -283,56 +292,80 @@ def decode_call(x2: torch.Tensor, rms_w: torch.Tensor, w1: torch.Tensor | None, 
     w3_offset = n * w13.stride(0) if w13 is not None else 0
     return KernelCall(
         ffn_decode_kernel, (cdiv(n, config["BLOCK_N"]),),
-        (x2, rms_w, w1, w3, out2, m, n, k, float(eps), w3_offset, x2.stride(0), x2.stride(1), rms_w.stride(0),
+        (x2, rms_w, w1, w3, out2, out2 if gate is None else gate, out2 if up is None else up, m, n, k, float(eps),
+         w3_offset, x2.stride(0), x2.stride(1), rms_w.stride(0),
          w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1), out2.stride(0), out2.stride(1)),
         {"BLOCK_M": max(next_power_of_2(m), MIN_DOT_ROWS), "BLOCK_N": config["BLOCK_N"],
-         "BLOCK_K": config["BLOCK_K"], "num_warps": config["num_warps"], "num_stages": config["num_stages"]},
+         "BLOCK_K": config["BLOCK_K"], "STORE_PRE": gate is not None,
+         "num_warps": config["num_warps"], "num_stages": config["num_stages"]},
     )
+
+
+def _forward(args: tuple, config: Config, profile: DeviceProfile, out: torch.Tensor,
+             gate: torch.Tensor | None = None, up: torch.Tensor | None = None) -> tuple[list[KernelCall], tuple]:
+    """The forward's launches and scratch into ``out`` (and the pre-activations ``gate`` and ``up``)."""
+    x, w1, w3, rms_w, eps, w13 = args
+    x2, out2 = as_rows(x), as_rows(out)
+    gate2, up2 = (None, None) if gate is None else (as_rows(gate), as_rows(up))
+    m, k = x2.shape
+    if m <= config["BLOCK_M"]:
+        return [decode_call(x2, rms_w, w1, w3, w13, out2, eps, config, gate2, up2)], ()
+    xs = torch.empty((m, k), dtype=x.dtype, device=x.device)
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    calls = [rms_scale_call(x2, rms_w, xs, rstd, eps, normalise=False),
+             *swiglu_calls(xs, w1, w3, rstd, out2, config, profile, w13=w13, gate=gate2, up=up2)]
+    return calls, (xs, rstd)
 
 
 def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     """Weight streaming when one row block holds every row; otherwise the row kernel and the GEMM
     block's SwiGLU GEMM (:func:`dlblas_kernels.gemm.swiglu_calls`)."""
-    x, w1, w3, rms_w, eps, w13 = args
     out = output(*args)
     if out.numel() == 0:
         return LaunchPlan(calls=[], result=out)
-    x2, out2 = as_rows(x), as_rows(out)
-    m, k = x2.shape
-    if m <= config["BLOCK_M"]:
-        return LaunchPlan(calls=[decode_call(x2, rms_w, w1, w3, w13, out2, eps, config)], result=out)
-    xs = torch.empty((m, k), dtype=x.dtype, device=x.device)
-    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
-    calls = [rms_scale_call(x2, rms_w, xs, rstd, eps, normalise=False),
-             *swiglu_calls(xs, w1, w3, rstd, out2, config, profile, w13=w13)]
-    return LaunchPlan(calls=calls, result=out, scratch=(xs, rstd))
+    calls, scratch = _forward(args, config, profile, out)
+    return LaunchPlan(calls=calls, result=out, scratch=scratch)
+
+
+def training_outputs(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, gate, up)``: the output and the pre-activations, each of the output's shape."""
+    return output(*args), output(*args), output(*args)
+
+
+def training_plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
+    """:func:`plan`, the pre-activations stored too (the custom op's body: autograd saves them)."""
+    out, gate, up = training_outputs(*args)
+    if out.numel() == 0:
+        return LaunchPlan(calls=[], result=(out, gate, up))
+    calls, scratch = _forward(args, config, profile, out, gate, up)
+    return LaunchPlan(calls=calls, result=(out, gate, up), scratch=scratch)
 
 
 def backward_outputs(dout: torch.Tensor, x: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None,
-                     rms_w: torch.Tensor, eps: float, w13: torch.Tensor | None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     rms_w: torch.Tensor, eps: float, w13: torch.Tensor | None, gate: torch.Tensor,
+                     up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, dw13 [2N, K], drms_w)``: the weights' gradient in one buffer, w1's rows first."""
     w = w1 if w13 is None else w13
-    rows = w.shape[0] * (2 if w13 is None else 1)
     return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
-            torch.empty((rows, x.shape[-1]), dtype=w.dtype, device=x.device),
+            torch.empty((2 * gate.shape[-1], x.shape[-1]), dtype=w.dtype, device=x.device),
             torch.empty(rms_w.shape, dtype=rms_w.dtype, device=x.device))
 
 
 def backward_gemm_config(config: Config) -> Config:
     """The config of the backward's single-operand GEMMs: the forward's tile with both accumulators'
     columns in one (the default forward tile of 128 x 128 per weight is a 128 x 256 GEMM tile: on
-    the H200 at 4096 tokens 4.19 ms for the whole backward, against 4.80 with 128 x 128)."""
+    the H200 at 4096 tokens 4.19 ms for a backward that recomputed the pre-activations, against
+    4.80 with 128 x 128)."""
     return {**config, "BLOCK_N": min(2 * config["BLOCK_N"], 256)}
 
 
 def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
-    """Launches for ``(dx, dw13, drms_w)`` from ``args = (dout, x, w1, w3, rms_w, eps, w13)``: ``xn`` and
-    ``rstd``; the pre-activations ``gate`` and ``up`` again (GEMM block); ``dh``; ``dxn`` from ``dh``
-    and both weights; ``dw13 = dh.T @ xn`` (GEMM block); rms_norm's backward of ``dxn``."""
-    dout, x, w1, w3, rms_w, eps, w13 = args
+    """Launches for ``(dx, dw13, drms_w)`` from ``args = (dout, x, w1, w3, rms_w, eps, w13, gate, up)``:
+    ``xn`` and ``rstd`` (row kernel); ``dh`` from the saved pre-activations; ``dxn`` from ``dh`` and
+    both weights; ``dw13 = dh.T @ xn``; rms_norm's backward of ``dxn``."""
+    dout, x, w1, w3, rms_w, eps, w13, gate, up = args
     dx, dw13, drms_w = backward_outputs(*args)
-    n = (w1 if w13 is None else w13).shape[0] // (1 if w13 is None else 2)
+    n = gate.shape[-1]
     x2 = as_rows(x)
     m, k = x2.shape
     if m == 0 or n == 0:
@@ -340,27 +373,18 @@ def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> Launch
     gemm = backward_gemm_config(config)
     new = lambda *shape: torch.empty(shape, dtype=x.dtype, device=x.device)  # noqa: E731
     # dout comes from autograd in any layout (even expanded); reshape copies only when it must.
-    dout2 = dout.reshape(m, n)
+    dout2, gate2, up2 = dout.reshape(m, n), as_rows(gate), as_rows(up)
     xn, rstd, dh, dxn = new(m, k), torch.empty(m, dtype=torch.float32, device=x.device), new(m, 2 * n), new(m, k)
-    calls = [rms_scale_call(x2, rms_w, xn, rstd, eps, normalise=True)]
-    if w13 is not None:
-        # gate and up side by side in one [M, 2N] buffer: one GEMM over w13
-        gate = up = new(m, 2 * n)
-        calls_h, scratch_h = gemm_calls(xn, w13.T, gate, gemm, profile)
-        up_offset, scratch_h = n, (*scratch_h, gate)
-    else:
-        gate, up = new(m, n), new(m, n)
-        calls_g, scratch_g = gemm_calls(xn, w1.T, gate, gemm, profile)
-        calls_u, scratch_u = gemm_calls(xn, w3.T, up, gemm, profile)
-        calls_h, up_offset, scratch_h = [*calls_g, *calls_u], 0, (*scratch_g, *scratch_u, gate, up)
-    calls += calls_h
     block = min(next_power_of_2(n), SWIGLU_BLOCK)
-    calls.append(KernelCall(
-        swiglu_backward_kernel, (m, cdiv(n, block)),
-        (gate, up, dout2, dh, n, up_offset, gate.stride(0), up.stride(0), dout2.stride(0), dout2.stride(1),
-         dh.stride(0)),
-        {"BLOCK_N": block, "num_warps": min(max(block // 256, 1), 4)},
-    ))
+    calls = [
+        rms_scale_call(x2, rms_w, xn, rstd, eps, normalise=True),
+        KernelCall(
+            swiglu_backward_kernel, (m, cdiv(n, block)),
+            (gate2, up2, dout2, dh, n, gate2.stride(0), gate2.stride(1), up2.stride(0), up2.stride(1),
+             dout2.stride(0), dout2.stride(1), dh.stride(0)),
+            {"BLOCK_N": block, "num_warps": min(max(block // 256, 1), 4)},
+        ),
+    ]
     if w13 is not None:
         calls_x, scratch_x = gemm_calls(dh, w13, dxn, gemm, profile)
     else:
@@ -375,7 +399,7 @@ def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> Launch
     norm = rms_norm.backward_plan((dxn, x2, rms_w, None, eps), rms_norm.heuristic_config(m, k), profile)
     dx_rows, drms = norm.result
     return LaunchPlan(calls=[*calls, *calls_x, *calls_w, *norm.calls], result=(dx_rows.view(x.shape), dw13, drms),
-                      scratch=(xn, rstd, dh, dxn, *scratch_h, *scratch_x, *scratch_w, *norm.scratch))
+                      scratch=(xn, rstd, dh, dxn, *scratch_x, *scratch_w, *norm.scratch))
 
 
 def _composite(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, rms_w: torch.Tensor, eps: float
@@ -391,24 +415,32 @@ def _composite(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, rms_w: torch
 def ffn_reference(x: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None, rms_w: torch.Tensor,
                   eps: float = 1e-6, w13: torch.Tensor | None = None) -> torch.Tensor:
     """RMSNorm, gate and up projections and SwiGLU, in float32 (or wider), returned in ``x``'s dtype."""
+    return ffn_training_reference(x, w1, w3, rms_w, eps, w13)[0]
+
+
+def ffn_training_reference(x: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None, rms_w: torch.Tensor,
+                           eps: float = 1e-6, w13: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, gate, up)``: :func:`ffn_reference` and the pre-activations, in ``x``'s dtype."""
     _, _, _, gate, up = _composite(x, *weights(w1, w3, w13), rms_w, eps)
-    return (torch.nn.functional.silu(gate) * up).to(x.dtype)
+    return tuple(t.to(x.dtype) for t in (torch.nn.functional.silu(gate) * up, gate, up))
 
 
 def ffn_backward_reference(dout: torch.Tensor, x: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None,
-                           rms_w: torch.Tensor, eps: float, w13: torch.Tensor | None
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The backward formulas of the module docstring in torch, in float32 (or wider)."""
+                           rms_w: torch.Tensor, eps: float, w13: torch.Tensor | None, gate: torch.Tensor,
+                           up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward formulas of the module docstring in torch, in float32 (or wider), from the
+    saved pre-activations."""
     w1, w3 = weights(w1, w3, w13)
-    xf, rstd, xn, gate, up = _composite(x, w1, w3, rms_w, eps)
+    xf, rstd, xn, _, _ = _composite(x, w1, w3, rms_w, eps)
     compute = xf.dtype
-    d = dout.to(compute)
+    d, gate, up = dout.to(compute), gate.to(compute), up.to(compute)
     s = torch.sigmoid(gate)
     d_gate = d * up * s * (1 + gate * (1 - s))
     d_up = d * gate * s
     dxn = d_gate @ w1.to(compute) + d_up @ w3.to(compute)
-    k = x.shape[-1]
-    dw13 = torch.cat([d_gate.reshape(-1, w1.shape[0]).T, d_up.reshape(-1, w1.shape[0]).T]) @ xn.reshape(-1, k)
+    k, n = x.shape[-1], w1.shape[0]
+    dw13 = torch.cat([d_gate.reshape(-1, n).T, d_up.reshape(-1, n).T]) @ xn.reshape(-1, k)
     xhat = xf * rstd
     g = dxn * rms_w.to(compute)
     dx = rstd * (g - xhat * (g * xhat).mean(dim=-1, keepdim=True))
@@ -570,7 +602,8 @@ OP = Op(
 
 
 def _gradients(backward, saved, grads, needs) -> dict:
-    dx, dw13, drms_w = backward(grads[0], saved.x, saved.w1, saved.w3, saved.rms_w, saved.eps, saved.w13)
+    dx, dw13, drms_w = backward(grads[0], saved.x, saved.w1, saved.w3, saved.rms_w, saved.eps, saved.w13,
+                                saved.gate, saved.up)
     if saved.w13 is not None:
         return {"x": dx, "w13": dw13, "rms_w": drms_w}
     n = saved.w1.shape[0]
@@ -584,11 +617,12 @@ KERNEL = define_kernel(
     results=output,
     default_config=default_config,
     space=space,
-    backward=Backward(_gradients, saved=("x", "w1", "w3", "rms_w", "eps", "w13"), plan=backward_plan,
-                      reference=ffn_backward_reference, results=backward_outputs),
+    backward=Backward(_gradients, saved=("x", "w1", "w3", "rms_w", "eps", "w13", "gate", "up"), plan=backward_plan,
+                      reference=ffn_backward_reference, results=backward_outputs,
+                      residuals=Residuals(("gate", "up"), training_plan, training_outputs, ffn_training_reference)),
     doc="weight streaming for a few rows; else x * rms_w and rstd, then one GEMM with two accumulators, "
-        "rstd and SwiGLU in its epilogue; backward: the GEMM with a dh epilogue, the input and weight "
-        "GEMMs, rms_norm's backward",
+        "rstd and SwiGLU in its epilogue; backward: dh from the saved pre-activations, the input and "
+        "weight GEMMs, rms_norm's backward",
 )
 ffn = KERNEL.function
 dlcore_ops, dlcore_implementations = KERNEL.dlcore_ops, KERNEL.dlcore_implementations
