@@ -1,6 +1,9 @@
 """Run `dlcore bench` for several op/mode specs in one process, one JSON each, skipping those already there.
 
-    python3 .ci/bench_group.py DIR TARBALL SPEC...      SPEC = OP:MODE:SHAPES:TOKENS:VS (TOKENS, VS may be empty)
+    python3 .ci/bench_group.py DIR TARBALL SPEC...      SPEC = OP:MODE:SHAPES:TOKENS:VS[:IMPLS]
+
+TOKENS, VS and IMPLS may be empty; IMPLS: `dlcore bench --impls`, implementations timed alone beside
+what get_op chooses (e.g. triton,vendor).
 
 After each spec DIR is tarred into TARBALL, so what is done survives a time-out.
 """
@@ -15,7 +18,8 @@ from dlcore.cli import main
 out_dir, tarball, specs = sys.argv[1], sys.argv[2], sys.argv[3:]
 os.makedirs(out_dir, exist_ok=True)
 for spec in specs:
-    op, mode, shapes, tokens, vs = spec.split(":")
+    op, mode, shapes, tokens, vs, *rest = spec.split(":")
+    impls = rest[0] if rest else ""
     path = os.path.join(out_dir, f"{op}_{mode}.json")
     if os.path.exists(path):
         print(f"== {op} {mode}: already there", flush=True)
@@ -27,6 +31,8 @@ for spec in specs:
         args += ["--tokens", tokens]
     if vs:
         args += ["--vs", vs]
+    if impls:
+        args += ["--impls", impls]
     if os.environ.get("BENCH_DEVICE"):
         args += ["--device", os.environ["BENCH_DEVICE"]]
     try:

@@ -10,6 +10,14 @@
 #   landscape-matmul, landscape-ffn
 #              every config of a space timed (ffn: a random sample within LANDSCAPE_SECONDS)
 #   bench      dlcore bench of every op against torch, torch.compile and Liger: docs/results/*.json
+#              (bench-ops then bench-gemm: about 11 minutes on the H200, more than one device call
+#              may take: run the two apart)
+#   bench-ops  the memory-bound ops alone (about 6 minutes)
+#   bench-gemm matmul (up and down projections, 48 shapes) and ffn (24 shapes) on the gemm preset, with
+#              the Triton and vendor implementations timed alone beside get_op's choice (about 5
+#              minutes: 4 to 5 s a shape, most of it torch.compile and the example inputs)
+#   bench-gemm-bwd  ffn's backward on the gemm preset, the same columns (not measured: about 2 to 3
+#              minutes); not part of bench
 #   first-call the first call in new processes with Triton's cache warm: docs/results/first_call.json
 #   compiler   grid folding measurements and the `dlcore lower --all --report` table
 # e.g. bash .ci/gpu.sh tests overhead. Results land under $OUT.
@@ -64,17 +72,25 @@ for stage in "$@"; do
         python3 -m dlcore.bench.landscape record partial_rotary_emb --shape $shape --dtype bfloat16 --workers 15 \
             --seconds "${ROTARY_SECONDS:-60}" --out "$OUT/partial_${shape//[=,]/_}.json" 2>&1 | tail -1
       done ;;
-    bench)
-      # Every op's docs/results JSON (docs/performance.md is rendered from them): OP:MODE:SHAPES:TOKENS:VS
-      # specs, one `dlcore bench` each, bf16, do_bench, 2 rounds; results.tgz is rewritten after each,
-      # so what is done survives a time-out. BENCH_SPECS replaces the list.
-      specs=(rms_norm:fwd:gqa,deepseek-v3:1,64,4096,16384: rms_norm:bwd:gqa,deepseek-v3:1,64,4096,16384:
-             add_rms_norm:fwd:gqa,deepseek-v3:1,64,4096,16384: add_rms_norm:bwd:gqa,deepseek-v3:1,64,4096,16384:
-             silu_and_mul:fwd:gqa,deepseek-v3:1,64,4096,16384: silu_and_mul:bwd:gqa,deepseek-v3:1,64,4096,16384:
-             apply_rotary_pos_emb:fwd:gqa:1,64,4096,16384: apply_rotary_pos_emb:bwd:gqa:1,64,4096,16384:
-             partial_rotary_emb:fwd:mla:1,64,4096,16384: partial_rotary_emb:bwd:mla:1,64,4096,16384:
-             "matmul:fwd:tokens=4096,hidden=4096,inter=14336;tokens=128,hidden=4096,inter=4096;tokens=8192,hidden=8192,inter=8192::torch,compile"
-             ffn:fwd:llama3-8b:16,4096:torch,compile)
+    bench|bench-ops|bench-gemm|bench-gemm-bwd)
+      # Every op's docs/results JSON (docs/performance.md is rendered from them):
+      # OP:MODE:SHAPES:TOKENS:VS[:IMPLS] specs, one `dlcore bench` each, bf16, do_bench, 2 rounds;
+      # results.tgz is rewritten after each, so what is done survives a time-out. BENCH_SPECS replaces the list.
+      ops=(rms_norm:fwd:gqa,deepseek-v3:1,64,4096,16384: rms_norm:bwd:gqa,deepseek-v3:1,64,4096,16384:
+           add_rms_norm:fwd:gqa,deepseek-v3:1,64,4096,16384: add_rms_norm:bwd:gqa,deepseek-v3:1,64,4096,16384:
+           silu_and_mul:fwd:gqa,deepseek-v3:1,64,4096,16384: silu_and_mul:bwd:gqa,deepseek-v3:1,64,4096,16384:
+           apply_rotary_pos_emb:fwd:gqa:1,64,4096,16384: apply_rotary_pos_emb:bwd:gqa:1,64,4096,16384:
+           partial_rotary_emb:fwd:mla:1,64,4096,16384: partial_rotary_emb:bwd:mla:1,64,4096,16384:)
+      # the gemm preset: M in 1,16,128,1024,4096,16384 on LLaMA-3-8B, LLaMA-3-70B, Qwen2.5-7B and
+      # DeepSeek-V3's shared expert; matmul both projections (gemm: K = hidden, N = inter; gemm-down:
+      # K = inter, N = hidden), 48 shapes; ffn 24 shapes
+      gemm=(matmul:fwd:gemm,gemm-down::torch,compile:triton,vendor ffn:fwd:gemm::torch,compile:triton,vendor)
+      case $stage in
+        bench) specs=("${ops[@]}" "${gemm[@]}") ;;
+        bench-ops) specs=("${ops[@]}") ;;
+        bench-gemm) specs=("${gemm[@]}") ;;
+        *) specs=(ffn:bwd:gemm::torch,compile:triton,vendor) ;;
+      esac
       [ -n "$BENCH_SPECS" ] && read -r -a specs <<< "$BENCH_SPECS"
       python3 .ci/bench_group.py /tmp/results "$OUT/results.tgz" "${specs[@]}" 2>&1 | tee -a "$OUT/bench.log" | grep -E '^== |geomean' ;;
     first-call)

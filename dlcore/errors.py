@@ -69,7 +69,7 @@ class SearchSpaceError(DlcoreError, ValueError):
 
 class PluginConflictError(DlcoreError, ValueError):
     """Two plugins provide the same thing (an op, an implementation, a backend's device type, a
-    strategy), or an implementation is for an op no plugin declares; the later one is dropped."""
+    strategy); the later one is dropped."""
 
 
 class DeclarationError(DlcoreError, ValueError):

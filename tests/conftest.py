@@ -40,6 +40,7 @@ def fresh_dlcore(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     """Each test discovers plugins anew and starts with no cached selection, on disk or in memory."""
     monkeypatch.delenv("DLCORE_PLUGINS", raising=False)
     monkeypatch.delenv("DLCORE_DISABLE_PLUGINS", raising=False)
+    monkeypatch.delenv("DLCORE_DISABLE_IMPLS", raising=False)
     monkeypatch.delenv("DLCORE_TUNE", raising=False)
     monkeypatch.setenv("DLCORE_CACHE_DIR", str(tmp_path / "dlcore-cache"))
     dlcore.dispatch.dispatcher.reset()

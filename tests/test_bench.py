@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from dlcore.bench import harness
-from dlcore.bench.harness import OWN, ShapeResult, bound_of, geomean, run_bench, time_round_robin
-from dlcore.bench.presets import MODELS, TOKENS, Shape, shapes_for
+from dlcore.bench.harness import OWN, Report, ShapeResult, bound_of, geomean, run_bench, time_round_robin
+from dlcore.bench.presets import GEMM_TOKENS, MODELS, TOKENS, Shape, shapes_for
 from dlcore.cli import main
-from dlcore.declarations.implementation import ReferenceImplementation
+from dlcore.declarations.implementation import ReferenceImplementation, TorchImplementation
 from dlcore.declarations.op import Op, TensorArg
 from dlcore.plugins.registry import registry
 
@@ -37,9 +37,41 @@ def test_the_all_preset_merges_models_of_equal_shapes():
     shapes, _ = shapes_for({"tokens": 37, "hidden": 256}, None)
     assert len(shapes) == 6 * len(TOKENS)  # DeepSeek-V3's experts share its hidden size
     assert {s.sizes["hidden"] for s in shapes} == {4096, 8192, 3584, 5120, 2048, 7168}
-    assert shapes[-1].models == ("deepseek-v3", "deepseek-v3-moe")
+    assert shapes[-1].models == ("deepseek-v3", "deepseek-v3-moe", "deepseek-v3-shared")
     inter = {s.sizes["inter"] for s in shapes_for({"tokens": 37, "inter": 128}, "all")[0]}
     assert inter == {14336, 28672, 18944, 12288, 10944, 18432, 2048}
+
+
+GEMM_DIMS = [(4096, 14336), (8192, 28672), (3584, 18944), (7168, 2048)]  # (hidden, inter) of issue #13
+
+
+def test_the_gemm_preset_has_the_mlp_shapes_at_its_own_token_counts():
+    example = {"tokens": 37, "hidden": 256, "inter": 96}
+    shapes, notes = shapes_for(example, "gemm")
+    assert GEMM_TOKENS == (1, 16, 128, 1024, 4096, 16384) and notes == []
+    assert [tuple(s.sizes.values()) for s in shapes] == [(t, h, i) for h, i in GEMM_DIMS for t in GEMM_TOKENS]
+    assert [s.models for s in shapes[::len(GEMM_TOKENS)]] == [
+        ("llama3-8b",), ("llama3-70b",), ("qwen2.5-7b",), ("deepseek-v3-shared",)]
+    # --tokens replaces every preset's counts; a model preset keeps the general ones
+    assert {s.sizes["tokens"] for s in shapes_for(example, "gemm", tokens=(2, 3))[0]} == {2, 3}
+    assert [s.sizes["tokens"] for s in shapes_for(example, "llama3-8b")[0]] == list(TOKENS)
+
+
+def test_a_down_variant_swaps_hidden_and_inter():
+    """gemm-down is matmul's down projection: K = the model's inter, N = its hidden."""
+    example = {"tokens": 37, "hidden": 256, "inter": 96}
+    down, notes = shapes_for(example, "gemm-down", tokens=(16,))
+    assert [(s.sizes["hidden"], s.sizes["inter"]) for s in down] == [(i, h) for h, i in GEMM_DIMS] and notes == []
+    assert down[0].models == ("llama3-8b (down)",)
+    both, _ = shapes_for(example, "gemm,gemm-down", tokens=(16,))
+    assert len(both) == 8, "the up and down shapes of a model stay apart"
+    assert shapes_for(example, "llama3-70b-down", tokens=(1,))[0][0].sizes == {"tokens": 1, "hidden": 28672,
+                                                                                "inter": 8192}
+    # a model without both sizes is left out with a note
+    shapes, notes = shapes_for(example, "all-down", tokens=(1,))
+    assert len(shapes) == 7 and notes == []  # deepseek-v3-moe and -shared merge
+    with pytest.raises(ValueError, match="neither a preset"):
+        shapes_for(example, "gemm-up")
 
 
 def test_rotary_sizes_get_heads_and_batch_one():
@@ -272,8 +304,8 @@ def test_missing_and_failing_baselines_are_skipped_with_a_note(monkeypatch, log)
     assert report.baselines == ["peer"]
     assert report.notes == [
         "torch: fake declares no 'torch' baseline; skipped",
-        "liger: failed to load (ImportError: No module named 'liger_kernel'); skipped",
         "compile: needs the op's 'torch' baseline, which is not available; skipped",
+        "liger: failed to load (ImportError: No module named 'liger_kernel'); skipped",
     ]
     # tokens=1: one row either way; tokens=2: the result has another shape, so it is left out
     assert report.shapes[1].ms("peer") is None and "peer: its results do not have the shapes" in report.table()
@@ -295,6 +327,104 @@ def test_unknown_baseline_is_an_error(monkeypatch, log):
     op = register(monkeypatch, fake_op(log))
     with pytest.raises(ValueError, match="unknown baseline 'ligre'; fake can be compared with torch, compile, liger"):
         bench(op, log, baselines=("ligre",))
+
+
+def register_with(monkeypatch, op: Op, *impls) -> Op:
+    reg = registry()
+    monkeypatch.setitem(reg.ops, op.name, op)
+    monkeypatch.setitem(reg.implementations, op.name, [ReferenceImplementation(op), *impls])
+    return op
+
+
+def test_implementations_alone_get_columns_and_the_choice_is_named(monkeypatch, log):
+    """--impls: each implementation through get_op(impl=...) in a dlcore[NAME] column, every dlcore
+    column against every baseline, and 'best': the fastest of those columns over get_op's."""
+    op = dataclasses.replace(fake_op(log), name="fake_impls")
+    alt = TorchImplementation("fake_impls", "alt", log.logged("alt", scale))
+    register_with(monkeypatch, op, alt)
+    monkeypatch.setitem(FAKE_MS[1], "alt", 0.5)
+    monkeypatch.setitem(FAKE_MS[2], "alt", 0.5)
+    timed = []
+    report = run_bench(op, [Shape({"tokens": t, "hidden": 8}) for t in (1, 2)], dtype=torch.float32, device="cpu",
+                       baselines=("torch",), impls=("reference", "torch", "nothing"),
+                       timer=log.timer(timed), timer_name="fake", rounds=3, copy_bytes=COPY_BYTES)
+    assert report.impls == ["dlcore[reference]"] and report.implementations == [OWN, "dlcore[reference]", "torch"]
+    assert [n for n in report.notes if n.startswith("dlcore[")] == [
+        "dlcore[torch]: fake_impls has several implementations of kind 'torch' (reference, alt) (it has "
+        "reference (torch), alt (torch)); skipped",
+        "dlcore[nothing]: fake_impls has no implementation or kind 'nothing' (it has reference (torch), "
+        "alt (torch)); skipped"]
+    first = report.shapes[0]
+    assert first.impl == "alt" and first.ms(OWN) == 0.5 and first.ms("dlcore[reference]") == 1.0
+    assert timed.count(OWN) == 6, "the reference alone: 3 rounds per shape"
+    assert first.speedup("torch") == 4.0 and first.speedup("torch", of="dlcore[reference]") == 2.0
+    assert first.speedup_vs_best(report.impls) == 2.0
+    assert report.geomean("best") == 2.0 and report.geomean("torch", of="dlcore[reference]") == 4.0
+    table = report.table()
+    for words in ("chosen", "dlcore[reference] ms", "dlcore[reference] vs torch", "vs best", "alt"):
+        assert words in table, table
+    data = report.to_json()
+    assert data["dlcore_columns"] == ["dlcore[reference]"] and data["baselines"] == ["torch"]
+    assert data["shapes"][0]["chosen_impl"] == "alt" and data["shapes"][0]["speedup_vs_best"] == 2.0
+    assert data["shapes"][0]["speedup_of"] == {"dlcore[reference]": {"torch": 2.0}}
+    assert data["geomean_speedup_of"] == {OWN: {"torch": pytest.approx(8.0), "best": 2.0},
+                                          "dlcore[reference]": {"torch": pytest.approx(4.0)}}
+    assert data["baseline_docs"]["torch"].endswith("Log.logged.<locals>.run")
+
+
+def test_the_op_may_declare_what_compile_compiles_and_what_is_prepared_once(monkeypatch, log):
+    """ffn's compile baseline is a composite over [w1; w3] concatenated once per shape, outside the
+    timing: the op's own 'compile' baseline, with prepare(args)."""
+    prepared = []
+
+    def prepare(args):
+        x, s = args
+        prepared.append(x.requires_grad)
+        return x, s * 1
+
+    def composite(x, s):
+        """x times s, s prepared."""
+        return scale(x, s)
+
+    composite.prepare = prepare
+    op = register(monkeypatch, fake_op(log, baselines={"torch": lambda: scale, "compile": lambda: composite}))
+    report = bench(op, log, baselines=("compile",), tokens=(1, 2))
+    assert log.compiles == 2 and prepared == [False, False], "compiled and prepared once per shape"
+    compiled_args = [args for name, args in log.calls if name == "compile"]
+    assert compiled_args and all(args[1] is not op_args[1] for args in compiled_args
+                                 for name, op_args in log.calls if name == OWN)
+    assert report.shapes[0].ms("compile") == 4.0 and report.shapes[0].max_abs_diff == {"compile": 0.0}
+    assert report.baseline_docs["compile"].startswith("torch.compile of ") and "x times s, s prepared." in \
+        report.baseline_docs["compile"] and "(prepared once per shape, untimed: " in report.baseline_docs["compile"]
+    # in a backward, the forward (untimed) prepares: its gradients reach the op's own inputs
+    prepared.clear()
+    report = bench(op, log, mode="bwd", baselines=("compile",), tokens=(1,))
+    assert prepared == [True] and report.shapes[0].max_abs_diff == {"compile": 0.0}
+    assert "(prepared in the untimed forward: " in report.baseline_docs["compile"]
+    # forward and backward timed together: prepared in each call (a warm-up and 3 rounds)
+    prepared.clear()
+    report = bench(op, log, mode="fwd+bwd", baselines=("compile",), tokens=(1,))
+    assert prepared == [True] * 4 and report.shapes[0].ms("compile") == 4.0
+    # without a 'compile' baseline of its own, the op's torch baseline is compiled
+    op = register(monkeypatch, fake_op(log, baselines={"compile": lambda: None}))
+    report = bench(op, log, baselines=("compile",), tokens=(1,))
+    assert report.baselines == [] and report.notes == [
+        "compile: the op's function to compile: not installed here; skipped"]
+
+
+def test_compute_bound_results_summarize_small_and_large_token_counts():
+    shapes = [ShapeResult(Shape({"tokens": t, "hidden": 8}), nbytes=10, flops=10**6,
+                          rounds={OWN: [1.0], "torch": [speedup]}) for t, speedup in ((16, 0.5), (128, 2.0),
+                                                                                       (512, 3.0), (4096, 4.0))]
+    report = Report("fake", "fwd", torch.float32, {}, ["torch"], COPY_BYTES, shapes=shapes)
+    groups = report.token_groups()
+    assert [[r.shape.sizes["tokens"] for r in g] for g in groups.values()] == [[16, 128], [4096]]
+    assert report.to_json()["geomean_speedup_by_tokens"] == {"tokens <= 128": {OWN: {"torch": 1.0}},
+                                                            "tokens >= 1024": {OWN: {"torch": 4.0}}}
+    assert "geomean tokens >= 1024" in report.table()
+    memory = Report("fake", "fwd", torch.float32, {}, ["torch"], COPY_BYTES,
+                    shapes=[dataclasses.replace(r, flops=1) for r in shapes])
+    assert memory.token_groups() == {} and "tokens <=" not in memory.table()
 
 
 def test_backward_times_the_backward_alone(monkeypatch, log):
@@ -471,6 +601,19 @@ def test_every_kernel_op_benches_in_the_interpreter(name, mode, monkeypatch, tmp
     assert f"{name} {mode} float32" in capsys.readouterr().out
     if mode == "bwd":
         assert asked and set(asked) == {len(op.differentiable())}
+
+
+def test_matmul_benches_the_triton_implementation_alone_through_the_command_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(harness, "default_copy_bytes", lambda device: 2**16)
+    out = tmp_path / "matmul.json"
+    assert main(["bench", "matmul", "--shapes", "tokens=3,hidden=40,inter=24", "--vs", "torch", "--impls",
+                 "triton", "--dtype", "fp32", "--rounds", "1", "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    (shape,) = data["shapes"]
+    assert data["command"].endswith("--impls triton") and data["dlcore_columns"] == ["dlcore[triton]"]
+    assert shape["results"]["dlcore[triton]"]["ms"] > 0 and shape["speedup_of"]["dlcore[triton]"]["torch"] > 0
+    assert shape["max_abs_diff_vs_dlcore"]["dlcore[triton]"] < 1e-4
+    assert "dlcore[triton] vs torch" in capsys.readouterr().out
 
 
 def test_cli_errors_are_one_line(capsys):

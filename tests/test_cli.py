@@ -24,6 +24,9 @@ def test_ops_lists_implementations_backends_and_dtypes(capsys):
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines()]
     assert any(r[:3] == ["rms_norm", "triton", "triton"] for r in rows), out
+    # the vendor's library: its kind, the backends that run it (not cpu), what it calls
+    for op in ("matmul", "ffn"):
+        assert any(r[:4] == [op, "torch", "vendor", "cuda,npu,mlu"] and "cuBLAS" in " ".join(r[6:]) for r in rows), out
     assert "reference (fallback)" in out
     assert "float16,bfloat16,float32" in out
 

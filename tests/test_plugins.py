@@ -27,7 +27,7 @@ def test_builtins_arrive_through_entry_points():
     assert status["dlcore.backends:cuda"] == ("loaded", "dlc-cuda")
     assert status["dlcore.backends:npu"] == ("loaded", "dlc-ascend")
     assert status["dlcore.backends:mlu"] == ("loaded", "dlc-mlu")
-    for kernel in ("silu_and_mul", "rms_norm", "ffn"):
+    for kernel in ("silu_and_mul", "rms_norm", "ffn", "vendor_matmul", "vendor_ffn"):
         assert status[f"dlcore.kernels:{kernel}"] == ("loaded", "dlblas-kernels")
     assert {"cpu", "cuda", "npu", "mlu"} <= set(reg.backends)
     assert {"grid", "random", "tpe"} <= set(reg.strategies)

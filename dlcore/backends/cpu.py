@@ -3,6 +3,9 @@
 It runs the ops' torch references, and the Triton kernels themselves when they were created under
 ``TRITON_INTERPRET=1`` (set before ``triton`` is imported): that is how the kernels are tested on
 machines without an accelerator.
+
+It declines ``vendor`` implementations: against kernels run by the interpreter, torch's CPU library
+would win every selection, and the tests of the kernels would time the interpreter for nothing.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ def _memory_bytes() -> int:
 class CpuBackend(Backend):
     name = "cpu"
     device_types = ("cpu",)
+    kinds = ("triton", "torch")
 
     def profile(self, device: torch.device) -> DeviceProfile:
         machine = platform.machine() or "unknown"
@@ -42,6 +46,9 @@ class CpuBackend(Backend):
         )
 
     def accepts(self, impl: Implementation, signature: Signature) -> str | None:
+        if impl.kind == "vendor":
+            return ("the cpu backend does not run vendor libraries: its Triton kernels run in the "
+                    "interpreter, and timing them against torch's CPU library would choose the library every time")
         reason = super().accepts(impl, signature)
         if reason or impl.kind != "triton":
             return reason

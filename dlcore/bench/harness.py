@@ -1,8 +1,11 @@
 """Timing an op against its baselines, shape by shape, on the same inputs; the numbers that come out.
 
 For each shape the op's example inputs are built once. The op (through ``get_op``, named
-``dlcore``) and each baseline (``torch`` and ``liger`` from ``op.baselines``; ``compile``: the
-``torch`` baseline through ``torch.compile``, compiled afresh for each shape) are warmed up once,
+``dlcore``), optionally one of its implementations alone (``get_op(..., impl=NAME)``, named
+``dlcore[NAME]``: e.g. the Triton kernel beside what selection chose, which may be the vendor
+library) and each baseline (``torch`` and ``liger`` from ``op.baselines``; ``compile``: the op's
+``compile`` baseline, a composite written to be compiled, when it declares one, else its ``torch``
+baseline, through ``torch.compile``, compiled afresh for each shape) are warmed up once,
 then timed in rounds: each round times every implementation once, starting one further along each
 round, so that a clock or thermal drift spreads over all of them alike. An implementation's time is
 the median of its rounds; each round is one timer call (``triton.testing.do_bench``'s median on
@@ -15,6 +18,12 @@ cache), and beside it the time of a device-to-device copy of the shape's own byt
 sizes where they count); TFLOP/s for shapes above
 :data:`RIDGE` flops per byte. A baseline that is missing or fails is left out with a note, never
 replaced by something else.
+
+A baseline function may carry ``prepare(args) -> args``: what a caller does once, not per call
+(ffn's composite over ``[w1; w3]`` concatenated once, as a caller that keeps ``w13`` does). In
+``fwd`` it runs once per shape, outside the timing, and the baseline is timed on what it returns;
+in ``bwd`` it runs in the untimed forward, and in ``fwd+bwd`` in each timed call (the backward
+must reach the op's own inputs).
 """
 
 from __future__ import annotations
@@ -42,6 +51,10 @@ Timer = Callable[[Callable[[], object]], float]
 #: the op's own column: what ``get_op`` chooses
 OWN = "dlcore"
 COMPILE = "compile"
+#: the ratio of the op's time to the fastest of its ``dlcore[NAME]`` columns (does selection pick right?)
+BEST = "best"
+#: token ranges summarized apart when some shape is compute-bound: small batches and decode, prefill
+TOKEN_GROUPS: dict[str, tuple[int, int | None]] = {"tokens <= 128": (0, 128), "tokens >= 1024": (1024, None)}
 #: baselines every op may declare; ``compile`` is built from ``torch``
 KNOWN_BASELINES = ("torch", COMPILE, "liger")
 MODES = ("fwd", "bwd", "fwd+bwd")
@@ -66,6 +79,11 @@ def geomean(values: list[float]) -> float | None:
     return math.exp(sum(map(math.log, values)) / len(values)) if values else None
 
 
+def impl_column(name: str) -> str:
+    """The column of implementation ``name`` run alone: ``dlcore[triton]``."""
+    return f"{OWN}[{name}]"
+
+
 def bound_of(nbytes: int | None, flops: int | None) -> str | None:
     """``memory`` or ``compute``, by arithmetic intensity; None without a cost."""
     if not nbytes:
@@ -83,6 +101,8 @@ class ShapeResult:
     rounds: dict[str, list[float]] = field(default_factory=dict)
     max_abs_diff: dict[str, float] = field(default_factory=dict)
     chosen: str = ""
+    #: the name of the implementation ``get_op`` chose
+    impl: str = ""
     notes: list[str] = field(default_factory=list)
     #: ms of a device-to-device copy moving ``nbytes`` (read + written), timed in the same run
     copy_ms: float | None = None
@@ -113,10 +133,16 @@ class ShapeResult:
         ms = self.ms(name)
         return self.copy_ms / ms if ms and self.copy_ms and self.bound == "memory" else None
 
-    def speedup(self, baseline: str) -> float | None:
-        """The baseline's time over the op's: above 1, the op is faster."""
-        own, other = self.ms(OWN), self.ms(baseline)
+    def speedup(self, baseline: str, of: str = OWN) -> float | None:
+        """The baseline's time over the op's (or over column ``of``'s): above 1, the op is faster."""
+        own, other = self.ms(of), self.ms(baseline)
         return other / own if own and other else None
+
+    def speedup_vs_best(self, columns: list[str]) -> float | None:
+        """The fastest of ``columns``' times over the op's: 1 when selection picked the fastest."""
+        times = [t for c in columns if (t := self.ms(c)) is not None]
+        own = self.ms(OWN)
+        return min(times) / own if own and times else None
 
 
 @dataclass
@@ -127,6 +153,10 @@ class Report:
     device: dict[str, Any]
     baselines: list[str]
     copy_bytes: int
+    #: the ``dlcore[NAME]`` columns: implementations run alone
+    impls: list[str] = field(default_factory=list)
+    #: baseline -> what it runs, in a line
+    baseline_docs: dict[str, str] = field(default_factory=dict)
     copy_gbps: list[float] = field(default_factory=list)
     shapes: list[ShapeResult] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -145,29 +175,67 @@ class Report:
 
     @property
     def implementations(self) -> list[str]:
-        return [OWN, *self.baselines]
+        return [OWN, *self.impls, *self.baselines]
 
-    def speedups(self, baseline: str) -> list[float]:
-        return [s for r in self.shapes if (s := r.speedup(baseline)) is not None]
+    @property
+    def own_columns(self) -> list[str]:
+        """dlcore's columns: what ``get_op`` chose, then each implementation run alone."""
+        return [OWN, *self.impls]
 
-    def geomean(self, baseline: str) -> float | None:
-        return geomean(self.speedups(baseline))
+    def speedups(self, baseline: str, of: str = OWN, shapes: list[ShapeResult] | None = None) -> list[float]:
+        """Per shape, ``baseline``'s time over ``of``'s; ``baseline`` :data:`BEST`: the fastest
+        ``dlcore[NAME]`` column's over the op's."""
+        results = self.shapes if shapes is None else shapes
+        if baseline == BEST:
+            return [s for r in results if (s := r.speedup_vs_best(self.impls)) is not None]
+        return [s for r in results if (s := r.speedup(baseline, of)) is not None]
 
-    def worst(self, baseline: str) -> float | None:
-        return min(self.speedups(baseline), default=None)
+    def geomean(self, baseline: str, of: str = OWN, shapes: list[ShapeResult] | None = None) -> float | None:
+        return geomean(self.speedups(baseline, of, shapes))
+
+    def worst(self, baseline: str, of: str = OWN, shapes: list[ShapeResult] | None = None) -> float | None:
+        return min(self.speedups(baseline, of, shapes), default=None)
+
+    def ratio_columns(self) -> list[tuple[str, str]]:
+        """``(of, baseline)`` of each ratio the report gives: every dlcore column against every
+        baseline, then the op against the fastest dlcore column alone (with any)."""
+        pairs = [(of, b) for b in self.baselines for of in self.own_columns]
+        return pairs + ([(OWN, BEST)] if self.impls else [])
+
+    def token_groups(self) -> dict[str, list[ShapeResult]]:
+        """:data:`TOKEN_GROUPS` with their shapes, when some shape is compute-bound and both hold some."""
+        if not any(r.bound == "compute" for r in self.shapes):
+            return {}
+        groups = {label: [r for r in self.shapes if "tokens" in r.shape.sizes
+                          and low <= r.shape.sizes["tokens"] and (high is None or r.shape.sizes["tokens"] <= high)]
+                  for label, (low, high) in TOKEN_GROUPS.items()}
+        return groups if all(groups.values()) else {}
+
+    def show_chosen(self) -> bool:
+        """Whether the table names the implementation chosen per shape: with dlcore columns, or
+        when the choice varies."""
+        return bool(self.impls) or len({r.impl for r in self.shapes if r.impl}) > 1
 
     # -- output ---------------------------------------------------------------------------------
 
     def table(self) -> str:
         header = ["model", "shape", "MiB", f"{OWN} ms", "rate", "%copy", "%copy same size"]
+        header += ["chosen"] if self.show_chosen() else []
+        for c in self.impls:
+            header += [f"{c} ms", f"{c} rate"]
+        lead = len(header)
         for b in self.baselines:
-            header += [f"{b} ms", f"vs {b}"]
+            header += [f"{b} ms"] + [_ratio_name(of, b) for of in self.own_columns]
+        header += [_ratio_name(OWN, BEST)] if self.impls else []
         rows = [self._row(r) for r in self.shapes]
-        if self.baselines:
-            for label, summary in (("geomean", self.geomean), ("min", self.worst)):
-                row = ["", label, "", "", "", "", ""]
+        if self.baselines or self.impls:
+            summaries = [("geomean", self.geomean, None), ("min", self.worst, None)]
+            summaries += [(f"geomean {label}", self.geomean, shapes) for label, shapes in self.token_groups().items()]
+            for label, summary, shapes in summaries:
+                row = ["", label] + [""] * (lead - 2)
                 for b in self.baselines:
-                    row += ["", _ratio(summary(b))]
+                    row += [""] + [_ratio(summary(b, of, shapes)) for of in self.own_columns]
+                row += [_ratio(summary(BEST, OWN, shapes))] if self.impls else []
                 rows.append(row)
         if not any(r.shape.models for r in self.shapes):
             header, rows = header[1:], [row[1:] for row in rows]
@@ -192,13 +260,15 @@ class Report:
         return "\n".join(lines)
 
     def _row(self, r: ShapeResult) -> list[str]:
-        rate = r.tflops(OWN) if r.bound == "compute" else r.gbps(OWN)
-        unit = "TFLOP/s" if r.bound == "compute" else "GB/s"
         row = [",".join(r.shape.models), r.shape.label(), _num(r.nbytes / 2**20 if r.nbytes else None),
-               _num(r.ms(OWN)), f"{_num(rate)} {unit}" if rate else "-",
+               _num(r.ms(OWN)), _rate(r, OWN),
                _percent(r.copy_fraction(OWN, self.copy_bandwidth)), _percent(r.same_size_copy_fraction(OWN))]
+        row += [r.impl or "-"] if self.show_chosen() else []
+        for c in self.impls:
+            row += [_num(r.ms(c)), _rate(r, c)]
         for b in self.baselines:
-            row += [_num(r.ms(b)), _ratio(r.speedup(b))]
+            row += [_num(r.ms(b))] + [_ratio(r.speedup(b, of)) for of in self.own_columns]
+        row += [_ratio(r.speedup_vs_best(self.impls))] if self.impls else []
         return row
 
     def to_json(self) -> dict[str, Any]:
@@ -216,6 +286,9 @@ class Report:
             "timer": self.timer,
             "rounds": self.rounds,
             "implementations": self.implementations,
+            "dlcore_columns": self.impls,
+            "baselines": self.baselines,
+            "baseline_docs": self.baseline_docs,
             "copy_bandwidth_gbps": copy,
             "copy_bandwidth_runs_gbps": self.copy_gbps,
             "copy_bytes": self.copy_bytes,
@@ -224,7 +297,19 @@ class Report:
             "shapes": [self._shape_json(r, copy) for r in self.shapes],
             "geomean_speedup": {b: self.geomean(b) for b in self.baselines},
             "min_speedup": {b: self.worst(b) for b in self.baselines},
+            # every ratio column: {of: {baseline: value}}, ``best`` under dlcore with dlcore columns
+            "geomean_speedup_of": self._summary(self.geomean),
+            "min_speedup_of": self._summary(self.worst),
+            "geomean_speedup_by_tokens": {label: self._summary(self.geomean, shapes)
+                                          for label, shapes in self.token_groups().items()},
         }
+
+    def _summary(self, summary: Callable[..., float | None],
+                 shapes: list[ShapeResult] | None = None) -> dict[str, dict[str, float | None]]:
+        found: dict[str, dict[str, float | None]] = {}
+        for of, b in self.ratio_columns():
+            found.setdefault(of, {})[b] = summary(b, of, shapes)
+        return found
 
     def _shape_json(self, r: ShapeResult, copy: float | None) -> dict[str, Any]:
         return {
@@ -235,14 +320,28 @@ class Report:
             "bound": r.bound,
             "same_size_copy_ms": r.copy_ms,
             "chosen": r.chosen,
+            "chosen_impl": r.impl,
             "results": {name: {"ms": r.ms(name), "rounds_ms": times, "gbps": r.gbps(name),
                                "tflops": r.tflops(name), "copy_fraction": r.copy_fraction(name, copy),
                                "same_size_copy_fraction": r.same_size_copy_fraction(name)}
                         for name, times in r.rounds.items()},
             "speedup": {b: r.speedup(b) for b in self.baselines},
+            "speedup_of": {c: {b: r.speedup(b, c) for b in self.baselines} for c in self.impls},
+            "speedup_vs_best": r.speedup_vs_best(self.impls) if self.impls else None,
             "max_abs_diff_vs_dlcore": r.max_abs_diff,
             "notes": r.notes,
         }
+
+
+def _ratio_name(of: str, baseline: str) -> str:
+    """``vs torch`` for the op's own column, ``dlcore[triton] vs torch`` for another."""
+    return f"vs {baseline}" if of == OWN else f"{of} vs {baseline}"
+
+
+def _rate(r: ShapeResult, name: str) -> str:
+    rate = r.tflops(name) if r.bound == "compute" else r.gbps(name)
+    unit = "TFLOP/s" if r.bound == "compute" else "GB/s"
+    return f"{_num(rate)} {unit}" if rate else "-"
 
 
 def _num(x: float | None) -> str:
@@ -376,21 +475,50 @@ def default_copy_bytes(device: torch.device) -> int:
 # -- the implementations ---------------------------------------------------------------------------
 
 def load_baselines(op: Op, names: list[str]) -> tuple[dict[str, Callable[..., Any]], list[str]]:
-    """The requested baselines available here (``compile`` needs ``torch``), and a note per missing one."""
+    """The requested baselines available here, and a note per missing one.
+
+    Under ``compile`` the function to compile: the op's own ``compile`` baseline when it declares
+    one, else its ``torch`` baseline.
+    """
     found: dict[str, Callable[..., Any]] = {}
     notes: list[str] = []
-    wanted = [n for n in names if n != COMPILE]
-    if COMPILE in names and "torch" not in wanted:
-        wanted.append("torch")
-    for name in wanted:
+    for name in names:
+        if name == COMPILE:
+            source = COMPILE if COMPILE in op.baselines else "torch"
+            fn, why = _load(op, source)
+            if fn is not None:
+                found[COMPILE] = fn
+            elif source == COMPILE:
+                notes.append(f"{COMPILE}: the op's function to compile: {why}; skipped")
+            else:
+                notes.append(f"{COMPILE}: needs the op's 'torch' baseline, which is not available; skipped")
+            continue
         fn, why = _load(op, name)
         if fn is not None:
             found[name] = fn
-        elif name in names:
+        else:
             notes.append(f"{name}: {why}; skipped")
-    if COMPILE in names and "torch" not in found:
-        notes.append(f"{COMPILE}: needs the op's 'torch' baseline, which is not available; skipped")
     return found, notes
+
+
+#: where a baseline's ``prepare`` runs, per mode
+PREPARED = {"fwd": "prepared once per shape, untimed", "bwd": "prepared in the untimed forward",
+            "fwd+bwd": "prepared in each timed call"}
+
+
+def baseline_doc(name: str, fn: Callable[..., Any], mode: str = "fwd") -> str:
+    """What a baseline runs, in a line: its function's name and the first line of its docstring."""
+    module = getattr(fn, "__module__", None) or ""
+    if module.partition(".")[0] == "torch" or module == "":  # torch.matmul: torch._C's, documented by torch
+        label, first = f"torch.{getattr(fn, '__name__', type(fn).__name__)}", []
+    else:
+        label = f"{module}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+        first = (inspect.getdoc(fn) or "").strip().splitlines()
+    text = f"{label}: {first[0]}" if first else label
+    text = f"torch.compile of {text}" if name == COMPILE else text
+    if getattr(fn, "prepare", None) is not None:
+        text += f" ({PREPARED[mode]}: {getattr(fn.prepare, '__qualname__', 'prepare')})"
+    return text
 
 
 def _load(op: Op, name: str) -> tuple[Callable[..., Any] | None, str]:
@@ -441,7 +569,8 @@ class Bench:
     rounds: int
     seed: int
     baselines: dict[str, Callable[..., Any]]
-    want_compile: bool
+    #: implementations run alone, each in a ``dlcore[NAME]`` column
+    impls: list[str] = field(default_factory=list)
     #: notes about the whole run, each once
     notes: list[str] = field(default_factory=list)
 
@@ -468,19 +597,35 @@ class Bench:
         return nbytes, flops
 
     def implementations(self, args: tuple, result: ShapeResult) -> dict[str, Callable[..., Any]]:
-        """The op through ``get_op`` and the baselines, for these inputs (``compile`` built afresh)."""
+        """The op through ``get_op``, each implementation alone, and the baselines, for these inputs
+        (``compile`` built afresh, ``prepare`` done)."""
         from dlcore.dispatch.dispatcher import get_op
 
         bound = get_op(self.op.name, args)
         result.chosen = f"{bound.impl.name} {bound.config}"
+        result.impl = bound.impl.name
         if getattr(bound.impl, "fallback_only", False):
             result.notes.append(f"{OWN} ran {bound.impl.name}: no dedicated kernel accepts these inputs here")
         impls: dict[str, Callable[..., Any]] = {OWN: bound}
+        for name in self.impls:
+            try:
+                impls[impl_column(name)] = get_op(self.op.name, args, impl=name)
+            except DlcoreError as exc:
+                result.notes.append(f"{impl_column(name)}: {_first_line(exc)}; left out")
         for name, fn in self.baselines.items():
-            impls[name] = fn
-            if name == "torch" and self.want_compile:
-                impls[COMPILE] = compiled(fn)
+            run = compiled(fn) if name == COMPILE else fn
+            prepare = getattr(fn, "prepare", None)
+            impls[name] = run if prepare is None else self._prepared(run, prepare, args)
         return impls
+
+    def _prepared(self, fn: Callable[..., Any], prepare: Callable[[tuple], tuple],
+                  args: tuple) -> Callable[..., Any]:
+        """``fn`` on ``prepare``'s arguments: prepared once here in ``fwd``, per call otherwise."""
+        if self.mode == "fwd":
+            with torch.no_grad():
+                prepared = tuple(prepare(args))
+            return lambda *_: fn(*prepared)
+        return lambda *given: fn(*prepare(given))
 
     def run_shape(self, shape: Shape, requested: list[str]) -> ShapeResult:
         result = ShapeResult(shape)
@@ -491,7 +636,7 @@ class Bench:
         except DlcoreError as exc:
             result.notes.append(f"{OWN}: {_first_line(exc)}; shape skipped")
             return result
-        impls = {name: impls[name] for name in [OWN, *requested] if name in impls}
+        impls = {name: impls[name] for name in [OWN, *map(impl_column, self.impls), *requested] if name in impls}
         work = self.workloads(impls, args, result)
         if OWN not in work:
             return result
@@ -656,6 +801,7 @@ def run_bench(
     device: str | torch.device,
     mode: str = "fwd",
     baselines: tuple[str, ...] | list[str] = ("torch", COMPILE, "liger"),
+    impls: tuple[str, ...] | list[str] = (),
     timer: Timer | None = None,
     timer_name: str = "",
     rounds: int = 3,
@@ -667,6 +813,9 @@ def run_bench(
 ) -> Report:
     """Time ``op`` and ``baselines`` on each of ``shapes``; see the module docstring.
 
+    :param impls: implementations to run alone beside what ``get_op`` chooses, each in a
+        ``dlcore[NAME]`` column: names of the op's implementations, or a kind (``triton``,
+        ``vendor``) that exactly one of them has.
     :param timer: milliseconds of a no-argument callable; default :func:`default_timer`.
     :param notes: notes so far (from choosing the shapes), kept in the report.
     :raises ValueError: the op declares no example inputs, an unknown mode or baseline.
@@ -684,19 +833,22 @@ def run_bench(
         raise ValueError(f"unknown baseline {', '.join(map(repr, unknown))}; {op.name} can be compared with {known}")
     device = torch.device(device)
     reg = registry()
+    impl_names, impl_notes = implementations_named(op.name, reg.implementations_of(op.name), impls)
     backend = reg.backend_for(device)
     if timer is None:
         timer, timer_name = default_timer(device, backend)
     copy_bytes = copy_bytes or default_copy_bytes(device)
     loaded, missing = load_baselines(op, list(baselines))
-    requested = [b for b in baselines if b in loaded or (b == COMPILE and "torch" in loaded)]
+    requested = [b for b in baselines if b in loaded]
     report = Report(op.name, mode, dtype, reg.profile(backend, device).as_dict(), requested, copy_bytes,
+                    impls=[impl_column(n) for n in impl_names],
+                    baseline_docs={b: baseline_doc(b, loaded[b], mode) for b in requested},
                     timer=timer_name, rounds=rounds, command=command,
                     date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                     versions=versions(), environment={k: v for k, v in os.environ.items()
                                                       if k.startswith("DLCORE_") or k == "TRITON_INTERPRET"})
-    bench = Bench(op, dtype, device, mode, timer, rounds, seed, loaded, COMPILE in requested,
-                  notes=[*(notes or []), *missing])
+    bench = Bench(op, dtype, device, mode, timer, rounds, seed, loaded, impl_names,
+                  notes=[*(notes or []), *missing, *impl_notes])
     copy_timer = timer.copy_timer if isinstance(timer, GraphTimer) else timer
     # A graph timer's shapes run on its stream from the start (see GraphTimer).
     on_stream = torch.cuda.stream(timer.stream) if isinstance(timer, GraphTimer) else contextlib.nullcontext()
@@ -708,17 +860,37 @@ def run_bench(
                 result.copy_ms = copy_ms(device, copy_timer, result.nbytes)
             report.shapes.append(result)
             if progress is not None:
-                progress(f"[{i}/{len(shapes)}] {shape.label()}: {_progress_line(result, requested)}")
+                progress(f"[{i}/{len(shapes)}] {shape.label()}: "
+                         f"{_progress_line(result, [*report.impls, *requested])}")
     report.copy_gbps.append(copy_bandwidth(device, copy_timer, copy_bytes))
     report.notes = bench.notes
     return report
+
+
+def implementations_named(op: str, implementations: list[Any], requested: tuple[str, ...] | list[str],
+                          ) -> tuple[list[str], list[str]]:
+    """The implementations ``requested`` names (each a name, or a kind exactly one implementation
+    has), and a note for each that names none or several: like a missing baseline, left out."""
+    found: list[str] = []
+    notes: list[str] = []
+    names = [i.name for i in implementations]
+    for name in requested:
+        kind = [i.name for i in implementations if i.kind == name]
+        if name in names or len(kind) == 1:
+            found.append(name if name in names else kind[0])
+            continue
+        what = f"several implementations of kind {name!r} ({', '.join(kind)})" if kind else \
+            f"no implementation or kind {name!r}"
+        notes.append(f"{impl_column(name)}: {op} has {what} (it has "
+                     + ", ".join(f"{i.name} ({i.kind})" for i in implementations) + "); skipped")
+    return list(dict.fromkeys(found)), notes
 
 
 def _progress_line(result: ShapeResult, baselines: list[str]) -> str:
     own = result.ms(OWN)
     if own is None:
         return "skipped" + (f" ({result.notes[-1]})" if result.notes else "")
-    parts = [f"{OWN} {own:.4g} ms"]
+    parts = [f"{OWN} {own:.4g} ms" + (f" ({result.impl})" if result.impl else "")]
     for b in baselines:
         ms = result.ms(b)
         if ms is not None:

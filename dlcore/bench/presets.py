@@ -6,6 +6,10 @@ matched to one of them through :data:`ALIASES`, the token axis takes every value
 a batch axis is 1 (the tokens are all in the sequence), and a name no alias knows keeps the op's
 example value. A model that lacks a dimension the op needs (LLaMA has no MLA rope dimension) does
 not apply to that op and is left out with a note.
+
+A preset name may end in a :data:`VARIANTS` suffix: ``gemm-down`` is the ``gemm`` preset with each
+model's hidden and intermediate sizes swapped, the MLP's down projection (for ``matmul``, whose
+``a [tokens, hidden] @ b [hidden, inter]`` is the up projection: K = inter, N = hidden).
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ from dataclasses import dataclass
 
 #: tokens of one forward pass: decode (1) to long prefill (16384)
 TOKENS = (1, 16, 64, 256, 1024, 4096, 16384)
+#: the token counts (GEMM rows, M) of the ``gemm`` preset: decode (1, 16), small batches (128) and
+#: prefill (1024 to 16384)
+GEMM_TOKENS = (1, 16, 128, 1024, 4096, 16384)
 
 #: canonical dimension -> the size names ops may give it (lower case)
 ALIASES: dict[str, tuple[str, ...]] = {
@@ -48,6 +55,9 @@ MODELS: dict[str, dict[str, int]] = {
                     "nope_dim": 128, "rope_dim": 64, "v_dim": 128},
     # the routed experts' FFN width
     "deepseek-v3-moe": {"hidden": 7168, "inter": 2048},
+    # the shared expert (n_shared_experts 1, moe_intermediate_size 2048): a dense FFN every token
+    # goes through, so its GEMMs have as many rows as there are tokens
+    "deepseek-v3-shared": {"hidden": 7168, "inter": 2048},
 }
 
 #: preset name -> models; every model is a preset on its own
@@ -55,9 +65,15 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "all": tuple(MODELS),
     "gqa": ("llama3-8b", "llama3-70b", "qwen2.5-7b"),
     "mla": ("deepseek-v2", "deepseek-v2-lite", "deepseek-v3"),
+    # the MLP GEMMs of issue #13: LLaMA-3-8B, LLaMA-3-70B, Qwen2.5-7B and DeepSeek-V3's shared expert
+    "gemm": ("llama3-8b", "llama3-70b", "qwen2.5-7b", "deepseek-v3-shared"),
     **{name: (name,) for name in MODELS},
 }
 DEFAULT_PRESET = "all"
+#: preset -> its token counts when none are given (the others: :data:`TOKENS`)
+PRESET_TOKENS: dict[str, tuple[int, ...]] = {"gemm": GEMM_TOKENS}
+#: suffix -> (label, canonical dimensions whose model values are swapped): ``PRESET-SUFFIX``
+VARIANTS: dict[str, tuple[str, tuple[str, str]]] = {"down": ("down", ("hidden", "inter"))}
 
 _DIMS = re.compile(r"\d+(x\d+)*")
 
@@ -78,14 +94,17 @@ def canonical(size_name: str) -> str | None:
     return _CANONICAL.get(size_name.lower())
 
 
-def shapes_for(example_sizes: dict[str, int], text: str | None, tokens: tuple[int, ...] = TOKENS,
+def shapes_for(example_sizes: dict[str, int], text: str | None, tokens: tuple[int, ...] | None = None,
                ) -> tuple[list[Shape], list[str]]:
     """Parse ``--shapes`` for an op whose sizes default to ``example_sizes``; return shapes and notes.
 
-    ``text``: a preset (``all``, ``llama3-8b``, ...), several joined by commas; named sizes, one set
-    per ``;`` (``tokens=4096,hidden=4096;tokens=1,hidden=4096``; names left out keep their example
-    value); or ``MxN`` dimensions mapped onto the op's size names in order, several joined by commas
+    ``text``: a preset (``all``, ``llama3-8b``, ``gemm``, ...), possibly with a variant suffix
+    (``gemm-down``), several joined by commas; named sizes, one set per ``;``
+    (``tokens=4096,hidden=4096;tokens=1,hidden=4096``; names left out keep their example value); or
+    ``MxN`` dimensions mapped onto the op's size names in order, several joined by commas
     (``4096x4096,1x4096``). ``None``: the default preset.
+    ``tokens``: the token counts of every preset; None: each preset's own (:data:`PRESET_TOKENS`,
+    else :data:`TOKENS`).
     :raises ValueError: unknown preset or size name, malformed sizes.
     """
     text = (text or DEFAULT_PRESET).strip()
@@ -98,21 +117,36 @@ def shapes_for(example_sizes: dict[str, int], text: str | None, tokens: tuple[in
         for item in filter(None, (i.strip() for i in chunk.split(","))):
             if _DIMS.fullmatch(item):
                 shapes.append(Shape(_positional_sizes(example_sizes, item)))
-            elif item in PRESETS:
-                found, why = preset_shapes(example_sizes, PRESETS[item], tokens)
+            elif (found_preset := preset_and_variant(item)) is not None:
+                name, variant = found_preset
+                counts = tokens or PRESET_TOKENS.get(name, TOKENS)
+                found, why = preset_shapes(example_sizes, PRESETS[name], counts, variant)
                 shapes += found
                 notes += why
             else:
-                raise ValueError(f"--shapes: {item!r} is neither a preset ({', '.join(PRESETS)}), nor NAME=SIZE "
-                                 f"sizes, nor MxN dimensions; e.g. --shapes llama3-8b or --shapes 4096x4096")
+                raise ValueError(f"--shapes: {item!r} is neither a preset ({', '.join(PRESETS)}; each may end in "
+                                 f"{', '.join('-' + v for v in VARIANTS)}), nor NAME=SIZE sizes, nor MxN "
+                                 f"dimensions; e.g. --shapes llama3-8b or --shapes 4096x4096")
     if not shapes:
         raise ValueError(f"--shapes {text!r} gives no shape to run" + (f": {'; '.join(notes)}" if notes else ""))
     return _unique(shapes), _unique_notes(notes)
 
 
+def preset_and_variant(item: str) -> tuple[str, str | None] | None:
+    """``gemm`` -> ``("gemm", None)``, ``gemm-down`` -> ``("gemm", "down")``; None for no preset."""
+    if item in PRESETS:
+        return item, None
+    name, _, suffix = item.rpartition("-")
+    return (name, suffix) if name in PRESETS and suffix in VARIANTS else None
+
+
 def preset_shapes(example_sizes: dict[str, int], models: tuple[str, ...], tokens: tuple[int, ...] = TOKENS,
-                  ) -> tuple[list[Shape], list[str]]:
-    """The shapes of ``models`` (times ``tokens``) for an op with ``example_sizes``, and notes."""
+                  variant: str | None = None) -> tuple[list[Shape], list[str]]:
+    """The shapes of ``models`` (times ``tokens``) for an op with ``example_sizes``, and notes.
+
+    ``variant``: a key of :data:`VARIANTS`; its two dimensions swap values in every model, and the
+    models are labelled ``MODEL (LABEL)``.
+    """
     notes = []
     names = {name: canonical(name) for name in example_sizes}
     unknown = [name for name, dim in names.items() if dim is None]
@@ -123,15 +157,23 @@ def preset_shapes(example_sizes: dict[str, int], models: tuple[str, ...], tokens
     if not has_tokens:
         notes.append("the op has no token size: one shape per model")
     shapes = []
+    label, swapped = VARIANTS[variant] if variant else ("", ())
     for model in models:
-        dims = MODELS[model]
+        dims = dict(MODELS[model])
         lacking = [name for name, dim in names.items() if dim not in (None, "tokens", "batch") and dim not in dims]
         if lacking:
             notes.append(f"{model} has no {', '.join(lacking)}: left out")
             continue
+        if swapped:
+            first, second = swapped
+            if first not in dims or second not in dims:
+                notes.append(f"{model} has no {first} and {second} to swap for -{variant}: left out")
+                continue
+            dims[first], dims[second] = dims[second], dims[first]
+        name_of_model = f"{model} ({label})" if label else model
         for count in tokens if has_tokens else tokens[:1]:
             shapes.append(Shape({name: _model_size(example_sizes[name], dim, dims, count, has_tokens)
-                                 for name, dim in names.items()}, (model,)))
+                                 for name, dim in names.items()}, (name_of_model,)))
     return shapes, notes
 
 

@@ -8,7 +8,7 @@ import shlex
 import sys
 
 from dlcore.bench.harness import KNOWN_BASELINES, MODES, OWN, TIMERS
-from dlcore.bench.presets import DEFAULT_PRESET, PRESETS
+from dlcore.bench.presets import DEFAULT_PRESET, PRESET_TOKENS, PRESETS, TOKENS, VARIANTS
 from dlcore.cli.options import DTYPES, default_device
 
 
@@ -37,17 +37,26 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("op")
     p.add_argument("--shapes", default=None,
                    help=f"a preset: {', '.join(PRESETS)} (default {DEFAULT_PRESET}; several joined by commas; "
-                        "gqa: LLaMA-3 and Qwen2.5, mla: the DeepSeek models); or named sizes, one set per ';' "
-                        "(tokens=4096,hidden=4096;tokens=1,hidden=4096); or MxN in the order of the op's sizes "
-                        "(4096x4096,1x4096)")
+                        "gqa: LLaMA-3 and Qwen2.5, mla: the DeepSeek models, gemm: the MLP GEMMs of LLaMA-3-8B, "
+                        "LLaMA-3-70B, Qwen2.5-7B and DeepSeek-V3's shared expert); a preset ending in "
+                        f"{', '.join('-' + v for v in VARIANTS)} swaps each model's hidden and inter sizes (gemm: "
+                        "matmul's up projection, K = hidden, N = inter; gemm-down: the down projection, K = inter, "
+                        "N = hidden); or named sizes, one set per ';' (tokens=4096,hidden=4096;tokens=1,hidden=4096); "
+                        "or MxN in the order of the op's sizes (4096x4096,1x4096)")
     p.add_argument("--tokens", type=_counts, default=None,
-                   help="token counts of the presets (default 1,16,64,256,1024,4096,16384)")
+                   help="token counts of the presets (default " + ",".join(map(str, TOKENS)) + "; " + "; ".join(
+                       f"{name}: " + ",".join(map(str, counts)) for name, counts in PRESET_TOKENS.items()) + ")")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--mode", choices=MODES, default="fwd",
                    help="fwd; bwd: the backward alone (the forward runs once untimed, then torch.autograd.grad of "
                         "the inputs the op declares differentiable, for a fixed grad_output); fwd+bwd")
     p.add_argument("--vs", type=_names, default=KNOWN_BASELINES,
                    help="baselines, joined by commas (default torch,compile,liger; none for none)")
+    p.add_argument("--impls", type=_names, default=(),
+                   help="implementations to time alone as well, each in a column dlcore[NAME] beside what get_op "
+                        "chooses (joined by commas; a name from `dlcore ops`, or a kind one implementation has: "
+                        "triton, vendor); the table then names the implementation chosen per shape and gives "
+                        "'vs best': the fastest of these columns over get_op's time")
     p.add_argument("--device", default=None, help="cuda when available, else cpu")
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds per shape (default 3)")
     p.add_argument("--warmup", type=float, default=10, help="do_bench warm-up per round, ms (default 10)")
@@ -69,6 +78,8 @@ def command_line(args: argparse.Namespace) -> str:
              "--timer", args.timer, "--seed", str(args.seed)]
     if args.tokens:
         parts += ["--tokens", ",".join(map(str, args.tokens))]
+    if args.impls:
+        parts += ["--impls", ",".join(args.impls)]
     return shlex.join(parts)
 
 
@@ -76,20 +87,20 @@ def run_bench_command(args: argparse.Namespace) -> int:
     import torch
 
     from dlcore.bench.harness import default_timer, run_bench
-    from dlcore.bench.presets import TOKENS, shapes_for
+    from dlcore.bench.presets import shapes_for
     from dlcore.errors import DlcoreError
     from dlcore.plugins.registry import registry
 
     args.device = default_device(args.device)
     try:
         op = registry().op(args.op)
-        shapes, notes = shapes_for(op.example_sizes, args.shapes, args.tokens or TOKENS)
+        shapes, notes = shapes_for(op.example_sizes, args.shapes, args.tokens)
         device = torch.device(args.device)
         timer, timer_name = default_timer(device, registry().backend_for(device), args.warmup, args.rep,
                                           args.timer)
         report = run_bench(
             op, shapes, dtype=DTYPES[args.dtype], device=device, mode=args.mode, baselines=args.vs,
-            timer=timer, timer_name=timer_name, rounds=args.rounds, seed=args.seed, notes=notes,
+            impls=args.impls, timer=timer, timer_name=timer_name, rounds=args.rounds, seed=args.seed, notes=notes,
             command=command_line(args), progress=lambda line: print(line, file=sys.stderr, flush=True),
         )
     except (DlcoreError, ValueError) as exc:

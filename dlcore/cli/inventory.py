@@ -11,7 +11,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("plugins", help="every plugin: group, name, distribution, version, status or load error")
     p.add_argument("-v", "--verbose", action="store_true", help="show the traceback of each failed plugin")
     p.set_defaults(func=run_plugins)
-    p = sub.add_parser("ops", help="ops, their implementations, backends and dtypes")
+    p = sub.add_parser("ops", help="ops and their implementations: kind, backends, dtypes, plugin, library")
     p.set_defaults(func=run_ops)
 
 
@@ -25,7 +25,9 @@ def run_plugins(args: argparse.Namespace) -> int:
                     for plugin in [reg.backend_plugin[backend.name]]}
     rows = []
     for r in records:
-        status = f"{r.status}: {r.error}" if r.error else r.status
+        status = f"{r.status}: {r.error}" if r.error else str(r.status)
+        if r.ignored:
+            status += f" (ignored {'; '.join(r.ignored)})"
         if r.id in availability:
             a = availability[r.id]
             status += " (available)" if a else f" (unavailable: {a.reason})"
@@ -56,6 +58,7 @@ def run_ops(args: argparse.Namespace) -> int:
                 ",".join(backends),
                 ",".join(str(d).removeprefix("torch.") for d in dtypes),
                 impl.plugin,
+                getattr(impl, "library", ""),
             ))
-    print(table(rows, ("op", "implementation", "kind", "backends", "dtypes", "plugin")))
+    print(table(rows, ("op", "implementation", "kind", "backends", "dtypes", "plugin", "library")))
     return 0

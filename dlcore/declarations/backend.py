@@ -40,8 +40,10 @@ class Backend:
 
     name: str = ""
     device_types: tuple[str, ...] = ()
-    #: implementation kinds this backend can run ("triton", "torch")
-    kinds: tuple[str, ...] = ("triton", "torch")
+    #: implementation kinds this backend can run: "triton", "torch", and "vendor" (the vendor's
+    #: library through torch, timed against the kernels; a backend whose kernels cannot be fairly
+    #: timed against it leaves it out, as the cpu backend does)
+    kinds: tuple[str, ...] = ("triton", "torch", "vendor")
 
     @property
     def version(self) -> str:

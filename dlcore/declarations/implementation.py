@@ -1,5 +1,13 @@
 """Implementations of operators: how an op is computed on some backend.
 
+Three kinds (:attr:`Implementation.kind`; each backend lists the kinds it runs):
+
+- ``triton``: Triton kernels (:class:`TritonImplementation`);
+- ``torch``: written in torch (:class:`TorchImplementation`), the op's float64-checked reference
+  among them (:class:`ReferenceImplementation`);
+- ``vendor``: the vendor's library reached through torch (:class:`VendorImplementation`: cuBLAS
+  and cuBLASLt on CUDA, CANN through torch_npu on Ascend), a candidate timed against the kernels.
+
 A Triton implementation does not launch kernels itself: its ``plan(args, config)`` returns a
 :class:`LaunchPlan` (the kernels, grids, arguments and the result tensors). Running the plan
 launches it; lowering (``dlcore lower``) compiles the same plan for a target without a device;
@@ -14,6 +22,8 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 if TYPE_CHECKING:
     from dlcore.declarations.device import DeviceProfile
@@ -58,7 +68,8 @@ class LaunchPlan:
 
 
 class Implementation:
-    """Base of every implementation. ``kind`` says which backends can run it (``triton``, ``torch``)."""
+    """Base of every implementation. ``kind`` says which backends can run it (``triton``, ``torch``,
+    ``vendor``: see :attr:`dlcore.declarations.backend.Backend.kinds`)."""
 
     kind: str = ""
 
@@ -93,6 +104,10 @@ class Implementation:
     def source_hash(self) -> str:
         """Changes whenever the code that computes the result changes: part of cache keys."""
         raise NotImplementedError
+
+    def describe(self) -> str:
+        """The kind in words, for listings and ``explain()``."""
+        return self.kind
 
     def run(self, args: tuple, config: Config) -> Any:
         """Compute the op on bound ``args`` with ``config``."""
@@ -166,6 +181,38 @@ class TorchImplementation(Implementation):
 
     def run(self, args: tuple, config: Config) -> Any:
         return self._fn(*args)
+
+
+class VendorImplementation(TorchImplementation):
+    """An op computed by the vendor's library through torch: ``fn(*args)`` with the op's bound
+    arguments, e.g. ``torch.matmul`` (cuBLAS or cuBLASLt on CUDA, CANN through torch_npu on Ascend).
+
+    It takes part in selection like a kernel, so ``get_op`` never returns something slower than the
+    library it measured; backends whose kernels cannot fairly be timed against it (the ``cpu``
+    backend, running Triton in the interpreter) decline its kind. Its source hash covers the torch
+    version too: the library ships with torch, and a new one may change which candidate wins.
+
+    :param library: what it calls, in words (``dlcore ops``, ``explain()``).
+    :param supports: optional extra ``(signature, profile) -> reason | None``.
+    """
+
+    kind = "vendor"
+
+    def __init__(self, op: str, name: str, fn: Callable[..., Any], *, library: str,
+                 supports: Callable[[Signature, DeviceProfile], str | None] | None = None, **kwargs: Any):
+        super().__init__(op, name, fn, **kwargs)
+        self.library = library
+        self._supports = supports
+        self._hash = hashlib.sha256(f"{self._hash}|torch {torch.__version__}".encode()).hexdigest()[:16]
+
+    def supports(self, signature: Signature, profile: DeviceProfile) -> str | None:
+        reason = super().supports(signature, profile)
+        if reason is None and self._supports is not None:
+            reason = self._supports(signature, profile)
+        return reason
+
+    def describe(self) -> str:
+        return f"{self.kind}: {self.library}"
 
 
 class TritonImplementation(Implementation):

@@ -22,10 +22,11 @@ class BoundOp:
     again for inputs of another shape, dtype, layout or device.
     """
 
-    __slots__ = ("op", "impl", "config", "selection", "signature", "profile", "cache_key", "_run", "_nargs")
+    __slots__ = ("op", "impl", "config", "selection", "signature", "profile", "cache_key", "kinds", "_run", "_nargs")
 
     def __init__(self, op: Op, impl: Implementation, selection: Selection, signature: Signature,
-                 profile: DeviceProfile, cache_key: str, transform: PlanTransform | None = None):
+                 profile: DeviceProfile, cache_key: str, transform: PlanTransform | None = None,
+                 kinds: dict[str, str] | None = None):
         self.op = op
         self.impl = impl
         self.config = selection.config
@@ -33,6 +34,8 @@ class BoundOp:
         self.signature = signature
         self.profile = profile
         self.cache_key = cache_key
+        #: each candidate's kind in words (``Implementation.describe``), for ``explain``
+        self.kinds = kinds or {impl.name: impl.describe()}
         self._run = runner(impl, self.config, transform)
         self._nargs = len(op.args)
 
@@ -47,11 +50,13 @@ class BoundOp:
             f"op:        {self.op.name}",
             f"inputs:    {self.signature.describe()}",
             f"device:    {self.profile.describe()} via backend {self.profile.backend!r}",
-            f"chosen:    {self.impl.name} ({self.impl.kind}, from plugin {self.impl.plugin}) with config {self.config}",
+            f"chosen:    {self.impl.name} ({self.impl.describe()}, from plugin {self.impl.plugin}) "
+            f"with config {self.config}",
             f"because:   {s.describe()}" + (f", {s.time_ms:.4f} ms" if s.time_ms is not None else ""),
         ]
         for name, t in sorted(s.measured.items(), key=lambda kv: kv[1]):
-            lines.append(f"  measured  {name}: {t:.4f} ms")
+            kind = f" ({self.kinds[name]})" if name in self.kinds else ""
+            lines.append(f"  measured  {name}: {t:.4f} ms{kind}")
         for name, why in s.failed.items():
             lines.append(f"  failed    {name}: {why}")
         for name, why in s.declined.items():

@@ -8,6 +8,8 @@ their own, on another registry or cache directory.
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,9 +23,9 @@ from dlcore.declarations.implementation import Implementation, PlanTransform
 from dlcore.declarations.op import Op
 from dlcore.declarations.signature import Signature, make_signature
 from dlcore.dispatch.bound import BoundOp
-from dlcore.dispatch.key import Key, environment, exact_key
+from dlcore.dispatch.key import DISABLE_IMPLS, Key, environment, exact_key
 from dlcore.dispatch.store import DiskCache, make_record
-from dlcore.errors import NoKernelError, UnknownImplementationError
+from dlcore.errors import InvalidOptionError, NoKernelError, UnknownImplementationError
 from dlcore.plugins.registry import Registry, registry
 from dlcore.plugins.registry import reset as reset_registry
 from dlcore.tuning.policy import Tune, TunePolicy, resolve, satisfies
@@ -88,7 +90,8 @@ class Dispatcher:
         :param name: a registered op (``dlcore ops`` lists them).
         :param args: the arguments the op will be called with (tensors and scalars, in its order).
         :param kwargs: arguments by name, if any.
-        :param impl: use this implementation (by name) instead of selecting one.
+        :param impl: use this implementation (by name) instead of selecting one, even one that
+            ``DLCORE_DISABLE_IMPLS`` excludes.
         :param tune: ``off`` | ``quick`` | ``full``; default ``DLCORE_TUNE`` or ``off`` (see
             :mod:`dlcore.tuning.policy`).
         :param strategy: the search strategy when tuning (default ``DLCORE_TUNE_STRATEGY`` or ``tpe``).
@@ -96,7 +99,8 @@ class Dispatcher:
         :param progress: called after each evaluation while tuning.
         :raises UnknownOpError: no op of that name.
         :raises InvalidInputError: an argument is wrong (dtype, rank, shape, device, strides).
-        :raises InvalidOptionError: ``tune``, ``budget`` or a tuning variable has a bad value.
+        :raises InvalidOptionError: ``tune``, ``budget``, a tuning variable or ``DLCORE_DISABLE_IMPLS``
+            has a bad value.
         :raises BackendUnavailableError: no usable backend for the inputs' device.
         :raises NoKernelError: every implementation declined or failed.
         """
@@ -163,7 +167,8 @@ class Dispatcher:
 
     def _bind(self, call: Call, key: Key, selection: Selection) -> BoundOp:
         chosen = call.candidate(selection.impl)
-        return BoundOp(call.op, chosen, selection, call.signature, call.profile, key.digest, call.transform)
+        kinds = {c.name: c.describe() for c in call.candidates}
+        return BoundOp(call.op, chosen, selection, call.signature, call.profile, key.digest, call.transform, kinds)
 
     def _remembered(self, key: Key) -> Selection | None:
         found = self._selections.get(key.digest)
@@ -202,6 +207,25 @@ def plan_transform(profile: DeviceProfile) -> PlanTransform | None:
     return launch_transform(profile, default_pipeline(profile.backend))
 
 
+@functools.lru_cache(maxsize=8)
+def disabled_implementations(value: str) -> frozenset[tuple[str, str]]:
+    """The ``(op, implementation)`` pairs named by a :data:`DISABLE_IMPLS` value, ``op:impl,op:impl``.
+
+    :raises InvalidOptionError: an entry is not ``op:impl`` (both names given, one colon).
+    """
+    pairs = set()
+    for entry in (e.strip() for e in value.split(",")):
+        if not entry:
+            continue
+        op, colon, impl = (part.strip() for part in entry.partition(":"))
+        if not (op and colon and impl) or ":" in impl:
+            raise InvalidOptionError(
+                f"{DISABLE_IMPLS}={value!r}: {entry!r} is not OP:IMPLEMENTATION; give a comma-separated "
+                f"list such as matmul:torch,ffn:triton (`dlcore ops` lists the names)")
+        pairs.add((op, impl))
+    return frozenset(pairs)
+
+
 def find_candidates(
     reg: Registry,
     op: Op,
@@ -213,18 +237,30 @@ def find_candidates(
     """The implementations that accept ``signature`` on ``backend``, and why each other one declined.
 
     The torch reference is a fallback: it is a candidate only when no dedicated implementation is
-    (or when asked for by name).
+    (or when asked for by name). Implementations named in ``DLCORE_DISABLE_IMPLS`` decline, unless
+    asked for by name: the argument wins over the environment, as ``tune=`` does over ``DLCORE_TUNE``.
+
+    :raises InvalidOptionError: ``DLCORE_DISABLE_IMPLS`` is malformed, or names an implementation
+        of this op that it does not have.
     """
     implementations = reg.implementations_of(op.name)
+    disabled = {impl for name, impl in disabled_implementations(os.environ.get(DISABLE_IMPLS, "")) if name == op.name}
+    unknown = sorted(disabled - {i.name for i in implementations})
+    if unknown:
+        raise InvalidOptionError(
+            f"{DISABLE_IMPLS} names {', '.join(f'{op.name}:{n}' for n in unknown)}, but {op.name} has no such "
+            f"implementation; it has: {', '.join(i.name for i in implementations)}")
     if requested is not None:
         implementations = [i for i in implementations if i.name == requested]
         if not implementations:
             names = ", ".join(i.name for i in reg.implementations_of(op.name))
             raise UnknownImplementationError(f"{op.name} has no implementation {requested!r}; it has: {names}")
+        disabled = set()
     candidates: list[Implementation] = []
     declined: dict[str, str] = {}
     for candidate in implementations:
-        reason = backend.accepts(candidate, signature) or candidate.supports(signature, profile)
+        reason = (f"disabled by {DISABLE_IMPLS}" if candidate.name in disabled else None) \
+            or backend.accepts(candidate, signature) or candidate.supports(signature, profile)
         if reason is None:
             candidates.append(candidate)
         else:

@@ -21,7 +21,7 @@ import os
 import traceback
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import EntryPoint, entry_points
 
 import pluggy
@@ -64,6 +64,9 @@ class PluginRecord:
     status: PluginStatus = PluginStatus.PENDING
     error: str = ""
     traceback: str = ""
+    #: what a loaded plugin provided and the registry left out, and why (e.g. an implementation of
+    #: an op whose declaring plugin is disabled)
+    ignored: list[str] = field(default_factory=list)
 
     @property
     def id(self) -> str:

@@ -88,7 +88,8 @@ def dlcore_implementations() -> list[Implementation]:
     """Provide implementations of operators (of this plugin's ops or any other plugin's).
 
     Called once, when the plugins are loaded, after :func:`dlcore_ops`. An implementation of an
-    op nobody declared is reported against its plugin and ignored.
+    op no loaded plugin declares (its plugin disabled, or missing) is noted on its plugin's record
+    (``dlcore plugins``) and ignored; the plugin's other implementations stay.
 
     :return: :class:`dlcore.declarations.implementation.Implementation` objects.
     """

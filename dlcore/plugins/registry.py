@@ -42,6 +42,7 @@ class Registry:
         self._profiles: dict[str, DeviceProfile] = {}
         self._availability: dict[str, Any] = {}
         self._complete: set[str] = set()  # ops whose every provider is loaded
+        self._ignored: dict[str, set[str]] = {}  # plugin -> ops of its implementations left out
         self._loading = threading.RLock()
         self._collect()
         if index is not None:
@@ -107,6 +108,8 @@ class Registry:
         for name, impls in self.implementations.items():
             for impl in impls:
                 provides.setdefault(impl.plugin, set()).add(name)
+        for plugin, ops in self._ignored.items():  # provided all the same, once their op is declared
+            provides.setdefault(plugin, set()).update(ops)
         learnt = False
         for record in self.plugins.records:
             if record.group != DEFERRABLE_GROUP or record.status in (PluginStatus.DISABLED, PluginStatus.DEFERRED):
@@ -145,7 +148,12 @@ class Registry:
         if impl.op not in self._ops:
             self._require(impl.op)  # declared by a plugin not loaded yet?
         if impl.op not in self._ops:
-            raise PluginConflictError(f"implementation {impl.name!r} is for op {impl.op!r}, which no plugin declares")
+            # Left out alone and noted on its plugin's record (``dlcore plugins``), not failed: an
+            # implementation of another plugin's op goes quietly when that plugin is disabled.
+            self._ignored.setdefault(plugin, set()).add(impl.op)
+            self.plugins.record(plugin).ignored.append(
+                f"{impl.qualname}: op {impl.op!r} is declared by no loaded plugin")
+            return
         existing = self.implementations[impl.op]
         if any(i.name == impl.name for i in existing):
             raise PluginConflictError(f"{impl.op} already has an implementation named {impl.name!r}")

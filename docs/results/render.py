@@ -41,7 +41,9 @@ OP_NOTES = {
                             "and k `[tokens, kv_heads, head_dim]` (GQA models).",
     "partial_rotary_emb": "`partial_rotary_emb`: MLA's rotary part (the 64 rope dimensions of each query head and of "
                           "the shared key head; DeepSeek models).",
-    "matmul": "`matmul(a, b)`: a `[tokens, hidden]` @ b `[hidden, inter]` (M = tokens, K = hidden, N = inter).",
+    "matmul": "`matmul(a, b)`: a `[tokens, hidden]` @ b `[hidden, inter]` (M = tokens, K = hidden, N = inter). A model "
+              "marked (down) is its MLP's down projection: `hidden` (K) is then the model's intermediate size and "
+              "`inter` (N) its hidden size.",
     "ffn": "`ffn(x, w1, w3, rms_w, eps)`: RMSNorm, the gate and up projections and SwiGLU in one op; the "
            "baseline is the same composite in PyTorch.",
 }
@@ -155,29 +157,61 @@ def md_table(header: list[str], rows: list[list[str]], align: str | None = None)
             *("| " + " | ".join(row) + " |" for row in rows)]
 
 
+def chosen_impl(shape: dict) -> str:
+    """The implementation get_op chose for a shape (older results: the first word of ``chosen``)."""
+    return shape.get("chosen_impl") or (shape.get("chosen") or "-").split(" ", 1)[0]
+
+
 def bench_table(report: dict, peak: float | None) -> list[str]:
-    baselines = [b for b in report["implementations"] if b != OWN]
+    """One row per shape: dlcore (get_op) with the implementation it chose where that says something,
+    each ``dlcore[NAME]`` column (an implementation alone), each baseline with every dlcore column's
+    speedup over it, and ``vs best`` (the fastest dlcore[NAME] over get_op) with dlcore columns;
+    geometric means and the lowest below, and per token range where the results give them."""
+    columns = report.get("dlcore_columns", [])
+    baselines = report.get("baselines") or [b for b in report["implementations"] if b != OWN and b not in columns]
+    own_columns = [OWN, *columns]
     with_models = any(s["models"] for s in report["shapes"])
+    show_chosen = bool(columns) or len({chosen_impl(s) for s in report["shapes"]}) > 1
     header = (["model"] if with_models else []) + ["shape", "MiB", "dlcore us", "dlcore rate", "% of limit"]
+    header += ["chosen"] if show_chosen else []
+    for c in columns:
+        header += [f"{c} us", f"{c} rate"]
+    lead = len(header)
     for b in baselines:
-        header += [f"{b} us", f"vs {b}"]
+        header += [f"{b} us"] + [f"vs {b}" if of == OWN else f"{of} vs {b}" for of in own_columns]
+    header += ["vs best"] if columns else []
     rows = []
     for s in report["shapes"]:
         own = s["results"].get(OWN, {})
         row = ([", ".join(s["models"])] if with_models else []) + [
             shape_label(s), mib(s["bytes"]), us(own.get("ms")), rate(s, OWN), pct(limit_fraction(s, OWN, peak))]
+        row += [chosen_impl(s)] if show_chosen else []
+        for c in columns:
+            row += [us((s["results"].get(c) or {}).get("ms")), rate(s, c)]
         for b in baselines:
             row += [us((s["results"].get(b) or {}).get("ms")), ratio(s["speedup"].get(b))]
+            row += [ratio((s.get("speedup_of", {}).get(c) or {}).get(b)) for c in columns]
+        row += [ratio(s.get("speedup_vs_best"))] if columns else []
         rows.append(row)
-    lead = [""] * (len(header) - 2 * len(baselines))
-    for label, values in (("geometric mean", report["geomean_speedup"]), ("lowest", report["min_speedup"])):
-        row = list(lead)
+    summaries = [("geometric mean", report.get("geomean_speedup_of"), report["geomean_speedup"]),
+                 ("lowest", report.get("min_speedup_of"), report["min_speedup"])]
+    summaries += [(f"geometric mean, {label}", values, values.get(OWN, {}))
+                  for label, values in report.get("geomean_speedup_by_tokens", {}).items()]
+    for label, values, own_values in summaries:
+        row = [""] * lead
         row[0 if not with_models else 1] = f"**{label}**"
         for b in baselines:
-            row += ["", f"**{ratio(values.get(b))}**" if values.get(b) else "-"]
+            row += [""] + [bold(own_values.get(b) if of == OWN else ((values or {}).get(of) or {}).get(b))
+                           for of in own_columns]
+        row += [bold(((values or {}).get(OWN) or {}).get("best"))] if columns else []
         rows.append(row)
-    align = ("l" if with_models else "") + "lr" + "rrr" + "rr" * len(baselines)
+    align = (("l" if with_models else "") + "lr" + "rrr" + ("l" if show_chosen else "") + "rr" * len(columns)
+             + ("r" + "r" * len(own_columns)) * len(baselines) + ("r" if columns else ""))
     return md_table(header, rows, align)
+
+
+def bold(value: float | None) -> str:
+    return f"**{ratio(value)}**" if value else "-"
 
 
 def slower_than(report: dict) -> list[str]:
@@ -254,7 +288,12 @@ replays CUDA graphs instead and gives GPU time alone (its copies stay timed with
 captured in a graph runs at about 2.7 TB/s on the H200 against 4.2 eagerly).
 
 - **vs X**: X's time over dlcore's; above 1, dlcore is faster. The geometric mean and the lowest are
-  over the table's shapes.
+  over the table's shapes (and, where some shape is compute-bound, over its shapes of at most 128 and
+  of at least 1024 tokens). dlcore is `get_op`'s choice; with `dlcore bench --impls NAME` a table
+  also times implementation NAME alone (`get_op(..., impl=NAME)`) in a column **dlcore[NAME]**, with
+  its own **dlcore[NAME] vs X**, names the implementation `get_op` **chose** per shape, and gives
+  **vs best**: the fastest dlcore[NAME] column's time over dlcore's (1.00x: selection picked the
+  fastest at no cost).
 - **rate, % of limit**: bytes moved (each input read once, each output written once, as the op's
   `cost` counts them) over time, against the copy bandwidth of the same run, for memory-bound shapes;
   for compute-bound shapes (more than 100 flop per byte) TFLOP/s against the bf16 matrix-product peak
@@ -263,9 +302,12 @@ captured in a graph runs at about 2.7 TB/s on the H200 against 4.2 eagerly).
 - **bwd**: the forward runs once, untimed; each timed call is `torch.autograd.grad` of the inputs the
   op declares differentiable, for a fixed output gradient.
 - **Baselines**: `torch` the op written in eager PyTorch (what a model runs), `compile` the same
-  function through `torch.compile` (compiled afresh for each shape, `dynamic=False`), `liger`
-  Liger-Kernel's kernel where it has one. Where a baseline writes into its inputs or output
-  gradients, the table's notes say so: each of its timed calls then moves fewer bytes."""
+  function through `torch.compile` (compiled afresh for each shape, `dynamic=False`), or the
+  composite the op declares for it (ffn's: one GEMM over `[w1; w3]` concatenated once per shape,
+  untimed, as a caller that keeps `w13` does), `liger` Liger-Kernel's kernel where it has one. Where
+  the results name them, the notes under a table say what each baseline runs. Where a baseline
+  writes into its inputs or output gradients, the table's notes say so: each of its timed calls
+  then moves fewer bytes."""
 
 OTHER = """\
 ## Other measurements
@@ -361,7 +403,8 @@ def render(folder: str) -> str:
         out += [f"### {current} {r['mode']} ({dtype})", ""]
         out += bench_table(r, peak[0] if peak else None)
         out += ["", f"`{r['command']}` ([`{r['_file']}`](results/{r['_file']}))"]
-        notes = list(r.get("notes", []))
+        notes = [f"`{name}`: {doc}" for name, doc in r.get("baseline_docs", {}).items()]
+        notes += list(r.get("notes", []))
         per_shape: dict[str, list[str]] = {}
         for s in r["shapes"]:
             for n in s.get("notes", []):

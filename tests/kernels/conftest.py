@@ -32,6 +32,13 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("dtype", DTYPES, ids=[str(d).removeprefix("torch.") for d in DTYPES])
 
 
+@pytest.fixture(autouse=True)
+def triton_candidates_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the Triton kernels: the vendor candidates (``dlblas_kernels/vendor.py``)
+    are left out of get_op's selection, which on a GPU might otherwise choose cuBLAS."""
+    monkeypatch.setenv("DLCORE_DISABLE_IMPLS", "matmul:torch,ffn:torch")
+
+
 @pytest.fixture
 def device() -> str:
     return "cuda" if ON_GPU else "cpu"

@@ -1,5 +1,6 @@
 """Each kernel module is a dlcore plugin of its own: its installed entry point loads a module whose
-hooks declare one op and implementations of that op, and get_op selects such an implementation."""
+hooks declare one op and implementations of that op, and get_op selects such an implementation.
+The vendor candidates (``dlblas_kernels/vendor.py``) have entry points of their own, one per op."""
 
 from __future__ import annotations
 
@@ -12,16 +13,19 @@ import torch
 
 import dlcore
 import dlcore.plugins.hookspecs
-from dlcore.declarations.implementation import TritonImplementation
+from dlcore.declarations.implementation import TritonImplementation, VendorImplementation
 from dlcore.declarations.op import Op
 from dlcore.runtime.torch_ops import CustomOpTritonImplementation
 from dlcore.testing import assert_close
 
-#: the kernel entry points of the installed dlblas-kernels distribution, as pip wrote them
-ENTRY_POINTS = sorted(
+#: the entry points of the installed dlblas-kernels distribution, as pip wrote them: the kernels, and
+#: the vendor implementations
+INSTALLED = sorted(
     (ep for ep in importlib.metadata.distribution("dlblas-kernels").entry_points if ep.group == "dlcore.kernels"),
     key=lambda ep: ep.name,
 )
+ENTRY_POINTS = [ep for ep in INSTALLED if ep.value.startswith("dlblas_kernels.kernels.")]
+VENDOR_ENTRY_POINTS = [ep for ep in INSTALLED if ep not in ENTRY_POINTS]
 # The kernels that are PyTorch custom ops (torch.ops.dlblas.<name>), with their baselines.
 CUSTOM_OPS = {
     "silu_and_mul": {"torch", "liger"},
@@ -50,6 +54,18 @@ def test_each_entry_point_provides_an_op_that_get_op_selects(entry_point):
     bound = dlcore.get_op(op.name, args)
     assert bound.impl.plugin == f"{entry_point.group}:{entry_point.name}", bound.explain()
     assert bound.impl.name in {i.name for i in impls}
+
+
+def test_each_vendor_entry_point_provides_one_vendor_implementation_of_a_kernel_op():
+    assert sorted(ep.name for ep in VENDOR_ENTRY_POINTS) == ["vendor_ffn", "vendor_matmul"]
+    for entry_point in VENDOR_ENTRY_POINTS:
+        pm = pluggy.PluginManager("dlcore")
+        pm.add_hookspecs(dlcore.plugins.hookspecs)
+        pm.register(entry_point.load(), name=entry_point.name)
+        pm.check_pending()
+        [[impl]] = pm.hook.dlcore_implementations()
+        assert isinstance(impl, VendorImplementation) and impl.name == "torch"
+        assert entry_point.name == f"vendor_{impl.op}" and impl.op in {ep.name for ep in ENTRY_POINTS}
 
 
 @pytest.mark.parametrize("name", sorted(CUSTOM_OPS))

@@ -1,0 +1,127 @@
+"""The vendor's library as a candidate: ``matmul`` and ``ffn`` computed by the torch calls a user
+would write, which reach cuBLAS and cuBLASLt on CUDA (CANN through torch_npu on Ascend, CNNL
+through torch_mlu on Cambricon).
+
+Each is a :class:`~dlcore.declarations.implementation.VendorImplementation` named ``torch``: timed
+against the Triton kernels like any candidate, so ``get_op`` never returns something slower than
+the library it measured; ``DLCORE_DISABLE_IMPLS=matmul:torch`` leaves one out. The ops' float64
+references stay the correctness oracle. The cpu backend declines them (its kernels run in the
+interpreter).
+
+One plugin object per op, each named by its own entry point (``vendor_matmul``, ``vendor_ffn``): a
+kernel plugin is imported when one of the ops it provides is asked for, and asking for ``matmul``
+must not import the ffn kernel. An implementation whose op is not declared (its kernel plugin
+disabled) is left out by the registry without harm to the rest.
+
+The functions take the arguments the ops declare and the ones they are gaining (``bias``,
+``activation``, ``allow_tf32``; ``w13``), each with the default that means "not given".
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dlcore import hookimpl
+from dlcore.declarations.implementation import Implementation, VendorImplementation
+from dlcore.errors import InvalidInputError
+
+ACTIVATIONS = (None, "relu", "silu", "gelu_tanh")
+
+
+def _grad_wanted(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records ops on ``tensors`` (in-place updates would then break the backward)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+def _activate(out: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """``activation`` applied to the fresh GEMM output, in place when autograd does not need it."""
+    if activation is None:
+        return out
+    inplace = not _grad_wanted(out)
+    if activation == "relu":
+        return out.relu_() if inplace else torch.relu(out)
+    if activation == "silu":
+        return F.silu(out, inplace=inplace)
+    if activation == "gelu_tanh":
+        return F.gelu(out, approximate="tanh")
+    raise InvalidInputError("matmul", "activation", repr(activation), ", ".join(map(repr, ACTIVATIONS)))
+
+
+def _product(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    # With a bias, F.linear: one cuBLASLt call adds it in the GEMM's epilogue (b.T is the
+    # nn.Linear weight, no copy either way).
+    if bias is None:
+        return torch.matmul(a, b)
+    return F.linear(a, b.T, bias.to(a.dtype))
+
+
+def _product_fp32_cuda(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, allow_tf32: bool) -> torch.Tensor:
+    """:func:`_product` in float32 on CUDA: TF32 tensor cores only when asked, exact (IEEE) float32
+    otherwise, whatever the process set; torch's flag is restored after the call. The flag is the
+    process's: another thread's float32 GEMM launched meanwhile sees this call's setting."""
+    flags = torch.backends.cuda.matmul
+    if hasattr(flags, "fp32_precision"):  # torch >= 2.9; mixing it with allow_tf32 raises there
+        before = flags.fp32_precision
+        flags.fp32_precision = "tf32" if allow_tf32 else "ieee"
+        try:
+            return _product(a, b, bias)
+        finally:
+            flags.fp32_precision = before
+    before = flags.allow_tf32
+    flags.allow_tf32 = allow_tf32
+    try:
+        return _product(a, b, bias)
+    finally:
+        flags.allow_tf32 = before
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, activation: str | None = None,
+           allow_tf32: bool = False) -> torch.Tensor:
+    """``activation(a @ b + bias)`` for ``a [..., M, K]``, ``b [K, N]`` of any strides, ``bias [N]``:
+    one cuBLAS or cuBLASLt call, the activation after it. ``allow_tf32`` counts for float32 on CUDA;
+    elsewhere float32 stays exact."""
+    if a.dtype == torch.float32 and a.device.type == "cuda":
+        out = _product_fp32_cuda(a, b, bias, allow_tf32)
+    else:
+        out = _product(a, b, bias)
+    return _activate(out, activation)
+
+
+def ffn(x: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None, rms_w: torch.Tensor,
+        eps: float = 1e-6, w13: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(xn @ w1.T) * (xn @ w3.T)``, ``xn = F.rms_norm(x, rms_w)``: with ``w13 [2N, K]`` (rows
+    0..N-1 are w1, N..2N-1 w3: what vLLM and SGLang keep) one GEMM for both, else one over each."""
+    xn = F.rms_norm(x, (x.shape[-1],), rms_w.to(x.dtype), float(eps))
+    if w13 is not None:
+        gate, up = F.linear(xn, w13).chunk(2, dim=-1)
+    else:
+        gate, up = F.linear(xn, w1), F.linear(xn, w3)
+    if _grad_wanted(gate, up):
+        return F.silu(gate) * up
+    return F.silu(gate).mul_(up)  # silu allocates the (contiguous) output; the product adds no other
+
+
+class VendorPlugin:
+    """A kernel plugin providing one vendor implementation (an entry point names the object)."""
+
+    def __init__(self, implementation: Implementation):
+        self.implementation = implementation
+
+    @hookimpl
+    def dlcore_implementations(self) -> list[Implementation]:
+        return [self.implementation]
+
+
+MATMUL = VendorImplementation(
+    "matmul", "torch", matmul,
+    library="torch.matmul, F.linear with a bias (cuBLAS/cuBLASLt, CANN, CNNL)",
+    doc="the vendor's GEMM through torch, the activation after it",
+)
+FFN = VendorImplementation(
+    "ffn", "torch", ffn,
+    library="F.rms_norm, F.linear, SwiGLU (cuBLAS/cuBLASLt, CANN, CNNL)",
+    doc="the eager composite: RMSNorm, the gate and up GEMMs, SwiGLU",
+)
+matmul_plugin = VendorPlugin(MATMUL)
+ffn_plugin = VendorPlugin(FFN)
