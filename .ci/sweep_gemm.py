@@ -4,9 +4,11 @@ nn.Linear weight; do_bench medians, Triton and cuBLAS alternating per shape. Eac
 output is checked against a float32 product first.
 
     python3 .ci/sweep_gemm.py sweep [OUT.jsonl]    every candidate of each row regime
-    python3 .ci/sweep_gemm.py bench [OUT.jsonl]    matmul's default config (and the public function)
+    python3 .ci/sweep_gemm.py bench [OUT.jsonl]    matmul's default config (and the public function),
+                                                   beside the alternatives the heuristic weighs
 
-SWEEP_M and SWEEP_SHAPES (``NxK,...``) narrow the presets; compiles run first, in parallel
+SWEEP_M and SWEEP_SHAPES (``NxK,...``) narrow the presets, SWEEP_SET=split sweeps split-K on the
+persistent kernel; compiles run first, in parallel
 processes that fill Triton's cache.
 """
 
@@ -32,7 +34,38 @@ def cfg(bm, bn, bk, w, s, g=8, **extra):
     return {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": g, "num_warps": w, "num_stages": s, **extra}
 
 
+def canonical(config: dict) -> dict:
+    """``config`` with gemm_calls' defaults filled in and the bench's marks dropped."""
+    filled = {"GROUP_M": 8, "SPLIT_K": 1, "TMA": 1, "FLATTEN": 1, **config}
+    return {k: v for k, v in filled.items() if k != "default"}
+
+
+def alternatives(m: int) -> list[dict]:
+    """What ``bench`` times beside the default: the choices the heuristic weighs in each regime."""
+    if m <= 64:
+        return [cfg(16, 64, 128, 4, 4, SPLIT_K=s, TMA=0) for s in (1, 2, 4)] + [
+            cfg(16, 32, 256, 4, 4, TMA=0), cfg(16, 64, 256, 4, 3, TMA=0)]
+    if m <= 512:
+        return [cfg(64, 64, 128, 4, 4, SPLIT_K=s) for s in (1, 2, 4)] + [
+            cfg(128, 128, 64, 4, 4, SPLIT_K=s) for s in (1, 2)] + [
+            cfg(64, 128, 64, 4, 4, SPLIT_K=2), cfg(128, 64, 128, 4, 4, SPLIT_K=2), cfg(64, 128, 128, 4, 4, TMA=0)]
+    if m <= 2048:
+        return [cfg(128, 256, 64, 8, 3, SPLIT_K=s) for s in (1, 2)] + [
+            cfg(128, 128, 64, 4, 4, SPLIT_K=s) for s in (1, 2)] + [cfg(64, 256, 64, 4, 4), cfg(256, 128, 64, 8, 3)]
+    return [cfg(128, 256, 64, 8, 3), cfg(128, 256, 64, 8, 3, FLATTEN=0), cfg(256, 128, 64, 8, 3),
+            cfg(128, 128, 64, 4, 4)]
+
+
 def candidates(m: int) -> list[dict]:
+    if os.environ.get("SWEEP_SET") == "split":  # the persistent kernel's split-K against its plain tiles
+        if m >= 1024:
+            return [cfg(128, 256, 64, 8, 3), cfg(128, 128, 64, 4, 4), cfg(128, 256, 64, 8, 3, SPLIT_K=2),
+                    cfg(128, 128, 64, 4, 4, SPLIT_K=2), cfg(64, 256, 64, 4, 4, SPLIT_K=2)]
+        return [cfg(64, 64, 128, 4, 4), cfg(128, 128, 64, 4, 4), cfg(64, 128, 64, 4, 4, SPLIT_K=2),
+                cfg(64, 64, 128, 4, 4, SPLIT_K=2), cfg(64, 64, 128, 4, 4, SPLIT_K=4),
+                cfg(128, 128, 64, 4, 4, SPLIT_K=2), cfg(128, 64, 128, 4, 4, SPLIT_K=2),
+                cfg(128, 128, 64, 8, 4, SPLIT_K=4), cfg(128, 256, 64, 8, 3, SPLIT_K=2),
+                cfg(64, 128, 128, 4, 4, SPLIT_K=4)]
     if m >= 1024:
         return [cfg(128, 256, 64, 8, 3), cfg(128, 256, 64, 8, 3, FLATTEN=0), cfg(128, 128, 64, 8, 4),
                 cfg(128, 128, 64, 4, 4), cfg(256, 128, 64, 8, 3), cfg(64, 256, 64, 4, 4),
@@ -107,7 +140,11 @@ def main() -> None:
             for n, k in shapes:
                 a, w = (torch.empty(m, k, device="meta", dtype=torch.bfloat16),
                         torch.empty(n, k, device="meta", dtype=torch.bfloat16))
-                plan.append((m, n, k, mm.default_config(make_signature(mm.OP, (a, w.T), a.device), profile)))
+                sig = make_signature(mm.OP, (a, w.T, None, None, False), a.device)
+                default = {**mm.default_config(sig, profile), "default": 1}
+                plan.append((m, n, k, default))
+                others = [c for c in alternatives(m) if canonical(c) != canonical(default)]
+                plan += [(m, n, k, c) for c in others]
     t0 = time.time()
     failed = {key: err for key, err in precompile(plan).items() if err}
     print(f"compiled {len(plan)} in {time.time() - t0:.0f}s; failed: {failed}", flush=True)
@@ -127,9 +164,9 @@ def main() -> None:
                 err = ((c.float() - ref).norm() / ref.norm()).item()
                 us = bench(lambda calls=calls: [warm.launch(call) for call in calls])
                 rows.append((us, config, err))
-                if mode == "bench":
+                if config.get("default"):
                     from dlblas_kernels import matmul
-                    rows.append((bench(lambda a=a, w=w: matmul(a, w.T)), {"public function": True}, err))
+                    rows.append((bench(lambda a=a, w=w: matmul(a, w.T)), {"public function": 1}, err))
             cublas2 = bench(lambda a=a, w=w: torch.matmul(a, w.T))
             cublas = min(cublas, cublas2)
             flops = 2 * m * n * k
@@ -140,7 +177,9 @@ def main() -> None:
                 if out:
                     out.write(json.dumps(record) + "\n")
             best = min(rows, key=lambda r: r[0])
-            print(f"M={m:6d} N={n:6d} K={k:6d} cublas {cublas:9.1f}us  best {best[0]:9.1f}us "
+            default = [r for r in rows if r[1].get("default")]
+            shown = f"default x{cublas / default[0][0]:.3f} " if default else ""
+            print(f"M={m:6d} N={n:6d} K={k:6d} cublas {cublas:9.1f}us {shown}best {best[0]:9.1f}us "
                   f"x{cublas / best[0]:.3f} err {best[2]:.1e} {best[1]}", flush=True)
 
 

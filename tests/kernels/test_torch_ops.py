@@ -36,7 +36,7 @@ def custom_op_call(name: str, args: tuple, config: tuple | None = None) -> tuple
     """The custom op of ``name`` and its arguments for bound ``args`` (config ints: all zero by default)."""
     if name == "apply_rotary_pos_emb":
         args = args[:5]  # the custom op is functional; inplace is the caller's copy
-    width = {"silu_and_mul": 2, "apply_rotary_pos_emb": 2, "partial_rotary_emb": 2, "ffn": 6, "matmul": 6}.get(name, 3)
+    width = {"silu_and_mul": 2, "apply_rotary_pos_emb": 2, "partial_rotary_emb": 2, "ffn": 6, "matmul": 7}.get(name, 3)
     return getattr(ops, name).default, (*args, *(config or (0,) * width))
 
 
@@ -74,8 +74,8 @@ def test_opcheck_backward(name, device, gen):
         q, k, cos, sin, *_ = example(name, torch.float32, device, gen)
         op, args = ops.apply_rotary_pos_emb_backward.default, (r(*q.shape), r(*k.shape), cos, sin, True, 2, 1)
     elif name == "matmul":
-        a, b = example(name, torch.float32, device, gen)
-        op, args = ops.matmul_backward.default, (r(5, 8), a, b, 16, 16, 16, 1, 1, 1)
+        a, b, *_ = example(name, torch.float32, device, gen)
+        op, args = ops.matmul_backward.default, (r(5, 8), a, b, r(8), "silu", False, 16, 16, 16, 1, 1, 1, 1)
     else:
         q, k_pe, kv, cos, sin, *dims = example(name, torch.float32, device, gen)
         op = ops.partial_rotary_emb_backward.default

@@ -64,6 +64,8 @@ from dlcore.declarations.signature import cdiv
 ACTIVATIONS = (None, "relu", "silu", "gelu_tanh")
 #: the architectures whose programs take the tensor-descriptor (TMA) path
 TMA_ARCHS = ("sm_90",)
+#: row blocks per group of the grouped program order where a config names none
+GROUP_M = 8
 #: the copy engine's alignment of a base address and of every stride but the unit one, in bytes
 TMA_ALIGNMENT = 16
 
@@ -408,6 +410,22 @@ def takes_tma(profile: DeviceProfile, a: torch.Tensor, b: torch.Tensor, c: torch
     return all(t is None or (t.stride() == c.stride() and t.data_ptr() % TMA_ALIGNMENT == 0) for t in outputs)
 
 
+def shared_memory_bytes(config: Config, element_size: int = 2, *, second_operand: bool = False,
+                        act_grad: bool = False) -> int:
+    """What one program of ``config`` takes of shared memory, as Triton 3.6 lays it out for sm_90
+    (read off compiled kernels): the pipelined operand tiles, and for the descriptor kernel
+    (``TMA``) the output tile staged for its store (float32 under split-K, where it also passes
+    through shared memory) plus as much again for an ``act_grad`` tile (loaded by pointers and
+    converted to the accumulator's layout; bounded from above)."""
+    stages, block_m, block_n = config["num_stages"], config["BLOCK_M"], config["BLOCK_N"]
+    loads = stages * (block_m + block_n * (2 if second_operand else 1)) * config["BLOCK_K"] * element_size
+    if not config.get("TMA", 1):
+        return loads
+    if config.get("SPLIT_K", 1) > 1:
+        return loads + block_m * block_n * 4
+    return loads + block_m * block_n * element_size * (2 if act_grad else 1)
+
+
 def gemm_calls(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Config, profile: DeviceProfile,
                *, b3: torch.Tensor | None = None, epilogue: Epilogue = Epilogue(),
                input_precision: str = "ieee") -> tuple[list[KernelCall], tuple]:
@@ -416,8 +434,8 @@ def gemm_calls(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Config
     :param a: ``[M, K]``, any strides.
     :param b: ``[K, N]``, any strides (row-major, or ``w.T`` of an nn.Linear weight ``w [N, K]``).
     :param c: ``[M, N]``, written.
-    :param config: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``GROUP_M``, ``num_warps``,
-        ``num_stages``; optional ``SPLIT_K`` (default 1; above 1 the products go to a float32
+    :param config: ``BLOCK_M``, ``BLOCK_N``, ``BLOCK_K``, ``num_warps``, ``num_stages``; optional
+        ``GROUP_M`` (default :data:`GROUP_M`), ``SPLIT_K`` (default 1; above 1 the products go to a float32
         workspace and a reduce applies the epilogue: not with ``b3`` or pre-activations), ``TMA``
         (default 1: the persistent tensor-descriptor kernel where :func:`takes_tma`, else the
         pointer kernel), ``FLATTEN`` (default 1: the persistent loop's tile and K loops
@@ -440,7 +458,7 @@ def gemm_calls(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Config
         "HAS_BIAS": e.bias is not None, "HAS_SCALE": e.row_scale is not None, "ACTIVATION": e.activation,
         "ACT_GRAD": e.act_grad is not None,
     }
-    tile = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": config["GROUP_M"],
+    tile = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": config.get("GROUP_M", GROUP_M),
             "SPLIT_K": split_k, "INPUT_PRECISION": input_precision,
             "num_warps": config["num_warps"], "num_stages": config["num_stages"]}
     # Absent tensors: any pointer the constexprs keep the kernel from reading.
@@ -457,6 +475,12 @@ def gemm_calls(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Config
     tiles = cdiv(m, block_m) * cdiv(n, block_n)
     if config.get("TMA", 1) and takes_tma(profile, a, b, c, b3, e):
         ensure_allocator()
+        # A config tuned for the plain product may not fit beside an epilogue's tiles (the
+        # backward's act_grad): one pipeline stage less at a time until it does.
+        limit = profile.shared_memory_per_program
+        while limit and tile["num_stages"] > 2 and shared_memory_bytes(
+                {**config, **tile}, a.element_size(), second_operand=swiglu, act_grad=e.act_grad is not None) > limit:
+            tile["num_stages"] -= 1
         a_m_major, b_k_major = bool(_transposed(a)), bool(_transposed(b))
         stride_a = a.stride(1) if a_m_major else a.stride(0)
         stride_b = b.stride(1) if b_k_major else b.stride(0)
