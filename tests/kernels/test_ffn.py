@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import dlblas_kernels
@@ -19,6 +20,8 @@ from gradients import check_backward
 from isolated import run_json
 
 from dlcore import InvalidInputError
+from dlcore.declarations.device import DeviceProfile
+from dlcore.declarations.signature import make_signature
 from dlcore.runtime.template import UNKNOWN_DEVICE
 from dlcore.testing import assert_close, randn, strided_like, tolerance, upcast
 
@@ -222,6 +225,24 @@ def test_plan_on_meta_tensors_reads_no_data():
     # 240 rows in one row block: one weight-streaming launch over the columns, the rows padded to 256
     (stream,) = TRITON.plan((x, w, w, torch.empty(256, device="meta"), 1e-6, None), {**config, "BLOCK_M": 256}).calls
     assert stream.kernel.__name__ == "ffn_decode_kernel" and stream.grid == (8,) and stream.kwargs["BLOCK_M"] == 256
+
+
+H200 = DeviceProfile(backend="cuda", vendor="NVIDIA", name="NVIDIA H200", arch="sm_90", cores=132,
+                    shared_memory_per_program=232448, registers_per_core=65536, threads_per_core=2048, warp_size=32)
+SMALL_SHARED = dataclasses.replace(H200, shared_memory_per_program=101376)
+
+
+@pytest.mark.parametrize("tokens, path", [(1, "decode"), (64, "decode"), (65, "prefill"), (4096, "prefill")])
+@pytest.mark.parametrize("profile", [H200, SMALL_SHARED], ids=["h200", "99KiB"])
+def test_default_config_lies_in_the_space(tokens, path, profile):
+    """The heuristic picks the path by the row count, and what it picks is a point of the space on
+    the device (its tiles fit the shared memory: stages dropped on a smaller one)."""
+    x = torch.empty(tokens, 4096, device="meta", dtype=torch.bfloat16)
+    w13 = torch.empty(28672, 4096, device="meta", dtype=torch.bfloat16)
+    args = (x, None, None, torch.empty(4096, device="meta", dtype=torch.bfloat16), 1e-6, w13)
+    config = TRITON.default_config(make_signature(OP, args, x.device), profile)
+    assert KERNEL.implementation.space(profile).is_valid(config) is None, config
+    assert (tokens <= config["BLOCK_M"]) == (path == "decode")
 
 
 BAD = {"int32 x": "x", "w1 dtype": "w1", "w3 dtype": "w3", "int32 rms_w": "rms_w", "rank-0 x": "x", "3-D w1": "w1",
