@@ -25,7 +25,8 @@ its own):
 - **its autograd** (with a :class:`Backward`): the named arguments and outputs saved, the backward
   custom op ``<ns>::<op>_backward`` (schema: the backward reference's annotated signature, then the
   same config ints), launched directly in plain eager autograd and through the op where a tracer
-  watches (:func:`~dlcore.runtime.torch_ops.run_backward`);
+  watches (:func:`~dlcore.runtime.torch_ops.run_backward`); with :class:`Residuals`, the custom op
+  also returns what the forward computes for the backward alone (saved, never shown to callers);
 - **the implementation** (a :class:`~dlcore.runtime.torch_ops.CustomOpTritonImplementation`): the
   inference path launches the plan directly, the training path calls the custom op with the
   selected config; its ``backward_plan`` (what ``dlcore lower`` compiles) comes from the backward's
@@ -96,6 +97,27 @@ def device_profile(device: torch.device) -> DeviceProfile:
 
 
 @dataclass(frozen=True)
+class Residuals:
+    """Tensors a forward computes for its backward alone (an MLP's pre-activations, which the
+    backward would otherwise recompute at the cost of a GEMM). The custom op returns them after the
+    outputs and its autograd saves them under their names; the public function, bound ops and the
+    inference path never compute them, and callers of the custom op (``torch.compile`` included)
+    see only the outputs.
+
+    :param names: the residuals' names (what ``Backward.saved`` may name), in order.
+    :param plan: ``plan(args, config, profile)``: the forward's launches whose result is
+        ``(*outputs, *residuals)`` (the custom op's body runs it instead of the kernel's plan).
+    :param results: ``results(*args)``: ``(*outputs, *residuals)``, allocated (the fake).
+    :param reference: ``reference(*args)``: ``(*outputs, *residuals)`` in torch, for float64 inputs.
+    """
+
+    names: tuple[str, ...]
+    plan: Plan
+    results: Callable[..., Any]
+    reference: Callable[..., Any]
+
+
+@dataclass(frozen=True)
 class Backward:
     """A kernel's autograd formula, and the backward kernel it runs.
 
@@ -117,6 +139,7 @@ class Backward:
     :param of: run another kernel's backward op instead of declaring one (``add_rms_norm`` runs
         ``rms_norm``'s); then ``plan``, ``reference``, ``results`` and ``renames`` stay unset, and
         both kernels must have the same config keys.
+    :param residuals: what the forward computes for this backward alone (see :class:`Residuals`).
     """
 
     gradients: Gradients
@@ -127,6 +150,7 @@ class Backward:
     results: Callable[..., Any] | None = None
     renames: Mapping[str, str] = field(default_factory=dict)
     of: Kernel | None = None
+    residuals: Residuals | None = None
 
 
 def _scalar_type(arg: ScalarArg) -> tuple[str, Callable[[Any], Any]]:
@@ -336,19 +360,24 @@ def define_kernel(
             kind, convert = _scalar_type(a)
             schema_args.append(f"{kind} {a.name}")
             converters.append(convert)
-    schema = f"({', '.join([*schema_args, *(f'int {k.lower()}' for k in keys)])}) -> {_returns(len(outputs))}"
+    residuals = backward.residuals if backward is not None else None
+    returned = (*outputs, *residuals.names) if residuals is not None else outputs
+    schema = f"({', '.join([*schema_args, *(f'int {k.lower()}' for k in keys)])}) -> {_returns(len(returned))}"
     position = {a.name: i for i, a in enumerate(op.args)}
     at = position.get(inplace) if inplace is not None else None
     count = len(names)
     first = _first_tensor(op)
-    reference = op.reference
     planned = _on_device(plan, first)
+    # The custom op's body: the kernel's plan, or the one that also computes the residuals.
+    reference = op.reference if residuals is None else residuals.reference
+    body_results = results if residuals is None else residuals.results
 
     def full(values: Sequence[Any]) -> tuple:
         """The op's arguments from the custom op's: the ``inplace`` one put back, false."""
         return tuple(values) if at is None else (*values[:at], False, *values[at:])
 
-    launches = Launches(planned, _Configs(keys, op, default_config, lambda args: args))
+    body_plan = planned if residuals is None else _on_device(residuals.plan, first)
+    launches = Launches(body_plan, _Configs(keys, op, default_config, lambda args: args))
 
     def forward(*values: Any) -> Any:
         args = full(values[:count])
@@ -360,7 +389,7 @@ def define_kernel(
         args = full(values[:count])
         if args[first].dtype != torch.float64:
             op.validate(args)
-        return results(*args)
+        return body_results(*args)
 
     custom_op = torch.library.custom_op(f"{namespace}::{op.name}", forward, mutates_args=(), schema=schema)
     custom_op.register_fake(fake)
@@ -371,6 +400,8 @@ def define_kernel(
         ints = zeros if config is None else tuple(int(config[k]) for k in keys)
         values = [a if c is None else c(a) for c, a in zip(converters, (a for i, a in enumerate(args) if i != at))]
         result = getattr(ops, op.name)(*values, *ints)
+        if residuals is not None:
+            result = result[0] if len(outputs) == 1 else result[:len(outputs)]
         if at is not None and args[at]:
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
             return tuple(t.copy_(r) for t, r in zip(tensors, result))
@@ -387,8 +418,8 @@ def define_kernel(
                 raise DeclarationError(
                     f"{op.name}: backward of {backward.of.op.name} needs its backward op and the same "
                     f"config keys ({keys})")
-        _register_autograd(custom_op, backward, backward_op, names, outputs, len(keys))
-        backward_plan = _backward_plan(op, backward, backward_op, results, outputs, first)
+        _register_autograd(custom_op, backward, backward_op, names, returned, len(keys))
+        backward_plan = _backward_plan(op, backward, backward_op, body_results, returned, first)
 
     implementation = _Implementation(
         op.name, name, plan=planned, kernels=kernels, default_config=default_config, space_of=space,
@@ -478,7 +509,12 @@ def _public_function(op: Op, implementation: CustomOpTritonImplementation,
         device = validate(bound)
         return run(bound, default_config(make_signature(op, bound, device), device_profile(device)))
 
-    defaults = {f"_default_{a.name}": a.default for a in op.args if getattr(a, "default", REQUIRED) is not REQUIRED}
+    # Python's rule: a parameter keeps its default only if every later one has one too (ffn's optional
+    # w1 and w3 come before the required rms_w: they are passed, as None where w13 replaces them).
+    trailing = len(op.args)
+    while trailing and op.args[trailing - 1].default is not REQUIRED:
+        trailing -= 1
+    defaults = {f"_default_{a.name}": a.default for a in op.args[trailing:]}
     parameters = ", ".join(f"{a.name}=_default_{a.name}" if f"_default_{a.name}" in defaults else a.name
                            for a in op.args)
     names = "".join(f"{a.name}, " for a in op.args)

@@ -1,14 +1,29 @@
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import dlblas_kernels
 import pytest
 import torch
-from dlblas_kernels.kernels.ffn import KERNEL, OP, ffn, ffn_reference
+from conftest import ON_GPU
+from dlblas_kernels.kernels.ffn import (
+    KERNEL,
+    OP,
+    backward_plan,
+    ffn,
+    ffn_reference,
+    ffn_training_reference,
+    training_plan,
+)
+from gradients import check_backward
+from isolated import run_json
 
 from dlcore import InvalidInputError
-from dlcore.testing import assert_close, randn, strided_like, upcast
+from dlcore.declarations.device import DeviceProfile
+from dlcore.declarations.signature import make_signature
+from dlcore.runtime.template import UNKNOWN_DEVICE
+from dlcore.testing import assert_close, randn, strided_like, tolerance, upcast
 
 TRITON = KERNEL.implementation
 
@@ -35,6 +50,11 @@ def check(out, x, w1, w3, rms_w, eps=1e-6):
     assert_close(out, ffn_reference(*upcast(x, w1, w3, rms_w), eps), x.dtype, reduce_dim=x.shape[-1])
 
 
+# One row block (BLOCK_M >= rows): weight streaming; more rows: the row kernel and the GEMM.
+DECODE = dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=2)
+PREFILL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=2)
+
+
 @pytest.mark.parametrize("lead, k, n", [
     ((7,), 33, 40),
     ((3, 5), 100, 24),
@@ -44,12 +64,110 @@ def check(out, x, w1, w3, rms_w, eps=1e-6):
 ])
 def test_matches_reference(lead, k, n, dtype, device, gen, run):
     args = inputs(lead, k, n, dtype, device, gen)
-    check(run(OP, TRITON, (*args, 1e-6)), *args)
+    check(run(OP, TRITON, (*args, 1e-6, None)), *args)
+
+
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+@pytest.mark.parametrize("lead, k, n", [((17,), 45, 19), ((33,), 70, 33), ((2, 9), 37, 48)])
+def test_both_paths(path, lead, k, n, dtype, device, gen, run, launches):
+    args = inputs(lead, k, n, dtype, device, gen)
+    check(run(OP, TRITON, (*args, 1e-6, None), DECODE if path == "decode" else PREFILL), *args)
+    expected = ["ffn_decode_kernel"] if path == "decode" else ["rms_scale_kernel", "gemm_kernel"]
+    assert [name for name, _ in launches] == expected
+
+
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+def test_w13_form(path, dtype, device, gen, run):
+    x, w1, w3, rms_w = inputs((19,), 40, 21, dtype, device, gen)
+    config = DECODE if path == "decode" else PREFILL
+    w13 = torch.cat([w1, w3])
+    out = run(OP, TRITON, (x, None, None, rms_w, 1e-6, w13), config)
+    check(out, x, w1, w3, rms_w)
+    # the same kernels on the same values: bit for bit the result of w1 and w3
+    assert torch.equal(out, run(OP, TRITON, (x, w1, w3, rms_w, 1e-6, None), config))
+    # stored transposed (column-major), as a view of a wider buffer would be
+    w13_t = strided_like(w13, "transpose")
+    check(run(OP, TRITON, (x, None, None, rms_w, 1e-6, w13_t), config), x, w1, w3, rms_w)
+    assert torch.equal(ffn(x, None, None, rms_w, w13=w13), ffn(x, w1, w3, rms_w))
+
+
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+def test_training_plan_stores_the_preactivations(path, dtype, device, gen, launch):
+    """What the custom op runs (autograd saves gate and up): the output and both pre-activations,
+    poisoned first, against the float64 reference; the public function returns the output alone."""
+    x, w1, w3, rms_w = inputs((3, 7), 40, 21, dtype, device, gen)
+    config = DECODE if path == "decode" else PREFILL
+    for weights in ((w1, w3, None), (None, None, torch.cat([w1, w3]))):
+        args = (x, weights[0], weights[1], rms_w, 1e-6, weights[2])
+        got = launch(training_plan(args, config, UNKNOWN_DEVICE))
+        for result, expected in zip(got, ffn_training_reference(*upcast(x, w1, w3, rms_w))):
+            assert_close(result, expected, dtype, reduce_dim=40)
+    leaf = x.detach().requires_grad_()
+    assert isinstance(ffn(leaf, w1, w3, rms_w), torch.Tensor)
+    assert len(torch.ops.dlblas.ffn(x, w1, w3, rms_w, 1e-6, None, *(config[k] for k in config))) == 3
+
+
+def composite(x, w1, w3, rms_w, eps=1e-6):
+    """The unfused MLP half in torch (autograd differentiates it): RMSNorm, two projections, SwiGLU."""
+    xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * rms_w
+    return torch.nn.functional.silu(xn @ w1.T) * (xn @ w3.T)
+
+
+@pytest.mark.parametrize("lead, k, n", [((5,), 37, 19), ((3, 7), 24, 40), ((70,), 20, 12)])
+def test_backward_matches_autograd(lead, k, n, dtype, device, gen):
+    args = inputs(lead, k, n, dtype, device, gen)
+    check_backward(ffn, composite, args, wrt=(0, 1, 2, 3), gen=gen, reduce_dim=backward_reduce_dim(dtype, k, n, lead))
+
+
+def backward_reduce_dim(dtype, k, n, lead):
+    """The tolerance's reduction length. In 16-bit dtypes the weight gradients ``dh.T @ xn`` sum
+    products of two operands each rounded to the dtype (as autograd in that dtype rounds them), whose
+    magnitudes reach a few units: their error is a few times a single product's (up to 0.0064 seen
+    at 20 rows in float16, against 0.002 for one rounding): at least the tolerance of 1024 products."""
+    longest = max(k, n, math.prod(lead))
+    return longest if dtype == torch.float32 else max(longest, 1024)
+
+
+def test_backward_of_w13(dtype, device, gen):
+    x, w1, w3, rms_w = inputs((6,), 36, 17, dtype, device, gen)
+    w13 = torch.cat([w1, w3])
+
+    def fused(x, w13, rms_w):
+        return ffn(x, None, None, rms_w, w13=w13)
+
+    def reference(x, w13, rms_w):
+        return composite(x, w13[:17], w13[17:], rms_w)
+
+    check_backward(fused, reference, (x, w13, rms_w), wrt=(0, 1, 2), gen=gen,
+                   reduce_dim=backward_reduce_dim(dtype, 36, 17, (6,)))
+
+
+def test_backward_of_some_arguments(device, gen):
+    x, w1, w3, rms_w = inputs((4,), 20, 9, torch.float32, device, gen)
+    rms_w = rms_w.detach().requires_grad_()
+    (grad,) = torch.autograd.grad(ffn(x, w1, w3, rms_w).sum(), rms_w)
+    expected = torch.autograd.grad(composite(*upcast(x, w1, w3), rms_w.double()).sum(), rms_w)[0]
+    assert_close(grad, expected, torch.float32, reduce_dim=20)
+
+
+@pytest.mark.parametrize("config", [PREFILL, dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, GROUP_M=8, num_warps=4,
+                                                   num_stages=1)], ids=["16x16x32", "32x32x16"])
+def test_backward_plan_writes_every_output(config, device, gen, launch):
+    # odd sizes with ragged tiles everywhere; the outputs poisoned before the launches
+    x, w1, w3, rms_w = inputs((2, 17), 41, 23, torch.float32, device, gen)
+    dout = randn(2, 17, 23, device=device, generator=gen)
+    _, gate, up = ffn_training_reference(x, w1, w3, rms_w)
+    dx, dw13, drms_w = launch(backward_plan((dout, x, w1, w3, rms_w, 1e-6, None, gate, up), config, UNKNOWN_DEVICE))
+    leaves = [t.double().requires_grad_() for t in (x, w1, w3, rms_w)]
+    grads = torch.autograd.grad(composite(*leaves), leaves, dout.double())
+    for got, want in zip((dx, dw13[:23], dw13[23:], drms_w), grads):
+        assert_close(got, want, torch.float32, reduce_dim=41)
 
 
 def test_rms_weight_in_another_dtype(device, gen, run):
     args = inputs((9,), 40, 24, torch.float16, device, gen, rms_w_dtype=torch.float32)
-    check(run(OP, TRITON, (*args, 1e-6)), *args)
+    for config in (DECODE, PREFILL):
+        check(run(OP, TRITON, (*args, 1e-6, None), config), *args)
 
 
 def test_non_contiguous_inputs(dtype, device, gen, run, relayout):
@@ -57,13 +175,15 @@ def test_non_contiguous_inputs(dtype, device, gen, run, relayout):
     x_strided = relayout(x)
     w1_t, w3_t = strided_like(w1, "transpose"), strided_like(w3, "transpose")
     assert w1_t.stride() == (1, 24) and not x_strided.is_contiguous()
-    check(run(OP, TRITON, (x_strided, w1_t, w3_t, relayout(rms_w), 1e-6)), x, w1, w3, rms_w)
+    for config in (DECODE, PREFILL):
+        check(run(OP, TRITON, (x_strided, w1_t, w3_t, relayout(rms_w), 1e-6, None), config), x, w1, w3, rms_w)
 
 
 def test_eps_is_applied(device, gen, run):
     x, w1, w3, rms_w = inputs((4,), 40, 16, torch.float32, device, gen)
     x = x * 0.05  # mean(x**2) ~ eps: a kernel that dropped eps would be far off
-    check(run(OP, TRITON, (x, w1, w3, rms_w, 0.01)), x, w1, w3, rms_w, eps=0.01)
+    for config in (DECODE, PREFILL):
+        check(run(OP, TRITON, (x, w1, w3, rms_w, 0.01, None), config), x, w1, w3, rms_w, eps=0.01)
 
 
 @pytest.mark.parametrize("config", [
@@ -75,14 +195,14 @@ def test_eps_is_applied(device, gen, run):
 def test_configs(config, dtype, device, gen, run):
     # 3 row blocks of 16 with a ragged last one, so grouped orders with partial groups are covered.
     args = inputs((37,), 70, 50, dtype, device, gen)
-    check(run(OP, TRITON, (*args, 1e-6), config), *args)
+    check(run(OP, TRITON, (*args, 1e-6, None), config), *args)
 
 
 def test_public_function_runs_the_plan(device, gen, run):
     args = inputs((3, 5), 100, 24, torch.float16, device, gen)
     assert dlblas_kernels.ffn is ffn
-    assert torch.equal(dlblas_kernels.ffn(*args), run(OP, TRITON, (*args, 1e-6)))
-    assert torch.equal(ffn(*args, eps=0.5), run(OP, TRITON, (*args, 0.5)))
+    assert torch.equal(dlblas_kernels.ffn(*args), run(OP, TRITON, (*args, 1e-6, None)))
+    assert torch.equal(ffn(*args, eps=0.5), run(OP, TRITON, (*args, 0.5, None)))
 
 
 def test_zero_rows_launch_nothing(device, no_launch):
@@ -96,23 +216,48 @@ def test_plan_on_meta_tensors_reads_no_data():
     x = torch.empty(6, 40, 256, device="meta", dtype=torch.bfloat16)
     w = torch.empty(1000, 256, device="meta", dtype=torch.bfloat16)
     config = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
-    plan = TRITON.plan((x, w, w, torch.empty(256, device="meta"), 1e-6), config)
+    plan = TRITON.plan((x, w, w, torch.empty(256, device="meta"), 1e-6, None), config)
     assert plan.result.device.type == "meta" and plan.result.shape == (6, 40, 1000)
-    (call,) = plan.calls
-    assert call.grid == (4 * 8,)
-    assert call.kwargs["num_stages"] == 3 and call.kwargs["BLOCK_K"] == 64
+    scale, gemm = plan.calls
+    assert scale.grid == (240,) and [t.shape for t in plan.scratch] == [(240, 256), (240,)]
+    assert gemm.kernel.__name__ == "gemm_kernel" and gemm.grid == (4 * 8, 1)
+    assert gemm.kwargs["num_stages"] == 3 and gemm.kwargs["BLOCK_K"] == 64
+    # 240 rows in one row block: one weight-streaming launch over the columns, the rows padded to 256
+    (stream,) = TRITON.plan((x, w, w, torch.empty(256, device="meta"), 1e-6, None), {**config, "BLOCK_M": 256}).calls
+    assert stream.kernel.__name__ == "ffn_decode_kernel" and stream.grid == (8,) and stream.kwargs["BLOCK_M"] == 256
 
 
-BAD = ["int32 x", "w1 dtype", "w3 dtype", "int32 rms_w", "rank-0 x", "3-D w1", "w1 columns", "w3 shape",
-       "rms_w size", "empty features", "interleaved rows"]
+H200 = DeviceProfile(backend="cuda", vendor="NVIDIA", name="NVIDIA H200", arch="sm_90", cores=132,
+                    shared_memory_per_program=232448, registers_per_core=65536, threads_per_core=2048, warp_size=32)
+SMALL_SHARED = dataclasses.replace(H200, shared_memory_per_program=101376)
 
 
-@pytest.mark.parametrize("case", BAD)
+@pytest.mark.parametrize("tokens, path", [(1, "decode"), (64, "decode"), (65, "prefill"), (4096, "prefill")])
+@pytest.mark.parametrize("profile", [H200, SMALL_SHARED], ids=["h200", "99KiB"])
+def test_default_config_lies_in_the_space(tokens, path, profile):
+    """The heuristic picks the path by the row count, and what it picks is a point of the space on
+    the device (its tiles fit the shared memory: stages dropped on a smaller one)."""
+    x = torch.empty(tokens, 4096, device="meta", dtype=torch.bfloat16)
+    w13 = torch.empty(28672, 4096, device="meta", dtype=torch.bfloat16)
+    args = (x, None, None, torch.empty(4096, device="meta", dtype=torch.bfloat16), 1e-6, w13)
+    config = TRITON.default_config(make_signature(OP, args, x.device), profile)
+    assert KERNEL.implementation.space(profile).is_valid(config) is None, config
+    assert (tokens <= config["BLOCK_M"]) == (path == "decode")
+
+
+BAD = {"int32 x": "x", "w1 dtype": "w1", "w3 dtype": "w3", "int32 rms_w": "rms_w", "rank-0 x": "x", "3-D w1": "w1",
+       "w1 columns": "w1", "w3 shape": "w3", "rms_w size": "rms_w", "empty features": "x", "interleaved rows": "x",
+       "no w1": "w1", "no w3": "w3", "w13 and w1": "w1", "w13 and w3": "w3", "w13 odd rows": "w13",
+       "w13 columns": "w13", "w13 dtype": "w13", "3-D w13": "w13"}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_inputs_raise_before_launch(case, device, no_launch):
     x = torch.randn(4, 6, 32, device=device, dtype=torch.float16)
     w1 = torch.randn(16, 32, device=device, dtype=torch.float16)
     w3 = torch.randn(16, 32, device=device, dtype=torch.float16)
     rms_w = torch.randn(32, device=device)
+    w13 = None
     if case == "int32 x":
         x = x.to(torch.int32)
     elif case == "w1 dtype":
@@ -135,5 +280,91 @@ def test_bad_inputs_raise_before_launch(case, device, no_launch):
         x, w1, w3, rms_w = x[..., :0], w1[:, :0], w3[:, :0], rms_w[:0]
     elif case == "interleaved rows":
         x = x.transpose(0, 1)
-    with pytest.raises(InvalidInputError):
-        ffn(x, w1, w3, rms_w)
+    elif case in ("no w1", "no w3"):
+        w1, w3 = (None, w3) if case == "no w1" else (w1, None)
+    elif case in ("w13 and w1", "w13 and w3"):
+        w13 = torch.cat([w1, w3])
+        w1, w3 = (w1, None) if case == "w13 and w1" else (None, w3)
+    elif case.startswith("w13") or case == "3-D w13":
+        w13 = {"w13 odd rows": torch.cat([w1, w3[:15]]), "w13 columns": torch.cat([w1, w3], dim=1),
+               "w13 dtype": torch.cat([w1, w3]).float(), "3-D w13": torch.cat([w1, w3])[None]}[case]
+        w1 = w3 = None
+    with pytest.raises(InvalidInputError) as raised:
+        ffn(x, w1, w3, rms_w, w13=w13)
+    assert raised.value.arg == BAD[case], raised.value
+
+
+# Forward (both paths, both weight forms) and backward plans on meta tensors, each launch compiled to a
+# cubin in a fresh interpreter without TRITON_INTERPRET.
+CUBIN_SCRIPT = """
+import json, torch
+from triton.backends.compiler import GPUTarget
+from dlcore.compiler.lowering import compile_call
+from dlcore.runtime.template import UNKNOWN_DEVICE as profile
+from dlblas_kernels.kernels import ffn
+
+def e(*shape, dtype):
+    return torch.empty(*shape, device="meta", dtype=dtype)
+
+found = {}
+for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    x, w, w13, g = e(37, 256, dtype=dtype), e(96, 256, dtype=dtype), e(192, 256, dtype=dtype), e(256, dtype=dtype)
+    dout = gate = up = e(37, 96, dtype=dtype)
+    small = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=2)
+    plans = {"decode": ffn.plan((x, w, w, g, 1e-6, None), {**small, "BLOCK_M": 64}, profile),
+             "prefill": ffn.plan((x, None, None, g, 1e-6, w13), small, profile),
+             "decode_training": ffn.training_plan((x, w, w, g, 1e-6, None), {**small, "BLOCK_M": 64}, profile),
+             "prefill_training": ffn.training_plan((x, None, None, g, 1e-6, w13), small, profile),
+             "backward": ffn.backward_plan((dout, x, w, w, g, 1e-6, None, gate, up), small, profile),
+             "backward13": ffn.backward_plan((dout, x, None, None, g, 1e-6, w13, gate, up), small, profile)}
+    for name, plan in plans.items():
+        for call in plan.calls:
+            for capability in (80, 90, 100):
+                kernel = compile_call(call, GPUTarget("cuda", capability, 32))
+                key = f"{name}/{call.kernel.__name__}/{str(dtype)[6:]}/sm_{capability}"
+                found[key] = len(kernel.asm.get("cubin", b""))
+print(json.dumps(found))
+"""
+
+
+@pytest.mark.slow
+def test_every_kernel_compiles_to_cubin():
+    compiled = run_json(CUBIN_SCRIPT, None, TRITON_INTERPRET="0")
+    norm = ["rms_norm_backward_kernel", "column_sum_kernel"]
+    kernels = {"decode": ["ffn_decode_kernel"], "prefill": ["rms_scale_kernel", "gemm_kernel"],
+               "decode_training": ["ffn_decode_kernel"], "prefill_training": ["rms_scale_kernel", "gemm_kernel"],
+               "backward": ["rms_scale_kernel", "swiglu_backward_kernel", "ffn_input_grad_kernel", "gemm_kernel",
+                            *norm],
+               "backward13": ["rms_scale_kernel", "swiglu_backward_kernel", "gemm_kernel", *norm]}
+    expected = {f"{plan}/{kernel}/{dtype}/sm_{capability}" for plan, names in kernels.items() for kernel in names
+                for dtype in ("bfloat16", "float16", "float32") for capability in (80, 90, 100)}
+    assert set(compiled) == expected
+    assert all(size > 0 for size in compiled.values()), compiled
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="bfloat16 against a float32 reference needs a GPU")
+@pytest.mark.parametrize("tokens", [1, 16, 300])
+def test_bfloat16_against_float32_on_gpu(tokens, gen):
+    """A LLaMA-like shape in bfloat16 (1 and 16 tokens stream the weights, 300 take the GEMM),
+    forward and backward (w13 form), against the float32 composite on the same bfloat16 values: the
+    error of each output and gradient at most that of PyTorch's own bfloat16 composite (autograd
+    rounding its intermediates to bfloat16 likewise), plus a quarter of bfloat16's tolerance."""
+    k, n = 2048, 2816
+    x, w1, w3, rms_w = inputs((tokens,), k, n, torch.bfloat16, "cuda", gen)
+    w13 = torch.cat([w1, w3])
+    dout = randn(tokens, n, dtype=torch.bfloat16, device="cuda", generator=gen)
+
+    def run(fn, dtype):
+        leaves = [t.detach().to(dtype).requires_grad_() for t in (x, w13, rms_w)]
+        out = fn(*leaves)
+        return (out, *torch.autograd.grad(out, leaves, dout.to(dtype)))
+
+    ours = run(lambda x, w13, rms_w: ffn(x, None, None, rms_w, w13=w13), torch.bfloat16)
+    torch_bf16 = run(lambda x, w13, rms_w: composite(x, w13[:n], w13[n:], rms_w), torch.bfloat16)
+    expected = run(lambda x, w13, rms_w: composite(x, w13[:n], w13[n:], rms_w), torch.float32)
+    atol, _ = tolerance(torch.bfloat16)
+    for name, got, theirs, want in zip(("out", "dx", "dw13", "drms_w"), ours, torch_bf16, expected):
+        assert got.dtype == torch.bfloat16 and not torch.isnan(got).any(), name
+        error, baseline = ((got.float() - want).abs().max().item(), (theirs.float() - want).abs().max().item())
+        assert error <= baseline + atol / 4, f"{name}: error {error:.3g}, torch's bfloat16 composite {baseline:.3g}"
