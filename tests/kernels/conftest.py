@@ -84,7 +84,7 @@ def run(launch):
 
     def _run(op, impl, args: tuple, config: dict | None = None):
         if config is None:
-            config = impl.default_config(make_signature(op, args, args[0].device), None)
+            config = impl.default_config(make_signature(op, args, args[0].device), device_profile(args[0].device))
         return launch(impl.plan(args, config))
 
     return _run

@@ -30,7 +30,7 @@ VENDOR_ENTRY_POINTS = [ep for ep in INSTALLED if ep not in ENTRY_POINTS]
 CUSTOM_OPS = {
     "silu_and_mul": {"torch", "liger"},
     "rms_norm": {"torch", "liger"},
-    "ffn": {"torch"},
+    "ffn": {"torch", "compile"},
     "add_rms_norm": {"torch", "liger"},
     "apply_rotary_pos_emb": {"torch", "liger"},
     "partial_rotary_emb": {"torch"},
@@ -78,9 +78,8 @@ def test_custom_op_cost_and_baselines(name):
     moved, flops = op.cost(args)
     inputs = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
     assert isinstance(moved, int) and isinstance(flops, int) and moved > inputs and flops > 0
-    if name != "ffn":  # the differentiable ops rate their backward too
-        moved, flops = op.cost(args, mode="bwd")
-        assert isinstance(moved, int) and isinstance(flops, int) and moved > inputs and flops > 0
+    moved, flops = op.cost(args, mode="bwd")  # every op is differentiable: its backward is rated too
+    assert isinstance(moved, int) and isinstance(flops, int) and moved > inputs and flops > 0
     assert set(op.baselines) == CUSTOM_OPS[name]
     # The eager torch baseline computes the op in the input dtype, as a model does.
     float_args = op.example(op.example_sizes, torch.float32, torch.device("cpu"), torch.Generator().manual_seed(0))
@@ -88,6 +87,10 @@ def test_custom_op_cost_and_baselines(name):
     expected = op.reference(*(a.double() if isinstance(a, torch.Tensor) else a for a in float_args))
     for out, ref in zip(*(r if isinstance(r, tuple) else (r,) for r in (baseline(*float_args), expected))):
         assert_close(out, ref, torch.float32, reduce_dim=float_args[0].shape[-1])
+    if "compile" in op.baselines:  # a declared compile baseline computes the op too (on its prepared arguments)
+        composite = op.baselines["compile"]()
+        prepared = getattr(composite, "prepare", lambda args: args)(float_args)
+        assert_close(composite(*prepared), expected, torch.float32, reduce_dim=float_args[0].shape[-1])
     if "liger" in op.baselines:
         liger = op.baselines["liger"]()
         assert liger is None or callable(liger)

@@ -370,7 +370,7 @@ def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> Launch
     m, k = x2.shape
     if m == 0 or n == 0:
         return LaunchPlan(calls=[], result=(dx.zero_(), dw13.zero_(), drms_w.zero_()))
-    gemm = backward_gemm_config(config)
+    gemm = fit_stages(backward_gemm_config(config), profile, x.element_size(), operands=1)
     new = lambda *shape: torch.empty(shape, dtype=x.dtype, device=x.device)  # noqa: E731
     # dout comes from autograd in any layout (even expanded); reshape copies only when it must.
     dout2, gate2, up2 = dout.reshape(m, n), as_rows(gate), as_rows(up)
@@ -468,8 +468,14 @@ def default_config(sig: Signature, profile: DeviceProfile) -> Config:
         config = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
     else:
         config = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+    return fit_stages(config, profile, sig.dtype.itemsize)
+
+
+def fit_stages(config: Config, profile: DeviceProfile | None, element_size: int, operands: int = 2) -> Config:
+    """``config`` with pipelining stages dropped (down to 2) while the tiles of ``element_size``-byte
+    elements (float32: 4) overflow the profile's shared memory; ``operands``: the B tiles per stage."""
     shared = profile.shared_memory_per_program if profile is not None else 0
-    while shared and config["num_stages"] > 2 and _shared_memory_bytes(config) > shared:
+    while shared and config["num_stages"] > 2 and _shared_memory_bytes(config, element_size, operands) > shared:
         config["num_stages"] -= 1
     return config
 
@@ -479,9 +485,9 @@ def default_config(sig: Signature, profile: DeviceProfile) -> Config:
 SPACE_ELEMENT_BYTES = 2
 
 
-def _shared_memory_bytes(c: Config) -> int:
-    # Per stage: the x (or xs) tile and the w1 and w3 tiles.
-    return c["num_stages"] * (c["BLOCK_M"] + 2 * c["BLOCK_N"]) * c["BLOCK_K"] * SPACE_ELEMENT_BYTES
+def _shared_memory_bytes(c: Config, element_size: int = SPACE_ELEMENT_BYTES, operands: int = 2) -> int:
+    # Per stage: the x (or xs) tile and the w1 and w3 tiles (one B tile for the backward's GEMMs).
+    return c["num_stages"] * (c["BLOCK_M"] + operands * c["BLOCK_N"]) * c["BLOCK_K"] * element_size
 
 
 def _accumulators_per_thread(c: Config) -> float:
