@@ -93,6 +93,22 @@ def grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def dot_range(acc, a_ptrs, b_ptrs, mask_m, mask_n, offs_k, k_start, k_end, stride_ak, stride_bk,
+              BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """``acc`` plus the product of ``a``'s K range ``[k_start, k_end)`` with ``b``'s, loaded by pointers
+    (``a_ptrs``: the ``[BLOCK_M, BLOCK_K]`` tile at ``k_start``, ``b_ptrs`` the ``[BLOCK_K, BLOCK_N]``
+    one; the K strides 64-bit). Masked-off elements load as 0, so a ragged last slice adds nothing."""
+    for k in range(k_start, k_end, BLOCK_K):
+        mask_k = offs_k < k_end - k
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    return acc
+
+
+@triton.jit
 def activate(z, ACTIVATION: tl.constexpr):
     """``act(z)`` in float32. gelu_tanh: ``0.5 z (1 + tanh(u)) = z * sigmoid(2u)``,
     ``u = sqrt(2/pi) (z + 0.044715 z^3)``."""
@@ -204,20 +220,23 @@ def gemm_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc3 = acc
     if SWIGLU:
+        # Both accumulators in one loop: each a tile is loaded once for the two products.
         stride_b3k = tl.cast(stride_b3k, tl.int64)
         b3_ptrs = b3_ptr + (k_start + offs_k)[:, None] * stride_b3k + offs_n[None, :] * stride_b3n
-    for k in range(k_start, k_end, BLOCK_K):
-        # Masked-off elements load as 0, so a ragged last K slice adds nothing to the sum.
-        mask_k = offs_k < k_end - k
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
-        if SWIGLU:
+        for k in range(k_start, k_end, BLOCK_K):
+            # Masked-off elements load as 0, so a ragged last K slice adds nothing to the sum.
+            mask_k = offs_k < k_end - k
+            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
             b3 = tl.load(b3_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
             acc3 = tl.dot(a, b3, acc3, input_precision=INPUT_PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
             b3_ptrs += BLOCK_K * stride_b3k
+    else:
+        acc = dot_range(acc, a_ptrs, b_ptrs, mask_m, mask_n, offs_k, k_start, k_end, stride_ak, stride_bk,
+                        BLOCK_K, INPUT_PRECISION)
 
     if SPLIT_K > 1:
         offsets = pid_k.to(tl.int64) * M * N + offs_m[:, None] * N + offs_n[None, :]

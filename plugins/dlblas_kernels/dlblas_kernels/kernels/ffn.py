@@ -61,7 +61,7 @@ import triton
 import triton.language as tl
 
 from dlblas_kernels import gemm as gemm_block
-from dlblas_kernels.gemm import gemm_calls, swiglu_calls
+from dlblas_kernels.gemm import dot_range, gemm_calls, grouped_tile, swiglu_calls
 from dlblas_kernels.kernels import rms_norm
 from dlcore import InvalidInputError
 from dlcore.declarations.device import DeviceProfile
@@ -208,44 +208,26 @@ def ffn_input_grad_kernel(
 ):
     # out [M, K] = dh[:, :N] @ w1 + dh[:, N:] @ w3: one accumulator, the reduction over the N
     # columns of d gate against w1's rows, then over those of d up against w3's. BLOCK_N tiles
-    # the output's K columns and BLOCK_K the reduction.
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(K, BLOCK_N)
-    pids_per_group = GROUP_M * num_pid_n
-    first_pid_m = (pid // pids_per_group) * GROUP_M
-    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % pids_per_group) % group_size_m
-    pid_n = (pid % pids_per_group) // group_size_m
-
+    # the output's K columns and BLOCK_K the reduction; the tile order and the K loop are the
+    # GEMM block's.
+    pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(K, BLOCK_N), GROUP_M)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_c = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_c = offs_c < K
     # 64-bit: the reduction step times a weight's row stride may pass 2**31 elements.
+    stride_dn = tl.cast(stride_dn, tl.int64)
     stride_w1n = tl.cast(stride_w1n, tl.int64)
     stride_w3n = tl.cast(stride_w3n, tl.int64)
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     a_ptrs = dh_ptr + offs_m[:, None] * stride_dm + offs_r[None, :] * stride_dn
     b_ptrs = w1_ptr + offs_r[:, None] * stride_w1n + offs_c[None, :] * stride_w1k
-    for r in range(0, N, BLOCK_K):
-        mask_r = offs_r < N - r
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=mask_r[:, None] & mask_c[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-        a_ptrs += BLOCK_K * stride_dn
-        b_ptrs += BLOCK_K * stride_w1n
+    acc = dot_range(acc, a_ptrs, b_ptrs, mask_m, mask_c, offs_r, 0, N, stride_dn, stride_w1n, BLOCK_K, "ieee")
     a_ptrs = dh_ptr + offs_m[:, None] * stride_dm + (N + offs_r)[None, :] * stride_dn
     b_ptrs = w3_ptr + offs_r[:, None] * stride_w3n + offs_c[None, :] * stride_w3k
-    for r in range(0, N, BLOCK_K):
-        mask_r = offs_r < N - r
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_r[None, :], other=0.0)
-        b = tl.load(b_ptrs, mask=mask_r[:, None] & mask_c[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision="ieee")
-        a_ptrs += BLOCK_K * stride_dn
-        b_ptrs += BLOCK_K * stride_w3n
+    acc = dot_range(acc, a_ptrs, b_ptrs, mask_m, mask_c, offs_r, 0, N, stride_dn, stride_w3n, BLOCK_K, "ieee")
 
     out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_c[None, :] * stride_ok
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_c[None, :])
