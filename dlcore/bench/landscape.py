@@ -109,11 +109,13 @@ def _compile_chunk(job: tuple[str, str, dict[str, int], str, list[Config]]) -> i
 
 
 def record(op_name: str, sizes: dict[str, int], dtype: str, impl_name: str = "triton", workers: int = 8,
-           seconds: float | None = None) -> dict:
+           seconds: float | None = None, limit: int | None = None) -> dict:
     """Measure every config of ``impl_name``'s space for ``op_name`` at ``sizes`` on the current GPU.
 
     The configs are measured in a seeded random order, so that a recording cut short by ``seconds``
-    is a uniform sample of the space (``complete`` says whether it covers all of it).
+    (the timing) or ``limit`` (the first ``limit`` configs of that order, compiled and timed: what
+    bounds the compiling of a large space) is a uniform sample of the space (``complete`` says
+    whether it covers all of it).
     """
     import torch
     import triton
@@ -132,7 +134,9 @@ def record(op_name: str, sizes: dict[str, int], dtype: str, impl_name: str = "tr
     profile = reg.profile(backend, device)
     space = reg.refine_space(impl.space(profile), signature, profile)
     configs = list(space.configs())
+    size = len(configs)
     random.Random(0).shuffle(configs)
+    configs = configs[:limit] if limit is not None else configs
     if workers > 1:
         chunks = [configs[i::workers] for i in range(workers)]
         jobs = [(op_name, impl_name, sizes, dtype, chunk) for chunk in chunks]
@@ -158,7 +162,7 @@ def record(op_name: str, sizes: dict[str, int], dtype: str, impl_name: str = "tr
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
         "recorded": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "timer": "triton.testing.do_bench median, results checked against the float64 reference",
-        "space": space.to_dict(), "complete": len(evaluations) == len(configs), "evaluations": evaluations,
+        "space": space.to_dict(), "space_size": size, "complete": len(evaluations) == size, "evaluations": evaluations,
     }
 
 
@@ -171,6 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     rec.add_argument("--dtype", default="bfloat16")
     rec.add_argument("--workers", type=int, default=8, help="processes compiling configs ahead of timing")
     rec.add_argument("--seconds", type=float, default=None, help="stop timing after this long (a random sample)")
+    rec.add_argument("--limit", type=int, default=None,
+                     help="compile and time only this many configs, a seeded random sample (bounds the compiling too)")
     rec.add_argument("--out", required=True)
     rep = sub.add_parser("replay", help="median evaluations each strategy needs to come within 5%% of the best")
     rep.add_argument("files", nargs="+")
@@ -181,7 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "record":
         from dlcore.bench.presets import parse_sizes
 
-        data = record(args.op, parse_sizes(args.shape), args.dtype, workers=args.workers, seconds=args.seconds)
+        data = record(args.op, parse_sizes(args.shape), args.dtype, workers=args.workers, seconds=args.seconds,
+                      limit=args.limit)
         Path(args.out).write_text(json.dumps(data, indent=1))
         ok = [e for e in data["evaluations"] if e["time_ms"] is not None]
         best = min(e["time_ms"] for e in ok)
