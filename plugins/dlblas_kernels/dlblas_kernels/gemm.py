@@ -58,6 +58,7 @@ launch plan; :func:`swiglu_calls` / :func:`swiglu` are the prefill ffn's entry p
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -453,6 +454,16 @@ def shared_memory_bytes(config: Config, element_size: int = 2, *, second_operand
     return loads + block_m * block_n * element_size * (2 if act_grad else 1)
 
 
+def fit_stages(config: Config, limit: int, footprint: Callable[[Config], int]) -> Config:
+    """``config`` with one pipelining stage less at a time, down to 2, while ``footprint(config)``
+    (the shared memory one program takes, e.g. :func:`shared_memory_bytes`) passes ``limit``
+    (0: no bound). A new dict; ``config`` is not changed."""
+    config = dict(config)
+    while limit and config["num_stages"] > 2 and footprint(config) > limit:
+        config["num_stages"] -= 1
+    return config
+
+
 def gemm_calls(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Config, profile: DeviceProfile,
                *, b3: torch.Tensor | None = None, epilogue: Epilogue = Epilogue(),
                input_precision: str = "ieee") -> tuple[list[KernelCall], tuple]:
@@ -504,10 +515,10 @@ def gemm_calls(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Config
         ensure_allocator()
         # A config tuned for the plain product may not fit beside an epilogue's tiles (the
         # backward's act_grad): one pipeline stage less at a time until it does.
-        limit = profile.shared_memory_per_program
-        while limit and tile["num_stages"] > 2 and shared_memory_bytes(
-                {**config, **tile}, a.element_size(), second_operand=swiglu, act_grad=e.act_grad is not None) > limit:
-            tile["num_stages"] -= 1
+        def footprint(tiles: Config) -> int:
+            return shared_memory_bytes(tiles, a.element_size(), second_operand=swiglu, act_grad=e.act_grad is not None)
+
+        tile["num_stages"] = fit_stages({**config, **tile}, profile.shared_memory_per_program, footprint)["num_stages"]
         a_m_major, b_k_major = bool(_transposed(a)), bool(_transposed(b))
         stride_a = a.stride(1) if a_m_major else a.stride(0)
         stride_b = b.stride(1) if b_k_major else b.stride(0)

@@ -457,9 +457,7 @@ def fit_stages(config: Config, profile: DeviceProfile | None, element_size: int,
     """``config`` with pipelining stages dropped (down to 2) while the tiles of ``element_size``-byte
     elements (float32: 4) overflow the profile's shared memory; ``operands``: the B tiles per stage."""
     shared = profile.shared_memory_per_program if profile is not None else 0
-    while shared and config["num_stages"] > 2 and _shared_memory_bytes(config, element_size, operands) > shared:
-        config["num_stages"] -= 1
-    return config
+    return gemm_block.fit_stages(config, shared, lambda c: _shared_memory_bytes(c, element_size, operands))
 
 
 # Declared for 16-bit inputs; a float32 config that overflows shared memory fails to compile and the
@@ -468,8 +466,9 @@ SPACE_ELEMENT_BYTES = 2
 
 
 def _shared_memory_bytes(c: Config, element_size: int = SPACE_ELEMENT_BYTES, operands: int = 2) -> int:
-    # Per stage: the x (or xs) tile and the w1 and w3 tiles (one B tile for the backward's GEMMs).
-    return c["num_stages"] * (c["BLOCK_M"] + operands * c["BLOCK_N"]) * c["BLOCK_K"] * element_size
+    # The pipelined tiles per stage: the x (or xs) tile and the w1 and w3 tiles (one B tile for the
+    # backward's GEMMs), as the GEMM block counts them for its pointer kernel.
+    return gemm_block.shared_memory_bytes({**c, "TMA": 0}, element_size, second_operand=operands == 2)
 
 
 def _accumulators_per_thread(c: Config) -> float:
