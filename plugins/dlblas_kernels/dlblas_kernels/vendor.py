@@ -22,11 +22,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dlblas_kernels.gemm import ACTIVATIONS
 from dlcore import hookimpl
 from dlcore.declarations.implementation import Implementation, VendorImplementation
 from dlcore.errors import InvalidInputError
-
-ACTIVATIONS = (None, "relu", "silu", "gelu_tanh")
 
 
 def _grad_wanted(*tensors: torch.Tensor) -> bool:
