@@ -238,14 +238,14 @@ class _BackwardOp:
         ints = ", ".join(f"int {k.lower()}" for k in keys)
         schema = f"{arguments}{', ' if names and ints else ''}{ints}) -> {returns}"
         missing = [a.name for a in op.args if backward.renames.get(a.name, a.name) not in names
-                   and getattr(a, "default", REQUIRED) is REQUIRED]
+                   and a.default is REQUIRED]
         if missing:
             raise DeclarationError(
                 f"{kernel}: the backward's arguments {names} lack {missing}, which the default config "
                 f"reads; name the backward argument that holds each in renames")
         sources = [names.index(backward.renames.get(a.name, a.name)) if backward.renames.get(a.name, a.name) in names
                    else None for a in op.args]
-        defaults = [getattr(a, "default", None) for a in op.args]
+        defaults = [a.default for a in op.args]
 
         def forward(args: tuple) -> tuple:
             return tuple(defaults[i] if s is None else args[s] for i, s in enumerate(sources))
