@@ -109,12 +109,17 @@ class Residuals:
         ``(*outputs, *residuals)`` (the custom op's body runs it instead of the kernel's plan).
     :param results: ``results(*args)``: ``(*outputs, *residuals)``, allocated (the fake).
     :param reference: ``reference(*args)``: ``(*outputs, *residuals)`` in torch, for float64 inputs.
+    :param shown_by: the name of a ``bool`` argument that, when true, hands the residuals to the
+        caller after the outputs (flash attention's ``return_lse``: the log-sum-exp its backward
+        needs, which some callers want too). The kernel's own plan and reference then return them
+        too, for that argument true.
     """
 
     names: tuple[str, ...]
     plan: Plan
     results: Callable[..., Any]
     reference: Callable[..., Any]
+    shown_by: str | None = None
 
 
 @dataclass(frozen=True)
@@ -365,6 +370,12 @@ def define_kernel(
     schema = f"({', '.join([*schema_args, *(f'int {k.lower()}' for k in keys)])}) -> {_returns(len(returned))}"
     position = {a.name: i for i, a in enumerate(op.args)}
     at = position.get(inplace) if inplace is not None else None
+    shown_at = None
+    if residuals is not None and residuals.shown_by is not None:
+        shown_at = position.get(residuals.shown_by)
+        if shown_at is None or not isinstance(op.args[shown_at], ScalarArg):
+            raise DeclarationError(f"{op.name}: Residuals.shown_by names {residuals.shown_by!r}, which is not "
+                                   f"one of its scalar arguments")
     count = len(names)
     first = _first_tensor(op)
     planned = _on_device(plan, first)
@@ -400,7 +411,7 @@ def define_kernel(
         ints = zeros if config is None else tuple(int(config[k]) for k in keys)
         values = [a if c is None else c(a) for c, a in zip(converters, (a for i, a in enumerate(args) if i != at))]
         result = getattr(ops, op.name)(*values, *ints)
-        if residuals is not None:
+        if residuals is not None and not (shown_at is not None and args[shown_at]):
             result = result[0] if len(outputs) == 1 else result[:len(outputs)]
         if at is not None and args[at]:
             tensors = [a for a in args if isinstance(a, torch.Tensor)]
