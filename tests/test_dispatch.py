@@ -86,6 +86,8 @@ def test_the_tokens_key_policy_keeps_the_heads(gen):
     assert bucket_shape((5, 28, 64), "tokens") == (8, 28, 64)
     assert bucket_shape((5, 64), "tokens") == (8, 64)  # no head dimension: as rows
     assert bucket_shape((2, 5, 32, 128), "rows") == (512, 128)
+    assert bucket_shape((3, 1000, 32, 128), "sequence") == (4, 1024, 32, 128)  # batch and length apart
+    assert bucket_shape((1000, 128), "sequence") == (1024, 128)  # not [B, S, H, D]: as rows
     q33, q40 = (torch.randn(1, n, 4, 16, generator=gen) for n in (33, 40))
     k33, k40 = (torch.randn(1, n, 2, 16, generator=gen) for n in (33, 40))
     cos33, cos40 = (torch.randn(1, n, 16, generator=gen) for n in (33, 40))

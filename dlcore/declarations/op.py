@@ -31,7 +31,8 @@ class TensorArg:
     for this argument's shape in cache keys (``"rows"``: leading dimensions flattened and rounded up
     to a power of two, last dimension exact; ``"tokens"``: for ``[..., S, H, D]``, the dimensions
     before the heads flattened into the token count and rounded up to a power of two, heads and
-    ``D`` exact; ``None``: exact shape). ``differentiable``: whether a
+    ``D`` exact; ``"sequence"``: for attention's ``[B, S, H, D]``, the batch and the sequence length
+    each rounded up to a power of two, heads and ``D`` exact; ``None``: exact shape). ``differentiable``: whether a
     model takes gradients with respect to this argument: False for tables and constants (rotary
     cos and sin), which backwards need not differentiate and ``dlcore bench`` never asks gradients of.
     ``optional``: the argument may be ``None`` (its default, so it may be left out: a bias); the

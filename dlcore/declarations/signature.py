@@ -90,7 +90,11 @@ def bucket_shape(shape: tuple[int, ...], policy: str | None) -> tuple[int, ...]:
         if len(shape) < 3:
             return bucket_shape(shape, "rows")
         return (next_power_of_2(math.prod(shape[:-2])), *shape[-2:])
-    raise DeclarationError(f"unknown bucket policy {policy!r}; known: 'rows', 'tokens' or None")
+    if policy == "sequence":
+        if len(shape) != 4:
+            return bucket_shape(shape, "rows")
+        return (next_power_of_2(shape[0]), next_power_of_2(shape[1]), *shape[2:])
+    raise DeclarationError(f"unknown bucket policy {policy!r}; known: 'rows', 'tokens', 'sequence' or None")
 
 
 def _aligned(t: torch.Tensor) -> bool:
