@@ -22,7 +22,6 @@ from dlblas_kernels.kernels.flash_attention_v2 import (
     attended_pairs,
     cost,
     default_config,
-    fit,
     flash_attention_v2_reference,
     flash_attention_v2_training_reference,
     space,
@@ -132,7 +131,7 @@ def test_rows_that_see_no_key(dtype, device, gen, profile):
     dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=2),
 ], ids=lambda c: "{BLOCK_M}x{BLOCK_N}".format(**c))
 def test_configs(config, device, gen, profile):
-    q, k, v = inputs(2, 70, 53, 4, 2, 64, torch.float32, device, gen)
+    q, k, v = inputs(1, 40, 53, 2, 1, 64, torch.float32, device, gen)
     for causal in (False, True):
         check(*forward(q, k, v, causal, profile, config), q, k, v, causal)
 
@@ -181,14 +180,15 @@ def rotated_reference(q, k, v, cos, sin, interleaved, causal):
     return flash_attention_v2_training_reference(q_rot, k_rot, v.double(), causal)
 
 
-@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate-half", "interleaved"])
-@pytest.mark.parametrize("case", [
+ROTARY_CASES = [
     # batch, Sq, Sk, Hq, Hk, D, causal, table
-    (2, 20, 37, 4, 2, 64, True, "shared"),
-    (2, 37, 37, 2, 1, 96, False, "batched"),
+    (1, 20, 37, 4, 2, 64, True, "shared"),
+    (2, 21, 21, 2, 1, 96, False, "batched"),
     (1, 13, 21, 2, 2, 128, True, "transposed"),
-], ids=["q20-k37-d64-causal", "q37-k37-d96", "q13-k21-d128-causal"])
-def test_rotary_tiles(case, interleaved, dtype, device, gen, profile_of_path):
+]
+
+
+def check_rotary(case, interleaved, dtype, device, gen, profile):
     """ROTARY: the tiles rotated after loading equal apply_rotary_pos_emb's reference followed by
     attention; cos and sin ``[Sk, D]``, ``[B, Sk, D]``, or stored transposed."""
     *sizes, causal, table = case
@@ -198,10 +198,23 @@ def test_rotary_tiles(case, interleaved, dtype, device, gen, profile_of_path):
     cos, sin = (randn(*lead, sk, d, dtype=dtype, device=device, generator=gen) for _ in range(2))
     if table == "transposed":
         cos, sin = cos.T.contiguous().T, sin.T.contiguous().T
-    out, lse = forward(q, k, v, causal, profile_of_path, rotary=(cos, sin, interleaved))
+    out, lse = forward(q, k, v, causal, profile, rotary=(cos, sin, interleaved))
     want_out, want_lse = rotated_reference(q, k, v, cos, sin, interleaved, causal)
     assert_close(out, want_out, dtype, reduce_dim=sk)
     assert_close(lse, want_lse, torch.float32, reduce_dim=d)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate-half", "interleaved"])
+@pytest.mark.parametrize("case", ROTARY_CASES, ids=["q20-k37-d64-causal", "q21-k21-d96", "q13-k21-d128-causal"])
+def test_rotary_tiles(case, interleaved, dtype, device, gen, profile):
+    check_rotary(case, interleaved, dtype, device, gen, profile)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["rotate-half", "interleaved"])
+def test_rotary_tiles_beside_descriptors(interleaved, device, gen, profile):
+    """On Hopper the rotated q and k take pointer loads, v and out the descriptors."""
+    hopper = dataclasses.replace(profile, arch="sm_90")
+    check_rotary(ROTARY_CASES[0], interleaved, torch.float16, device, gen, hopper)
 
 
 # --- the op --------------------------------------------------------------------------------------
@@ -254,7 +267,10 @@ def test_default_config_fits_the_device():
             config = default_config(make_signature(OP, (q, q, q, True, None, False), q.device), hopper)
             if d <= 128 and dtype == torch.bfloat16:
                 assert space(hopper).is_valid(config) is None, config
-            assert fit(config, d, q.element_size(), hopper) == config
+            assert attention.fit(config, d, q.element_size(), hopper) == config
+    # the rotary tiles pipeline cos and sin beside k: 128 x 128 blocks fit 3 stages, rotated 64-key blocks
+    config = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+    assert attention.fit(config, 128, 2, hopper, rotary=True) == {**config, "BLOCK_N": 64, "num_stages": 2}
 
 
 # --- compiled ------------------------------------------------------------------------------------

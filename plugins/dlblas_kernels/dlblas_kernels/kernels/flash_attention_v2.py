@@ -25,8 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from dlblas_kernels import gemm as gemm_block
-from dlblas_kernels.attention import FORWARD_KERNELS, block_d, forward_calls
+from dlblas_kernels.attention import FORWARD_KERNELS, block_d, fit, forward_calls, shared_memory_bytes
 from dlcore import InvalidInputError
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, LaunchPlan
@@ -50,7 +49,8 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ANY_LAYOUT = ("contiguous", "rows", "strided")
 MAX_HEAD_DIM = 256
 # The space's shared-memory constraint is declared for 16-bit heads of 128 (the common case); the
-# plan drops stages, then narrows the blocks, of a config that overflows for wider heads or float32.
+# block drops stages, then narrows the blocks, of a config that overflows for wider heads or float32
+# (attention.fit).
 SPACE_HEAD_DIM = 128
 SPACE_ELEMENT_BYTES = 2
 # float32 values per thread of the accumulator (BLOCK_M x D) or of the scores (BLOCK_M x BLOCK_N):
@@ -117,7 +117,6 @@ def _calls(args: tuple, config: Config, profile: DeviceProfile, out: torch.Tenso
     scale = scale_of(q, softmax_scale)
     if attention_decode is not None and attention_decode.use_decode(q, k, profile):
         return attention_decode.decode_calls(q, k, v, out, lse, causal=causal, scale=scale, profile=profile)
-    config = fit(config, q.shape[-1], q.element_size(), profile)
     return forward_calls(q, k, v, out, lse, causal=causal, scale=scale, config=config, profile=profile)
 
 
@@ -138,26 +137,6 @@ def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
 
 
 # --- config --------------------------------------------------------------------------------------
-
-def shared_memory_bytes(config: Config, head_dim: int = SPACE_HEAD_DIM, element_size: int = SPACE_ELEMENT_BYTES) -> int:
-    """What one program takes of shared memory, as Triton 3.6 lays it out for sm_90 (read off
-    compiled kernels, to within the 1 KiB of barriers): the q tile, and per pipeline stage a k and
-    a v tile, each ``block_d(D)`` wide."""
-    block = config["BLOCK_M"] + 2 * config["num_stages"] * config["BLOCK_N"]
-    return block * block_d(head_dim) * element_size
-
-
-def fit(config: Config, head_dim: int, element_size: int, profile: DeviceProfile | None) -> Config:
-    """``config`` fitted to the device's shared memory for heads of ``head_dim`` elements of
-    ``element_size`` bytes: pipelining stages dropped down to 2, then the key block halved down to
-    16, then the query block (no bound where the profile knows none). A new dict."""
-    shared = profile.shared_memory_per_program if profile is not None else 0
-    config = gemm_block.fit_stages(config, shared, lambda c: shared_memory_bytes(c, head_dim, element_size))
-    for block in ("BLOCK_N", "BLOCK_M"):
-        while shared and config[block] > 16 and shared_memory_bytes(config, head_dim, element_size) > shared:
-            config[block] //= 2
-    return config
-
 
 def default_config(sig: Signature, profile: DeviceProfile) -> Config:
     """By the head's tile width, as measured on the H200 (bfloat16, B 2, H 16, S 8192, descriptor
@@ -191,7 +170,7 @@ def space(profile: DeviceProfile) -> SearchSpace:
     fits = [Constraint(
         f"(BLOCK_M + 2 * num_stages * BLOCK_N) * {SPACE_HEAD_DIM} * {SPACE_ELEMENT_BYTES} bytes <= {shared} "
         f"(the q tile and the pipelined k and v tiles fit in shared memory)",
-        lambda c: shared_memory_bytes(c) <= shared,
+        lambda c: shared_memory_bytes(c, SPACE_HEAD_DIM, SPACE_ELEMENT_BYTES) <= shared,
     )] if shared else []
     return SearchSpace(
         [PowerOfTwo("BLOCK_M", 16, 256), PowerOfTwo("BLOCK_N", 16, 256), num_warps(4, 8), num_stages(1, 2, 3, 4, 5)],
