@@ -245,6 +245,16 @@ def test_bad_inputs_name_the_argument(change, name, device, gen, no_launch):
         dlblas_kernels.flash_attention_v2(q, k, v)
 
 
+@pytest.mark.parametrize("shape", [(2, 9, 9, 4, 2, True), (1, 7, 12, 2, 1, True), (1, 12, 7, 2, 2, False)],
+                         ids=["q9-k9-gqa-causal", "q7-k12-causal", "q12-k7"])
+def test_torch_baseline(shape, device, gen):
+    """The eager-torch baseline (SDPA, torch's choice of backend) computes the op, causal bottom-right."""
+    batch, sq, sk, hq, hk, causal = shape
+    q, k, v = inputs(batch, sq, sk, hq, hk, 32, torch.float32, device, gen)
+    got = OP.baselines["torch"]()(q, k, v, causal, 0.2)
+    assert_close(got, flash_attention_v2_reference(*upcast(q, k, v), causal, 0.2), torch.float32, reduce_dim=sk)
+
+
 def test_cost_counts_attended_pairs():
     assert attended_pairs(8, 8, False) == 64
     assert attended_pairs(8, 8, True) == 36

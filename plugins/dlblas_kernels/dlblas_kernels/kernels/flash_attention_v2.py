@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from dlblas_kernels.attention import FORWARD_KERNELS, block_d, fit, forward_calls, shared_memory_bytes
 from dlcore import InvalidInputError
@@ -240,20 +242,26 @@ def cost(args: tuple, mode: str = "fwd") -> tuple[int, int]:
     return qkv + q.numel() * size + (lse if return_lse else 0), flops
 
 
+def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                    softmax_scale: float | None = None, return_lse: bool = False) -> torch.Tensor:
+    """What a model runs in eager torch: ``F.scaled_dot_product_attention`` on ``[B, H, S, D]`` views,
+    the backend torch picks (flash, cuDNN, memory-efficient or math)."""
+    if return_lse:
+        raise NotImplementedError("SDPA returns no log-sum-exp")
+    sq, sk = q.shape[1], k.shape[1]
+    mask = causal_lower_right(sq, sk) if causal and sq != sk else None
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                         is_causal=causal and sq == sk, scale=softmax_scale,
+                                         enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float | None,
          backend: Any) -> torch.Tensor:
     """``F.scaled_dot_product_attention`` with only ``backend`` allowed, on ``[B, H, S, D]`` views of
     the ``[B, S, H, D]`` tensors; the causal mask bottom-right (``causal_lower_right`` when Sq != Sk)."""
-    from torch.nn.attention import sdpa_kernel
-    from torch.nn.attention.bias import causal_lower_right
-
-    sq, sk = q.shape[1], k.shape[1]
-    mask = causal_lower_right(sq, sk) if causal and sq != sk else None
     with sdpa_kernel(backend):
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                             is_causal=causal and sq == sk, scale=softmax_scale,
-                                             enable_gqa=q.shape[2] != k.shape[2])
-    return out.transpose(1, 2)
+        return torch_attention(q, k, v, causal, softmax_scale)
 
 
 def _sdpa_baseline(name: str):
@@ -261,8 +269,6 @@ def _sdpa_baseline(name: str):
     where torch lacks it or no GPU is present."""
 
     def factory():
-        from torch.nn.attention import SDPBackend
-
         backend = getattr(SDPBackend, name, None)
         if backend is None or not torch.cuda.is_available():
             return None
@@ -294,7 +300,8 @@ OP = Op(
     example=example,
     example_sizes={"batch": 2, "seq": 37, "kv_seq": 0, "heads": 4, "kv_heads": 2, "head_dim": 64, "causal": 0},
     cost=cost,
-    baselines={"sdpa_flash": _sdpa_baseline("FLASH_ATTENTION"), "sdpa_cudnn": _sdpa_baseline("CUDNN_ATTENTION")},
+    baselines={"torch": lambda: torch_attention, "sdpa_flash": _sdpa_baseline("FLASH_ATTENTION"),
+               "sdpa_cudnn": _sdpa_baseline("CUDNN_ATTENTION")},
 )
 
 
