@@ -55,7 +55,7 @@ MIN_KEYS_PER_SPLIT = 256
 #: programs per multiprocessor the split count aims for
 WAVES = 2
 #: float32 elements of one combine program's [splits, D] chunk
-COMBINE_CHUNK_ELEMENTS = 4096
+COMBINE_CHUNK_ELEMENTS = 8192
 LOG2E = 1.4426950408889634
 
 
@@ -68,47 +68,59 @@ def decode_split_kernel(
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_ob, stride_os, stride_oh, stride_osplit, stride_od,
     stride_lb, stride_lh, stride_ls, stride_lsplit,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+    GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # Program (split, kv head hk, batch b): the GROUP * Sq query rows of kv head hk against keys
-    # [split * keys_per_split, ...). o and lse: the split's normalised partial output and its
-    # natural-log lse at (b, query i, head h, split) by the strides given (the scratch's, or
-    # out's and lse's with a zero split stride when there is one split).
+    # Program (split, block hb of HEADS kv heads, batch b): the HEADS * GROUP * Sq query rows of
+    # kv heads hb * HEADS ... against keys [split * keys_per_split, ...). Row r: query r % Sq of
+    # head hb * HEADS * GROUP + r // Sq, whose kv head is the block's r // (GROUP * Sq)-th. Columns:
+    # HEADS slices of BLOCK_D, slice c // BLOCK_D holding that kv head's d = c % BLOCK_D, so a key
+    # row of the tile is HEADS heads side by side (contiguous in a [B, S, H, D] cache). q is
+    # block-diagonal (row r nonzero in its own kv head's slice only), so q @ k^T gives each row its
+    # own head's scores and p @ v, in the row's own slice, its own head's output.
+    # o and lse: the split's normalised partial output and natural-log lse at (b, query i, head h,
+    # split) by the strides given (the scratch's, or out's and lse's with a zero split stride).
     split = tl.program_id(0)
-    hk = tl.program_id(1)
+    hb = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     rows = tl.arange(0, BLOCK_M)
     qi = rows % Sq
-    h = hk * GROUP + rows // Sq
-    mask_m = rows < GROUP * Sq
-    offs_d = tl.arange(0, BLOCK_D)
-    mask_d = offs_d < HEAD_DIM
+    h = hb * (HEADS * GROUP) + rows // Sq
+    mask_m = rows < HEADS * GROUP * Sq
+    cols = tl.arange(0, HEADS * BLOCK_D)
+    col_head = hb * HEADS + cols // BLOCK_D
+    d = cols % BLOCK_D
+    own = mask_m[:, None] & (d < HEAD_DIM)[None, :]
+    if HEADS > 1:
+        own = own & ((rows // (GROUP * Sq))[:, None] == (cols // BLOCK_D)[None, :])
     offs_n = tl.arange(0, BLOCK_N)
 
-    q = tl.load(q_ptr + b * stride_qb + qi[:, None] * stride_qs + h[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    q = tl.load(q_ptr + b * stride_qb + qi[:, None] * stride_qs + h[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=own, other=0.0)
     start = split.to(tl.int64) * keys_per_split
     end = tl.minimum(start + keys_per_split, Sk)
     # bottom-right causal: query i sees keys j <= i + Sk - Sq
     last_key = qi + (Sk - Sq)
-    k_ptrs = (k_ptr + b * stride_kb + hk * stride_kh + (start + offs_n)[:, None] * stride_ks
-              + offs_d[None, :] * stride_kd)
-    v_ptrs = (v_ptr + b * stride_vb + hk * stride_vh + (start + offs_n)[:, None] * stride_vs
-              + offs_d[None, :] * stride_vd)
+    k_ptrs = (k_ptr + b * stride_kb + (start + offs_n)[:, None] * stride_ks
+              + (col_head * stride_kh + d * stride_kd)[None, :])
+    v_ptrs = (v_ptr + b * stride_vb + (start + offs_n)[:, None] * stride_vs
+              + (col_head * stride_vh + d * stride_vd)[None, :])
 
     # online softmax in base 2: m the running row maximum of s = scale * log2(e) * q.k, l the sum
     # of 2^(s - m), acc the sum of 2^(s - m) v
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEADS * BLOCK_D), tl.float32)
     for n in range(start, end, BLOCK_N):
         keys = n + offs_n
-        mask_n = keys < end
-        k = tl.load(k_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0, eviction_policy="evict_first")
-        v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_d[None, :], other=0.0, eviction_policy="evict_first")
+        if HEAD_DIM == BLOCK_D:
+            mask_kv = (keys < end)[:, None]
+        else:
+            mask_kv = (keys < end)[:, None] & (d < HEAD_DIM)[None, :]
+        k = tl.load(k_ptrs, mask=mask_kv, other=0.0, eviction_policy="evict_first")
+        v = tl.load(v_ptrs, mask=mask_kv, other=0.0, eviction_policy="evict_first")
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
-        visible = mask_n[None, :]
+        visible = (keys < end)[None, :]
         if CAUSAL:
             visible = visible & (keys[None, :] <= last_key[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -128,8 +140,7 @@ def decode_split_kernel(
     # lse = ln(sum 2^s) = (m + log2 l) * ln 2: -inf for a row that saw no key
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     o_rows = b * stride_ob + qi * stride_os + h * stride_oh + split * stride_osplit
-    tl.store(o_ptr + o_rows[:, None] + offs_d[None, :] * stride_od, out.to(o_ptr.dtype.element_ty),
-             mask=mask_m[:, None] & mask_d[None, :])
+    tl.store(o_ptr + o_rows[:, None] + d[None, :] * stride_od, out.to(o_ptr.dtype.element_ty), mask=own)
     tl.store(lse_ptr + b * stride_lb + h * stride_lh + qi * stride_ls + split * stride_lsplit, lse, mask=mask_m)
 
 
@@ -139,34 +150,38 @@ def decode_combine_kernel(
     Hq, Sq, splits,
     stride_ob, stride_os, stride_oh, stride_od,
     stride_lb, stride_lh, stride_ls,
-    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # One program per output row r = (b * Hq + h) * Sq + i: the scratch is contiguous,
     # o_part [B, Hq, Sq, splits, D] (float32, normalised per split) and lse_part [B, Hq, Sq, splits].
+    # CHUNK splits at a time, merged online (m the running maximum lse): with CHUNK >= splits the
+    # lse and o loads go out together, one trip to memory.
     r = tl.program_id(0).to(tl.int64)
     qi = r % Sq
     h = (r // Sq) % Hq
     b = r // (Sq * Hq)
-    offs_s = tl.arange(0, BLOCK_S)
-    lse_s = tl.load(lse_part_ptr + r * splits + offs_s, mask=offs_s < splits, other=float("-inf"))
-    m = tl.max(lse_s, axis=0)
-    m_ref = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.sum(tl.exp(lse_s - m_ref), axis=0)
-
     offs_c = tl.arange(0, CHUNK)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
+    m = float("-inf")
+    total = 0.0
     acc = tl.zeros((BLOCK_D,), tl.float32)
     for s0 in range(0, splits, CHUNK):
         mask_c = s0 + offs_c < splits
-        w = tl.exp(tl.load(lse_part_ptr + r * splits + s0 + offs_c, mask=mask_c, other=float("-inf")) - m_ref)
+        lse_c = tl.load(lse_part_ptr + r * splits + s0 + offs_c, mask=mask_c, other=float("-inf"))
         o = tl.load(o_part_ptr + (r * splits + s0 + offs_c)[:, None] * HEAD_DIM + offs_d[None, :],
                     mask=mask_c[:, None] & mask_d[None, :], other=0.0)
-        acc += tl.sum(w[:, None] * o, axis=0)
+        m_new = tl.maximum(m, tl.max(lse_c, axis=0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_ref)
+        w = tl.exp(lse_c - m_ref)
+        total = total * alpha + tl.sum(w, axis=0)
+        acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
+        m = m_new
 
     seen = total > 0.0
     out = acc / tl.where(seen, total, 1.0)
-    lse = tl.where(seen, m_ref + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+    lse = tl.where(seen, m + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
     tl.store(out_ptr + b * stride_ob + qi * stride_os + h * stride_oh + offs_d * stride_od,
              out.to(out_ptr.dtype.element_ty), mask=mask_d)
     tl.store(lse_ptr + b * stride_lb + h * stride_lh + qi * stride_ls, lse)
@@ -189,24 +204,35 @@ def use_decode(q: torch.Tensor, k: torch.Tensor, profile: DeviceProfile) -> bool
     return _rows(q, k) <= MAX_ROWS
 
 
+def kv_heads_per_program(q: torch.Tensor, k: torch.Tensor, wanted: int) -> int:
+    """The kv heads one program takes: the largest power of two up to ``wanted`` that divides
+    ``Hk`` and keeps the program's query rows within :data:`MAX_ROWS`."""
+    heads = 1
+    while heads * 2 <= wanted and k.shape[2] % (heads * 2) == 0 and heads * 2 * _rows(q, k) <= MAX_ROWS:
+        heads *= 2
+    return heads
+
+
 def default_config(q: torch.Tensor, k: torch.Tensor, profile: DeviceProfile) -> Config:
-    """The tiles and the split count for ``q`` against ``k``: ``BLOCK_N`` keys a step (32 for
-    heads wider than 128, whose tiles are twice the size), pipelined ``num_stages`` deep within
-    the program's shared memory; ``SPLITS`` so that ``B * Hk * SPLITS`` programs make
-    :data:`WAVES` per multiprocessor, no split shorter than :data:`MIN_KEYS_PER_SPLIT` keys."""
+    """The tiles and the split count for ``q`` against ``k``: ``HEADS`` kv heads a program,
+    ``BLOCK_N`` keys a step (32 for heads wider than 128, whose tiles are twice the size),
+    pipelined ``num_stages`` deep within the program's shared memory; ``SPLITS`` so that
+    ``B * Hk / HEADS * SPLITS`` programs make :data:`WAVES` per multiprocessor, no split shorter
+    than :data:`MIN_KEYS_PER_SPLIT` keys."""
     batch, sk, hk, d = k.shape
+    heads = kv_heads_per_program(q, k, 1)
     block_d = max(next_power_of_2(d), 16)
-    block_m = max(next_power_of_2(_rows(q, k)), MIN_DOT_ROWS)
-    block_n = 64 if block_d <= 128 else 32
+    block_m = max(next_power_of_2(heads * _rows(q, k)), MIN_DOT_ROWS)
+    block_n = 64 if heads * block_d <= 128 else 32
     stages = 3
     shared = profile.shared_memory_per_program
-    while stages > 1 and shared and stages * 2 * block_n * block_d * k.element_size() > shared:
+    while stages > 1 and shared and stages * 2 * block_n * heads * block_d * k.element_size() > shared:
         stages -= 1
-    units = batch * hk
+    units = batch * hk // heads
     wanted = cdiv(WAVES * profile.cores, units) if profile.cores else 1
     splits = max(1, min(wanted, sk // MIN_KEYS_PER_SPLIT))
-    return {"SPLITS": splits, "BLOCK_N": block_n, "num_warps": 8 if block_m * block_d >= 64 * 256 else 4,
-            "num_stages": stages}
+    return {"SPLITS": splits, "HEADS": heads, "BLOCK_N": block_n,
+            "num_warps": 8 if block_m * heads * block_d >= 64 * 256 else 4, "num_stages": stages}
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -246,6 +272,7 @@ def decode_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
     batch, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     block_n = config["BLOCK_N"]
+    heads = kv_heads_per_program(q, k, config["HEADS"])
     block_d = max(next_power_of_2(d), 16)
     # split lengths in whole key blocks: only the last split's last block is ragged
     keys_per_split = max(block_n, cdiv(cdiv(sk, config["SPLITS"]), block_n) * block_n)
@@ -260,19 +287,18 @@ def decode_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
         o_strides = (o.stride(0), o.stride(2), o.stride(1), o.stride(3), o.stride(4))
         l_strides = (part_lse.stride(0), part_lse.stride(1), part_lse.stride(2), part_lse.stride(3))
     calls = [KernelCall(
-        decode_split_kernel, (splits, hk, batch),
+        decode_split_kernel, (splits, hk // heads, batch),
         (q, k, v, o, part_lse, sq, sk, keys_per_split, float(scale) * LOG2E,
          *q.stride(), *k.stride(), *v.stride(), *o_strides, *l_strides),
-        {"GROUP": hq // hk, "HEAD_DIM": d, "CAUSAL": bool(causal),
-         "BLOCK_M": max(next_power_of_2(_rows(q, k)), MIN_DOT_ROWS), "BLOCK_N": block_n, "BLOCK_D": block_d,
+        {"GROUP": hq // hk, "HEADS": heads, "HEAD_DIM": d, "CAUSAL": bool(causal),
+         "BLOCK_M": max(next_power_of_2(heads * _rows(q, k)), MIN_DOT_ROWS), "BLOCK_N": block_n, "BLOCK_D": block_d,
          "num_warps": config["num_warps"], "num_stages": config["num_stages"]},
     )]
     if splits > 1:
-        block_s = next_power_of_2(splits)
         calls.append(KernelCall(
             decode_combine_kernel, (batch * hq * sq,),
             (o, part_lse, out, lse, hq, sq, splits, *out.stride(), *lse.stride()),
-            {"HEAD_DIM": d, "BLOCK_S": block_s, "CHUNK": min(block_s, max(1, COMBINE_CHUNK_ELEMENTS // block_d)),
+            {"HEAD_DIM": d, "CHUNK": min(next_power_of_2(splits), max(1, COMBINE_CHUNK_ELEMENTS // block_d)),
              "BLOCK_D": block_d, "num_warps": 4},
         ))
     return calls
