@@ -69,31 +69,30 @@ def qkv(batch, sq, sk, hq, hk, d, dtype, device, gen):
             randn(batch, sk, hk, d, dtype=dtype, device=device, generator=gen))
 
 
-@pytest.mark.parametrize("batch, sq, sk, hq, hk, d, splits, heads, causal", [
-    (1, 1, 37, 4, 1, 64, 3, 1, False),     # GQA 4/1, three splits, the last ragged
-    (2, 1, 53, 8, 2, 128, 1, 1, False),    # GQA 8/2, one split: written straight to out
-    (2, 1, 53, 8, 2, 128, 2, 2, False),    # both kv heads in one program
-    (1, 3, 45, 8, 2, 96, 2, 1, True),      # causal, D 96 (a masked d)
-    (1, 2, 45, 8, 4, 96, 2, 4, True),      # four kv heads a program, D 96: masked slices
-    (2, 2, 29, 2, 2, 192, 2, 1, True),     # MHA, D 192
-    (1, 4, 70, 4, 1, 256, 4, 1, True),     # D 256, four splits
-    (1, 2, 1, 4, 2, 64, 1, 2, True),       # one key
-    (1, 1, 600, 2, 1, 256, 38, 1, False),  # 38 splits: the combine merges them 32 at a time
-], ids=["gqa4-3splits", "gqa4-1split", "2heads", "causal-d96", "4heads-d96", "mha-d192", "d256-4splits", "one-key",
+@pytest.mark.parametrize("batch, sq, sk, hq, hk, d, splits, causal", [
+    (1, 1, 37, 4, 1, 64, 3, False),     # GQA 4/1, three splits, the last ragged
+    (2, 1, 53, 8, 2, 128, 1, False),    # GQA 8/2, one split: written straight to out
+    (1, 3, 45, 8, 2, 96, 2, True),      # causal, D 96 (a masked d)
+    (1, 2, 45, 8, 4, 96, 2, True),      # GQA 2/1 causal
+    (2, 2, 29, 2, 2, 192, 2, True),     # MHA, D 192
+    (1, 4, 70, 4, 1, 256, 4, True),     # D 256, four splits
+    (1, 2, 1, 4, 2, 64, 1, True),       # one key
+    (1, 1, 600, 2, 1, 256, 38, False),  # 38 splits: the combine merges them 32 at a time
+], ids=["gqa4-3splits", "gqa4-1split", "causal-d96", "gqa2-causal", "mha-d192", "d256-4splits", "one-key",
         "38splits"])
-def test_matches_reference(batch, sq, sk, hq, hk, d, splits, heads, causal, dtype, device, profile, gen):
+def test_matches_reference(batch, sq, sk, hq, hk, d, splits, causal, dtype, device, profile, gen):
     q, k, v = qkv(batch, sq, sk, hq, hk, d, dtype, device, gen)
-    out, lse, names = attend(q, k, v, causal, profile, {**SMALL, "SPLITS": splits, "HEADS": heads})
+    out, lse, names = attend(q, k, v, causal, profile, {**SMALL, "SPLITS": splits})
     assert names == ["decode_split_kernel"] + (["decode_combine_kernel"] if splits > 1 else [])
     check(q, k, v, out, lse, causal)
 
 
-@pytest.mark.parametrize("splits, heads", [(1, 1), (2, 2)])
-def test_rows_that_see_no_key(splits, heads, dtype, device, profile, gen):
+@pytest.mark.parametrize("splits", [1, 2])
+def test_rows_that_see_no_key(splits, dtype, device, profile, gen):
     """Causal with Sq > Sk: query i sees keys j <= i - 4, so rows 0..3 see none (out 0, lse -inf, no
     NaN); with two splits rows 4..19 see none of the second split (a -inf partial merged)."""
     q, k, v = qkv(1, 24, 20, 2, 2, 64, dtype, device, gen)
-    out, lse, _ = attend(q, k, v, True, profile, {**SMALL, "SPLITS": splits, "HEADS": heads})
+    out, lse, _ = attend(q, k, v, True, profile, {**SMALL, "SPLITS": splits})
     assert torch.all(out[:, :4] == 0) and torch.all(lse[..., :4] == -math.inf)
     check(q, k, v, out, lse, True)
 
@@ -106,7 +105,7 @@ def test_strided_inputs(dtype, device, profile, gen):
     cache = randn(batch, 64, 2, hk, d, dtype=dtype, device=device, generator=gen)
     k, v = cache[:, :sk, 0], cache[:, :sk, 1]
     q = randn(batch, sq, hq + 2, 2 * d, dtype=dtype, device=device, generator=gen)[:, :, 1:hq + 1, ::2]
-    out, lse, _ = attend(q, k, v, True, profile, {**SMALL, "SPLITS": 3, "HEADS": 2}, scale=0.3)
+    out, lse, _ = attend(q, k, v, True, profile, {**SMALL, "SPLITS": 3}, scale=0.3)
     check(q, k, v, out, lse, True, scale=0.3)
 
 
@@ -122,10 +121,11 @@ def meta(batch, sq, sk, hq, hk, d, dtype=torch.bfloat16):
             torch.empty(batch, sk, hk, d, device="meta", dtype=dtype))
 
 
-@pytest.mark.parametrize("batch, sk, expected", [(1, 65536, 33), (1, 1024, 4), (8, 65536, 5), (64, 4096, 1)])
+@pytest.mark.parametrize("batch, sk, expected", [(1, 65536, 33), (1, 16384, 32), (1, 4096, 16), (1, 1024, 8),
+                                                 (8, 65536, 4), (64, 4096, 1)])
 def test_splits_fill_the_device(batch, sk, expected):
-    """GQA 32/8 on an H200: B * Hk * splits makes two programs per multiprocessor, no split under
-    256 keys, one split once the kv heads alone fill it."""
+    """GQA 32/8 on an H200: B * Hk * splits makes one full wave (two programs per multiprocessor at
+    these tiles), at most sqrt(Sk / 16) splits, one split once the kv heads alone fill the device."""
     q, k = meta(batch, 1, sk, 32, 8, 128)
     config = decode.default_config(q, k, H200)
     assert config["SPLITS"] == expected
@@ -174,13 +174,11 @@ def e(*shape, dtype):
 
 found = {}
 for dtype in (torch.bfloat16, torch.float16, torch.float32):
-    variants = {"one split": (1, 128, 1, 1), "split": (2, 96, 8, 1), "wide": (1, 256, 4, 1),
-                "four heads": (1, 128, 8, 4)}
-    for name, (sq, d, splits, heads) in variants.items():
+    for name, (sq, d, splits) in {"one split": (1, 128, 1), "split": (2, 96, 8), "wide": (1, 256, 4)}.items():
         q, k = e(1, sq, 32, d, dtype=dtype), e(1, 4096, 8, d, dtype=dtype)
         out, lse = e(1, sq, 32, d, dtype=dtype), e(1, 32, sq, dtype=torch.float32)
         for call in decode.decode_calls(q, k, k, out, lse, causal=sq > 1, scale=0.1, profile=target_profile("cuda:90"),
-                                        config={"SPLITS": splits, "HEADS": heads}):
+                                        config={"SPLITS": splits}):
             for capability in (80, 90, 100):
                 kernel = compile_call(call, GPUTarget("cuda", capability, 32))
                 key = f"{name}/{call.kernel.__name__}/{str(dtype)[6:]}/sm_{capability}"
@@ -193,8 +191,7 @@ print(json.dumps(found))
 def test_every_kernel_compiles_to_cubin():
     compiled = run_json(CUBIN_SCRIPT, None, TRITON_INTERPRET="0")
     kernels = {"one split": ["decode_split_kernel"], "split": ["decode_split_kernel", "decode_combine_kernel"],
-               "wide": ["decode_split_kernel", "decode_combine_kernel"],
-               "four heads": ["decode_split_kernel", "decode_combine_kernel"]}
+               "wide": ["decode_split_kernel", "decode_combine_kernel"]}
     expected = {f"{name}/{kernel}/{dtype}/sm_{capability}" for name, names in kernels.items() for kernel in names
                 for dtype in ("bfloat16", "float16", "float32") for capability in (80, 90, 100)}
     assert set(compiled) == expected

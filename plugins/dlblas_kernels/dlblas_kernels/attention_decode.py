@@ -34,6 +34,8 @@ a mask on ``d`` (96, 192).
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -50,10 +52,10 @@ MIN_DOT_ROWS = 16
 MAX_ROWS = 64
 #: the widest head this block handles
 MAX_HEAD_DIM = 256
-#: the fewest keys one split streams (shorter splits spend more on their prologue and combine than they save)
-MIN_KEYS_PER_SPLIT = 256
-#: programs per multiprocessor the split count aims for
-WAVES = 2
+#: splits are at most sqrt(Sk / SPLIT_BALANCE): a split's fixed cost (prologue, combine) against streaming
+SPLIT_BALANCE = 16
+#: programs one multiprocessor holds at once where the profile gives no shared-memory size
+PROGRAMS_PER_CORE = 2
 #: float32 elements of one combine program's [splits, D] chunk
 COMBINE_CHUNK_ELEMENTS = 8192
 LOG2E = 1.4426950408889634
@@ -68,31 +70,22 @@ def decode_split_kernel(
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_ob, stride_os, stride_oh, stride_osplit, stride_od,
     stride_lb, stride_lh, stride_ls, stride_lsplit,
-    GROUP: tl.constexpr, HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    # Program (split, block hb of HEADS kv heads, batch b): the HEADS * GROUP * Sq query rows of
-    # kv heads hb * HEADS ... against keys [split * keys_per_split, ...). Row r: query r % Sq of
-    # head hb * HEADS * GROUP + r // Sq, whose kv head is the block's r // (GROUP * Sq)-th. Columns:
-    # HEADS slices of BLOCK_D, slice c // BLOCK_D holding that kv head's d = c % BLOCK_D, so a key
-    # row of the tile is HEADS heads side by side (contiguous in a [B, S, H, D] cache). q is
-    # block-diagonal (row r nonzero in its own kv head's slice only), so q @ k^T gives each row its
-    # own head's scores and p @ v, in the row's own slice, its own head's output.
-    # o and lse: the split's normalised partial output and natural-log lse at (b, query i, head h,
-    # split) by the strides given (the scratch's, or out's and lse's with a zero split stride).
+    # Program (split, kv head hk, batch b): the GROUP * Sq query rows of kv head hk (row r: query
+    # r % Sq of head hk * GROUP + r // Sq) against keys [split * keys_per_split, ...). o and lse:
+    # the split's normalised partial output and natural-log lse at (b, query i, head h, split) by
+    # the strides given (the scratch's, or out's and lse's with a zero split stride).
     split = tl.program_id(0)
-    hb = tl.program_id(1)
+    hk = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     rows = tl.arange(0, BLOCK_M)
     qi = rows % Sq
-    h = hb * (HEADS * GROUP) + rows // Sq
-    mask_m = rows < HEADS * GROUP * Sq
-    cols = tl.arange(0, HEADS * BLOCK_D)
-    col_head = hb * HEADS + cols // BLOCK_D
-    d = cols % BLOCK_D
+    h = hk * GROUP + rows // Sq
+    mask_m = rows < GROUP * Sq
+    d = tl.arange(0, BLOCK_D)
     own = mask_m[:, None] & (d < HEAD_DIM)[None, :]
-    if HEADS > 1:
-        own = own & ((rows // (GROUP * Sq))[:, None] == (cols // BLOCK_D)[None, :])
     offs_n = tl.arange(0, BLOCK_N)
 
     q = tl.load(q_ptr + b * stride_qb + qi[:, None] * stride_qs + h[:, None] * stride_qh + d[None, :] * stride_qd,
@@ -101,16 +94,14 @@ def decode_split_kernel(
     end = tl.minimum(start + keys_per_split, Sk)
     # bottom-right causal: query i sees keys j <= i + Sk - Sq
     last_key = qi + (Sk - Sq)
-    k_ptrs = (k_ptr + b * stride_kb + (start + offs_n)[:, None] * stride_ks
-              + (col_head * stride_kh + d * stride_kd)[None, :])
-    v_ptrs = (v_ptr + b * stride_vb + (start + offs_n)[:, None] * stride_vs
-              + (col_head * stride_vh + d * stride_vd)[None, :])
+    k_ptrs = k_ptr + b * stride_kb + hk * stride_kh + (start + offs_n)[:, None] * stride_ks + d[None, :] * stride_kd
+    v_ptrs = v_ptr + b * stride_vb + hk * stride_vh + (start + offs_n)[:, None] * stride_vs + d[None, :] * stride_vd
 
     # online softmax in base 2: m the running row maximum of s = scale * log2(e) * q.k, l the sum
     # of 2^(s - m), acc the sum of 2^(s - m) v
     m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, HEADS * BLOCK_D), tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
     for n in range(start, end, BLOCK_N):
         keys = n + offs_n
         if HEAD_DIM == BLOCK_D:
@@ -204,35 +195,31 @@ def use_decode(q: torch.Tensor, k: torch.Tensor, profile: DeviceProfile) -> bool
     return _rows(q, k) <= MAX_ROWS
 
 
-def kv_heads_per_program(q: torch.Tensor, k: torch.Tensor, wanted: int) -> int:
-    """The kv heads one program takes: the largest power of two up to ``wanted`` that divides
-    ``Hk`` and keeps the program's query rows within :data:`MAX_ROWS`."""
-    heads = 1
-    while heads * 2 <= wanted and k.shape[2] % (heads * 2) == 0 and heads * 2 * _rows(q, k) <= MAX_ROWS:
-        heads *= 2
-    return heads
-
-
 def default_config(q: torch.Tensor, k: torch.Tensor, profile: DeviceProfile) -> Config:
-    """The tiles and the split count for ``q`` against ``k``: ``HEADS`` kv heads a program,
-    ``BLOCK_N`` keys a step (32 for heads wider than 128, whose tiles are twice the size),
-    pipelined ``num_stages`` deep within the program's shared memory; ``SPLITS`` so that
-    ``B * Hk / HEADS * SPLITS`` programs make :data:`WAVES` per multiprocessor, no split shorter
-    than :data:`MIN_KEYS_PER_SPLIT` keys."""
+    """The tiles and the split count for ``q`` against ``k`` (from a sweep on an H200: bf16,
+    GQA 32/8, D 128, Sq 1, B 1 and 8, Sk 1024 to 65536):
+
+    - ``BLOCK_N`` 64 keys a step (32 for heads wider than 128: the same tile bytes),
+      ``num_stages`` 3 within the program's shared memory, 4 warps;
+    - ``SPLITS``: as many programs as the device holds at once (``cores`` times the programs whose
+      pipeline buffers fit one multiprocessor's shared memory, 2 at these tiles), one full wave:
+      fewer leave multiprocessors idle, more start a second, partial wave;
+    - but at most ``sqrt(Sk / SPLIT_BALANCE)`` splits: each split costs a prologue and a share of
+      the combine, so short caches take fewer, longer splits (Sk 1024: 8 of 128 keys)."""
     batch, sk, hk, d = k.shape
-    heads = kv_heads_per_program(q, k, 1)
     block_d = max(next_power_of_2(d), 16)
-    block_m = max(next_power_of_2(heads * _rows(q, k)), MIN_DOT_ROWS)
-    block_n = 64 if heads * block_d <= 128 else 32
+    block_m = max(next_power_of_2(_rows(q, k)), MIN_DOT_ROWS)
+    block_n = 64 if block_d <= 128 else 32
     stages = 3
     shared = profile.shared_memory_per_program
-    while stages > 1 and shared and stages * 2 * block_n * heads * block_d * k.element_size() > shared:
+    tile_bytes = 2 * block_n * block_d * k.element_size()
+    while stages > 1 and shared and stages * tile_bytes > shared:
         stages -= 1
-    units = batch * hk // heads
-    wanted = cdiv(WAVES * profile.cores, units) if profile.cores else 1
-    splits = max(1, min(wanted, sk // MIN_KEYS_PER_SPLIT))
-    return {"SPLITS": splits, "HEADS": heads, "BLOCK_N": block_n,
-            "num_warps": 8 if block_m * heads * block_d >= 64 * 256 else 4, "num_stages": stages}
+    resident = max(1, shared // (stages * tile_bytes)) if shared else PROGRAMS_PER_CORE
+    units = batch * hk
+    splits = max(1, min(profile.cores * resident // units, math.isqrt(sk // SPLIT_BALANCE)))
+    return {"SPLITS": splits, "BLOCK_N": block_n, "num_warps": 8 if block_m * block_d >= 64 * 256 else 4,
+            "num_stages": stages}
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
@@ -272,7 +259,6 @@ def decode_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
     batch, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     block_n = config["BLOCK_N"]
-    heads = kv_heads_per_program(q, k, config["HEADS"])
     block_d = max(next_power_of_2(d), 16)
     # split lengths in whole key blocks: only the last split's last block is ragged
     keys_per_split = max(block_n, cdiv(cdiv(sk, config["SPLITS"]), block_n) * block_n)
@@ -287,11 +273,11 @@ def decode_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
         o_strides = (o.stride(0), o.stride(2), o.stride(1), o.stride(3), o.stride(4))
         l_strides = (part_lse.stride(0), part_lse.stride(1), part_lse.stride(2), part_lse.stride(3))
     calls = [KernelCall(
-        decode_split_kernel, (splits, hk // heads, batch),
+        decode_split_kernel, (splits, hk, batch),
         (q, k, v, o, part_lse, sq, sk, keys_per_split, float(scale) * LOG2E,
          *q.stride(), *k.stride(), *v.stride(), *o_strides, *l_strides),
-        {"GROUP": hq // hk, "HEADS": heads, "HEAD_DIM": d, "CAUSAL": bool(causal),
-         "BLOCK_M": max(next_power_of_2(heads * _rows(q, k)), MIN_DOT_ROWS), "BLOCK_N": block_n, "BLOCK_D": block_d,
+        {"GROUP": hq // hk, "HEAD_DIM": d, "CAUSAL": bool(causal),
+         "BLOCK_M": max(next_power_of_2(_rows(q, k)), MIN_DOT_ROWS), "BLOCK_N": block_n, "BLOCK_D": block_d,
          "num_warps": config["num_warps"], "num_stages": config["num_stages"]},
     )]
     if splits > 1:
