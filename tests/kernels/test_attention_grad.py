@@ -127,7 +127,7 @@ def test_any_strides(relayout, device, gen, profile):
 TILES = [
     pytest.param({"DKDV_BLOCK_N": 16, "DKDV_BLOCK_M": 32, "DQ_BLOCK_M": 16, "DQ_BLOCK_N": 32}, id="blocks<steps"),
     pytest.param({"DKDV_BLOCK_N": 64, "DKDV_BLOCK_M": 16, "DQ_BLOCK_M": 64, "DQ_BLOCK_N": 16}, id="blocks>steps"),
-    pytest.param({"TMA": 1}, id="descriptors"),
+    pytest.param({"DKDV_TMA": 1, "DQ_TMA": 1}, id="descriptors"),
 ]
 
 

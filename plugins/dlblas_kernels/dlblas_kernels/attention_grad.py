@@ -405,8 +405,8 @@ BACKWARD_KERNELS = (attention_bwd_preprocess_kernel, attention_dkdv_kernel, atte
 def backward_config(q: torch.Tensor, k: torch.Tensor, profile: DeviceProfile) -> Config:
     """The tiles of the two kernels for ``q``, ``k`` on ``profile``: :data:`HOPPER_TILES` on CUDA
     (pipeline stages dropped while a program would not fit the shared memory), smaller ones for
-    float32 (twice the bytes per element), :data:`INTERPRETER_TILES` elsewhere; ``TMA`` 1 (the
-    streamed tiles through tensor descriptors, where the inputs allow) on Hopper."""
+    float32 (twice the bytes per element), :data:`INTERPRETER_TILES` elsewhere; ``DKDV_TMA`` and
+    ``DQ_TMA`` 1 (the streamed tiles through tensor descriptors, where the inputs allow) on Hopper."""
     d = next_power_of_2(q.shape[-1])
     if profile.backend != "cuda":
         dkdv, dq = INTERPRETER_TILES
@@ -416,7 +416,7 @@ def backward_config(q: torch.Tensor, k: torch.Tensor, profile: DeviceProfile) ->
             dkdv, dq = ((tile[0] // 2, tile[1] // 2, *tile[2:]) for tile in (dkdv, dq))
     config = {"DKDV_BLOCK_N": dkdv[0], "DKDV_BLOCK_M": dkdv[1], "DKDV_WARPS": dkdv[2], "DKDV_STAGES": dkdv[3],
               "DQ_BLOCK_M": dq[0], "DQ_BLOCK_N": dq[1], "DQ_WARPS": dq[2], "DQ_STAGES": dq[3],
-              "TMA": int(profile.arch in gemm.TMA_ARCHS)}
+              "DKDV_TMA": int(profile.arch in gemm.TMA_ARCHS), "DQ_TMA": int(profile.arch in gemm.TMA_ARCHS)}
     limit = profile.shared_memory_per_program
     for kind in ("DKDV", "DQ"):
         while limit and config[f"{kind}_STAGES"] > 1 and shared_memory_bytes(config, kind, d, q.element_size()) > limit:
@@ -467,8 +467,8 @@ def backward_calls(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     :param rotary: ``(cos, sin, interleaved)``: q and k are the inputs before the rotation (see
         the module doc); needs ``Sq <= Sk``.
     :param config: the tiles (:func:`backward_config`'s keys); by default that heuristic. With
-        ``TMA`` each kernel reads its streamed tiles (dkdv: q and dout; dq: k and v) through tensor
-        descriptors where :func:`takes_tma` allows.
+        ``DKDV_TMA`` (``DQ_TMA``) the kernel reads its streamed tiles (q and dout; k and v) through
+        tensor descriptors where :func:`takes_tma` allows.
     :param stats: the float32 scratch of :func:`stats_scratch`; allocated here when None (a
         plan that replays passes its own and declares it as scratch).
     """
@@ -484,8 +484,8 @@ def backward_calls(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     tables = (*_table_strides(cos), *_table_strides(sin)) if rotary is not None else (0,) * 6
     flags = {"HEAD_DIM": d, "BLOCK_D": block_d, "CAUSAL": bool(causal), "ROTARY": rotary is not None,
              "INTERLEAVED": bool(interleaved), "INPUT_PRECISION": precision}
-    tma_dkdv = bool(config.get("TMA", 0)) and takes_tma(q, dout)
-    tma_dq = bool(config.get("TMA", 0)) and takes_tma(k, v)
+    tma_dkdv = bool(config.get("DKDV_TMA", 0)) and takes_tma(q, dout)
+    tma_dq = bool(config.get("DQ_TMA", 0)) and takes_tma(k, v)
     if (tma_dkdv or tma_dq) and q.device.type == "cuda":
         gemm.ensure_allocator()
     calls = []
