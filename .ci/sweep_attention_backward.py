@@ -7,8 +7,9 @@ compiled first by worker processes (Triton's disk cache), then timed one by one.
 
     python3 .ci/sweep_attention_backward.py [OUT_JSON]
 
-SWEEP_SHAPES (e.g. "d128,d128-causal") picks shapes; the GQA shapes time only the best few configs
-of their MHA twin.
+SWEEP_SHAPES (e.g. "d128,d128-causal") picks shapes; SWEEP_PHASE=compile only compiles,
+SWEEP_PHASE=time only times (what a compile run left in Triton's cache), SWEEP_PHASE=default times
+SDPA and the default block alone.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ def tensors(shape: str, random: bool = True):
 def calls_for(shape: str, kind: str, tile: tuple, tma: int, inputs=None):
     q, k, v, dout, out, lse, causal, d = inputs if inputs is not None else tensors(shape, random=False)
     profile = device_profile(torch.device("cuda"))
-    config = {**ag.backward_config(q, k, profile), **config_of(kind, tile, tma)}
+    config = {**ag.backward_config(q, causal, profile), **config_of(kind, tile, tma)}
     grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     calls = ag.backward_calls(dout, q, k, v, out, lse, None, *grads, causal=causal, scale=d ** -0.5, profile=profile,
                               config=config)
@@ -92,10 +93,20 @@ def compile_one(job: tuple) -> str:
         return f"failed {job}: {type(error).__name__}: {str(error)[:200]}"
 
 
-def precompile(jobs: list) -> None:
+def compile_default(shape: str) -> str:
+    """In a worker: compile (warm up) the launches of the default config at ``shape``."""
+    q, k, v, dout, out, lse, causal, d = tensors(shape, random=False)
+    grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    for call in ag.backward_calls(dout, q, k, v, out, lse, None, *grads, causal=causal, scale=d ** -0.5,
+                                  profile=device_profile(q.device)):
+        call.kernel.warmup(*call.args, grid=call.grid, **call.kwargs)
+    return f"compiled the default of {shape}"
+
+
+def precompile(jobs: list, work=compile_one) -> None:
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=min(15, len(jobs)), mp_context=context) as pool:
-        for line in pool.map(compile_one, jobs):
+        for line in pool.map(work, jobs):
             if line.startswith("failed"):
                 print(line, flush=True)
 
@@ -155,25 +166,29 @@ def main() -> None:
                 json.dump(results, f, indent=1)
 
     start = time.time()
-    if os.environ.get("SWEEP_PHASE", "compile") == "compile":
+    phase = os.environ.get("SWEEP_PHASE")
+    if phase == "default":
+        precompile(names, compile_default)
+    elif os.environ.get("SWEEP_PHASE", "compile") == "compile":
         jobs = [(name, kind, tile, tma) for name in names for kind in ("DKDV", "DQ")
                 for tile in CANDIDATES[SHAPES[name][2]][kind] for tma in (0, 1)]
         precompile(jobs)
         print(f"precompiled {len(jobs)} in {time.time() - start:.0f}s", flush=True)
-    if os.environ.get("SWEEP_PHASE", "time") != "time":
+    if phase == "compile":
         return
 
     for name in names:
         try:
-            sweep(name, results, start)
+            sweep(name, results, start, candidates=phase != "default")
         except Exception as error:  # noqa: BLE001 - the other shapes go on
             print(f"{name}: failed {type(error).__name__}: {str(error)[:300]}", flush=True)
         save()
         torch.cuda.empty_cache()
 
 
-def sweep(name: str, results: dict, start: float) -> None:
-    """Time every candidate of both kernels at shape ``name``, SDPA's backends and the default block."""
+def sweep(name: str, results: dict, start: float, candidates: bool = True) -> None:
+    """Time every candidate of both kernels at shape ``name`` (unless not ``candidates``), SDPA's
+    backends and the default block."""
     hq, hk, d, causal = SHAPES[name]
     inputs = tensors(name)
     forward_stats(inputs)
@@ -187,6 +202,13 @@ def sweep(name: str, results: dict, start: float) -> None:
         except Exception as error:  # noqa: BLE001 - a backend that declines is reported
             entry[f"sdpa_{backend}_ms"] = None
             print(f"{name}: sdpa {backend} failed: {str(error)[:120]}", flush=True)
+    if candidates:
+        sweep_candidates(name, inputs, want, entry)
+    default_block(name, inputs, want, entry, start)
+
+
+def sweep_candidates(name: str, inputs: tuple, want: tuple, entry: dict) -> None:
+    d = inputs[7]
     candidates = {kind: [(tile, tma) for tile in CANDIDATES[d][kind] for tma in (0, 1)] for kind in ("DKDV", "DQ")}
     timings = {}
     for kind, tiles in candidates.items():
@@ -214,8 +236,11 @@ def sweep(name: str, results: dict, start: float) -> None:
     total = pre + timings[("DKDV", *ranked["DKDV"][0])] + timings[("DQ", *ranked["DQ"][0])]
     entry.update(preprocess_ms=pre, best={k: [list(t[0]), t[1]] for k, t in ((k, r[0]) for k, r in ranked.items())},
                  best_ms=total, best_tflops=flops(name) / total / 1e9)
+    print(f"{name}: best {total:.3f} ms {entry['best_tflops']:.0f} TFLOP/s {entry['best']}", flush=True)
 
-    # the block as backward_calls runs it by default
+
+def default_block(name: str, inputs: tuple, want: tuple, entry: dict, start: float) -> None:
+    """The block as backward_calls runs it by default (backward_config's tiles)."""
     q, k, v, dout, out, lse, causal, d = inputs
     grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     default = ag.backward_calls(dout, q, k, v, out, lse, None, *grads, causal=causal, scale=d ** -0.5,
@@ -228,8 +253,8 @@ def sweep(name: str, results: dict, start: float) -> None:
     ms = triton.testing.do_bench(run_default, warmup=25, rep=100)
     entry.update(default_ms=ms, default_tflops=flops(name) / ms / 1e9,
                  default_errors=[relative_error(g, w) for g, w in zip(grads, want)])
-    print(f"{name}: best {total:.3f} ms {entry['best_tflops']:.0f} TFLOP/s {entry['best']}; "
-          f"default {ms:.3f} ms {entry['default_tflops']:.0f} TFLOP/s ({time.time() - start:.0f}s)", flush=True)
+    print(f"{name}: default {ms:.3f} ms {entry['default_tflops']:.0f} TFLOP/s, error vs flash "
+          f"{max(entry['default_errors']):.2e} ({time.time() - start:.0f}s)", flush=True)
 
 
 if __name__ == "__main__":

@@ -16,16 +16,19 @@ from isolated import run_json
 from dlcore.testing import assert_close, poison, randn
 
 
-def attention64(q, k, v, causal, scale, tables=None, interleaved=False):
+def attention64(q, k, v, causal, scale, tables=None, interleaved=False, rounding=torch.float64):
     """``(out, lse)`` of attention on float64 ``q [B,Sq,Hq,D]``, ``k, v [B,Sk,Hk,D]``; with
     ``tables = (cos, sin)`` (``[Sk, D]`` or ``[B, Sk, D]``) q and k rotated first (queries with
-    the last Sq rows). Rows that see no key: out 0, lse -inf."""
+    the last Sq rows), the rotated values rounded to ``rounding`` as the kernels (and any pipeline
+    in that dtype) round them before the products, the gradients passing the rounding unchanged.
+    Rows that see no key: out 0, lse -inf."""
     sq, hq, sk, hk = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
     if tables is not None:
         cos, sin = (t if t.dim() == 3 else t[None] for t in tables)
         cos, sin = cos[:, :, None], sin[:, :, None]
         q = q * cos[:, sk - sq:] + ag._rotate_half(q, interleaved) * sin[:, sk - sq:]
         k = k * cos + ag._rotate_half(k, interleaved) * sin
+        q, k = (x + (x.to(rounding).double() - x).detach() for x in (q, k))
     k, v = k.repeat_interleave(hq // hk, dim=2), v.repeat_interleave(hq // hk, dim=2)
     s = torch.einsum("bihd,bjhd->bhij", q, k) * scale
     if causal:
@@ -51,7 +54,7 @@ class Case:
         self.interleaved = interleaved
         leaves = [t.double().requires_grad_() for t in (self.q, self.k, self.v)]
         tables64 = None if self.tables is None else tuple(t.double() for t in self.tables)
-        out, lse = attention64(*leaves, causal, self.scale, tables64, interleaved)
+        out, lse = attention64(*leaves, causal, self.scale, tables64, interleaved, dtype)
         self.dout = randn(*out.shape, dtype=dtype, device=device, generator=gen)
         self.dlse = randn(*lse.shape, device=device, generator=gen) if dlse else None
         grads = [self.dout.double()] + ([self.dlse.double()] if dlse else [])
@@ -136,7 +139,7 @@ TILES = [
 def test_tiles(tiles, causal, device, gen, profile):
     """Other tile shapes (more or fewer query steps per key block than one, and the other way) and
     the tensor-descriptor loads, Sq and Sk not multiples of any block, Sq < Sk and Sq > Sk."""
-    config = {**ag.backward_config(torch.empty(1, 1, 1, 64), None, profile), **tiles}
+    config = {**ag.backward_config(torch.empty(1, 1, 1, 64), causal, profile), **tiles}
     for sq, sk in ((45, 61), (61, 45)):
         case = Case(1, sq, sk, 4, 2, 64, causal, torch.float32, device, gen, dlse=True)
         case.check(case.run(profile, config))
