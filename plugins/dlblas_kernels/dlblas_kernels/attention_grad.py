@@ -41,8 +41,12 @@ through the transposed rotation (``g cos - rotate(g sin)``) before the store. ``
 sign -1 on the first half; interleaved: ``d xor 1``, sign -1 on even lanes), a gather along the
 head dimension in registers.
 
-The tile sizes come from :func:`backward_config`, a table per head dimension measured on the
-H200 (see :data:`HOPPER_TILES`).
+The tile sizes come from :func:`backward_config`, a table per head dimension and mask measured
+on the H200 (see :data:`HOPPER_TILES`). There, bfloat16 B 2, H 16, S 8192, D 128, the block takes
+6.90 ms (398 TFLOP/s at 2.5 x the forward's 4 B H S^2 D; causal 3.68 ms, 373) against SDPA's
+flash backward 8.89 ms (309) and cuDNN's 5.18 ms (531). It runs seven products per tile pair
+where an atomic dq accumulation runs five (the dkdv and dq kernels each recompute P and dP):
+the price of deterministic gradients without atomics.
 """
 
 from __future__ import annotations
