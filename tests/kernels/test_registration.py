@@ -35,6 +35,7 @@ CUSTOM_OPS = {
     "apply_rotary_pos_emb": {"torch", "liger"},
     "partial_rotary_emb": {"torch"},
     "matmul": {"torch"},
+    "softmax": {"torch"},
 }
 
 

@@ -16,7 +16,16 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["add_rms_norm", "apply_rotary_pos_emb", "ffn", "matmul", "partial_rotary_emb", "rms_norm", "silu_and_mul", "softmax"]
+__all__ = [
+    "add_rms_norm",
+    "apply_rotary_pos_emb",
+    "ffn",
+    "matmul",
+    "partial_rotary_emb",
+    "rms_norm",
+    "silu_and_mul",
+    "softmax",
+]
 
 
 def __getattr__(name: str) -> Any:

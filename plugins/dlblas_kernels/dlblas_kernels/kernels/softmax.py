@@ -79,22 +79,25 @@ def softmax_kernel(
     ONE_BLOCK: tl.constexpr, INNER: tl.constexpr,
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
-    # 64-bit rows: rows * row stride may pass 2**31 elements.
+    # 64-bit rows: rows * row stride may pass 2**31 elements. Rows past the end (the last program's)
+    # compute the last row again and store nothing: no mask on loads across rows.
     row = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = (row < rows)[:, None]
-    x_rows = x_ptr + _row_offsets(row, inner, stride_x_outer, stride_x_inner, INNER)[:, None]
+    loaded = tl.minimum(row, rows - 1)
+    x_rows = x_ptr + _row_offsets(loaded, inner, stride_x_outer, stride_x_inner, INNER)[:, None]
     out_rows = out_ptr + _row_offsets(row, inner, stride_out_outer, stride_out_inner, INNER)[:, None]
     cols = tl.arange(0, BLOCK_N)
 
     if ONE_BLOCK:
-        mask = row_mask & (cols < N)[None, :]
-        x = tl.load(x_rows + cols[None, :] * stride_x_col, mask=mask, other=-float("inf")).to(tl.float32) * LOG2E
+        x = tl.load(x_rows + cols[None, :] * stride_x_col, mask=(cols < N)[None, :],
+                    other=-float("inf")).to(tl.float32) * LOG2E
         m = tl.max(x, axis=1)
         # A row of -inf only: its exponentials are 0 (exp2(-inf - 0)), its output 0 / 0 = NaN as in torch.
         m = tl.where(m == -float("inf"), 0.0, m)
         e = tl.exp2(x - m[:, None])
         y = e * (1.0 / tl.sum(e, axis=1))[:, None]
-        tl.store(out_rows + cols[None, :] * stride_out_col, y.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_rows + cols[None, :] * stride_out_col, y.to(out_ptr.dtype.element_ty),
+                 mask=row_mask & (cols < N)[None, :])
     else:
         # Pass 1, online: the running maximum per row, and per lane sum(exp2(x - m)) rescaled
         # whenever m grows. m_safe stands in for m while the row has seen only -inf.
@@ -102,8 +105,7 @@ def softmax_kernel(
         m_safe = tl.zeros((BLOCK_M,), tl.float32)
         sums = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for start in range(0, N, BLOCK_N):
-            mask = row_mask & (start + cols < N)[None, :]
-            x = tl.load(x_rows + (start + cols)[None, :] * stride_x_col, mask=mask,
+            x = tl.load(x_rows + (start + cols)[None, :] * stride_x_col, mask=(start + cols < N)[None, :],
                         other=-float("inf")).to(tl.float32) * LOG2E
             m = tl.maximum(m, tl.max(x, axis=1))
             m_new = tl.where(m == -float("inf"), 0.0, m)
@@ -111,14 +113,15 @@ def softmax_kernel(
             m_safe = m_new
         scale = (1.0 / tl.sum(sums, axis=1))[:, None]
         # Pass 2: last block first, while the row's latest blocks are still in L2.
-        blocks = tl.cdiv(N, BLOCK_N)
-        for i in range(0, blocks):
-            start = (blocks - 1 - i) * BLOCK_N
-            mask = row_mask & (start + cols < N)[None, :]
-            x = tl.load(x_rows + (start + cols)[None, :] * stride_x_col, mask=mask,
+        last = (N - 1) // BLOCK_N * BLOCK_N
+        for done in range(0, N, BLOCK_N):
+            start = last - done
+            col_mask = (start + cols < N)[None, :]
+            x = tl.load(x_rows + (start + cols)[None, :] * stride_x_col, mask=col_mask,
                         other=-float("inf")).to(tl.float32) * LOG2E
             y = tl.exp2(x - m_safe[:, None]) * scale
-            tl.store(out_rows + (start + cols)[None, :] * stride_out_col, y.to(out_ptr.dtype.element_ty), mask=mask)
+            tl.store(out_rows + (start + cols)[None, :] * stride_out_col, y.to(out_ptr.dtype.element_ty),
+                     mask=row_mask & col_mask)
 
 
 @triton.jit
@@ -133,34 +136,36 @@ def softmax_backward_kernel(
 ):
     row = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = (row < rows)[:, None]
-    dy_rows = dy_ptr + _row_offsets(row, inner, stride_dy_outer, stride_dy_inner, INNER)[:, None]
-    y_rows = y_ptr + _row_offsets(row, inner, stride_y_outer, stride_y_inner, INNER)[:, None]
+    loaded = tl.minimum(row, rows - 1)
+    dy_rows = dy_ptr + _row_offsets(loaded, inner, stride_dy_outer, stride_dy_inner, INNER)[:, None]
+    y_rows = y_ptr + _row_offsets(loaded, inner, stride_y_outer, stride_y_inner, INNER)[:, None]
     dx_rows = dx_ptr + _row_offsets(row, inner, stride_dx_outer, stride_dx_inner, INNER)[:, None]
     cols = tl.arange(0, BLOCK_N)
 
     if ONE_BLOCK:
-        mask = row_mask & (cols < N)[None, :]
-        y = tl.load(y_rows + cols[None, :] * stride_y_col, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_rows + cols[None, :] * stride_dy_col, mask=mask, other=0.0).to(tl.float32)
+        col_mask = (cols < N)[None, :]
+        y = tl.load(y_rows + cols[None, :] * stride_y_col, mask=col_mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_rows + cols[None, :] * stride_dy_col, mask=col_mask, other=0.0).to(tl.float32)
         dot = tl.sum(y * dy, axis=1)[:, None]
-        tl.store(dx_rows + cols[None, :] * stride_dx_col, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_rows + cols[None, :] * stride_dx_col, (y * (dy - dot)).to(dx_ptr.dtype.element_ty),
+                 mask=row_mask & col_mask)
     else:
         # Pass 1: sum(dy * y) per lane, reduced once; pass 2 (last block first) writes dx.
         acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for start in range(0, N, BLOCK_N):
-            mask = row_mask & (start + cols < N)[None, :]
-            y = tl.load(y_rows + (start + cols)[None, :] * stride_y_col, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_rows + (start + cols)[None, :] * stride_dy_col, mask=mask, other=0.0).to(tl.float32)
+            col_mask = (start + cols < N)[None, :]
+            y = tl.load(y_rows + (start + cols)[None, :] * stride_y_col, mask=col_mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_rows + (start + cols)[None, :] * stride_dy_col, mask=col_mask, other=0.0).to(tl.float32)
             acc += y * dy
         dot = tl.sum(acc, axis=1)[:, None]
-        blocks = tl.cdiv(N, BLOCK_N)
-        for i in range(0, blocks):
-            start = (blocks - 1 - i) * BLOCK_N
-            mask = row_mask & (start + cols < N)[None, :]
-            y = tl.load(y_rows + (start + cols)[None, :] * stride_y_col, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_rows + (start + cols)[None, :] * stride_dy_col, mask=mask, other=0.0).to(tl.float32)
+        last = (N - 1) // BLOCK_N * BLOCK_N
+        for done in range(0, N, BLOCK_N):
+            start = last - done
+            col_mask = (start + cols < N)[None, :]
+            y = tl.load(y_rows + (start + cols)[None, :] * stride_y_col, mask=col_mask, other=0.0).to(tl.float32)
+            dy = tl.load(dy_rows + (start + cols)[None, :] * stride_dy_col, mask=col_mask, other=0.0).to(tl.float32)
             tl.store(dx_rows + (start + cols)[None, :] * stride_dx_col, (y * (dy - dot)).to(dx_ptr.dtype.element_ty),
-                     mask=mask)
+                     mask=row_mask & col_mask)
 
 
 def as_rows3(t: torch.Tensor, dim: int) -> torch.Tensor:
