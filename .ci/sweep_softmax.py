@@ -5,7 +5,7 @@
 - correct: bfloat16 and float16 outputs against float32 torch.softmax, rows of 4096 to 131072 and other
   dims (the looped kernel, (outer, inner) rows);
 - sweep: forward configs (BLOCK_M, BLOCK_N, num_warps) per row length, each timed by do_bench (median)
-  beside the heuristic default, torch.softmax and a copy of the same bytes (x read, y written), in
+  beside get_op's choice, torch.softmax and a copy of the same bytes (x read, y written), in
   alternating rounds; GB/s count bytes read + written;
 - backward: the backward plan's default config against torch's softmax backward, and dx against float32;
 - sdpa: dlblas_kernels.vendor's sdpa_flash and sdpa_cudnn (bf16) against a float32 reference, forward and
@@ -24,6 +24,7 @@ from dlblas_kernels import vendor
 from dlblas_kernels.kernels import softmax as sm
 from triton.testing import do_bench
 
+import dlcore
 from dlcore.runtime.template import device_profile
 
 OUT = os.environ.get("OUT", "/tmp")
@@ -31,10 +32,10 @@ LOG = open(os.path.join(OUT, "softmax.jsonl"), "a")
 SHAPES = [(4096, 4096), (2048, 16384), (1024, 32768), (256, 131072)]
 #: row length -> (BLOCK_M, BLOCK_N, num_warps) tried besides the default
 SWEEP = {
-    4096: [(1, 4096, 4), (1, 4096, 16), (2, 4096, 16)],
+    4096: [(1, 4096, 4), (1, 4096, 16)],
     16384: [(1, 16384, 32), (1, 4096, 8), (1, 8192, 8), (1, 8192, 16)],
-    32768: [(1, 32768, 32), (1, 4096, 8), (1, 16384, 16), (1, 8192, 16)],
-    131072: [(1, 4096, 8), (1, 8192, 16), (1, 16384, 16), (1, 16384, 32)],
+    32768: [(1, 32768, 32), (1, 4096, 8), (1, 8192, 16), (1, 16384, 16), (1, 16384, 32)],
+    131072: [(1, 4096, 4), (1, 4096, 8), (1, 8192, 16), (1, 16384, 16), (1, 16384, 32)],
 }
 
 
@@ -80,8 +81,9 @@ def sweep() -> None:
         moved = 2 * x.numel() * x.element_size()
         dst = torch.empty_like(x)
         ref = torch.softmax(x.float(), -1)
-        work = {"default": lambda x=x: dlblas_kernels.softmax(x), "torch": lambda x=x: torch.softmax(x, -1),
-                "copy": lambda x=x, dst=dst: dst.copy_(x)}
+        bound = dlcore.get_op("softmax", (x, -1))
+        work = {f"get_op {bound.config}": lambda x=x, bound=bound: bound(x, -1),
+                "torch": lambda x=x: torch.softmax(x, -1), "copy": lambda x=x, dst=dst: dst.copy_(x)}
         for block_m, block_n, warps in SWEEP[n]:
             config = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps}
             plan = impl.plan((x, -1), config)

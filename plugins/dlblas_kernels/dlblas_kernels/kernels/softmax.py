@@ -100,28 +100,33 @@ def softmax_kernel(
                  mask=row_mask & (cols < N)[None, :])
     else:
         # Pass 1, online: the running maximum per row, and per lane sum(exp2(x - m)) rescaled
-        # whenever m grows. m_safe stands in for m while the row has seen only -inf.
+        # whenever m grows. m_safe stands in for m while the row has seen only -inf. Each block's
+        # loads are issued before the previous block is reduced (masked off past the row's end).
         m = tl.full((BLOCK_M,), -float("inf"), tl.float32)
         m_safe = tl.zeros((BLOCK_M,), tl.float32)
         sums = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        x_next = tl.load(x_rows + cols[None, :] * stride_x_col, mask=(cols < N)[None, :], other=-float("inf"))
         for start in range(0, N, BLOCK_N):
-            x = tl.load(x_rows + (start + cols)[None, :] * stride_x_col, mask=(start + cols < N)[None, :],
-                        other=-float("inf")).to(tl.float32) * LOG2E
+            x = x_next.to(tl.float32) * LOG2E
+            following = start + BLOCK_N + cols
+            x_next = tl.load(x_rows + following[None, :] * stride_x_col, mask=(following < N)[None, :],
+                             other=-float("inf"))
             m = tl.maximum(m, tl.max(x, axis=1))
             m_new = tl.where(m == -float("inf"), 0.0, m)
             sums = sums * tl.exp2(m_safe - m_new)[:, None] + tl.exp2(x - m_new[:, None])
             m_safe = m_new
         scale = (1.0 / tl.sum(sums, axis=1))[:, None]
-        # Pass 2: last block first, while the row's latest blocks are still in L2.
+        # Pass 2: last block first, while the row's latest blocks are still in L2; prefetched as pass 1.
         last = (N - 1) // BLOCK_N * BLOCK_N
+        x_next = tl.load(x_rows + (last + cols)[None, :] * stride_x_col, mask=(last + cols < N)[None, :], other=0.0)
         for done in range(0, N, BLOCK_N):
             start = last - done
-            col_mask = (start + cols < N)[None, :]
-            x = tl.load(x_rows + (start + cols)[None, :] * stride_x_col, mask=col_mask,
-                        other=-float("inf")).to(tl.float32) * LOG2E
+            x = x_next.to(tl.float32) * LOG2E
+            previous = start - BLOCK_N + cols
+            x_next = tl.load(x_rows + previous[None, :] * stride_x_col, mask=(previous >= 0)[None, :], other=0.0)
             y = tl.exp2(x - m_safe[:, None]) * scale
             tl.store(out_rows + (start + cols)[None, :] * stride_out_col, y.to(out_ptr.dtype.element_ty),
-                     mask=row_mask & col_mask)
+                     mask=row_mask & (start + cols < N)[None, :])
 
 
 @triton.jit
