@@ -44,10 +44,12 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "rope_dim": ("rope_dim", "rope", "qk_rope_head_dim"),
     "v_dim": ("v_dim", "v", "v_head_dim"),
     "kv_tokens": ("kv_tokens", "kv_seq", "seq_k", "seqlen_k", "kv_len", "sk"),
+    # flags an op takes as sizes (0 or 1): no model sets them
     "causal": ("causal", "is_causal"),
+    "interleaved": ("interleaved",),
 }
 #: canonical dimensions a model or setup may leave unset: the op's example value (batch: 1 with tokens)
-OPTIONAL = ("batch", "kv_tokens", "causal")
+OPTIONAL = ("batch", "kv_tokens", "causal", "interleaved")
 _CANONICAL = {alias: name for name, aliases in ALIASES.items() for alias in aliases}
 
 #: model -> its dimensions under canonical names (from each model's published config.json)
