@@ -30,12 +30,13 @@ from dlcore.runtime.template import device_profile
 OUT = os.environ.get("OUT", "/tmp")
 LOG = open(os.path.join(OUT, "softmax.jsonl"), "a")
 SHAPES = [(4096, 4096), (2048, 16384), (1024, 32768), (256, 131072)]
-#: row length -> (BLOCK_M, BLOCK_N, num_warps) tried besides the default
+#: row length -> (BLOCK_M, BLOCK_N, num_warps) tried besides get_op's choice; "-" after a looped
+#: config: without the L2 eviction hints
 SWEEP = {
-    4096: [(1, 4096, 4), (1, 4096, 16)],
-    16384: [(1, 16384, 32), (1, 4096, 8), (1, 8192, 8), (1, 8192, 16)],
-    32768: [(1, 32768, 32), (1, 4096, 8), (1, 8192, 16), (1, 16384, 16), (1, 16384, 32)],
-    131072: [(1, 4096, 4), (1, 4096, 8), (1, 8192, 16), (1, 16384, 16), (1, 16384, 32)],
+    4096: ["1x4096/4"],
+    16384: ["1x16384/32", "1x4096/8", "1x8192/8", "1x8192/8-", "1x8192/16"],
+    32768: ["1x32768/32", "1x4096/8", "1x8192/8", "1x8192/8-", "1x8192/16", "1x16384/16", "1x16384/32"],
+    131072: ["1x4096/4", "1x4096/8", "1x8192/8", "1x8192/8-", "1x8192/16", "1x16384/16", "1x16384/32"],
 }
 
 
@@ -84,11 +85,15 @@ def sweep() -> None:
         bound = dlcore.get_op("softmax", (x, -1))
         work = {f"get_op {bound.config}": lambda x=x, bound=bound: bound(x, -1),
                 "torch": lambda x=x: torch.softmax(x, -1), "copy": lambda x=x, dst=dst: dst.copy_(x)}
-        for block_m, block_n, warps in SWEEP[n]:
-            config = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps}
+        for name in SWEEP[n]:
+            tile, warps = name.rstrip("-").split("/")
+            block_m, block_n = map(int, tile.split("x"))
+            config = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": int(warps)}
             plan = impl.plan((x, -1), config)
+            if name.endswith("-"):
+                plan.calls[0].kwargs.update(KEEP="", STREAM="")
             err = error(plan.run(), ref)
-            work[f"{block_m}x{block_n}/{warps}"] = plan.run
+            work[name] = plan.run
             if err > 0.02:
                 emit(what="sweep-wrong", shape=[rows, n], config=config, max_abs=err)
         times = {name: [] for name in work}

@@ -13,6 +13,10 @@ elements).
   running maximum ``m`` and per-lane sums of ``exp(x - m)``, rescaled by ``exp(m_old - m)`` when
   the maximum grows (one exponential per element); the second re-reads the row, last block first
   (the blocks read most recently are the likeliest still in L2), and writes ``exp(x - m) / sum``.
+  The first pass's loads ask L2 to keep their lines (``evict_last``), the second pass's loads and
+  the stores to drop theirs first, so that the re-read hits L2 (without the hints the kernel
+  moved ... of a copy's bandwidth). Each block's loads are issued before the previous block is
+  reduced.
 
 Exponentials are ``exp2`` of ``x * log2(e)``. A row whose every element is ``-inf`` has no finite
 maximum: its sum is 0 and its output NaN, as in torch; a row that starts with ``-inf`` and has
@@ -77,6 +81,7 @@ def softmax_kernel(
     stride_out_outer, stride_out_inner, stride_out_col,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ONE_BLOCK: tl.constexpr, INNER: tl.constexpr,
+    KEEP: tl.constexpr = "evict_last", STREAM: tl.constexpr = "evict_first",
 ):
     LOG2E: tl.constexpr = 1.4426950408889634
     # 64-bit rows: rows * row stride may pass 2**31 elements. Rows past the end (the last program's)
@@ -105,12 +110,13 @@ def softmax_kernel(
         m = tl.full((BLOCK_M,), -float("inf"), tl.float32)
         m_safe = tl.zeros((BLOCK_M,), tl.float32)
         sums = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-        x_next = tl.load(x_rows + cols[None, :] * stride_x_col, mask=(cols < N)[None, :], other=-float("inf"))
+        x_next = tl.load(x_rows + cols[None, :] * stride_x_col, mask=(cols < N)[None, :], other=-float("inf"),
+                         eviction_policy=KEEP)
         for start in range(0, N, BLOCK_N):
             x = x_next.to(tl.float32) * LOG2E
             following = start + BLOCK_N + cols
             x_next = tl.load(x_rows + following[None, :] * stride_x_col, mask=(following < N)[None, :],
-                             other=-float("inf"))
+                             other=-float("inf"), eviction_policy=KEEP)
             m = tl.maximum(m, tl.max(x, axis=1))
             m_new = tl.where(m == -float("inf"), 0.0, m)
             sums = sums * tl.exp2(m_safe - m_new)[:, None] + tl.exp2(x - m_new[:, None])
@@ -118,15 +124,17 @@ def softmax_kernel(
         scale = (1.0 / tl.sum(sums, axis=1))[:, None]
         # Pass 2: last block first, while the row's latest blocks are still in L2; prefetched as pass 1.
         last = (N - 1) // BLOCK_N * BLOCK_N
-        x_next = tl.load(x_rows + (last + cols)[None, :] * stride_x_col, mask=(last + cols < N)[None, :], other=0.0)
+        x_next = tl.load(x_rows + (last + cols)[None, :] * stride_x_col, mask=(last + cols < N)[None, :], other=0.0,
+                         eviction_policy=STREAM)
         for done in range(0, N, BLOCK_N):
             start = last - done
             x = x_next.to(tl.float32) * LOG2E
             previous = start - BLOCK_N + cols
-            x_next = tl.load(x_rows + previous[None, :] * stride_x_col, mask=(previous >= 0)[None, :], other=0.0)
+            x_next = tl.load(x_rows + previous[None, :] * stride_x_col, mask=(previous >= 0)[None, :], other=0.0,
+                             eviction_policy=STREAM)
             y = tl.exp2(x - m_safe[:, None]) * scale
             tl.store(out_rows + (start + cols)[None, :] * stride_out_col, y.to(out_ptr.dtype.element_ty),
-                     mask=row_mask & (start + cols < N)[None, :])
+                     mask=row_mask & (start + cols < N)[None, :], eviction_policy=STREAM)
 
 
 @triton.jit
