@@ -7,7 +7,6 @@ from dlblas_kernels.kernels.softmax import (
     KERNEL,
     OP,
     backward_plan,
-    heuristic_config,
     softmax,
     softmax_backward_reference,
     softmax_reference,
@@ -15,6 +14,7 @@ from dlblas_kernels.kernels.softmax import (
 from gradients import check_backward
 
 from dlcore import InvalidInputError
+from dlcore.compiler.lowering import target_profile
 from dlcore.declarations.signature import make_signature
 from dlcore.runtime.template import UNKNOWN_DEVICE
 from dlcore.testing import assert_close, poison, randn, upcast
@@ -124,15 +124,21 @@ def test_plan_on_meta_tensors_reads_no_data():
 
 
 def test_default_configs():
-    def config(shape, dim=-1):
+    h200 = target_profile("cuda:90")
+
+    def config(shape, dim=-1, profile=h200):
         return TRITON.default_config(make_signature(OP, (torch.empty(*shape, device="meta"), dim),
-                                                    torch.device("meta")), None)
+                                                    torch.device("meta")), profile)
 
     assert config((4096, 4096)) == {"BLOCK_M": 1, "BLOCK_N": 4096, "num_warps": 8}
+    assert config((2048, 16384)) == {"BLOCK_M": 1, "BLOCK_N": 16384, "num_warps": 16}  # whole
     assert config((8192, 128)) == {"BLOCK_M": 8, "BLOCK_N": 128, "num_warps": 2}
     assert config((37, 1000)) == {"BLOCK_M": 1, "BLOCK_N": 1024, "num_warps": 2}
-    assert config((256, 131072)) == heuristic_config(256, 131072)
-    assert config((256, 131072))["BLOCK_N"] < 131072  # looped
+    # looped: blocks for about 32768 elements in flight per SM, as the H200 sweep found best
+    assert config((1000, 32768)) == {"BLOCK_M": 1, "BLOCK_N": 4096, "num_warps": 8}
+    assert config((256, 131072)) == {"BLOCK_M": 1, "BLOCK_N": 16384, "num_warps": 32}
+    assert config((512, 131072))["BLOCK_N"] == 8192 and config((3, 131072))["BLOCK_N"] == 16384
+    assert config((256, 131072), profile=None)["BLOCK_N"] == 4096  # no core count: the smallest block
     # another dim: a generic config the plan narrows
     assert config((64, 8, 16), 1)["BLOCK_M"] == 1
 
@@ -217,11 +223,11 @@ for dtype in (torch.bfloat16, torch.float32):
     x = torch.empty(64, 37, 300, device="meta", dtype=dtype)
     wide = torch.empty(4, 131072, device="meta", dtype=dtype)
     plans = {
-        "one-block": sm.plan((x, -1), sm.heuristic_config(64 * 37, 300), None),
-        "looped": sm.plan((wide, -1), sm.heuristic_config(4, 131072), None),
+        "one-block": sm.plan((x, -1), sm.heuristic_config(64 * 37, 300, 132), None),
+        "looped": sm.plan((wide, -1), sm.heuristic_config(4, 131072, 132), None),
         "inner": sm.plan((x, 1), {"BLOCK_M": 1, "BLOCK_N": 16384, "num_warps": 16}, None),
-        "backward": sm.backward_plan((x, x, -1), sm.heuristic_config(64 * 37, 300), None),
-        "backward-looped": sm.backward_plan((wide, wide, -1), sm.heuristic_config(4, 131072), None),
+        "backward": sm.backward_plan((x, x, -1), sm.heuristic_config(64 * 37, 300, 132), None),
+        "backward-looped": sm.backward_plan((wide, wide, -1), sm.heuristic_config(4, 131072, 132), None),
         "backward-inner": sm.backward_plan((x, x, 0), {"BLOCK_M": 1, "BLOCK_N": 32, "num_warps": 1}, None),
     }
     for capability in (80, 90, 100):
