@@ -14,7 +14,12 @@ elements).
   the maximum grows (one exponential per element); the second re-reads the row, last block first
   (the blocks read most recently are the likeliest still in L2), and writes ``exp(x - m) / sum``.
   Each block's loads are issued before the previous block is reduced, so a program has two blocks
-  in flight; the block is sized by how many programs share a core (:func:`loop_block`).
+  in flight; the block is sized by how many programs share a core (:func:`loop_block`). The
+  re-read costs: on the H200 (bf16) rows of 32768 and 131072 move 81% and 72% of a same-size
+  copy's bandwidth, where rows held whole reach 91% (16384) to 100% (4096).
+
+Rows along another ``dim`` (``inner > 1``) step through memory by ``inner`` elements: correct, not
+coalesced (a transposed softmax is better served by the caller's layout).
 
 Exponentials are ``exp2`` of ``x * log2(e)``. A row whose every element is ``-inf`` has no finite
 maximum: its sum is 0 and its output NaN, as in torch; a row that starts with ``-inf`` and has
