@@ -18,6 +18,12 @@
 #              minutes: 4 to 5 s a shape, most of it torch.compile and the example inputs)
 #   bench-gemm-bwd  ffn's backward on the gemm preset, the same columns (not measured: about 2 to 3
 #              minutes); not part of bench
+#   bench-attention  issue #14: flash_attention_v2 forward on the attention preset (B 2, H 16, D 128, S 2048 to
+#              16384, causal and not) and the decode preset (Sq 1 against Sk 1024 to 65536, GQA 32/8), its
+#              backward on the attention preset, each beside SDPA flash and cuDNN with the Triton kernel alone
+#              in dlcore[triton]; fused_rotary_and_fa forward and backward against apply_rotary_pos_emb + the
+#              best SDPA; softmax forward and backward at rows of 4096 to 131072 against torch and
+#              torch.compile. docs/results/*.json as bench; not part of bench (not measured whole yet)
 #   first-call the first call in new processes with Triton's cache warm: docs/results/first_call.json
 #   compiler   grid folding measurements and the `dlcore lower --all --report` table
 # e.g. bash .ci/gpu.sh tests overhead. Results land under $OUT.
@@ -75,7 +81,7 @@ for stage in "$@"; do
         python3 -m dlcore.bench.landscape record partial_rotary_emb --shape $shape --dtype bfloat16 --workers 15 \
             --seconds "${ROTARY_SECONDS:-60}" --out "$OUT/partial_${shape//[=,]/_}.json" 2>&1 | tail -1
       done ;;
-    bench|bench-ops|bench-gemm|bench-gemm-bwd)
+    bench|bench-ops|bench-gemm|bench-gemm-bwd|bench-attention)
       # Every op's docs/results JSON (docs/performance.md is rendered from them):
       # OP:MODE:SHAPES:TOKENS:VS[:IMPLS] specs, one `dlcore bench` each, bf16, do_bench, 2 rounds;
       # results.tgz is rewritten after each, so what is done survives a time-out. BENCH_SPECS replaces the list.
@@ -88,10 +94,17 @@ for stage in "$@"; do
       # DeepSeek-V3's shared expert; matmul both projections (gemm: K = hidden, N = inter; gemm-down:
       # K = inter, N = hidden), 48 shapes; ffn 24 shapes
       gemm=(matmul:fwd:gemm,gemm-down::torch,compile:triton,vendor ffn:fwd:gemm::torch,compile:triton,vendor)
+      # issue #14: the presets' own lengths (attention: S 2048 to 16384; decode: Sk 1024 to 65536)
+      rows=4096x4096,2048x16384,1024x32768,256x131072
+      attention=(flash_attention_v2:fwd:attention,decode::sdpa_flash,sdpa_cudnn:triton
+                 flash_attention_v2:bwd:attention::sdpa_flash,sdpa_cudnn:triton
+                 fused_rotary_and_fa:fwd:attention::composite fused_rotary_and_fa:bwd:attention::composite
+                 softmax:fwd:$rows::torch,compile softmax:bwd:$rows::torch,compile)
       case $stage in
         bench) specs=("${ops[@]}" "${gemm[@]}") ;;
         bench-ops) specs=("${ops[@]}") ;;
         bench-gemm) specs=("${gemm[@]}") ;;
+        bench-attention) specs=("${attention[@]}") ;;
         *) specs=(ffn:bwd:gemm::torch,compile:triton,vendor) ;;
       esac
       [ -n "$BENCH_SPECS" ] && read -r -a specs <<< "$BENCH_SPECS"

@@ -15,7 +15,7 @@ import torch
 
 from dlcore.bench import harness
 from dlcore.bench.harness import OWN, Report, ShapeResult, bound_of, geomean, run_bench, time_round_robin
-from dlcore.bench.presets import GEMM_TOKENS, MODELS, TOKENS, Shape, shapes_for
+from dlcore.bench.presets import GEMM_TOKENS, MODELS, PRESETS, TOKENS, Shape, canonical, shapes_for
 from dlcore.cli import main
 from dlcore.declarations.implementation import ReferenceImplementation, TorchImplementation
 from dlcore.declarations.op import Op, TensorArg
@@ -99,6 +99,40 @@ def test_the_gqa_preset_holds_llama_and_qwen():
     assert [(s.sizes["heads"], s.sizes["kv_heads"], s.sizes["head_dim"]) for s in shapes] == [
         (32, 8, 128), (64, 8, 128), (28, 4, 128)]
     assert notes == []
+
+
+ATTENTION_SIZES = {"batch": 2, "seq": 37, "kv_seq": 0, "heads": 4, "kv_heads": 2, "head_dim": 64, "causal": 0}
+
+
+def test_the_attention_preset_has_issue_14s_anchor_shapes():
+    """B 2, H 16, D 128, S 2048 to 16384, causal and not: setups, not models."""
+    shapes, notes = shapes_for(ATTENTION_SIZES, "attention")
+    anchor = {"batch": 2, "kv_seq": 0, "heads": 16, "kv_heads": 16, "head_dim": 128}
+    assert [s.sizes for s in shapes] == [{**anchor, "seq": seq, "causal": causal}
+                                         for causal in (0, 1) for seq in (2048, 4096, 8192, 16384)]
+    assert [s.sizes["seq"] for s in shapes_for(ATTENTION_SIZES, "attention", tokens=(8192,))[0]] == [8192, 8192]
+    assert shapes[0].models == ("attention-b2-h16-d128",) and notes == []
+    assert "attention-b2-h16-d128" not in PRESETS["all"]  # setups are no models
+    # an op without the setup's dimensions gets nothing from it
+    with pytest.raises(ValueError, match="attention-b2-h16-d128 has no hidden: left out"):
+        shapes_for({"tokens": 37, "hidden": 256}, "attention")
+
+
+def test_the_decode_preset_puts_its_counts_on_the_kv_length():
+    shapes, notes = shapes_for(ATTENTION_SIZES, "decode")
+    assert [s.sizes["kv_seq"] for s in shapes] == [1024, 2048, 4096, 8192, 16384, 32768, 65536] and notes == []
+    assert all(s.sizes == {"batch": 1, "seq": 1, "kv_seq": s.sizes["kv_seq"], "heads": 32, "kv_heads": 8,
+                           "head_dim": 128, "causal": 0} for s in shapes)
+    # an op with no kv length: one shape
+    assert len(shapes_for({"batch": 1, "seq": 1, "heads": 4}, "decode")[0]) == 1
+
+
+def test_kv_length_and_causal_are_optional_dimensions():
+    """Models set neither: the op's example values (kv_seq 0 = the query length), no note."""
+    assert canonical("seq_k") == canonical("kv_seq") == "kv_tokens" and canonical("is_causal") == "causal"
+    shapes, notes = shapes_for(ATTENTION_SIZES, "llama3-8b", tokens=(4096,))
+    assert [s.sizes for s in shapes] == [{"batch": 1, "seq": 4096, "kv_seq": 0, "heads": 32, "kv_heads": 8,
+                                          "head_dim": 128, "causal": 0}] and notes == []
 
 
 def test_unknown_size_names_keep_their_example_value():
@@ -571,6 +605,7 @@ ROTARY_OPS = {
     "rms_norm": "tokens=3,hidden=64",
     "add_rms_norm": "tokens=3,hidden=64",
     "silu_and_mul": "tokens=3,inter=64",
+    "softmax": "tokens=3,vocab=70",
 }
 
 

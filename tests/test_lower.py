@@ -76,7 +76,7 @@ def lowered(tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("op", ["silu_and_mul", "rms_norm", "ffn"])
+@pytest.mark.parametrize("op", ["softmax", "silu_and_mul", "rms_norm", "ffn"])
 @pytest.mark.parametrize("target", ["cuda:80", "cuda:90"])
 def test_every_stage_of_each_kernel(lowered, op, target):
     keys = [k for k in lowered if k.startswith(f"{op}/") and k.endswith(f"/{target}") and "_folded" not in k]
@@ -114,7 +114,7 @@ def test_cli_report_for_every_kernel():
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0].split()[:5] == ["kernel", "op", "target", "dtype", "regs"]
-    for op in ("silu_and_mul", "rms_norm", "ffn"):
+    for op in ("softmax", "silu_and_mul", "rms_norm", "ffn"):
         for target in ("cuda:80", "cuda:90"):
             rows = [line for line in lines if f" {op}.triton " in line and f" {target} " in line]
             assert rows and all("5/5 (cubin)" in row for row in rows), (op, target, done.stdout)

@@ -9,6 +9,7 @@ a 20 ms sleep): the outcome does not hang on how fast the machine is.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 import warnings
@@ -18,11 +19,14 @@ import dlblas_kernels.kernels.matmul as matmul_kernel
 import pytest
 import torch
 from dlblas_kernels import vendor
+from torch.nn.attention import SDPBackend
 
 import dlcore
 from dlcore.backends.cpu import CpuBackend
 from dlcore.cli import main
+from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import TritonImplementation, VendorImplementation
+from dlcore.declarations.signature import Signature, TensorSpec
 from dlcore.dispatch.dispatcher import Dispatcher, disabled_implementations
 from dlcore.errors import InvalidOptionError, NoKernelError
 from dlcore.plugins.discovery import PluginRecord, PluginSet, PluginStatus, PluginWarning, new_manager
@@ -166,6 +170,136 @@ def test_ffn_under_autograd_matches_the_float64_gradients(gen):
     torch.autograd.backward(ffn_kernel.ffn_reference(*wide), grad.double())
     for got, ref in zip(mine, wide):
         assert_close(got.grad, ref.grad, torch.float32, reduce_dim=hidden)
+
+
+# -- SDPA candidates for flash_attention_v2 ----------------------------------------------------------
+
+
+H200 = DeviceProfile(backend="cuda", vendor="nvidia", name="NVIDIA H200", arch="sm_90", cores=132)
+SDPA = {"sdpa_flash": vendor.SDPA_FLASH, "sdpa_cudnn": vendor.SDPA_CUDNN}
+
+
+def attention_signature(dtype=torch.bfloat16, d=128, sq=8192, sk=8192, causal=False, return_lse=False,
+                        device="cuda") -> Signature:
+    """A flash_attention_v2 signature as make_signature gives it (B and S rounded up to powers of two)."""
+    def spec(s, h):
+        return TensorSpec(dtype, (2, s, h, d), "contiguous", True)
+
+    return Signature("flash_attention_v2", device, (("q", spec(sq, 16)), ("k", spec(sk, 8)), ("v", spec(sk, 8))),
+                     (("causal", causal), ("softmax_scale", "NoneType"), ("return_lse", return_lse)))
+
+
+@pytest.mark.parametrize("name", list(SDPA))
+def test_sdpa_candidates_are_vendor_implementations_of_flash_attention(name):
+    impl = SDPA[name]
+    assert isinstance(impl, VendorImplementation) and impl.op == "flash_attention_v2" and impl.name == name
+    assert "scaled_dot_product_attention" in impl.library
+    assert getattr(vendor, f"{name}_plugin").dlcore_implementations() == [impl]
+    if "flash_attention_v2" in registry().ops:  # declared by its own kernel plugin
+        assert impl.name in {i.name for i in registry().implementations_of("flash_attention_v2")}
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_sdpa_candidates_take_what_sdpa_runs(d, dtype):
+    for causal in (False, True):
+        sig = attention_signature(dtype, d, causal=causal)
+        assert vendor.SDPA_FLASH.supports(sig, H200) is None and vendor.SDPA_CUDNN.supports(sig, H200) is None
+    sig = attention_signature(dtype, d, sq=1, sk=65536)  # decode, not causal
+    assert vendor.SDPA_CUDNN.supports(sig, H200) is None
+
+
+@pytest.mark.parametrize("case, flash, cudnn", [
+    ("float32", "dtype float32", "dtype float32"),
+    ("return_lse", "no log-sum-exp", "no log-sum-exp"),
+    ("head dim 100", "multiples of 8", "multiples of 8"),
+    ("head dim 512", "up to 256", "up to 256"),
+    ("cpu", "NVIDIA GPUs from sm_80", "NVIDIA GPUs from sm_80"),
+    ("sm_75", "NVIDIA GPUs from sm_80", "NVIDIA GPUs from sm_80"),
+    ("amd", "NVIDIA GPUs", "NVIDIA GPUs"),
+    ("causal, Sq != Sk", None, "no bottom-right causal mask"),
+])
+def test_sdpa_candidates_decline_what_their_backend_refuses(case, flash, cudnn):
+    sig, profile = attention_signature(), H200
+    if case == "float32":
+        sig = attention_signature(torch.float32)
+    elif case == "return_lse":
+        sig = attention_signature(return_lse=True)
+    elif case.startswith("head dim"):
+        sig = attention_signature(d=int(case.split()[-1]))
+    elif case == "cpu":
+        sig, profile = attention_signature(device="cpu"), CpuBackend().profile(torch.device("cpu"))
+    elif case == "sm_75":
+        profile = dataclasses.replace(H200, arch="sm_75")
+    elif case == "amd":
+        profile = dataclasses.replace(H200, vendor="amd", arch="gfx942")
+    else:
+        sig = attention_signature(sq=1, sk=4096, causal=True)
+    for impl, expected in ((vendor.SDPA_FLASH, flash), (vendor.SDPA_CUDNN, cudnn)):
+        reason = impl.supports(sig, profile)
+        assert (reason is None) if expected is None else (expected in reason), (impl.name, reason)
+
+
+def attention_reference(q, k, v, causal, scale=None):
+    """softmax(scale q k^T) v in float64, GQA by repeating k and v, the causal mask bottom-right; a row
+    that sees no key is 0."""
+    q, k, v = (t.double() for t in (q, k, v))
+    sq, sk, group = q.shape[1], k.shape[1], q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(group, dim=2), v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) * (scale or q.shape[-1] ** -0.5)
+    if causal:
+        scores = scores.masked_fill(~torch.ones(sq, sk, dtype=torch.bool).tril(sk - sq), -float("inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", torch.softmax(scores, -1).nan_to_num(0.0), v)
+
+
+@pytest.mark.parametrize("sq, sk", [(13, 13), (5, 21), (1, 17), (9, 4)])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+def test_sdpa_attention_layout_and_masks_against_the_float64_reference(sq, sk, causal, heads, gen):
+    """The BSHD views, GQA and the bottom-right mask, with SDPA's math backend standing in on the CPU
+    for the flash and cuDNN kernels (the GPU run checks those)."""
+    (hq, hk), d = heads, 16
+    q, k, v = randn(gen, 2, sq, hq, d), randn(gen, 2, sk, hk, d), randn(gen, 2, sk, hk, d)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # causal_lower_right warns of rows with no key (Sq > Sk)
+        out = vendor.sdpa_attention(q, k, v, causal, None, SDPBackend.MATH)
+    assert out.shape == q.shape
+    assert_close(out, attention_reference(q, k, v, causal), torch.float32, reduce_dim=sk)
+
+
+def test_sdpa_attention_reads_strided_views(gen):
+    """q, k and v sliced out of a packed qkv projection (no copy), then a head dimension of stride 2
+    (copied: SDPA's kernels read rows of stride 1); a given scale."""
+    qkv = randn(gen, 2, 11, 8 + 2 + 2, 32)
+    q, k, v = qkv[:, :, :8], qkv[:, :, 8:10], qkv[:, :, 10:]
+    out = vendor.sdpa_attention(q, k, v, True, 0.3, SDPBackend.MATH)
+    assert_close(out, attention_reference(q, k, v, True, 0.3), torch.float32, reduce_dim=11)
+    wide = randn(gen, 2, 11, 4, 64)
+    q = wide[..., ::2]
+    out = vendor.sdpa_attention(q, q, q, False, None, SDPBackend.MATH)
+    assert_close(out, attention_reference(q, q, q, False), torch.float32, reduce_dim=11)
+
+
+@pytest.mark.parametrize("sq, sk, causal, backend", [
+    (8, 8, True, "CUDNN_ATTENTION"), (1, 8, False, "CUDNN_ATTENTION"), (1, 8, True, "FLASH_ATTENTION"),
+    (9, 8, True, "FLASH_ATTENTION"),
+])
+def test_sdpa_functions_pick_their_backend(sq, sk, causal, backend, monkeypatch, gen):
+    """cuDNN has no bottom-right causal mask: a causal call with Sq != Sk goes to the flash backend
+    (lengths within one bucket of the signature reach the function); the flash one is always flash."""
+    seen = []
+    monkeypatch.setattr(vendor, "sdpa_attention", lambda q, k, v, causal, scale, chosen: seen.append(chosen))
+    q, kv = randn(gen, 1, sq, 2, 8), randn(gen, 1, sk, 2, 8)
+    vendor.sdpa_cudnn(q, kv, kv, causal)
+    vendor.sdpa_flash(q, kv, kv, causal)
+    assert seen == [getattr(SDPBackend, backend), SDPBackend.FLASH_ATTENTION]
+
+
+@pytest.mark.parametrize("fn", [vendor.sdpa_flash, vendor.sdpa_cudnn])
+def test_sdpa_functions_refuse_return_lse(fn, gen):
+    q = randn(gen, 1, 4, 2, 8)
+    with pytest.raises(dlcore.InvalidInputError, match="return_lse"):
+        fn(q, q, q, False, None, True)
 
 
 # -- DLCORE_DISABLE_IMPLS ----------------------------------------------------------------------------

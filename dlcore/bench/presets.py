@@ -10,6 +10,13 @@ not apply to that op and is left out with a note.
 A preset name may end in a :data:`VARIANTS` suffix: ``gemm-down`` is the ``gemm`` preset with each
 model's hidden and intermediate sizes swapped, the MLP's down projection (for ``matmul``, whose
 ``a [tokens, hidden] @ b [hidden, inter]`` is the up projection: K = inter, N = hidden).
+
+Besides models, a preset may hold :data:`SETUPS`: the fixed shapes an issue measures its targets at
+(attention at B 2, H 16, D 128; decode against a KV cache), which set dimensions no model has
+(``batch``, ``causal``). A preset's token counts go to its token axis (:data:`PRESET_AXIS`): the
+sequence length, or for ``decode`` the key/value length (one query against ``n`` keys). Optional
+dimensions (:data:`OPTIONAL`) a model or setup leaves unset keep the op's example value (``kv_seq``
+0: the query length; ``causal`` 0), ``batch`` 1 where there are tokens.
 """
 
 from __future__ import annotations
@@ -36,7 +43,13 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "nope_dim": ("nope_dim", "nope", "qk_nope_head_dim"),
     "rope_dim": ("rope_dim", "rope", "qk_rope_head_dim"),
     "v_dim": ("v_dim", "v", "v_head_dim"),
+    "kv_tokens": ("kv_tokens", "kv_seq", "seq_k", "seqlen_k", "kv_len", "sk"),
+    # flags an op takes as sizes (0 or 1): no model sets them
+    "causal": ("causal", "is_causal"),
+    "interleaved": ("interleaved",),
 }
+#: canonical dimensions a model or setup may leave unset: the op's example value (batch: 1 with tokens)
+OPTIONAL = ("batch", "kv_tokens", "causal", "interleaved")
 _CANONICAL = {alias: name for name, aliases in ALIASES.items() for alias in aliases}
 
 #: model -> its dimensions under canonical names (from each model's published config.json)
@@ -60,18 +73,36 @@ MODELS: dict[str, dict[str, int]] = {
     "deepseek-v3-shared": {"hidden": 7168, "inter": 2048},
 }
 
-#: preset name -> models; every model is a preset on its own
+#: setup -> its dimensions: the shapes an issue's targets are measured at, under canonical names
+SETUPS: dict[str, dict[str, int]] = {
+    # issue #14's attention anchors: B 2, H 16 (no GQA), D 128, non-causal and causal
+    "attention-b2-h16-d128": {"batch": 2, "heads": 16, "kv_heads": 16, "head_dim": 128, "causal": 0},
+    "attention-b2-h16-d128-causal": {"batch": 2, "heads": 16, "kv_heads": 16, "head_dim": 128, "causal": 1},
+    # issue #14's decode: one query of LLaMA-3-8B's attention (GQA 32/8, D 128) against a KV cache
+    "decode-h32-kv8-d128": {"batch": 1, "tokens": 1, "heads": 32, "kv_heads": 8, "head_dim": 128},
+}
+
+#: preset name -> models and setups; every model is a preset on its own
 PRESETS: dict[str, tuple[str, ...]] = {
     "all": tuple(MODELS),
     "gqa": ("llama3-8b", "llama3-70b", "qwen2.5-7b"),
     "mla": ("deepseek-v2", "deepseek-v2-lite", "deepseek-v3"),
     # the MLP GEMMs of issue #13: LLaMA-3-8B, LLaMA-3-70B, Qwen2.5-7B and DeepSeek-V3's shared expert
     "gemm": ("llama3-8b", "llama3-70b", "qwen2.5-7b", "deepseek-v3-shared"),
+    # issue #14: attention (prefill) at S 2048 to 16384, causal or not; decode at Sk 1024 to 65536
+    "attention": ("attention-b2-h16-d128", "attention-b2-h16-d128-causal"),
+    "decode": ("decode-h32-kv8-d128",),
     **{name: (name,) for name in MODELS},
 }
 DEFAULT_PRESET = "all"
 #: preset -> its token counts when none are given (the others: :data:`TOKENS`)
-PRESET_TOKENS: dict[str, tuple[int, ...]] = {"gemm": GEMM_TOKENS}
+PRESET_TOKENS: dict[str, tuple[int, ...]] = {
+    "gemm": GEMM_TOKENS,
+    "attention": (2048, 4096, 8192, 16384),
+    "decode": (1024, 2048, 4096, 8192, 16384, 32768, 65536),
+}
+#: preset -> the canonical dimension its token counts go to (the others: ``tokens``)
+PRESET_AXIS: dict[str, str] = {"decode": "kv_tokens"}
 #: suffix -> (label, canonical dimensions whose model values are swapped): ``PRESET-SUFFIX``
 VARIANTS: dict[str, tuple[str, tuple[str, str]]] = {"down": ("down", ("hidden", "inter"))}
 
@@ -120,7 +151,8 @@ def shapes_for(example_sizes: dict[str, int], text: str | None, tokens: tuple[in
             elif (found_preset := preset_and_variant(item)) is not None:
                 name, variant = found_preset
                 counts = tokens or PRESET_TOKENS.get(name, TOKENS)
-                found, why = preset_shapes(example_sizes, PRESETS[name], counts, variant)
+                found, why = preset_shapes(example_sizes, PRESETS[name], counts, variant,
+                                           PRESET_AXIS.get(name, "tokens"))
                 shapes += found
                 notes += why
             else:
@@ -141,11 +173,12 @@ def preset_and_variant(item: str) -> tuple[str, str | None] | None:
 
 
 def preset_shapes(example_sizes: dict[str, int], models: tuple[str, ...], tokens: tuple[int, ...] = TOKENS,
-                  variant: str | None = None) -> tuple[list[Shape], list[str]]:
+                  variant: str | None = None, axis: str = "tokens") -> tuple[list[Shape], list[str]]:
     """The shapes of ``models`` (times ``tokens``) for an op with ``example_sizes``, and notes.
 
-    ``variant``: a key of :data:`VARIANTS`; its two dimensions swap values in every model, and the
-    models are labelled ``MODEL (LABEL)``.
+    ``models``: names of :data:`MODELS` or :data:`SETUPS`. ``variant``: a key of :data:`VARIANTS`;
+    its two dimensions swap values in every model, and the models are labelled ``MODEL (LABEL)``.
+    ``axis``: the canonical dimension the token counts go to.
     """
     notes = []
     names = {name: canonical(name) for name in example_sizes}
@@ -153,14 +186,15 @@ def preset_shapes(example_sizes: dict[str, int], models: tuple[str, ...], tokens
     if unknown:
         notes.append(f"size {', '.join(unknown)} is not a model dimension the presets know: "
                      f"kept at the op's example value")
-    has_tokens = "tokens" in names.values()
+    has_tokens = axis in names.values()
     if not has_tokens:
-        notes.append("the op has no token size: one shape per model")
+        notes.append(f"the op has no {'token' if axis == 'tokens' else axis} size: one shape per model")
     shapes = []
     label, swapped = VARIANTS[variant] if variant else ("", ())
     for model in models:
-        dims = dict(MODELS[model])
-        lacking = [name for name, dim in names.items() if dim not in (None, "tokens", "batch") and dim not in dims]
+        dims = dict(MODELS[model] if model in MODELS else SETUPS[model])
+        lacking = [name for name, dim in names.items()
+                   if dim not in (None, axis, "tokens", *OPTIONAL) and dim not in dims]
         if lacking:
             notes.append(f"{model} has no {', '.join(lacking)}: left out")
             continue
@@ -172,19 +206,22 @@ def preset_shapes(example_sizes: dict[str, int], models: tuple[str, ...], tokens
             dims[first], dims[second] = dims[second], dims[first]
         name_of_model = f"{model} ({label})" if label else model
         for count in tokens if has_tokens else tokens[:1]:
-            shapes.append(Shape({name: _model_size(example_sizes[name], dim, dims, count, has_tokens)
+            shapes.append(Shape({name: _model_size(example_sizes[name], dim, dims, count, axis, has_tokens)
                                  for name, dim in names.items()}, (name_of_model,)))
     return shapes, notes
 
 
-def _model_size(example: int, dim: str | None, dims: dict[str, int], tokens: int, has_tokens: bool) -> int:
-    if dim is None:
-        return example
-    if dim == "tokens":
+def _model_size(example: int, dim: str | None, dims: dict[str, int], tokens: int, axis: str,
+                has_tokens: bool) -> int:
+    """The size of canonical ``dim``: the token count on the token axis, else the model's value, else
+    the op's example value (batch: 1 where there are tokens)."""
+    if dim == axis:
         return tokens
-    if dim == "batch":
-        return 1 if has_tokens else example
-    return dims[dim]
+    if dim in dims:
+        return dims[dim]
+    if dim == "batch" and has_tokens:
+        return 1
+    return example
 
 
 def _named_sizes(example_sizes: dict[str, int], text: str) -> dict[str, int]:

@@ -27,9 +27,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PAGE = os.path.join(os.path.dirname(HERE), "performance.md")
 OWN = "dlcore"
 #: the order of the sections; ops not listed here follow in name order
-OP_ORDER = ("rms_norm", "add_rms_norm", "silu_and_mul", "apply_rotary_pos_emb", "partial_rotary_emb", "matmul", "ffn")
+OP_ORDER = ("rms_norm", "add_rms_norm", "silu_and_mul", "apply_rotary_pos_emb", "partial_rotary_emb", "matmul", "ffn",
+            "flash_attention_v2", "fused_rotary_and_fa", "softmax")
 MODE_ORDER = ("fwd", "bwd", "fwd+bwd")
 BASELINE_NAMES = {"torch": "eager PyTorch", "compile": "torch.compile", "liger": "Liger-Kernel"}
+#: the SDPA baselines of the attention ops: F.scaled_dot_product_attention with one backend each
+SDPA = ("sdpa_flash", "sdpa_cudnn")
 #: working sets from which the fraction of the copy bandwidth is summarized
 LARGE_MIB = 64
 
@@ -52,6 +55,18 @@ OP_NOTES = {
            "the vendor candidate (F.rms_norm, two cuBLAS GEMMs, SwiGLU), `compile` the best composite (one GEMM over "
            "`[w1; w3]`). The backward times dlcore's from saved pre-activations (the forward under autograd stores "
            "them).",
+    "flash_attention_v2": "`flash_attention_v2(q, k, v, causal=False, softmax_scale=None, return_lse=False)`: "
+                          "q `[B, Sq, Hq, D]`, k and v `[B, Sk, Hk, D]`. The attention preset: B 2, H 16, D 128, "
+                          "S 2048 to 16384, causal or not (flop counts halved by the mask); decode: one query (Sq 1, "
+                          "GQA 32/8) against Sk 1024 to 65536 keys, memory-bound. `sdpa_flash` and `sdpa_cudnn` are "
+                          "`F.scaled_dot_product_attention` with the flash or the cuDNN backend alone, which are also "
+                          "get_op's vendor candidates; `dlcore[triton]` is the Triton kernel alone. The backward "
+                          "computes dq, dk and dv.",
+    "fused_rotary_and_fa": "`fused_rotary_and_fa(q, k, v, cos, sin, causal=False)`: the rotary embedding applied to "
+                           "q and k inside the attention kernel (the rotated q and k never written). `composite` is "
+                           "dlblas `apply_rotary_pos_emb` then the fastest SDPA backend that accepts the inputs.",
+    "softmax": "`softmax(x, dim=-1)`: x `[tokens, vocab]`, rows of 4096 to 131072 (vocabulary sizes); rows up to 16384 "
+               "are held whole in registers, longer ones take an online pass and a normalising pass.",
 }
 
 
@@ -245,12 +260,13 @@ def summary(reports: list[dict]) -> list[str]:
     for r in reports:
         g = r["geomean_speedup"]
         tokens = sorted({s["sizes"].get("tokens") for s in r["shapes"] if "tokens" in s["sizes"]})
+        others = ", ".join(f"{b} {ratio(v)}" for b, v in g.items() if b not in BASELINE_NAMES and v)
         rows.append([f"[{r['op']}](#{r['op']})", r["mode"], str(len(r["shapes"])),
                      ", ".join(map(str, tokens)) or "-",
                      ratio(g.get("torch")), ratio(g.get("compile")), ratio(g.get("liger")),
-                     ratio(r["min_speedup"].get("compile")), copy_range(r)])
+                     ratio(r["min_speedup"].get("compile")), others or "-", copy_range(r)])
     return md_table(["op", "mode", "shapes", "tokens", "vs eager", "vs compile", "vs Liger", "lowest vs compile",
-                     f"dlcore % of copy, >= {LARGE_MIB} MiB"], rows, "llrlrrrrl")
+                     "vs other baselines", f"dlcore % of copy, >= {LARGE_MIB} MiB"], rows, "llrlrrrrll")
 
 
 def setup(reports: list[dict], overhead: dict | None, peak: tuple[float, str] | None) -> list[str]:
@@ -383,6 +399,105 @@ OTHER = OTHER_TEMPLATE.replace("{targets}", "\n".join(
     ["  | target | measured | met |", "  | --- | --- | --- |"] + [f"  | {t} | {m} | {ok} |" for t, m, ok in TARGETS]))
 
 
+# -- issue #14's targets, from the results ---------------------------------------------------------------
+
+ANCHOR = {"batch": 2, "seq": 8192, "heads": 16, "kv_heads": 16, "head_dim": 128}
+
+
+def find(reports: list[dict], op: str, mode: str) -> dict | None:
+    return next((r for r in reports if r["op"] == op and r["mode"] == mode), None)
+
+
+def shapes_where(report: dict | None, **sizes: int) -> list[dict]:
+    """The shapes of ``report`` whose sizes include ``sizes``."""
+    if report is None:
+        return []
+    return [s for s in report["shapes"] if all(s["sizes"].get(k) == v for k, v in sizes.items())]
+
+
+def ms_of(shape: dict, name: str) -> float | None:
+    return (shape["results"].get(name) or {}).get("ms")
+
+
+def triton_tflops(report: dict | None, causal: int) -> tuple[float | None, str]:
+    """The Triton kernel's TFLOP/s at the anchor shape (its dlcore[triton] column, else dlcore's),
+    and SDPA's beside it."""
+    found = shapes_where(report, **ANCHOR, causal=causal)
+    if not found:
+        return None, "not measured"
+    res = found[0]["results"]
+    own = (res.get("dlcore[triton]") or res.get("dlcore") or {}).get("tflops")
+    sdpa = ", ".join(f"{name} {num(res[name]['tflops'])}" for name in SDPA if (res.get(name) or {}).get("tflops"))
+    return own, f"{num(own)} TFLOP/s" + (f" ({sdpa})" if sdpa else "")
+
+
+def lowest(pairs: list[tuple[float, str]]) -> tuple[float | None, str]:
+    """The lowest ratio of ``(ratio, shape label)`` pairs, in words."""
+    if not pairs:
+        return None, "not measured"
+    value, where = min(pairs)
+    return value, f"lowest {ratio(value)} ({where})"
+
+
+def ratio_to(shapes: list[dict], names: tuple[str, ...], of: str = OWN) -> list[tuple[float, str]]:
+    """Per shape, the fastest of ``names`` (present ones) over column ``of``: above 1, ``of`` is faster."""
+    pairs = []
+    for s in shapes:
+        mine, theirs = ms_of(s, of), [ms_of(s, n) for n in names if ms_of(s, n)]
+        if mine and theirs:
+            pairs.append((min(theirs) / mine, shape_label(s)))
+    return pairs
+
+
+def met(value: float | None, goal: float) -> str:
+    return "-" if value is None else "yes" if value >= goal else "no"
+
+
+def attention_targets(reports: list[dict]) -> list[list[str]]:
+    """Rows (target, measured, met) of issue #14's targets, from the results of `bash .ci/gpu.sh bench-attention`."""
+    fwd, bwd = find(reports, "flash_attention_v2", "fwd"), find(reports, "flash_attention_v2", "bwd")
+    rows = []
+    for label, report, causal, goal in (("forward", fwd, 0, 450), ("forward, causal", fwd, 1, 400),
+                                        ("backward", bwd, 0, 330)):
+        value, text = triton_tflops(report, causal)
+        rows.append([f"Triton {label}, B 2, H 16, S 8192, D 128: >= {goal} TFLOP/s", text, met(value, goal)])
+    prefill = [s for r in (fwd, bwd) for s in shapes_where(r) if s["sizes"].get("seq", 0) > 1]
+    value, text = lowest(ratio_to(prefill, tuple(n for n in ("dlcore[triton]", *SDPA))))
+    rows.append(["`get_op('flash_attention_v2')` >= 0.98x the best of Triton and SDPA, every shape", text,
+                 met(value, 0.98)])
+    decode = shapes_where(fwd, seq=1)
+    value, text = lowest(ratio_to(decode, SDPA))
+    rows.append(["Decode (Sq 1, Sk 1024 to 65536, GQA 32/8): >= 1.0x SDPA every Sk", text, met(value, 1.0)])
+    longest = shapes_where(fwd, seq=1, kv_seq=65536)
+    fraction = (longest[0]["results"].get(OWN) or {}).get("copy_fraction") if longest else None
+    rows.append(["Decode at Sk 65536: >= 85% of the copy bandwidth", pct(fraction) if longest else "not measured",
+                 met(fraction, 0.85)])
+    for mode in ("fwd", "bwd"):
+        shapes = shapes_where(find(reports, "fused_rotary_and_fa", mode))
+        value, text = lowest(ratio_to(shapes, ("composite",)))
+        rows.append([f"fused_rotary_and_fa {mode} >= 1.15x apply_rotary_pos_emb + the best SDPA, S 2048 to 16384",
+                     text, met(value, 1.15)])
+    softmax = [s for s in shapes_where(find(reports, "softmax", "fwd"))
+               if 4096 <= s["sizes"].get("vocab", 0) <= 131072]
+    fractions = [((s["results"].get(OWN) or {}).get("same_size_copy_fraction"), shape_label(s)) for s in softmax]
+    fractions = [(f, where) for f, where in fractions if f]
+    value = min(fractions)[0] if fractions else None
+    rows.append(["softmax forward >= 90% of a copy of the same bytes, rows 4096 to 131072",
+                 f"lowest {pct(value)} ({min(fractions)[1]})" if fractions else "not measured", met(value, 0.9)])
+    return rows
+
+
+def targets_section(reports: list[dict]) -> list[str]:
+    lines = ["## Attention and softmax targets", "",
+             "Issue #14's targets (H200, bf16), read from `flash_attention_v2_*.json`, `fused_rotary_and_fa_*.json` "
+             "and `softmax_fwd.json` above (`bash .ci/gpu.sh bench-attention`). The Triton rates are its "
+             "`dlcore[triton]` column; SDPA's are beside them. A copy fraction counts the op's bytes (each input "
+             "read once, each output written once).", ""]
+    lines += md_table(["target", "measured", "met"], attention_targets(reports), "lll")
+    lines.append("")
+    return lines
+
+
 def overhead_section(overhead: dict | None, first: dict | None) -> list[str]:
     lines = ["## dlcore's own costs", ""]
     if overhead:
@@ -470,6 +585,7 @@ def render(folder: str) -> str:
         if notes:
             out += [""] + [f"- {n}" for n in notes]
         out.append("")
+    out += targets_section(reports)
     out += overhead_section(overhead, first)
     out += [OTHER, ""]
     return "\n".join(out)

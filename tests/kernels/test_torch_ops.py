@@ -23,6 +23,7 @@ CASES = {
     "apply_rotary_pos_emb": ({"tokens": 5, "heads": 3, "kv_heads": 1, "head_dim": 8}, (0, 1, 2, 3)),
     "partial_rotary_emb": ({"tokens": 3, "heads": 2, "nope_dim": 8, "rope_dim": 4, "v_dim": 6}, (0, 1, 2, 3, 4)),
     "matmul": ({"tokens": 5, "hidden": 16, "inter": 8}, (0, 1)),
+    "softmax": ({"tokens": 5, "vocab": 12}, (0,)),
 }
 DIFFERENTIABLE = sorted(CASES)
 

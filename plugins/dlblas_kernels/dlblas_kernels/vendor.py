@@ -1,17 +1,22 @@
 """The vendor's library as a candidate: ``matmul`` and ``ffn`` computed by the torch calls a user
 would write, which reach cuBLAS and cuBLASLt on CUDA (CANN through torch_npu on Ascend, CNNL
-through torch_mlu on Cambricon).
+through torch_mlu on Cambricon); ``flash_attention_v2`` by ``F.scaled_dot_product_attention`` with
+one backend, FlashAttention-2 (``sdpa_flash``) or cuDNN's (``sdpa_cudnn``).
 
-Each is a :class:`~dlcore.declarations.implementation.VendorImplementation` named ``torch``: timed
-against the Triton kernels like any candidate, so ``get_op`` never returns something slower than
-the library it measured; ``DLCORE_DISABLE_IMPLS=matmul:torch`` leaves one out. The ops' float64
-references stay the correctness oracle. The cpu backend declines them (its kernels run in the
-interpreter).
+Each is a :class:`~dlcore.declarations.implementation.VendorImplementation` (``matmul`` and
+``ffn``'s named ``torch``): timed against the Triton kernels like any candidate, so ``get_op``
+never returns something slower than the library it measured; ``DLCORE_DISABLE_IMPLS=matmul:torch``
+leaves one out. The ops' float64 references stay the correctness oracle. The cpu backend declines
+them (its kernels run in the interpreter). An SDPA candidate's ``supports`` declines what its
+backend refuses (float32, ``return_lse=True``, head dimensions SDPA does not take, cuDNN's
+bottom-right causal mask, devices other than NVIDIA GPUs from sm_80), so that selection never
+times a call that would raise.
 
-One plugin object per op, each named by its own entry point (``vendor_matmul``, ``vendor_ffn``): a
-kernel plugin is imported when one of the ops it provides is asked for, and asking for ``matmul``
-must not import the ffn kernel. An implementation whose op is not declared (its kernel plugin
-disabled) is left out by the registry without harm to the rest.
+One plugin object per implementation, each named by its own entry point (``vendor_matmul``,
+``vendor_ffn``, ``vendor_sdpa_flash``, ``vendor_sdpa_cudnn``): a kernel plugin is imported when one
+of the ops it provides is asked for, and asking for ``matmul`` must not import the ffn kernel. An
+implementation whose op is not declared (its kernel plugin disabled) is left out by the registry
+without harm to the rest.
 
 The functions take the arguments the ops declare and the ones they are gaining (``bias``,
 ``activation``, ``allow_tf32``; ``w13``), each with the default that means "not given".
@@ -21,10 +26,14 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 from dlblas_kernels.gemm import ACTIVATIONS
 from dlcore import hookimpl
+from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Implementation, VendorImplementation
+from dlcore.declarations.signature import Signature
 from dlcore.errors import InvalidInputError
 
 
@@ -101,6 +110,81 @@ def ffn(x: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None, rms_w
     return F.silu(gate).mul_(up)  # silu allocates the (contiguous) output; the product adds no other
 
 
+#: the widest head dimension SDPA's flash and cuDNN backends take (in multiples of 8)
+SDPA_MAX_HEAD_DIM = 256
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float | None,
+                   backend: SDPBackend) -> torch.Tensor:
+    """``softmax(scale * q k^T) v`` for ``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hk, D]`` by
+    ``F.scaled_dot_product_attention`` with ``backend`` alone: the ``[B, H, S, D]`` it takes are
+    transposed views (no copy but for a head dimension of stride other than 1, which SDPA's kernels
+    do not read), ``enable_gqa`` where Hq != Hk, the causal mask bottom-right as the op's (query i
+    sees keys ``j <= i + Sk - Sq``): ``is_causal`` when Sq == Sk, else ``causal_lower_right``, which
+    the flash backend runs natively. The result is ``[B, Sq, Hq, D]``, a view of SDPA's output."""
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    sq, sk = q.shape[1], k.shape[1]
+    mask = causal_lower_right(sq, sk) if causal and sq != sk else None
+    with sdpa_kernel(backend):
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+            is_causal=causal and sq == sk, scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
+def _no_lse(return_lse: bool) -> None:
+    if return_lse:
+        raise InvalidInputError("flash_attention_v2", "return_lse", "is True",
+                                "return_lse=False from an SDPA candidate (SDPA returns no log-sum-exp)")
+
+
+def sdpa_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+               softmax_scale: float | None = None, return_lse: bool = False) -> torch.Tensor:
+    """flash_attention_v2 by SDPA's FlashAttention-2 backend (:func:`sdpa_attention`)."""
+    _no_lse(return_lse)
+    return sdpa_attention(q, k, v, causal, softmax_scale, SDPBackend.FLASH_ATTENTION)
+
+
+def sdpa_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+               softmax_scale: float | None = None, return_lse: bool = False) -> torch.Tensor:
+    """flash_attention_v2 by SDPA's cuDNN backend (:func:`sdpa_attention`). cuDNN has no bottom-right
+    causal mask: a causal call with Sq != Sk runs the flash backend instead (the candidate declines
+    such signatures, but lengths rounded into one bucket may still bring one here)."""
+    _no_lse(return_lse)
+    bottom_right = causal and q.shape[1] != k.shape[1]
+    backend = SDPBackend.FLASH_ATTENTION if bottom_right else SDPBackend.CUDNN_ATTENTION
+    return sdpa_attention(q, k, v, causal, softmax_scale, backend)
+
+
+def _sm(profile: DeviceProfile) -> int:
+    """The compute capability of an NVIDIA profile (``sm_90`` -> 90); 0 where the arch says none."""
+    digits = profile.arch.removeprefix("sm_")
+    return int(digits) if digits.isdigit() else 0
+
+
+def _sdpa_declines(signature: Signature, profile: DeviceProfile) -> str | None:
+    """Why neither SDPA backend takes ``signature``, or None."""
+    if signature.device_type != "cuda" or profile.vendor != "nvidia" or _sm(profile) < 80:
+        return (f"SDPA's flash and cuDNN backends run on NVIDIA GPUs from sm_80 (this is {profile.vendor} "
+                f"{profile.arch or signature.device_type})")
+    if signature.scalar("return_lse"):
+        return "SDPA returns no log-sum-exp (return_lse=True)"
+    d = signature.tensor("q").shape[-1]
+    if d > SDPA_MAX_HEAD_DIM or d % 8:
+        return f"head dimension {d}: SDPA takes multiples of 8 up to {SDPA_MAX_HEAD_DIM}"
+    return None
+
+
+def _cudnn_declines(signature: Signature, profile: DeviceProfile) -> str | None:
+    """Why SDPA's cuDNN backend does not take ``signature``, or None. Sq and Sk are rounded up to
+    powers of two in signatures: lengths that differ within one bucket reach :func:`sdpa_cudnn`."""
+    reason = _sdpa_declines(signature, profile)
+    lengths_differ = signature.tensor("q").shape[1] != signature.tensor("k").shape[1]
+    if reason is None and signature.scalar("causal") and lengths_differ:
+        return "cuDNN has no bottom-right causal mask (causal with Sq != Sk)"
+    return reason
+
+
 class VendorPlugin:
     """A kernel plugin providing one vendor implementation (an entry point names the object)."""
 
@@ -124,3 +208,17 @@ FFN = VendorImplementation(
 )
 matmul_plugin = VendorPlugin(MATMUL)
 ffn_plugin = VendorPlugin(FFN)
+SDPA_FLASH = VendorImplementation(
+    "flash_attention_v2", "sdpa_flash", sdpa_flash,
+    library="F.scaled_dot_product_attention, flash backend (FlashAttention-2)",
+    dtypes=(torch.float16, torch.bfloat16), supports=_sdpa_declines,
+    doc="SDPA's FlashAttention-2 on [B, H, S, D] views; causal bottom-right by causal_lower_right",
+)
+SDPA_CUDNN = VendorImplementation(
+    "flash_attention_v2", "sdpa_cudnn", sdpa_cudnn,
+    library="F.scaled_dot_product_attention, cuDNN backend",
+    dtypes=(torch.float16, torch.bfloat16), supports=_cudnn_declines,
+    doc="SDPA's cuDNN attention on [B, H, S, D] views; no bottom-right causal mask",
+)
+sdpa_flash_plugin = VendorPlugin(SDPA_FLASH)
+sdpa_cudnn_plugin = VendorPlugin(SDPA_CUDNN)
