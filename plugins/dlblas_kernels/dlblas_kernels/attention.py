@@ -1,0 +1,323 @@
+"""The attention block, forward (prefill): flash attention 2 over ``[B, S, H, D]`` tensors.
+
+    out[b, i, h] = sum_j softmax_j(scale * q[b, i, h] . k[b, j, g]) v[b, j, g]       g = h // (Hq / Hk)
+    lse[b, h, i] = log sum_j exp(scale * q[b, i, h] . k[b, j, g])
+
+over the keys ``j`` query ``i`` sees: all of them, or with ``causal`` those with
+``j <= i + Sk - Sq`` (the mask aligned bottom-right, flash-attn 2.1's convention: decoding with a
+KV cache is ``Sq = 1`` against ``Sk = n``). A row that sees no key (causal, ``Sq > Sk``) gets
+``out = 0`` and ``lse = -inf``.
+
+One program per block of ``BLOCK_M`` query rows of one (batch, head), walking the key blocks with
+the online softmax (float32): a running row maximum ``m`` and sum ``l``, the accumulator rescaled by
+``exp(m_old - m_new)`` whenever the maximum grows, divided by ``l`` once at the end. Scores are
+kept in base 2: ``scale * log2(e)`` multiplies ``q . k`` in one fused multiply-add with the
+maximum's subtraction, and ``exp2`` is the hardware's exponential; ``lse`` is converted back to the
+natural log on the way out.
+
+The key blocks come in two loops: first the blocks every row of the program sees whole (no mask at
+all: no compare, no select), then the few the causal diagonal or the ragged end of the keys cuts
+(masked). Blocks wholly above the diagonal are never loaded. Causal programs are ordered longest
+first (the query blocks at the bottom see the most keys), so the short ones fill the tail of the
+grid; non-causal programs sweep one head's query blocks together, which then share its K and V
+tiles in L2.
+
+Tiles are loaded through tensor descriptors (the copy engine, ``TMA``) on Hopper when every stride
+suits it (unit D stride, 16-byte aligned base and strides), otherwise by masked pointer loads of
+any strides (q, k and v sliced from a packed qkv projection, the interpreter, pre-Hopper chips).
+``D`` need not be a power of two (96, 192): tiles are ``BLOCK_D = next_power_of_2(D)`` wide, the
+extra columns masked (pointers) or zero-filled (descriptors), which adds nothing to ``q . k`` and
+is never stored.
+
+``ROTARY`` applies :mod:`apply_rotary_pos_emb <dlblas_kernels.kernels.apply_rotary_pos_emb>`'s
+rotation to the q tile and to each k tile after loading (the rotated q and k never reach memory):
+``x' = x * cos + rotate(x) * sin`` on the pairs of each head (rotate-half pairs ``(i, i + D/2)``,
+interleaved pairs ``(2i, 2i + 1)``), query row ``i`` at position ``Sk - Sq + i`` and key ``j`` at
+``j`` of the ``cos`` and ``sin`` tables (``[Sk, D]`` or ``[B, Sk, D]``, any strides). The tiles are
+then held as their two pair halves ``(a, b)``, each ``D/2`` wide, and ``q . k = q_a . k_a + q_b . k_b``
+is two products: the rotation needs no shuffle across the tile. The rotated tiles are rounded to
+the input dtype before the products, as the unfused rotary kernel's output is.
+
+Precision: float16 / bfloat16 products on the tensor cores with float32 accumulation; float32
+inputs exact (``input_precision="ieee"``), the path the interpreter tests take.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dlblas_kernels.gemm import TMA_ALIGNMENT, TMA_ARCHS, ensure_allocator
+from dlblas_kernels.kernels.apply_rotary_pos_emb import rotate_pairs
+from dlcore.declarations.device import DeviceProfile
+from dlcore.declarations.implementation import Config, KernelCall
+from dlcore.declarations.signature import cdiv, next_power_of_2
+
+LOG2E = 1.4426950408889634
+#: tl.dot's smallest reduction: narrower heads (and pair halves) are padded to it
+MIN_DOT_K = 16
+
+
+@triton.jit
+def _load_rows(base, rows, row_mask, cols, col_mask, stride_row, stride_col):
+    """The ``[len(rows), len(cols)]`` tile at ``base``, masked-off elements 0."""
+    return tl.load(base + rows[:, None] * stride_row + cols[None, :] * stride_col,
+                   mask=row_mask[:, None] & col_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _load_pairs(base, rows, row_mask, p, stride_row, stride_col, HEAD_DIM: tl.constexpr,
+                INTERLEAVED: tl.constexpr):
+    """The two halves ``(a, b)`` of the rotary pairs of each row: columns ``(p, p + D/2)``, or
+    ``(2p, 2p + 1)`` when INTERLEAVED, for ``p < D/2`` (beyond: 0)."""
+    p_mask = p < HEAD_DIM // 2
+    if INTERLEAVED:
+        a = _load_rows(base, rows, row_mask, 2 * p, p_mask, stride_row, stride_col)
+        b = _load_rows(base, rows, row_mask, 2 * p + 1, p_mask, stride_row, stride_col)
+    else:
+        a = _load_rows(base, rows, row_mask, p, p_mask, stride_row, stride_col)
+        b = _load_rows(base, rows, row_mask, p + HEAD_DIM // 2, p_mask, stride_row, stride_col)
+    return a, b
+
+
+@triton.jit
+def _rotated_pairs(base, rows, row_mask, positions, cos_base, sin_base, p,
+                   stride_row, stride_col, stride_cos_s, stride_cos_d, stride_sin_s, stride_sin_d,
+                   HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The pair halves of rows ``rows`` rotated by the table rows ``positions``, in the input dtype."""
+    a, b = _load_pairs(base, rows, row_mask, p, stride_row, stride_col, HEAD_DIM, INTERLEAVED)
+    # Query rows before the first position (Sq > Sk) have no table row: they rotate to 0.
+    table_mask = row_mask & (positions >= 0)
+    cos_a, cos_b = _load_pairs(cos_base, positions, table_mask, p, stride_cos_s, stride_cos_d, HEAD_DIM, INTERLEAVED)
+    sin_a, sin_b = _load_pairs(sin_base, positions, table_mask, p, stride_sin_s, stride_sin_d, HEAD_DIM, INTERLEAVED)
+    out_a, out_b = rotate_pairs(a.to(tl.float32), b.to(tl.float32), cos_a.to(tl.float32), cos_b.to(tl.float32),
+                                sin_a.to(tl.float32), sin_b.to(tl.float32), False)
+    return out_a.to(a.dtype), out_b.to(a.dtype)
+
+
+@triton.jit
+def _attend(acc, l_i, m_i, q, q_b, start, end,
+            k_src, v_src, cos_base, sin_base, offs_m, offs_n, offs_d, p,
+            SK, diagonal, qk_scale,
+            stride_ks, stride_kd, stride_vs, stride_vd,
+            stride_cos_s, stride_cos_d, stride_sin_s, stride_sin_d,
+            HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+            MASKED: tl.constexpr, CAUSAL: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
+            TMA: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """The online softmax over key blocks ``start, start + BLOCK_N, ... < end``: ``(acc, l, m)``
+    updated, ``m`` in base 2. MASKED: scores of keys past SK, and with CAUSAL of keys past the
+    diagonal (key ``j`` > row ``i + diagonal``), are -inf; otherwise every score counts."""
+    d_mask = offs_d < HEAD_DIM
+    for n in range(start, end, BLOCK_N):
+        n = tl.multiple_of(n, BLOCK_N)
+        keys = n + offs_n
+        key_mask = keys < SK
+        if ROTARY:
+            k_a, k_b = _rotated_pairs(k_src, keys, key_mask, keys, cos_base, sin_base, p, stride_ks, stride_kd,
+                                      stride_cos_s, stride_cos_d, stride_sin_s, stride_sin_d, HEAD_DIM, INTERLEAVED)
+            s = tl.dot(q, tl.trans(k_a), input_precision=INPUT_PRECISION)
+            s = tl.dot(q_b, tl.trans(k_b), s, input_precision=INPUT_PRECISION)
+        else:
+            if TMA:
+                k = k_src.load([n, 0])
+            else:
+                k = _load_rows(k_src, keys, key_mask, offs_d, d_mask, stride_ks, stride_kd)
+            s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+        if MASKED:
+            keep = key_mask[None, :]
+            if CAUSAL:
+                keep = keep & (keys[None, :] <= offs_m[:, None] + diagonal)
+            s = tl.where(keep, s * qk_scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A row with no key seen yet keeps m = -inf: subtract 0 instead, exp2(-inf) = 0.
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            s = s - m_sub[:, None]
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            m_sub = m_new
+            s = s * qk_scale - m_sub[:, None]
+        prob = tl.math.exp2(s)
+        alpha = tl.math.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(prob, 1)
+        acc = acc * alpha[:, None]
+        if TMA:
+            v = v_src.load([n, 0])
+        else:
+            v = _load_rows(v_src, keys, key_mask, offs_d, d_mask, stride_vs, stride_vd)
+        acc = tl.dot(prob.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def attention_forward_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cos_ptr, sin_ptr,
+    SQ, SK, HQ, GROUP, qk_scale,
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ob, stride_os, stride_oh,
+    stride_cos_b, stride_cos_s, stride_cos_d,
+    stride_sin_b, stride_sin_s, stride_sin_d,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr, CAUSAL: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
+    TMA: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    """``BLOCK_M`` query rows of one (batch, query head) per program, over a 1-D grid (see the
+    module doc for the order). ``qk_scale`` is ``scale * log2(e)``; query head ``h`` reads kv head
+    ``h // GROUP``; ``out`` has a unit D stride; ``lse`` is ``[B, HQ, SQ]`` contiguous. BLOCK_P is
+    the width of a rotary pair half (ROTARY only)."""
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(SQ, BLOCK_M)
+    heads = tl.num_programs(0) // num_m
+    if CAUSAL:
+        # Longest first: the bottom query blocks of every head, then the next ones up.
+        pid_m = num_m - 1 - pid // heads
+        pid_bh = pid % heads
+    else:
+        pid_m = pid % num_m
+        pid_bh = pid // num_m
+    b = (pid_bh // HQ).to(tl.int64)
+    h = pid_bh % HQ
+    hk = (h // GROUP).to(tl.int64)
+    h = h.to(tl.int64)
+    m0 = pid_m * BLOCK_M
+    q_base = q_ptr + b * stride_qb + h * stride_qh
+    k_base = k_ptr + b * stride_kb + hk * stride_kh
+    v_base = v_ptr + b * stride_vb + hk * stride_vh
+    out_base = out_ptr + b * stride_ob + h * stride_oh
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    p = tl.arange(0, BLOCK_P)
+    row_mask = offs_m < SQ
+    diagonal = SK - SQ
+
+    cos_base = cos_ptr + b * stride_cos_b
+    sin_base = sin_ptr + b * stride_sin_b
+    if ROTARY:
+        q, q_b = _rotated_pairs(q_base, offs_m, row_mask, offs_m + diagonal, cos_base, sin_base, p,
+                                stride_qs, stride_qd, stride_cos_s, stride_cos_d, stride_sin_s, stride_sin_d,
+                                HEAD_DIM, INTERLEAVED)
+    else:
+        q_b = 0
+        if TMA:
+            q_desc = tl.make_tensor_descriptor(q_base, shape=[SQ, HEAD_DIM], strides=[stride_qs, 1],
+                                               block_shape=[BLOCK_M, BLOCK_D])
+            q = q_desc.load([m0, 0])
+        else:
+            q = _load_rows(q_base, offs_m, row_mask, offs_d, offs_d < HEAD_DIM, stride_qs, stride_qd)
+    if TMA:
+        k_src = k_base
+        if not ROTARY:
+            k_src = tl.make_tensor_descriptor(k_base, shape=[SK, HEAD_DIM], strides=[stride_ks, 1],
+                                              block_shape=[BLOCK_N, BLOCK_D])
+        v_src = tl.make_tensor_descriptor(v_base, shape=[SK, HEAD_DIM], strides=[stride_vs, 1],
+                                          block_shape=[BLOCK_N, BLOCK_D])
+    else:
+        k_src = k_base
+        v_src = v_base
+
+    # Keys [0, full) are seen whole by every row of the block; [full, end) are cut by the causal
+    # diagonal or by SK; beyond end no row sees any.
+    if CAUSAL:
+        end = tl.minimum(SK, tl.minimum(m0 + BLOCK_M, SQ) + diagonal)
+        full = tl.maximum(tl.minimum(m0 + 1 + diagonal, SK), 0) // BLOCK_N * BLOCK_N
+    else:
+        end = SK
+        full = SK // BLOCK_N * BLOCK_N
+
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_b, 0, full, k_src, v_src, cos_base, sin_base, offs_m, offs_n,
+                            offs_d, p, SK, diagonal, qk_scale, stride_ks, stride_kd, stride_vs, stride_vd,
+                            stride_cos_s, stride_cos_d, stride_sin_s, stride_sin_d,
+                            HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, ROTARY, INTERLEAVED, TMA, INPUT_PRECISION)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_b, full, end, k_src, v_src, cos_base, sin_base, offs_m, offs_n,
+                            offs_d, p, SK, diagonal, qk_scale, stride_ks, stride_kd, stride_vs, stride_vd,
+                            stride_cos_s, stride_cos_d, stride_sin_s, stride_sin_d,
+                            HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, ROTARY, INTERLEAVED, TMA, INPUT_PRECISION)
+
+    # Rows that saw no key: l = 0, acc = 0 -> out 0, lse -inf.
+    seen = l_i > 0.0
+    l_safe = tl.where(seen, l_i, 1.0)
+    out = acc * (1.0 / l_safe)[:, None]
+    lse = tl.where(seen, (m_i + tl.math.log2(l_safe)) / 1.4426950408889634, float("-inf"))
+    tl.store(lse_ptr + pid_bh.to(tl.int64) * SQ + offs_m, lse, mask=row_mask)
+    if TMA:
+        out_desc = tl.make_tensor_descriptor(out_base, shape=[SQ, HEAD_DIM], strides=[stride_os, 1],
+                                             block_shape=[BLOCK_M, BLOCK_D])
+        out_desc.store([m0, 0], out.to(out_desc.dtype))
+    else:
+        o_ptrs = out_base + offs_m[:, None] * stride_os + offs_d[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & (offs_d < HEAD_DIM)[None, :])
+
+
+FORWARD_KERNELS = (attention_forward_kernel,)
+
+
+# --- host side -----------------------------------------------------------------------------------
+
+def _descriptor_ready(t: torch.Tensor) -> bool:
+    """The copy engine can read ``t [B, S, H, D]`` row by row: unit D stride, base and every other
+    stride 16-byte aligned."""
+    size = t.element_size()
+    return (t.stride(3) == 1 and t.data_ptr() % TMA_ALIGNMENT == 0
+            and all((s * size) % TMA_ALIGNMENT == 0 for s in t.stride()[:3]))
+
+
+def takes_tma(profile: DeviceProfile, *tensors: torch.Tensor) -> bool:
+    """Whether the descriptor loads serve these ``[B, S, H, D]`` tensors on this device."""
+    return profile.arch in TMA_ARCHS and all(_descriptor_ready(t) for t in tensors)
+
+
+def table_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """A rotary table's ``[B, S, D]`` strides, ``[S, D]`` broadcast over the batch (stride 0)."""
+    return (0, *t.stride()) if t.dim() == 2 else tuple(t.stride())
+
+
+def block_d(head_dim: int) -> int:
+    """The tile width of a head: the next power of two, at least tl.dot's smallest reduction."""
+    return max(next_power_of_2(head_dim), MIN_DOT_K)
+
+
+def forward_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
+                  causal: bool, scale: float, config: Config, profile: DeviceProfile,
+                  rotary: tuple | None = None) -> list[KernelCall]:
+    """Prefill forward: writes ``out [B, Sq, Hq, D]`` (unit D stride) and ``lse [B, Hq, Sq]``
+    (float32, contiguous) from q ``[B, Sq, Hq, D]`` and k, v ``[B, Sk, Hk, D]`` of any strides.
+
+    :param config: ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``; optional ``TMA`` (default
+        1: descriptor loads where :func:`takes_tma`; 0: pointer loads always).
+    :param rotary: ``(cos, sin, interleaved)``: apply_rotary_pos_emb's rotation to the q and k tiles
+        after loading (cos and sin ``[Sk, D]`` or ``[B, Sk, D]``, any strides; query ``i`` uses row
+        ``Sk - Sq + i``, key ``j`` row ``j``).
+    """
+    batch, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    if batch * sq * hq == 0:
+        return []
+    block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
+    if rotary is None:
+        cos = sin = q
+        cos_strides = sin_strides = (0, 0, 0)
+        interleaved = False
+    else:
+        cos, sin, interleaved = rotary
+        cos_strides, sin_strides = table_strides(cos), table_strides(sin)
+    tma = bool(config.get("TMA", 1)) and takes_tma(profile, q, k, v, out)
+    if tma:
+        ensure_allocator()
+    precision = "ieee"
+    return [KernelCall(
+        attention_forward_kernel, (cdiv(sq, block_m) * batch * hq,),
+        (q, k, v, out, lse, cos, sin, sq, sk, hq, hq // hk, float(scale) * LOG2E,
+         *q.stride(), *k.stride(), *v.stride(), *out.stride()[:3], *cos_strides, *sin_strides),
+        {"HEAD_DIM": d, "BLOCK_M": block_m, "BLOCK_N": block_n,
+         "BLOCK_D": block_d(d), "BLOCK_P": max(next_power_of_2(d // 2), MIN_DOT_K),
+         "CAUSAL": bool(causal), "ROTARY": rotary is not None, "INTERLEAVED": bool(interleaved), "TMA": tma,
+         "INPUT_PRECISION": precision, "num_warps": config["num_warps"], "num_stages": config["num_stages"]},
+    )]

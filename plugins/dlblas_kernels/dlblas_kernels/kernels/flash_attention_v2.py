@@ -1,0 +1,338 @@
+"""flash_attention_v2: ``softmax(scale * q k^T) v`` over ``[B, S, H, D]`` tensors, causal or not, with GQA.
+
+    q [B, Sq, Hq, D], k and v [B, Sk, Hk, D]      Hq a multiple of Hk: query head h reads kv head h // (Hq / Hk)
+    out[b, i, h] = sum_j softmax_j(scale * q[b, i, h] . k[b, j, g]) v[b, j, g]        [B, Sq, Hq, D], q's dtype
+    lse[b, h, i] = log sum_j exp(scale * q[b, i, h] . k[b, j, g])                     [B, Hq, Sq], float32
+
+``scale`` is ``softmax_scale`` or ``D ** -0.5``. With ``causal`` query ``i`` sees the keys
+``j <= i + Sk - Sq`` (the mask aligned bottom-right: decoding with a KV cache is ``Sq = 1`` against
+``Sk = n``); a row that sees no key (``Sq > Sk``) gets ``out = 0`` and ``lse = -inf``. D is any size up
+to 256 (64, 96, 128, 192 and 256 in models). q, k and v take any strides, read in place (a packed
+qkv projection ``[B, S, 3, H, D]`` sliced into three views costs no copy).
+
+The kernel is the attention block's (:mod:`dlblas_kernels.attention`): flash attention 2, one program
+per block of query rows, the online softmax in float32, causal blocks above the diagonal skipped
+and only the diagonal's masked, tiles moved by the copy engine on Hopper. ``return_lse=True`` also
+returns ``lse``; the custom op computes it always, for the backward
+(:class:`~dlcore.runtime.template.Residuals` shown by ``return_lse``). Backward: the attention
+block's backward kernels (:mod:`dlblas_kernels.attention_grad`), from q, k, v, out and lse.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dlblas_kernels import gemm as gemm_block
+from dlblas_kernels.attention import FORWARD_KERNELS, block_d, forward_calls
+from dlcore import InvalidInputError
+from dlcore.declarations.device import DeviceProfile
+from dlcore.declarations.implementation import Config, LaunchPlan
+from dlcore.declarations.op import Op, ScalarArg, TensorArg
+from dlcore.declarations.signature import Signature
+from dlcore.declarations.space import Constraint, PowerOfTwo, SearchSpace, num_stages, num_warps
+from dlcore.runtime.template import Backward, Residuals, define_kernel
+
+# The backward (attention_grad, helper attn-bwd) and the split-KV decode path (attention_decode,
+# helper decode) land on their own branches; until the lead merges them this module works without.
+try:
+    from dlblas_kernels import attention_grad
+except ImportError:
+    attention_grad = None
+try:
+    from dlblas_kernels import attention_decode
+except ImportError:
+    attention_decode = None
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+ANY_LAYOUT = ("contiguous", "rows", "strided")
+MAX_HEAD_DIM = 256
+# The space's shared-memory constraint is declared for 16-bit heads of 128 (the common case); the
+# plan drops stages, then narrows the blocks, of a config that overflows for wider heads or float32.
+SPACE_HEAD_DIM = 128
+SPACE_ELEMENT_BYTES = 2
+# float32 values per thread of the accumulator (BLOCK_M x D) or of the scores (BLOCK_M x BLOCK_N):
+# beyond 128 one of them alone takes half a thread's registers and the kernel spills.
+MAX_PER_THREAD = 128
+
+
+# --- reference -----------------------------------------------------------------------------------
+
+def flash_attention_v2_training_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                                          softmax_scale: float | None = None, return_lse: bool = False
+                                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of ``softmax(scale * q k^T) v`` in float32 (or wider), the causal mask aligned
+    bottom-right; rows that see no key give ``out = 0``, ``lse = -inf``. ``out`` in q's dtype, ``lse``
+    in float32 (float64 for float64 inputs)."""
+    compute = torch.promote_types(q.dtype, torch.float32)
+    sq, hq, d = q.shape[1:]
+    sk, hk = k.shape[1:3]
+    scale = d**-0.5 if softmax_scale is None else softmax_scale
+    group = hq // hk
+    qf = q.to(compute).transpose(1, 2)
+    kf = k.to(compute).transpose(1, 2).repeat_interleave(group, dim=1)
+    vf = v.to(compute).transpose(1, 2).repeat_interleave(group, dim=1)
+    scores = qf @ kf.transpose(-1, -2) * scale
+    if causal:
+        rows = torch.arange(sq, device=q.device)[:, None]
+        keys = torch.arange(sk, device=q.device)[None, :]
+        scores = scores.masked_fill(keys > rows + (sk - sq), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    # exp(-inf - -inf) is NaN on the rows that see no key: their weights are 0.
+    weights = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    out = (weights @ vf).transpose(1, 2)
+    return out.to(q.dtype), lse.to(compute)
+
+
+def flash_attention_v2_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                                 softmax_scale: float | None = None,
+                                 return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``out``, or ``(out, lse)`` with ``return_lse``: see :func:`flash_attention_v2_training_reference`."""
+    out, lse = flash_attention_v2_training_reference(q, k, v, causal, softmax_scale)
+    return (out, lse) if return_lse else out
+
+
+# --- plans ---------------------------------------------------------------------------------------
+
+def training_outputs(q: torch.Tensor, *_: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [B, Sq, Hq, D]`` in q's dtype, ``lse [B, Hq, Sq])`` in float32 (float64 for float64 q),
+    both contiguous."""
+    batch, sq, hq, d = q.shape
+    return (torch.empty((batch, sq, hq, d), dtype=q.dtype, device=q.device),
+            torch.empty((batch, hq, sq), dtype=torch.promote_types(q.dtype, torch.float32), device=q.device))
+
+
+def outputs(q: torch.Tensor, *_: Any) -> torch.Tensor:
+    return training_outputs(q)[0]
+
+
+def scale_of(q: torch.Tensor, softmax_scale: float | None) -> float:
+    return q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
+
+
+def _calls(args: tuple, config: Config, profile: DeviceProfile, out: torch.Tensor, lse: torch.Tensor) -> list:
+    q, k, v, causal, softmax_scale, _ = args
+    scale = scale_of(q, softmax_scale)
+    if attention_decode is not None and attention_decode.use_decode(q, k, profile):
+        return attention_decode.decode_calls(q, k, v, out, lse, causal=causal, scale=scale, profile=profile)
+    config = fit(config, q.shape[-1], q.element_size(), profile)
+    return forward_calls(q, k, v, out, lse, causal=causal, scale=scale, config=config, profile=profile)
+
+
+def training_plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
+    """``(out, lse)``: what the custom op runs (autograd saves lse for the backward)."""
+    out, lse = training_outputs(*args)
+    return LaunchPlan(calls=_calls(args, config, profile, out, lse), result=(out, lse))
+
+
+def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
+    """``out``, or ``(out, lse)`` with ``return_lse``; otherwise lse is scratch (the kernel writes it
+    either way: ``B * Hq * Sq`` floats, a 1/(2D) part of out's bytes in 16-bit)."""
+    out, lse = training_outputs(*args)
+    calls = _calls(args, config, profile, out, lse)
+    if args[5]:
+        return LaunchPlan(calls=calls, result=(out, lse))
+    return LaunchPlan(calls=calls, result=out, scratch=(lse,))
+
+
+# --- config --------------------------------------------------------------------------------------
+
+def shared_memory_bytes(config: Config, head_dim: int = SPACE_HEAD_DIM, element_size: int = SPACE_ELEMENT_BYTES) -> int:
+    """What one program takes of shared memory, as Triton 3.6 lays it out for sm_90 (read off
+    compiled kernels, to within the 1 KiB of barriers): the q tile, and per pipeline stage a k and
+    a v tile, each ``block_d(D)`` wide."""
+    block = config["BLOCK_M"] + 2 * config["num_stages"] * config["BLOCK_N"]
+    return block * block_d(head_dim) * element_size
+
+
+def fit(config: Config, head_dim: int, element_size: int, profile: DeviceProfile | None) -> Config:
+    """``config`` fitted to the device's shared memory for heads of ``head_dim`` elements of
+    ``element_size`` bytes: pipelining stages dropped down to 2, then the key block halved down to
+    16, then the query block (no bound where the profile knows none). A new dict."""
+    shared = profile.shared_memory_per_program if profile is not None else 0
+    config = gemm_block.fit_stages(config, shared, lambda c: shared_memory_bytes(c, head_dim, element_size))
+    for block in ("BLOCK_N", "BLOCK_M"):
+        while shared and config[block] > 16 and shared_memory_bytes(config, head_dim, element_size) > shared:
+            config[block] //= 2
+    return config
+
+
+def default_config(sig: Signature, profile: DeviceProfile) -> Config:
+    """By the head dimension, as measured on the H200 (bf16, B 2, H 16, S 8192): 128 query rows per
+    program; keys in blocks of 128 for heads up to 128, 64 beyond; 8 warps. Short sequences take
+    query blocks no taller than the sequence. Fitted to the device's shared memory (:func:`fit`)."""
+    _, sq, _, d = sig.tensor("q").shape
+    if d <= 64:
+        config = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 4}
+    elif d <= 128:
+        config = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
+    else:
+        config = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+    config["BLOCK_M"] = min(config["BLOCK_M"], max(sq, 16))
+    return fit(config, d, sig.dtype.itemsize, profile)
+
+
+def space(profile: DeviceProfile) -> SearchSpace:
+    """Query and key block heights, warps and pipelining depth; the tiles within the shared memory
+    of the device for 16-bit heads of 128 (wider heads: the plan fits the config, see :func:`fit`),
+    the accumulator and the scores within half a thread's registers."""
+    shared = profile.shared_memory_per_program
+    fits = [Constraint(
+        f"(BLOCK_M + 2 * num_stages * BLOCK_N) * {SPACE_HEAD_DIM} * {SPACE_ELEMENT_BYTES} bytes <= {shared} "
+        f"(the q tile and the pipelined k and v tiles fit in shared memory)",
+        lambda c: shared_memory_bytes(c) <= shared,
+    )] if shared else []
+    return SearchSpace(
+        [PowerOfTwo("BLOCK_M", 16, 256), PowerOfTwo("BLOCK_N", 16, 256), num_warps(4, 8), num_stages(1, 2, 3, 4, 5)],
+        [
+            *fits,
+            Constraint(f"BLOCK_M * {SPACE_HEAD_DIM} / (32 * num_warps) <= {MAX_PER_THREAD} (the accumulator fits)",
+                       lambda c: c["BLOCK_M"] * SPACE_HEAD_DIM / (32 * c["num_warps"]) <= MAX_PER_THREAD),
+            Constraint(f"BLOCK_M * BLOCK_N / (32 * num_warps) <= {MAX_PER_THREAD} (the scores fit)",
+                       lambda c: c["BLOCK_M"] * c["BLOCK_N"] / (32 * c["num_warps"]) <= MAX_PER_THREAD),
+        ],
+    )
+
+
+# --- the op --------------------------------------------------------------------------------------
+
+def check(op: Op, args: dict[str, Any]) -> None:
+    q, k, v = args["q"], args["k"], args["v"]
+    batch, _, hq, d = q.shape
+    if not 1 <= d <= MAX_HEAD_DIM:
+        raise InvalidInputError(op.name, "q", f"has head dimension {d} (shape {tuple(q.shape)})",
+                                f"q [B, Sq, Hq, D] with 1 <= D <= {MAX_HEAD_DIM}")
+    if k.shape[0] != batch or k.shape[3] != d:
+        raise InvalidInputError(op.name, "k", f"has shape {tuple(k.shape)}",
+                                f"k [B, Sk, Hk, D] with q's batch B = {batch} and head dimension D = {d}")
+    hk = k.shape[2]
+    if hk == 0 or hq % hk:
+        raise InvalidInputError(op.name, "k", f"has {hk} heads, which do not divide q's {hq}",
+                                "k [B, Sk, Hk, D] with Hk dividing Hq (grouped-query attention)")
+    op.expect_shape("v", v, tuple(k.shape), "[B, Sk, Hk, D]: the shape of k")
+
+
+def example(sizes: dict[str, int], dtype: torch.dtype, device: torch.device, generator: torch.Generator) -> tuple:
+    """Random ``q [batch, seq, heads, head_dim]``, ``k, v [batch, kv_seq, kv_heads, head_dim]``
+    (``kv_seq`` 0: ``seq``); ``causal`` 0 or 1."""
+    batch, seq, d = sizes["batch"], sizes["seq"], sizes["head_dim"]
+    kv_seq = sizes["kv_seq"] or seq
+    q = torch.randn(batch, seq, sizes["heads"], d, generator=generator)
+    k = torch.randn(batch, kv_seq, sizes["kv_heads"], d, generator=generator)
+    v = torch.randn(batch, kv_seq, sizes["kv_heads"], d, generator=generator)
+    return (*(t.to(device=device, dtype=dtype) for t in (q, k, v)), bool(sizes["causal"]), None, False)
+
+
+def attended_pairs(sq: int, sk: int, causal: bool) -> int:
+    """The (query, key) pairs a head attends: ``Sq * Sk``, or under the bottom-right causal mask
+    ``sum_i clamp(i + Sk - Sq + 1, 0, Sk)`` (``S (S + 1) / 2`` for ``Sq = Sk = S``)."""
+    if not causal:
+        return sq * sk
+    offset = sk - sq
+    first = max(0, -offset)  # the first row that sees a key
+    rows = sq - first
+    return rows * (first + offset + 1) + rows * (rows - 1) // 2 if rows > 0 else 0
+
+
+def cost(args: tuple, mode: str = "fwd") -> tuple[int, int]:
+    """Forward: read q, k and v, write out (and lse when returned); ``q . k`` and ``p . v`` for each
+    attended pair, ``4 * D`` flops (halved by the causal mask at Sq = Sk). Backward: read dout, q,
+    k, v, out and lse, write dq, dk and dv; 2.5 times the forward's flops (recomputing ``q . k``, then
+    ``dv``, ``dp``, ``dq`` and ``dk``)."""
+    q, k, v, causal, _, return_lse = args
+    batch, sq, hq, d = q.shape
+    size = q.element_size()
+    lse = batch * hq * sq * 4
+    flops = 4 * batch * hq * attended_pairs(sq, k.shape[1], causal) * d
+    qkv = (q.numel() + k.numel() + v.numel()) * size
+    if mode == "bwd":
+        return 2 * qkv + 2 * q.numel() * size + lse, int(2.5 * flops)
+    return qkv + q.numel() * size + (lse if return_lse else 0), flops
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float | None,
+         backend: Any) -> torch.Tensor:
+    """``F.scaled_dot_product_attention`` with only ``backend`` allowed, on ``[B, H, S, D]`` views of
+    the ``[B, S, H, D]`` tensors; the causal mask bottom-right (``causal_lower_right`` when Sq != Sk)."""
+    from torch.nn.attention import sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    sq, sk = q.shape[1], k.shape[1]
+    mask = causal_lower_right(sq, sk) if causal and sq != sk else None
+    with sdpa_kernel(backend):
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+                                             is_causal=causal and sq == sk, scale=softmax_scale,
+                                             enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
+def _sdpa_baseline(name: str):
+    """A baseline factory: SDPA with one backend (``FLASH_ATTENTION``, ``CUDNN_ATTENTION``), or None
+    where torch lacks it or no GPU is present."""
+
+    def factory():
+        from torch.nn.attention import SDPBackend
+
+        backend = getattr(SDPBackend, name, None)
+        if backend is None or not torch.cuda.is_available():
+            return None
+
+        def run(q, k, v, causal=False, softmax_scale=None, return_lse=False):
+            if return_lse:
+                raise NotImplementedError("SDPA returns no log-sum-exp")
+            return sdpa(q, k, v, causal, softmax_scale, backend)
+
+        return run
+
+    return factory
+
+
+OP = Op(
+    name="flash_attention_v2",
+    args=(
+        TensorArg("q", DTYPES, min_rank=4, max_rank=4, layouts=ANY_LAYOUT, bucket="sequence"),
+        TensorArg("k", DTYPES, min_rank=4, max_rank=4, layouts=ANY_LAYOUT, same_dtype_as="q", bucket="sequence"),
+        TensorArg("v", DTYPES, min_rank=4, max_rank=4, layouts=ANY_LAYOUT, same_dtype_as="q", bucket="sequence"),
+        ScalarArg("causal", (bool,), default=False, keyed=True),
+        ScalarArg("softmax_scale", (float, int, type(None)), default=None),
+        ScalarArg("return_lse", (bool,), default=False, keyed=True),
+    ),
+    reference=flash_attention_v2_reference,
+    doc="softmax(scale * q k^T) v, q [B, Sq, Hq, D], k and v [B, Sk, Hk, D] (GQA), causal bottom-right; "
+        "return_lse: also the log-sum-exp [B, Hq, Sq]",
+    check=check,
+    example=example,
+    example_sizes={"batch": 2, "seq": 37, "kv_seq": 0, "heads": 4, "kv_heads": 2, "head_dim": 64, "causal": 0},
+    cost=cost,
+    baselines={"sdpa_flash": _sdpa_baseline("FLASH_ATTENTION"), "sdpa_cudnn": _sdpa_baseline("CUDNN_ATTENTION")},
+)
+
+
+def _gradients(backward, saved, grads, needs) -> dict:
+    dq, dk, dv = backward(grads[0], saved.q, saved.k, saved.v, saved.out, saved.lse, grads[1], saved.causal,
+                          saved.softmax_scale)
+    return {"q": dq, "k": dk, "v": dv}
+
+
+BACKWARD = None if attention_grad is None else Backward(
+    _gradients, saved=("q", "k", "v", "out", "lse", "causal", "softmax_scale"), plan=attention_grad.backward_plan,
+    reference=attention_grad.backward_reference, results=attention_grad.backward_results,
+    residuals=Residuals(("lse",), training_plan, training_outputs, flash_attention_v2_training_reference,
+                        shown_by="return_lse"),
+)
+
+KERNEL = define_kernel(
+    OP, plan,
+    kernels=(*FORWARD_KERNELS, *(attention_decode.DECODE_KERNELS if attention_decode is not None else ()),
+             *(attention_grad.BACKWARD_KERNELS if attention_grad is not None else ())),
+    results=outputs,
+    default_config=default_config,
+    space=space,
+    backward=BACKWARD,
+    doc="flash attention 2: a program per query block and head, online softmax in float32, causal blocks "
+        "above the diagonal skipped; tiles through tensor descriptors on Hopper",
+)
+flash_attention_v2 = KERNEL.function
+dlcore_ops, dlcore_implementations = KERNEL.dlcore_ops, KERNEL.dlcore_implementations
