@@ -1,0 +1,578 @@
+"""The backward of flash attention 2: ``dq``, ``dk`` and ``dv`` from the saved ``out`` and ``lse``.
+
+Layout BSHD: q ``[B, Sq, Hq, D]``, k and v ``[B, Sk, Hk, D]`` (query head ``h`` reads kv head
+``h // (Hq / Hk)``), any strides; ``lse [B, Hq, Sq]`` float32, the natural log of each row's
+softmax denominator (``-inf`` for a row that sees no key). With ``S = scale * q k^T`` (causal:
+bottom-right, query ``i`` sees keys ``j <= i + Sk - Sq``) and ``P = exp(S - lse)``::
+
+    delta_i = sum_d dout_id * out_id - dlse_i     (dlse: the gradient of the returned lse, or 0)
+    dP = dout v^T,   dS = P * (dP - delta)
+    dv = P^T dout,   dk = scale * dS^T q,   dq = scale * dS k
+
+(``lse`` feeds the output through ``P``: its gradient adds ``dlse_i * P_ij`` to ``dS_ij``, hence
+``- dlse`` in delta.) Three launches:
+
+- :func:`attention_bwd_preprocess_kernel`: per row, ``delta`` and ``lse * log2(e)`` (``+inf`` for
+  a row without keys, so that ``P = exp2(s * scale * log2 e - lse2) = 0`` there and no NaN appears)
+  into a float32 scratch ``[2, B, Hq, Sq]``;
+- :func:`attention_dkdv_kernel`: one program per (batch, kv head, block of ``BLOCK_N`` keys) holds
+  its k and v tiles and the float32 ``dk``, ``dv`` accumulators, and walks the query blocks of
+  every query head of its GQA group, so a group's gradients are summed in registers (no atomics,
+  deterministic). It works on the transposed scores ``S^T = k q^T`` (``[BLOCK_N, BLOCK_M]``), so
+  that ``P^T`` and ``dS^T`` are the register operand of the products into ``dv`` and ``dk`` and the
+  streamed q and dout tiles the shared-memory one. Causal: only query blocks at or below the
+  diagonal are visited, the first ``ceil(BLOCK_N / BLOCK_M)`` of them masked;
+- :func:`attention_dq_kernel`: one program per (batch, query head, block of ``BLOCK_M`` queries)
+  holds q, dout and ``dq``, and walks the key blocks (causal: up to the diagonal, the blocks that
+  cross it masked; otherwise the ragged last block masked). Programs start with the last query
+  blocks, the longest under a causal mask.
+
+Both recompute ``P`` in float32 from the saved lse, with ``log2(e)`` folded into the scale (one
+multiply-add and an ``exp2`` per score); products accumulate in float32, ``P`` and ``dS`` are cast
+to the input dtype for the tensor cores. Head dimensions that are not powers of two (96, 192) are
+padded to the next one and masked. float32 inputs take exact (``ieee``) products.
+
+Rotary (``rotary=(cos, sin, interleaved)``, fused_rotary_and_fa): q and k passed are the inputs
+before the rotation of :mod:`~dlblas_kernels.kernels.apply_rotary_pos_emb`; every q and k tile is
+rotated after its load (``x cos + rotate(x) sin``, query ``i`` with table row ``Sk - Sq + i``, key
+``j`` with row ``j``; cos, sin ``[Sk, D]`` or ``[B, Sk, D]``), and ``dq``, ``dk`` are taken back
+through the transposed rotation (``g cos - rotate(g sin)``) before the store. ``rotate`` pairs lane
+``d`` with a partner lane: ``rotate(x)[d] = sign_d x[partner_d]`` (rotate-half: ``d +- D/2``,
+sign -1 on the first half; interleaved: ``d xor 1``, sign -1 on even lanes), a gather along the
+head dimension in registers.
+
+The tile sizes come from :func:`backward_config`, a table per head dimension measured on the
+H200 (see :data:`HOPPER_TILES`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from dlcore.declarations.device import DeviceProfile
+from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
+from dlcore.declarations.signature import cdiv, next_power_of_2
+
+LOG2E = 1.4426950408889634
+#: rows of the preprocess kernel's programs
+PREPROCESS_ROWS = 64
+#: per head dimension (up to the key), the tiles of the two kernels on Hopper for 16-bit inputs:
+#: dkdv (keys per program BLOCK_N, queries per step BLOCK_M, warps, stages), dq (queries per
+#: program BLOCK_M, keys per step BLOCK_N, warps, stages)
+HOPPER_TILES = {
+    64: ((128, 64, 8, 3), (128, 64, 8, 3)),
+    128: ((128, 64, 8, 2), (128, 64, 8, 2)),
+    256: ((64, 64, 8, 2), (64, 64, 8, 2)),
+}
+#: under Triton's interpreter: small tiles, so that small tests cross several blocks
+INTERPRETER_TILES = ((32, 16, 4, 1), (32, 16, 4, 1))
+
+
+# --- device helpers ------------------------------------------------------------------------------
+
+@triton.jit
+def _rotation(offs_d, HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """``(partner, sign)`` per lane ``d``: ``rotate(x)[d] = sign[d] * x[partner[d]]``; padded lanes
+    (``d >= HEAD_DIM``) are their own partners."""
+    if INTERLEAVED:
+        partner = offs_d ^ 1
+        sign = tl.where(offs_d % 2 == 0, -1.0, 1.0)
+    else:
+        partner = tl.where(offs_d < HEAD_DIM // 2, offs_d + HEAD_DIM // 2, offs_d - HEAD_DIM // 2)
+        sign = tl.where(offs_d < HEAD_DIM // 2, -1.0, 1.0)
+    return tl.where(offs_d < HEAD_DIM, partner, offs_d), sign
+
+
+@triton.jit
+def _rotate(x, cos, sin, partner, sign, TRANSPOSE: tl.constexpr):
+    """Rows ``x [R, BLOCK_D]`` (float32) rotated, ``x cos + rotate(x) sin``; with TRANSPOSE the
+    transposed rotation ``x cos - rotate(x sin)`` (the gradient through the rotation)."""
+    index = tl.broadcast_to(partner[None, :], x.shape)
+    if TRANSPOSE:
+        return x * cos - sign[None, :] * tl.gather(x * sin, index, 1)
+    return x * cos + sign[None, :] * tl.gather(x, index, 1) * sin
+
+
+@triton.jit
+def _load_tables(cos_ptr, sin_ptr, pos, n_pos, offs_d, mask_d,
+                 stride_cs, stride_cd, stride_ss, stride_sd):
+    """The cos and sin rows ``pos`` (float32 ``[R, BLOCK_D]``; 0 where ``pos`` is outside the table)."""
+    mask = ((pos >= 0) & (pos < n_pos))[:, None] & mask_d[None, :]
+    cos = tl.load(cos_ptr + pos[:, None] * stride_cs + offs_d[None, :] * stride_cd, mask=mask, other=0.0)
+    sin = tl.load(sin_ptr + pos[:, None] * stride_ss + offs_d[None, :] * stride_sd, mask=mask, other=0.0)
+    return cos.to(tl.float32), sin.to(tl.float32)
+
+
+@triton.jit
+def _rotated(x, cos_ptr, sin_ptr, pos, n_pos, offs_d, mask_d, stride_cs, stride_cd, stride_ss, stride_sd,
+             HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, TRANSPOSE: tl.constexpr):
+    """Rows ``x`` rotated by the table rows ``pos`` (see :func:`_rotate`), in float32."""
+    partner, sign = _rotation(offs_d, HEAD_DIM, INTERLEAVED)
+    cos, sin = _load_tables(cos_ptr, sin_ptr, pos, n_pos, offs_d, mask_d, stride_cs, stride_cd, stride_ss, stride_sd)
+    return _rotate(x.to(tl.float32), cos, sin, partner, sign, TRANSPOSE)
+
+
+# --- the kernels ---------------------------------------------------------------------------------
+
+@triton.jit
+def attention_bwd_preprocess_kernel(
+    out_ptr, do_ptr, lse_ptr, dlse_ptr, stats_ptr,
+    SQ, HQ, STATS,
+    stride_ob, stride_os, stride_oh, stride_od,
+    stride_dob, stride_dos, stride_doh, stride_dod,
+    stride_lb, stride_lh, stride_ls,
+    stride_dlb, stride_dlh, stride_dls,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, HAS_DLSE: tl.constexpr,
+):
+    """Rows ``BLOCK_M`` of one (batch, head): ``stats[0] = lse * log2(e)`` (``+inf`` where lse is
+    ``-inf``) and ``stats[1] = delta = rowsum(dout * out) - dlse``, ``stats`` ``[2, B, Hq, Sq]``
+    float32 (``STATS`` elements apart)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    bh = tl.program_id(1)
+    b = (bh // HQ).to(tl.int64)
+    h = bh % HQ
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_m = offs_m < SQ
+    mask = mask_m[:, None] & (offs_d < HEAD_DIM)[None, :]
+    rows = offs_m.to(tl.int64)[:, None]
+    o = tl.load(out_ptr + b * stride_ob + h * stride_oh + rows * stride_os + offs_d[None, :] * stride_od,
+                mask=mask, other=0.0)
+    do = tl.load(do_ptr + b * stride_dob + h * stride_doh + rows * stride_dos + offs_d[None, :] * stride_dod,
+                 mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    if HAS_DLSE:
+        delta -= tl.load(dlse_ptr + b * stride_dlb + h * stride_dlh + offs_m * stride_dls, mask=mask_m,
+                         other=0.0).to(tl.float32)
+    lse = tl.load(lse_ptr + b * stride_lb + h * stride_lh + offs_m * stride_ls, mask=mask_m, other=0.0)
+    lse2 = tl.where(lse == -float("inf"), float("inf"), lse * 1.4426950408889634)
+    stats = stats_ptr + bh.to(tl.int64) * SQ + offs_m
+    tl.store(stats, lse2, mask=mask_m)
+    tl.store(stats + STATS, delta, mask=mask_m)
+
+
+@triton.jit
+def _dkdv_steps(
+    dk, dv, k, v, q_ptr, do_ptr, lse2_ptr, delta_ptr, cos_ptr, sin_ptr,
+    start, steps, SQ, SK, qk_scale, offs_n, offs_d, mask_d,
+    stride_qs, stride_qd, stride_dos, stride_dod, stride_cs, stride_cd, stride_ss, stride_sd,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, ROTARY: tl.constexpr,
+    INTERLEAVED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    """``steps`` query blocks of one head from row ``start``, added into ``dk`` and ``dv`` (unscaled
+    ``dS^T q`` and ``P^T dout``); MASK applies the causal mask. ``q_ptr``, ``do_ptr``: the head's
+    row 0; ``lse2_ptr``, ``delta_ptr``: its stats."""
+    offs_m = start + tl.arange(0, BLOCK_M)
+    # 64-bit row offsets once; the loop then steps the pointers.
+    rows = offs_m.to(tl.int64)[:, None]
+    q_ptrs = q_ptr + rows * stride_qs + offs_d[None, :] * stride_qd
+    do_ptrs = do_ptr + rows * stride_dos + offs_d[None, :] * stride_dod
+    off = SK - SQ
+    for _ in range(steps):
+        mask_m = offs_m < SQ
+        mask = mask_m[:, None] & mask_d[None, :]
+        q = tl.load(q_ptrs, mask=mask, other=0.0)
+        # Rows past the end (and rows without keys) have lse2 = +inf: P = 0 there.
+        lse2 = tl.load(lse2_ptr + offs_m, mask=mask_m, other=float("inf"))
+        if ROTARY:
+            q = _rotated(q, cos_ptr, sin_ptr, offs_m + off, SK, offs_d, mask_d, stride_cs, stride_cd, stride_ss,
+                         stride_sd, HEAD_DIM, INTERLEAVED, False).to(k.dtype)
+        s_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)
+        p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
+        if MASK:
+            p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + off, p_t, 0.0)
+        do = tl.load(do_ptrs, mask=mask, other=0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
+        delta = tl.load(delta_ptr + offs_m, mask=mask_m, other=0.0)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
+        offs_m += BLOCK_M
+        q_ptrs += BLOCK_M * stride_qs
+        do_ptrs += BLOCK_M * stride_dos
+    return dk, dv
+
+
+@triton.jit
+def attention_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, dk_ptr, dv_ptr, cos_ptr, sin_ptr,
+    SQ, SK, HQ, HK, STATS, qk_scale, scale,
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_dob, stride_dos, stride_doh, stride_dod,
+    stride_dkb, stride_dks, stride_dkh, stride_dkd,
+    stride_dvb, stride_dvs, stride_dvh, stride_dvd,
+    stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    """``dk`` and ``dv`` of keys ``BLOCK_N * program_id(0) ...`` of kv head ``program_id(1) % HK``
+    of batch ``program_id(1) // HK``, over every query head of the group (``qk_scale`` is
+    ``scale * log2(e)``)."""
+    n0 = tl.program_id(0) * BLOCK_N
+    bh = tl.program_id(1)
+    b = (bh // HK).to(tl.int64)
+    hk = bh % HK
+    group = HQ // HK
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    mask_n = (offs_n < SK)[:, None] & mask_d[None, :]
+    rows = offs_n.to(tl.int64)[:, None]
+    k = tl.load(k_ptr + b * stride_kb + hk * stride_kh + rows * stride_ks + offs_d[None, :] * stride_kd,
+                mask=mask_n, other=0.0)
+    v = tl.load(v_ptr + b * stride_vb + hk * stride_vh + rows * stride_vs + offs_d[None, :] * stride_vd,
+                mask=mask_n, other=0.0)
+    cos_ptr += b * stride_cb
+    sin_ptr += b * stride_sb
+    if ROTARY:
+        k = _rotated(k, cos_ptr, sin_ptr, offs_n, SK, offs_d, mask_d, stride_cs, stride_cd, stride_ss, stride_sd,
+                     HEAD_DIM, INTERLEAVED, False).to(v.dtype)
+
+    # Causal: query i sees key j when j <= i + SK - SQ. The queries from m_lo see part of the
+    # block; from m_lo + masked * BLOCK_M on they see all of it.
+    if CAUSAL:
+        m_lo = tl.minimum(tl.maximum(n0 - (SK - SQ), 0), SQ)
+        masked_end = tl.minimum(tl.maximum(n0 + BLOCK_N - 1 - (SK - SQ), m_lo), SQ)
+        masked = tl.cdiv(masked_end - m_lo, BLOCK_M)
+    else:
+        m_lo = 0
+        masked = 0
+    m_mid = m_lo + masked * BLOCK_M
+    unmasked = tl.cdiv(tl.maximum(SQ - m_mid, 0), BLOCK_M)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for g in range(group):
+        h = hk * group + g
+        q_head = q_ptr + b * stride_qb + h * stride_qh
+        do_head = do_ptr + b * stride_dob + h * stride_doh
+        lse2_head = stats_ptr + (b * HQ + h) * SQ
+        if CAUSAL:
+            dk, dv = _dkdv_steps(dk, dv, k, v, q_head, do_head, lse2_head, lse2_head + STATS, cos_ptr, sin_ptr,
+                                 m_lo, masked, SQ, SK, qk_scale, offs_n, offs_d, mask_d,
+                                 stride_qs, stride_qd, stride_dos, stride_dod, stride_cs, stride_cd, stride_ss,
+                                 stride_sd, HEAD_DIM, BLOCK_M, True, ROTARY, INTERLEAVED, INPUT_PRECISION)
+        dk, dv = _dkdv_steps(dk, dv, k, v, q_head, do_head, lse2_head, lse2_head + STATS, cos_ptr, sin_ptr,
+                             m_mid, unmasked, SQ, SK, qk_scale, offs_n, offs_d, mask_d,
+                             stride_qs, stride_qd, stride_dos, stride_dod, stride_cs, stride_cd, stride_ss,
+                             stride_sd, HEAD_DIM, BLOCK_M, False, ROTARY, INTERLEAVED, INPUT_PRECISION)
+
+    dk *= scale
+    if ROTARY:
+        dk = _rotated(dk, cos_ptr, sin_ptr, offs_n, SK, offs_d, mask_d, stride_cs, stride_cd, stride_ss, stride_sd,
+                      HEAD_DIM, INTERLEAVED, True)
+    tl.store(dk_ptr + b * stride_dkb + hk * stride_dkh + rows * stride_dks + offs_d[None, :] * stride_dkd,
+             dk.to(dk_ptr.dtype.element_ty), mask=mask_n)
+    tl.store(dv_ptr + b * stride_dvb + hk * stride_dvh + rows * stride_dvs + offs_d[None, :] * stride_dvd,
+             dv.to(dv_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _dq_steps(
+    dq, q, do, lse2, delta, k_ptr, v_ptr, cos_ptr, sin_ptr,
+    start, steps, SQ, SK, qk_scale, offs_m, offs_d, mask_d,
+    stride_ks, stride_kd, stride_vs, stride_vd, stride_cs, stride_cd, stride_ss, stride_sd,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
+    ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    """``steps`` key blocks from key ``start``, added into ``dq`` (unscaled ``dS k``); MASK applies
+    the causal mask (CAUSAL) or the end of the keys. ``k_ptr``, ``v_ptr``: the kv head's row 0."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    rows = offs_n.to(tl.int64)[:, None]
+    k_ptrs = k_ptr + rows * stride_ks + offs_d[None, :] * stride_kd
+    v_ptrs = v_ptr + rows * stride_vs + offs_d[None, :] * stride_vd
+    off = SK - SQ
+    for _ in range(steps):
+        mask = (offs_n < SK)[:, None] & mask_d[None, :]
+        k = tl.load(k_ptrs, mask=mask, other=0.0)
+        v = tl.load(v_ptrs, mask=mask, other=0.0)
+        if ROTARY:
+            k = _rotated(k, cos_ptr, sin_ptr, offs_n, SK, offs_d, mask_d, stride_cs, stride_cd, stride_ss, stride_sd,
+                         HEAD_DIM, INTERLEAVED, False).to(v.dtype)
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
+        p = tl.math.exp2(s * qk_scale - lse2[:, None])
+        if MASK:
+            if CAUSAL:
+                p = tl.where(offs_n[None, :] <= offs_m[:, None] + off, p, 0.0)
+            else:
+                p = tl.where((offs_n < SK)[None, :], p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
+        offs_n += BLOCK_N
+        k_ptrs += BLOCK_N * stride_ks
+        v_ptrs += BLOCK_N * stride_vs
+    return dq
+
+
+@triton.jit
+def attention_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, dq_ptr, cos_ptr, sin_ptr,
+    SQ, SK, HQ, HK, STATS, qk_scale, scale,
+    stride_qb, stride_qs, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_dob, stride_dos, stride_doh, stride_dod,
+    stride_dqb, stride_dqs, stride_dqh, stride_dqd,
+    stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+):
+    """``dq`` of one block of ``BLOCK_M`` queries of head ``program_id(1) % HQ`` of batch
+    ``program_id(1) // HQ``; program 0 takes the last block."""
+    m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    bh = tl.program_id(1)
+    b = (bh // HQ).to(tl.int64)
+    h = bh % HQ
+    hk = h // (HQ // HK)
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask_d = offs_d < HEAD_DIM
+    mask_m = offs_m < SQ
+    mask = mask_m[:, None] & mask_d[None, :]
+    rows = offs_m.to(tl.int64)[:, None]
+    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows * stride_qs + offs_d[None, :] * stride_qd,
+                mask=mask, other=0.0)
+    do = tl.load(do_ptr + b * stride_dob + h * stride_doh + rows * stride_dos + offs_d[None, :] * stride_dod,
+                 mask=mask, other=0.0)
+    stats = stats_ptr + bh.to(tl.int64) * SQ + offs_m
+    lse2 = tl.load(stats, mask=mask_m, other=float("inf"))
+    delta = tl.load(stats + STATS, mask=mask_m, other=0.0)
+    cos_ptr += b * stride_cb
+    sin_ptr += b * stride_sb
+    if ROTARY:
+        q = _rotated(q, cos_ptr, sin_ptr, offs_m + (SK - SQ), SK, offs_d, mask_d, stride_cs, stride_cd, stride_ss,
+                     stride_sd, HEAD_DIM, INTERLEAVED, False).to(do.dtype)
+
+    # Keys below `full * BLOCK_N` are seen by every row of the block; the blocks up to `masked_end`
+    # are masked (the causal diagonal, or the ragged end of the keys).
+    if CAUSAL:
+        full = tl.minimum(tl.maximum(m0 + (SK - SQ) + 1, 0), SK) // BLOCK_N
+        masked_end = tl.minimum(tl.maximum(m0 + BLOCK_M + (SK - SQ), 0), SK)
+    else:
+        full = SK // BLOCK_N
+        masked_end = SK
+    masked = tl.cdiv(tl.maximum(masked_end - full * BLOCK_N, 0), BLOCK_N)
+    k_head = k_ptr + b * stride_kb + hk * stride_kh
+    v_head = v_ptr + b * stride_vb + hk * stride_vh
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dq = _dq_steps(dq, q, do, lse2, delta, k_head, v_head, cos_ptr, sin_ptr, 0, full, SQ, SK, qk_scale,
+                   offs_m, offs_d, mask_d, stride_ks, stride_kd, stride_vs, stride_vd,
+                   stride_cs, stride_cd, stride_ss, stride_sd,
+                   HEAD_DIM, BLOCK_N, False, CAUSAL, ROTARY, INTERLEAVED, INPUT_PRECISION)
+    dq = _dq_steps(dq, q, do, lse2, delta, k_head, v_head, cos_ptr, sin_ptr, full * BLOCK_N, masked, SQ, SK,
+                   qk_scale, offs_m, offs_d, mask_d, stride_ks, stride_kd, stride_vs, stride_vd,
+                   stride_cs, stride_cd, stride_ss, stride_sd,
+                   HEAD_DIM, BLOCK_N, True, CAUSAL, ROTARY, INTERLEAVED, INPUT_PRECISION)
+
+    dq *= scale
+    if ROTARY:
+        dq = _rotated(dq, cos_ptr, sin_ptr, offs_m + (SK - SQ), SK, offs_d, mask_d, stride_cs, stride_cd, stride_ss,
+                      stride_sd, HEAD_DIM, INTERLEAVED, True)
+    tl.store(dq_ptr + b * stride_dqb + h * stride_dqh + rows * stride_dqs + offs_d[None, :] * stride_dqd,
+             dq.to(dq_ptr.dtype.element_ty), mask=mask)
+
+
+BACKWARD_KERNELS = (attention_bwd_preprocess_kernel, attention_dkdv_kernel, attention_dq_kernel)
+
+
+# --- host side -----------------------------------------------------------------------------------
+
+def backward_config(q: torch.Tensor, k: torch.Tensor, profile: DeviceProfile) -> Config:
+    """The tiles of the two kernels for ``q``, ``k`` on ``profile``: :data:`HOPPER_TILES` on CUDA
+    (pipeline stages dropped while a program would not fit the shared memory), smaller ones for
+    float32 (twice the bytes per element), :data:`INTERPRETER_TILES` elsewhere."""
+    d = next_power_of_2(q.shape[-1])
+    if profile.backend != "cuda":
+        dkdv, dq = INTERPRETER_TILES
+    else:
+        dkdv, dq = HOPPER_TILES[min(key for key in HOPPER_TILES if key >= min(d, 256))]
+        if q.element_size() > 2:
+            dkdv, dq = ((tile[0] // 2, tile[1] // 2, *tile[2:]) for tile in (dkdv, dq))
+    config = {"DKDV_BLOCK_N": dkdv[0], "DKDV_BLOCK_M": dkdv[1], "DKDV_WARPS": dkdv[2], "DKDV_STAGES": dkdv[3],
+              "DQ_BLOCK_M": dq[0], "DQ_BLOCK_N": dq[1], "DQ_WARPS": dq[2], "DQ_STAGES": dq[3]}
+    limit = profile.shared_memory_per_program
+    for kind in ("DKDV", "DQ"):
+        while limit and config[f"{kind}_STAGES"] > 1 and shared_memory_bytes(config, kind, d, q.element_size()) > limit:
+            config[f"{kind}_STAGES"] -= 1
+    return config
+
+
+def shared_memory_bytes(config: Config, kind: str, block_d: int, element_size: int) -> int:
+    """An upper estimate of what one program of ``kind`` (``"DKDV"`` or ``"DQ"``) takes of shared
+    memory: its resident tiles (k, v or q, dout), the streamed tiles times the stages, and the
+    float32 score tile converted for the second product."""
+    resident = config[f"{kind}_BLOCK_N" if kind == "DKDV" else f"{kind}_BLOCK_M"]
+    streamed = config[f"{kind}_BLOCK_M" if kind == "DKDV" else f"{kind}_BLOCK_N"]
+    tiles = 2 * resident * block_d + 2 * config[f"{kind}_STAGES"] * streamed * block_d
+    return tiles * element_size + resident * streamed * 4
+
+
+def stats_scratch(q: torch.Tensor) -> torch.Tensor:
+    """The float32 scratch ``[2, B, Hq, Sq]`` of :func:`backward_calls` (``lse * log2 e`` and delta)."""
+    b, sq, hq, _ = q.shape
+    return torch.empty(2, b, hq, sq, dtype=torch.float32, device=q.device)
+
+
+def _table_strides(t: torch.Tensor) -> tuple[int, int, int]:
+    """cos or sin ``[Sk, D]`` or ``[B, Sk, D]`` as ``(batch, row, column)`` strides (batch 0: shared)."""
+    if t.dim() == 2 or t.shape[0] == 1:
+        return 0, t.stride(-2), t.stride(-1)
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def backward_calls(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor,
+                   dv: torch.Tensor, *, causal: bool, scale: float, profile: DeviceProfile,
+                   rotary: tuple | None = None, config: Config | None = None,
+                   stats: torch.Tensor | None = None) -> list[KernelCall]:
+    """The launches that write ``dq [B, Sq, Hq, D]``, ``dk`` and ``dv [B, Sk, Hk, D]`` (any strides,
+    like every input; GQA groups summed in the kernel).
+
+    :param dlse: None, or ``[B, Hq, Sq]`` float32: the gradient of the returned lse.
+    :param rotary: ``(cos, sin, interleaved)``: q and k are the inputs before the rotation (see
+        the module doc); needs ``Sq <= Sk``.
+    :param config: the tiles (:func:`backward_config`'s keys); by default that heuristic.
+    :param stats: the float32 scratch of :func:`stats_scratch`; allocated here when None (a
+        plan that replays passes its own and declares it as scratch).
+    """
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    if config is None:
+        config = backward_config(q, k, profile)
+    if stats is None:
+        stats = stats_scratch(q)
+    block_d = next_power_of_2(d)
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    cos, sin, interleaved = rotary if rotary is not None else (q, q, False)
+    tables = (*_table_strides(cos), *_table_strides(sin)) if rotary is not None else (0,) * 6
+    flags = {"HEAD_DIM": d, "BLOCK_D": block_d, "CAUSAL": bool(causal), "ROTARY": rotary is not None,
+             "INTERLEAVED": bool(interleaved), "INPUT_PRECISION": precision}
+    calls = []
+    if b * hq * sq:
+        calls.append(KernelCall(attention_bwd_preprocess_kernel, (cdiv(sq, PREPROCESS_ROWS), b * hq), (
+            out, dout, lse, dlse if dlse is not None else lse, stats, sq, hq, stats[0].numel(),
+            *out.stride(), *dout.stride(), *lse.stride(), *(dlse if dlse is not None else lse).stride(),
+        ), {"HEAD_DIM": d, "BLOCK_D": block_d, "BLOCK_M": PREPROCESS_ROWS, "HAS_DLSE": dlse is not None,
+            "num_warps": 4}))
+    common = (sq, sk, hq, hk, stats[0].numel(), scale * LOG2E, scale, *q.stride(), *k.stride(), *v.stride(),
+              *dout.stride())
+    if b * hk * sk:
+        calls.append(KernelCall(
+            attention_dkdv_kernel, (cdiv(sk, config["DKDV_BLOCK_N"]), b * hk),
+            (q, k, v, dout, stats, dk, dv, cos, sin, *common, *dk.stride(), *dv.stride(), *tables),
+            {**flags, "BLOCK_M": config["DKDV_BLOCK_M"], "BLOCK_N": config["DKDV_BLOCK_N"],
+             "num_warps": config["DKDV_WARPS"], "num_stages": config["DKDV_STAGES"]}))
+    if b * hq * sq:
+        calls.append(KernelCall(
+            attention_dq_kernel, (cdiv(sq, config["DQ_BLOCK_M"]), b * hq),
+            (q, k, v, dout, stats, dq, cos, sin, *common, *dq.stride(), *tables),
+            {**flags, "BLOCK_M": config["DQ_BLOCK_M"], "BLOCK_N": config["DQ_BLOCK_N"],
+             "num_warps": config["DQ_WARPS"], "num_stages": config["DQ_STAGES"]}))
+    return calls
+
+
+# --- for the op modules: reference, results, plan -------------------------------------------------
+
+def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """``rotate(x)``: ``cat(-x2, x1)``, or with ``interleaved`` ``(-x[2i+1], x[2i])`` in each pair."""
+    if interleaved:
+        return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _tables(cos: torch.Tensor, sin: torch.Tensor, sq: int, compute: torch.dtype) -> tuple:
+    """(cos, sin) of the keys and of the queries (the last ``sq`` rows), ``[B or 1, S, 1, D]``."""
+    c, s = (t.to(compute) if t.dim() == 3 else t.to(compute)[None] for t in (cos, sin))
+    c, s = c[:, :, None], s[:, :, None]
+    return (c, s), (c[:, c.shape[1] - sq:], s[:, s.shape[1] - sq:])
+
+
+def backward_reference(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                       lse: torch.Tensor, dlse: torch.Tensor | None, causal: bool,
+                       softmax_scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of flash attention in torch (the module doc's formulas, P from the saved
+    lse; rows without keys give 0), in float32 or wider, returned in the inputs' dtypes."""
+    compute = torch.promote_types(q.dtype, torch.float32)
+    b, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
+    group = hq // hk
+    scale = softmax_scale if softmax_scale is not None else d ** -0.5
+    q_, k_, v_, do_, o_ = (t.to(compute) for t in (q, k, v, dout, out))
+    k_, v_ = k_.repeat_interleave(group, dim=2), v_.repeat_interleave(group, dim=2)
+    s = torch.einsum("bihd,bjhd->bhij", q_, k_) * scale
+    lse_ = lse.to(compute)
+    lse_ = torch.where(lse_ == -math.inf, math.inf, lse_)
+    p = torch.exp(s - lse_[..., None])
+    if causal:
+        seen = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+        p = torch.where(seen, p, 0.0)
+    delta = torch.einsum("bihd,bihd->bhi", do_, o_)
+    if dlse is not None:
+        delta = delta - dlse.to(compute)
+    dp = torch.einsum("bihd,bjhd->bhij", do_, v_)
+    ds = p * (dp - delta[..., None])
+    dq = torch.einsum("bhij,bjhd->bihd", ds, k_) * scale
+    dk = (torch.einsum("bhij,bihd->bjhd", ds, q_) * scale).reshape(b, sk, hk, group, d).sum(3)
+    dv = torch.einsum("bhij,bihd->bjhd", p, do_).reshape(b, sk, hk, group, d).sum(3)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def backward_results(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_) -> tuple:
+    """``(dq, dk, dv)`` allocated, contiguous, in the shapes and dtypes of q, k and v."""
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
+    return softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+
+
+def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
+    """The launches for ``(dq, dk, dv)`` from ``args`` as :func:`backward_reference` takes them;
+    ``config`` (the forward's) is not used: the backward has tiles of its own."""
+    dout, q, k, v, out, lse, dlse, causal, softmax_scale = args
+    dq, dk, dv = backward_results(dout, q, k, v)
+    stats = stats_scratch(q)
+    calls = backward_calls(dout, q, k, v, out, lse, dlse, dq, dk, dv, causal=causal,
+                           scale=_scale(q, softmax_scale), profile=profile, stats=stats)
+    return LaunchPlan(calls, (dq, dk, dv), scratch=(stats,))
+
+
+def rotary_backward_reference(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                              softmax_scale: float | None,
+                              interleaved: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` of fused_rotary_and_fa in torch: the rotation applied to q and k (queries
+    with the last ``Sq`` rows of the tables), :func:`backward_reference` on them, and dq, dk taken
+    back through the transposed rotation."""
+    compute = torch.promote_types(q.dtype, torch.float32)
+    (ck, sk_), (cq, sq_) = _tables(cos, sin, q.shape[1], compute)
+    q_, k_ = q.to(compute), k.to(compute)
+    q_rot = q_ * cq + _rotate_half(q_, interleaved) * sq_
+    k_rot = k_ * ck + _rotate_half(k_, interleaved) * sk_
+    dq, dk, dv = backward_reference(dout.to(compute), q_rot, k_rot, v.to(compute), out.to(compute), lse, None,
+                                    causal, _scale(q, softmax_scale))
+    dq = dq * cq - _rotate_half(dq * sq_, interleaved)
+    dk = dk * ck - _rotate_half(dk * sk_, interleaved)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def rotary_backward_results(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_) -> tuple:
+    """``(dq, dk, dv)`` allocated, as :func:`backward_results`."""
+    return backward_results(dout, q, k, v)
+
+
+def rotary_backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
+    """The launches for ``(dq, dk, dv)`` from ``args`` as :func:`rotary_backward_reference` takes them."""
+    dout, q, k, v, cos, sin, out, lse, causal, softmax_scale, interleaved = args
+    dq, dk, dv = backward_results(dout, q, k, v)
+    stats = stats_scratch(q)
+    calls = backward_calls(dout, q, k, v, out, lse, None, dq, dk, dv, causal=causal, scale=_scale(q, softmax_scale),
+                           profile=profile, rotary=(cos, sin, interleaved), stats=stats)
+    return LaunchPlan(calls, (dq, dk, dv), scratch=(stats,))
