@@ -16,8 +16,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["add_rms_norm", "apply_rotary_pos_emb", "ffn", "flash_attention_v2", "matmul", "partial_rotary_emb",
-           "rms_norm", "silu_and_mul"]
+__all__ = ["add_rms_norm", "apply_rotary_pos_emb", "ffn", "flash_attention_v2", "fused_rotary_and_fa", "matmul",
+           "partial_rotary_emb", "rms_norm", "silu_and_mul"]
 
 
 def __getattr__(name: str) -> Any:

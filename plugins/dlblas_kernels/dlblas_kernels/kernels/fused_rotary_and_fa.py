@@ -41,6 +41,7 @@ from torch.nn.attention.bias import causal_lower_right
 from dlblas_kernels import attention, attention_grad
 from dlblas_kernels.kernels import flash_attention_v2
 from dlblas_kernels.kernels.apply_rotary_pos_emb import apply_rotary_pos_emb, llama_cos_sin, rotate
+from dlblas_kernels.kernels.flash_attention_v2 import scale_of, training_outputs
 from dlcore import InvalidInputError
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, LaunchPlan
@@ -49,8 +50,6 @@ from dlcore.runtime.template import Backward, Residuals, define_kernel
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ANY_LAYOUT = ("contiguous", "rows", "strided")
-#: The largest head dimension the attention kernels take.
-MAX_HEAD_DIM = 256
 #: SDPA's backends for the composite, fastest first; the two last serve what the first two refuse
 #: (the CPU; causal with Sq != Sk, which :func:`causal_lower_right` runs on the efficient kernel).
 SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
@@ -100,23 +99,19 @@ def attention_formula(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal:
     return out, (m + torch.log(total)).squeeze(-1)
 
 
-def softmax_scale_of(q: torch.Tensor, softmax_scale: float | None) -> float:
-    return float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
-
-
 def fused_rotary_and_fa_training_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                                            sin: torch.Tensor, causal: bool = False,
                                            softmax_scale: float | None = None,
                                            interleaved: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)``: q and k rotated, then the attention formula, in float32 (or wider); out in q's
-    dtype, lse float32."""
+    dtype, lse float32 (float64 for float64 inputs)."""
     compute = torch.promote_types(q.dtype, torch.float32)
     sq, sk = q.shape[1], k.shape[1]
     c, s = cos.to(compute), sin.to(compute)
     q_rot = rotary(q.to(compute), query_rows(c, sq, sk), query_rows(s, sq, sk), interleaved)
     k_rot = rotary(k.to(compute), c, s, interleaved)
-    out, lse = attention_formula(q_rot, k_rot, v.to(compute), causal, softmax_scale_of(q, softmax_scale))
-    return out.to(q.dtype), lse.to(torch.float32)
+    out, lse = attention_formula(q_rot, k_rot, v.to(compute), causal, scale_of(q, softmax_scale))
+    return out.to(q.dtype), lse
 
 
 def fused_rotary_and_fa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
@@ -129,20 +124,15 @@ def fused_rotary_and_fa_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 # -- plans -------------------------------------------------------------------------------------------
 
 
-def training_results(q: torch.Tensor, k: torch.Tensor, *_: Any) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [B, Sq, Hq, D] in q's dtype, lse [B, Hq, Sq] float32)``, contiguous."""
-    b, sq, hq, _ = q.shape
-    return q.new_empty(q.shape), torch.empty((b, hq, sq), dtype=torch.float32, device=q.device)
-
-
-def results(*args: Any) -> torch.Tensor:
-    return training_results(*args)[0]
+def results(q: torch.Tensor, *_: Any) -> torch.Tensor:
+    return training_outputs(q)[0]
 
 
 def _forward(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     q, k, v, cos, sin, causal, softmax_scale, interleaved = args
-    out, lse = training_results(*args)
-    calls = attention.forward_calls(q, k, v, out, lse, causal=causal, scale=softmax_scale_of(q, softmax_scale),
+    out, lse = training_outputs(q)
+    config = flash_attention_v2.fit(config, q.shape[-1], q.element_size(), profile)
+    calls = attention.forward_calls(q, k, v, out, lse, causal=causal, scale=scale_of(q, softmax_scale),
                                     config=config, profile=profile, rotary=(cos, sin, interleaved))
     return LaunchPlan(calls, (out, lse))
 
@@ -163,18 +153,15 @@ def training_plan(args: tuple, config: Config, profile: DeviceProfile) -> Launch
 
 
 def check(op: Op, args: dict[str, Any]) -> None:
-    q, k, v, cos, sin = args["q"], args["k"], args["v"], args["cos"], args["sin"]
-    b, sq, hq, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
-    if d % 2 or not 0 < d <= MAX_HEAD_DIM:
-        raise InvalidInputError(op.name, "q", f"has head dimension {d} (shape {tuple(q.shape)})",
-                                f"an even head dimension D from 2 to {MAX_HEAD_DIM}: rotary embeddings rotate "
-                                f"pairs of elements")
-    op.expect_shape("k", k, (b, sk, hk, d), "[B, Sk, Hk, D] with q's batch and head dimension")
-    op.expect_shape("v", v, tuple(k.shape), "the shape of k")
-    if hk == 0 or hq % hk:
-        raise InvalidInputError(op.name, "k", f"has {hk} heads for q's {hq}",
-                                "a number of key/value heads Hk that divides q's (grouped-query attention)")
+    """flash_attention_v2's checks of q, k and v; an even D; tables of one row per key; Sq <= Sk
+    unless causal (see the module doc)."""
+    flash_attention_v2.check(op, args)
+    q, k, cos, sin = args["q"], args["k"], args["cos"], args["sin"]
+    b, sq, _, d = q.shape
+    sk = k.shape[1]
+    if d % 2:
+        raise InvalidInputError(op.name, "q", f"has an odd head dimension (shape {tuple(q.shape)})",
+                                "an even head dimension D: rotary embeddings rotate pairs of elements")
     tables = ((sk, d), (b, sk, d))
     if tuple(cos.shape) not in tables:
         raise InvalidInputError(op.name, "cos", f"has shape {tuple(cos.shape)}",
@@ -206,15 +193,6 @@ def example(sizes: dict[str, int], dtype: torch.dtype, device: torch.device,
             interleaved)
 
 
-def attended_pairs(sq: int, sk: int, causal: bool) -> int:
-    """The (query, key) pairs the mask keeps: ``Sq * Sk``, or under causal, query ``i`` seeing keys
-    ``0 .. i + Sk - Sq`` (none before the first key), ``sum_{t = max(Sk - Sq + 1, 1)}^{Sk} t``."""
-    if not causal:
-        return sq * sk
-    first = max(sk - sq + 1, 1)
-    return (sk * (sk + 1) - (first - 1) * first) // 2
-
-
 def cost(args: tuple, mode: str = "fwd") -> tuple[int, int]:
     """Forward: read q, k, v, cos and sin, write out; attention's flops, ``4 * D`` per (query, key)
     pair the mask keeps per head (the rotation's few flops per element of q and k are not counted).
@@ -223,7 +201,7 @@ def cost(args: tuple, mode: str = "fwd") -> tuple[int, int]:
     q, k, v, cos, sin, causal = args[:6]
     b, sq, hq, d = q.shape
     size = lambda *ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731
-    flops = 4 * b * hq * d * attended_pairs(sq, k.shape[1], causal)
+    flops = 4 * b * hq * d * flash_attention_v2.attended_pairs(sq, k.shape[1], causal)
     if mode == "bwd":
         lse = 4 * b * hq * sq
         return 2 * size(q, k, v) + size(cos, sin) + 2 * size(q) + lse, 5 * flops // 2
@@ -252,7 +230,7 @@ def composite(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tens
         no_heads = lambda t: t.new_empty(*t.shape[:2], 0, t.shape[3])  # noqa: E731
         q_rot = apply_rotary_pos_emb(q, no_heads(q), query_rows(cos, sq, sk), query_rows(sin, sq, sk), interleaved)[0]
         k_rot = apply_rotary_pos_emb(k, no_heads(k), cos, sin, interleaved)[0]
-    return sdpa(q_rot, k_rot, v, causal, softmax_scale_of(q, softmax_scale))
+    return sdpa(q_rot, k_rot, v, causal, scale_of(q, softmax_scale))
 
 
 OP = Op(
@@ -294,7 +272,7 @@ KERNEL = define_kernel(
         _gradients, saved=("q", "k", "v", "cos", "sin", "out", "lse", "causal", "softmax_scale", "interleaved"),
         plan=attention_grad.rotary_backward_plan, reference=attention_grad.rotary_backward_reference,
         results=attention_grad.rotary_backward_results,
-        residuals=Residuals(("lse",), training_plan, training_results, fused_rotary_and_fa_training_reference)),
+        residuals=Residuals(("lse",), training_plan, training_outputs, fused_rotary_and_fa_training_reference)),
     doc="flash attention with q and k rotated in registers after loading (never written); backward: the "
         "same rotation after loading, dq and dk rotated back before storing",
 )
