@@ -48,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dlblas_kernels.gemm import TMA_ALIGNMENT, TMA_ARCHS, ensure_allocator
+from dlblas_kernels.gemm import TMA_ALIGNMENT, TMA_ARCHS, ensure_allocator, fit_stages
 from dlblas_kernels.kernels.apply_rotary_pos_emb import rotate_pairs
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, KernelCall
@@ -284,6 +284,34 @@ def block_d(head_dim: int) -> int:
     return max(next_power_of_2(head_dim), MIN_DOT_K)
 
 
+def shared_memory_bytes(config: Config, head_dim: int, element_size: int, rotary: bool = False) -> int:
+    """What one program takes of shared memory, as Triton 3.6 lays it out for sm_90 (read off
+    compiled kernels, to within the 1 KiB of barriers): the q tile, and per pipeline stage a k and
+    a v tile, each ``block_d(D)`` wide; with ``rotary`` the k tile's cos and sin too (which the
+    rotated q, kept in registers, spares: the count is then an upper bound by the q tile)."""
+    per_stage = 4 if rotary else 2
+    block = config["BLOCK_M"] + per_stage * config["num_stages"] * config["BLOCK_N"]
+    return block * block_d(head_dim) * element_size
+
+
+def fit(config: Config, head_dim: int, element_size: int, profile: DeviceProfile | None,
+        rotary: bool = False) -> Config:
+    """``config`` fitted to the device's shared memory (:func:`shared_memory_bytes`) for heads of
+    ``head_dim`` elements of ``element_size`` bytes: pipelining stages dropped down to 2, then the
+    key block halved down to 16, then the query block (no bound where the profile knows none).
+    A new dict."""
+    shared = profile.shared_memory_per_program if profile is not None else 0
+
+    def footprint(c: Config) -> int:
+        return shared_memory_bytes(c, head_dim, element_size, rotary)
+
+    config = fit_stages(config, shared, footprint)
+    for block in ("BLOCK_N", "BLOCK_M"):
+        while shared and config[block] > MIN_DOT_K and footprint(config) > shared:
+            config[block] //= 2
+    return config
+
+
 def forward_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
                   causal: bool, scale: float, config: Config, profile: DeviceProfile,
                   rotary: tuple | None = None) -> list[KernelCall]:
@@ -291,7 +319,8 @@ def forward_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     (float32, contiguous) from q ``[B, Sq, Hq, D]`` and k, v ``[B, Sk, Hk, D]`` of any strides.
 
     :param config: ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``; optional ``TMA`` (default
-        1: descriptor loads where :func:`takes_tma`; 0: pointer loads always).
+        1: descriptor loads where :func:`takes_tma`; 0: pointer loads always). Fitted to the
+        device's shared memory first (:func:`fit`: the rotary tiles take twice the pipeline's).
     :param rotary: ``(cos, sin, interleaved)``: apply_rotary_pos_emb's rotation to the q and k tiles
         after loading (cos and sin ``[Sk, D]`` or ``[B, Sk, D]``, any strides; query ``i`` uses row
         ``Sk - Sq + i``, key ``j`` row ``j``).
@@ -300,6 +329,7 @@ def forward_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     sk, hk = k.shape[1], k.shape[2]
     if batch * sq * hq == 0:
         return []
+    config = fit(config, d, q.element_size(), profile, rotary is not None)
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
     if rotary is None:
         cos = sin = q
