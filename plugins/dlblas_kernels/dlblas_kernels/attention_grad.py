@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dlblas_kernels import gemm
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
 from dlcore.declarations.signature import cdiv, next_power_of_2
@@ -155,28 +156,52 @@ def attention_bwd_preprocess_kernel(
 
 
 @triton.jit
+def _rows_source(base, n_rows, stride_s, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                 TMA: tl.constexpr):
+    """What :func:`_load_rows` reads ``[n_rows, HEAD_DIM]`` rows from (row ``r`` at ``base + r *
+    stride_s``): with TMA a tensor descriptor of ``[BLOCK_R, BLOCK_D]`` blocks (the copy engine
+    fills what lies past the end with zeros), else ``base`` itself."""
+    if TMA:
+        source = tl.make_tensor_descriptor(base, shape=[n_rows, HEAD_DIM], strides=[stride_s, 1],
+                                           block_shape=[BLOCK_R, BLOCK_D])
+    else:
+        source = base
+    return source
+
+
+@triton.jit
+def _load_rows(source, row, n_rows, offs_r, offs_d, mask_d, stride_s, stride_d, TMA: tl.constexpr):
+    """Rows ``row + offs_r`` (``[BLOCK_R, BLOCK_D]``) of a ``[n_rows, HEAD_DIM]`` matrix, zeros past
+    its end (``source`` from :func:`_rows_source`)."""
+    if TMA:
+        tile = source.load([row, 0])
+    else:
+        mask = (row + offs_r < n_rows)[:, None] & mask_d[None, :]
+        # 64-bit row offset: row * stride may pass 2**31 elements.
+        ptrs = source + tl.cast(row, tl.int64) * stride_s + offs_r[:, None] * stride_s + offs_d[None, :] * stride_d
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    return tile
+
+
+@triton.jit
 def _dkdv_steps(
-    dk, dv, k, v, q_ptr, do_ptr, lse2_ptr, delta_ptr, cos_ptr, sin_ptr,
+    dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, cos_ptr, sin_ptr,
     start, steps, SQ, SK, qk_scale, offs_n, offs_d, mask_d,
     stride_qs, stride_qd, stride_dos, stride_dod, stride_cs, stride_cd, stride_ss, stride_sd,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, ROTARY: tl.constexpr,
-    INTERLEAVED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    INTERLEAVED: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     """``steps`` query blocks of one head from row ``start``, added into ``dk`` and ``dv`` (unscaled
-    ``dS^T q`` and ``P^T dout``); MASK applies the causal mask. ``q_ptr``, ``do_ptr``: the head's
-    row 0; ``lse2_ptr``, ``delta_ptr``: its stats."""
-    offs_m = start + tl.arange(0, BLOCK_M)
-    # 64-bit row offsets once; the loop then steps the pointers.
-    rows = offs_m.to(tl.int64)[:, None]
-    q_ptrs = q_ptr + rows * stride_qs + offs_d[None, :] * stride_qd
-    do_ptrs = do_ptr + rows * stride_dos + offs_d[None, :] * stride_dod
+    ``dS^T q`` and ``P^T dout``); MASK applies the causal mask. ``q_src``, ``do_src``: the head's
+    rows (:func:`_rows_source`); ``lse2_ptr``, ``delta_ptr``: its stats."""
+    offs_r = tl.arange(0, BLOCK_M)
     off = SK - SQ
-    for _ in range(steps):
-        mask_m = offs_m < SQ
-        mask = mask_m[:, None] & mask_d[None, :]
-        q = tl.load(q_ptrs, mask=mask, other=0.0)
+    for i in range(steps):
+        row = start + i * BLOCK_M
+        offs_m = row + offs_r
+        q = _load_rows(q_src, row, SQ, offs_r, offs_d, mask_d, stride_qs, stride_qd, TMA)
         # Rows past the end (and rows without keys) have lse2 = +inf: P = 0 there.
-        lse2 = tl.load(lse2_ptr + offs_m, mask=mask_m, other=float("inf"))
+        lse2 = tl.load(lse2_ptr + offs_m, mask=offs_m < SQ, other=float("inf"))
         if ROTARY:
             q = _rotated(q, cos_ptr, sin_ptr, offs_m + off, SK, offs_d, mask_d, stride_cs, stride_cd, stride_ss,
                          stride_sd, HEAD_DIM, INTERLEAVED, False).to(k.dtype)
@@ -184,15 +209,12 @@ def _dkdv_steps(
         p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
         if MASK:
             p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + off, p_t, 0.0)
-        do = tl.load(do_ptrs, mask=mask, other=0.0)
+        do = _load_rows(do_src, row, SQ, offs_r, offs_d, mask_d, stride_dos, stride_dod, TMA)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
-        delta = tl.load(delta_ptr + offs_m, mask=mask_m, other=0.0)
+        delta = tl.load(delta_ptr + offs_m, mask=offs_m < SQ, other=0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
-        offs_m += BLOCK_M
-        q_ptrs += BLOCK_M * stride_qs
-        do_ptrs += BLOCK_M * stride_dos
     return dk, dv
 
 
@@ -209,10 +231,11 @@ def attention_dkdv_kernel(
     stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """``dk`` and ``dv`` of keys ``BLOCK_N * program_id(0) ...`` of kv head ``program_id(1) % HK``
     of batch ``program_id(1) // HK``, over every query head of the group (``qk_scale`` is
-    ``scale * log2(e)``)."""
+    ``scale * log2(e)``). TMA: q and dout tiles through tensor descriptors."""
     n0 = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
     b = (bh // HK).to(tl.int64)
@@ -221,12 +244,9 @@ def attention_dkdv_kernel(
     offs_n = n0 + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    mask_n = (offs_n < SK)[:, None] & mask_d[None, :]
-    rows = offs_n.to(tl.int64)[:, None]
-    k = tl.load(k_ptr + b * stride_kb + hk * stride_kh + rows * stride_ks + offs_d[None, :] * stride_kd,
-                mask=mask_n, other=0.0)
-    v = tl.load(v_ptr + b * stride_vb + hk * stride_vh + rows * stride_vs + offs_d[None, :] * stride_vd,
-                mask=mask_n, other=0.0)
+    offs_r = tl.arange(0, BLOCK_N)
+    k = _load_rows(k_ptr + b * stride_kb + hk * stride_kh, n0, SK, offs_r, offs_d, mask_d, stride_ks, stride_kd, False)
+    v = _load_rows(v_ptr + b * stride_vb + hk * stride_vh, n0, SK, offs_r, offs_d, mask_d, stride_vs, stride_vd, False)
     cos_ptr += b * stride_cb
     sin_ptr += b * stride_sb
     if ROTARY:
@@ -234,13 +254,13 @@ def attention_dkdv_kernel(
                      HEAD_DIM, INTERLEAVED, False).to(v.dtype)
 
     # Causal: query i sees key j when j <= i + SK - SQ. The queries from m_lo see part of the
-    # block; from m_lo + masked * BLOCK_M on they see all of it.
+    # block; from m_mid = m_lo + masked * BLOCK_M on they see all of it.
     if CAUSAL:
         m_lo = tl.minimum(tl.maximum(n0 - (SK - SQ), 0), SQ)
         masked_end = tl.minimum(tl.maximum(n0 + BLOCK_N - 1 - (SK - SQ), m_lo), SQ)
         masked = tl.cdiv(masked_end - m_lo, BLOCK_M)
     else:
-        m_lo = 0
+        m_lo = n0 * 0
         masked = 0
     m_mid = m_lo + masked * BLOCK_M
     unmasked = tl.cdiv(tl.maximum(SQ - m_mid, 0), BLOCK_M)
@@ -249,23 +269,26 @@ def attention_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     for g in range(group):
         h = hk * group + g
-        q_head = q_ptr + b * stride_qb + h * stride_qh
-        do_head = do_ptr + b * stride_dob + h * stride_doh
-        lse2_head = stats_ptr + (b * HQ + h) * SQ
+        q_src = _rows_source(q_ptr + b * stride_qb + h * stride_qh, SQ, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+        do_src = _rows_source(do_ptr + b * stride_dob + h * stride_doh, SQ, stride_dos, HEAD_DIM, BLOCK_M, BLOCK_D,
+                              TMA)
+        lse2_ptr = stats_ptr + (b * HQ + h) * SQ
         if CAUSAL:
-            dk, dv = _dkdv_steps(dk, dv, k, v, q_head, do_head, lse2_head, lse2_head + STATS, cos_ptr, sin_ptr,
+            dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, lse2_ptr, lse2_ptr + STATS, cos_ptr, sin_ptr,
                                  m_lo, masked, SQ, SK, qk_scale, offs_n, offs_d, mask_d,
                                  stride_qs, stride_qd, stride_dos, stride_dod, stride_cs, stride_cd, stride_ss,
-                                 stride_sd, HEAD_DIM, BLOCK_M, True, ROTARY, INTERLEAVED, INPUT_PRECISION)
-        dk, dv = _dkdv_steps(dk, dv, k, v, q_head, do_head, lse2_head, lse2_head + STATS, cos_ptr, sin_ptr,
+                                 stride_sd, HEAD_DIM, BLOCK_M, True, ROTARY, INTERLEAVED, INPUT_PRECISION, TMA)
+        dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, lse2_ptr, lse2_ptr + STATS, cos_ptr, sin_ptr,
                              m_mid, unmasked, SQ, SK, qk_scale, offs_n, offs_d, mask_d,
                              stride_qs, stride_qd, stride_dos, stride_dod, stride_cs, stride_cd, stride_ss,
-                             stride_sd, HEAD_DIM, BLOCK_M, False, ROTARY, INTERLEAVED, INPUT_PRECISION)
+                             stride_sd, HEAD_DIM, BLOCK_M, False, ROTARY, INTERLEAVED, INPUT_PRECISION, TMA)
 
     dk *= scale
     if ROTARY:
         dk = _rotated(dk, cos_ptr, sin_ptr, offs_n, SK, offs_d, mask_d, stride_cs, stride_cd, stride_ss, stride_sd,
                       HEAD_DIM, INTERLEAVED, True)
+    rows = offs_n.to(tl.int64)[:, None]
+    mask_n = (offs_n < SK)[:, None] & mask_d[None, :]
     tl.store(dk_ptr + b * stride_dkb + hk * stride_dkh + rows * stride_dks + offs_d[None, :] * stride_dkd,
              dk.to(dk_ptr.dtype.element_ty), mask=mask_n)
     tl.store(dv_ptr + b * stride_dvb + hk * stride_dvh + rows * stride_dvs + offs_d[None, :] * stride_dvd,
@@ -274,23 +297,22 @@ def attention_dkdv_kernel(
 
 @triton.jit
 def _dq_steps(
-    dq, q, do, lse2, delta, k_ptr, v_ptr, cos_ptr, sin_ptr,
+    dq, q, do, lse2, delta, k_src, v_src, cos_ptr, sin_ptr,
     start, steps, SQ, SK, qk_scale, offs_m, offs_d, mask_d,
     stride_ks, stride_kd, stride_vs, stride_vd, stride_cs, stride_cd, stride_ss, stride_sd,
     HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-    ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     """``steps`` key blocks from key ``start``, added into ``dq`` (unscaled ``dS k``); MASK applies
-    the causal mask (CAUSAL) or the end of the keys. ``k_ptr``, ``v_ptr``: the kv head's row 0."""
-    offs_n = start + tl.arange(0, BLOCK_N)
-    rows = offs_n.to(tl.int64)[:, None]
-    k_ptrs = k_ptr + rows * stride_ks + offs_d[None, :] * stride_kd
-    v_ptrs = v_ptr + rows * stride_vs + offs_d[None, :] * stride_vd
+    the causal mask (CAUSAL) or the end of the keys. ``k_src``, ``v_src``: the kv head's rows
+    (:func:`_rows_source`)."""
+    offs_r = tl.arange(0, BLOCK_N)
     off = SK - SQ
-    for _ in range(steps):
-        mask = (offs_n < SK)[:, None] & mask_d[None, :]
-        k = tl.load(k_ptrs, mask=mask, other=0.0)
-        v = tl.load(v_ptrs, mask=mask, other=0.0)
+    for i in range(steps):
+        col = start + i * BLOCK_N
+        offs_n = col + offs_r
+        k = _load_rows(k_src, col, SK, offs_r, offs_d, mask_d, stride_ks, stride_kd, TMA)
+        v = _load_rows(v_src, col, SK, offs_r, offs_d, mask_d, stride_vs, stride_vd, TMA)
         if ROTARY:
             k = _rotated(k, cos_ptr, sin_ptr, offs_n, SK, offs_d, mask_d, stride_cs, stride_cd, stride_ss, stride_sd,
                          HEAD_DIM, INTERLEAVED, False).to(v.dtype)
@@ -304,9 +326,6 @@ def _dq_steps(
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
-        offs_n += BLOCK_N
-        k_ptrs += BLOCK_N * stride_ks
-        v_ptrs += BLOCK_N * stride_vs
     return dq
 
 
@@ -322,27 +341,26 @@ def attention_dq_kernel(
     stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """``dq`` of one block of ``BLOCK_M`` queries of head ``program_id(1) % HQ`` of batch
-    ``program_id(1) // HQ``; program 0 takes the last block."""
+    ``program_id(1) // HQ``; program 0 takes the last block. TMA: k and v tiles through tensor
+    descriptors."""
     m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     bh = tl.program_id(1)
     b = (bh // HQ).to(tl.int64)
     h = bh % HQ
     hk = h // (HQ // HK)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_m = m0 + offs_r
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    mask_m = offs_m < SQ
-    mask = mask_m[:, None] & mask_d[None, :]
-    rows = offs_m.to(tl.int64)[:, None]
-    q = tl.load(q_ptr + b * stride_qb + h * stride_qh + rows * stride_qs + offs_d[None, :] * stride_qd,
-                mask=mask, other=0.0)
-    do = tl.load(do_ptr + b * stride_dob + h * stride_doh + rows * stride_dos + offs_d[None, :] * stride_dod,
-                 mask=mask, other=0.0)
+    q = _load_rows(q_ptr + b * stride_qb + h * stride_qh, m0, SQ, offs_r, offs_d, mask_d, stride_qs, stride_qd, False)
+    do = _load_rows(do_ptr + b * stride_dob + h * stride_doh, m0, SQ, offs_r, offs_d, mask_d, stride_dos, stride_dod,
+                    False)
     stats = stats_ptr + bh.to(tl.int64) * SQ + offs_m
-    lse2 = tl.load(stats, mask=mask_m, other=float("inf"))
-    delta = tl.load(stats + STATS, mask=mask_m, other=0.0)
+    lse2 = tl.load(stats, mask=offs_m < SQ, other=float("inf"))
+    delta = tl.load(stats + STATS, mask=offs_m < SQ, other=0.0)
     cos_ptr += b * stride_cb
     sin_ptr += b * stride_sb
     if ROTARY:
@@ -358,24 +376,25 @@ def attention_dq_kernel(
         full = SK // BLOCK_N
         masked_end = SK
     masked = tl.cdiv(tl.maximum(masked_end - full * BLOCK_N, 0), BLOCK_N)
-    k_head = k_ptr + b * stride_kb + hk * stride_kh
-    v_head = v_ptr + b * stride_vb + hk * stride_vh
+    k_src = _rows_source(k_ptr + b * stride_kb + hk * stride_kh, SK, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+    v_src = _rows_source(v_ptr + b * stride_vb + hk * stride_vh, SK, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dq = _dq_steps(dq, q, do, lse2, delta, k_head, v_head, cos_ptr, sin_ptr, 0, full, SQ, SK, qk_scale,
+    dq = _dq_steps(dq, q, do, lse2, delta, k_src, v_src, cos_ptr, sin_ptr, 0, full, SQ, SK, qk_scale,
                    offs_m, offs_d, mask_d, stride_ks, stride_kd, stride_vs, stride_vd,
                    stride_cs, stride_cd, stride_ss, stride_sd,
-                   HEAD_DIM, BLOCK_N, False, CAUSAL, ROTARY, INTERLEAVED, INPUT_PRECISION)
-    dq = _dq_steps(dq, q, do, lse2, delta, k_head, v_head, cos_ptr, sin_ptr, full * BLOCK_N, masked, SQ, SK,
+                   HEAD_DIM, BLOCK_N, False, CAUSAL, ROTARY, INTERLEAVED, INPUT_PRECISION, TMA)
+    dq = _dq_steps(dq, q, do, lse2, delta, k_src, v_src, cos_ptr, sin_ptr, full * BLOCK_N, masked, SQ, SK,
                    qk_scale, offs_m, offs_d, mask_d, stride_ks, stride_kd, stride_vs, stride_vd,
                    stride_cs, stride_cd, stride_ss, stride_sd,
-                   HEAD_DIM, BLOCK_N, True, CAUSAL, ROTARY, INTERLEAVED, INPUT_PRECISION)
+                   HEAD_DIM, BLOCK_N, True, CAUSAL, ROTARY, INTERLEAVED, INPUT_PRECISION, TMA)
 
     dq *= scale
     if ROTARY:
         dq = _rotated(dq, cos_ptr, sin_ptr, offs_m + (SK - SQ), SK, offs_d, mask_d, stride_cs, stride_cd, stride_ss,
                       stride_sd, HEAD_DIM, INTERLEAVED, True)
+    rows = offs_m.to(tl.int64)[:, None]
     tl.store(dq_ptr + b * stride_dqb + h * stride_dqh + rows * stride_dqs + offs_d[None, :] * stride_dqd,
-             dq.to(dq_ptr.dtype.element_ty), mask=mask)
+             dq.to(dq_ptr.dtype.element_ty), mask=(offs_m < SQ)[:, None] & mask_d[None, :])
 
 
 BACKWARD_KERNELS = (attention_bwd_preprocess_kernel, attention_dkdv_kernel, attention_dq_kernel)
@@ -386,7 +405,8 @@ BACKWARD_KERNELS = (attention_bwd_preprocess_kernel, attention_dkdv_kernel, atte
 def backward_config(q: torch.Tensor, k: torch.Tensor, profile: DeviceProfile) -> Config:
     """The tiles of the two kernels for ``q``, ``k`` on ``profile``: :data:`HOPPER_TILES` on CUDA
     (pipeline stages dropped while a program would not fit the shared memory), smaller ones for
-    float32 (twice the bytes per element), :data:`INTERPRETER_TILES` elsewhere."""
+    float32 (twice the bytes per element), :data:`INTERPRETER_TILES` elsewhere; ``DKDV_TMA`` and
+    ``DQ_TMA`` 1 (the streamed tiles through tensor descriptors, where the inputs allow) on Hopper."""
     d = next_power_of_2(q.shape[-1])
     if profile.backend != "cuda":
         dkdv, dq = INTERPRETER_TILES
@@ -395,7 +415,8 @@ def backward_config(q: torch.Tensor, k: torch.Tensor, profile: DeviceProfile) ->
         if q.element_size() > 2:
             dkdv, dq = ((tile[0] // 2, tile[1] // 2, *tile[2:]) for tile in (dkdv, dq))
     config = {"DKDV_BLOCK_N": dkdv[0], "DKDV_BLOCK_M": dkdv[1], "DKDV_WARPS": dkdv[2], "DKDV_STAGES": dkdv[3],
-              "DQ_BLOCK_M": dq[0], "DQ_BLOCK_N": dq[1], "DQ_WARPS": dq[2], "DQ_STAGES": dq[3]}
+              "DQ_BLOCK_M": dq[0], "DQ_BLOCK_N": dq[1], "DQ_WARPS": dq[2], "DQ_STAGES": dq[3],
+              "DKDV_TMA": int(profile.arch in gemm.TMA_ARCHS), "DQ_TMA": int(profile.arch in gemm.TMA_ARCHS)}
     limit = profile.shared_memory_per_program
     for kind in ("DKDV", "DQ"):
         while limit and config[f"{kind}_STAGES"] > 1 and shared_memory_bytes(config, kind, d, q.element_size()) > limit:
@@ -419,6 +440,14 @@ def stats_scratch(q: torch.Tensor) -> torch.Tensor:
     return torch.empty(2, b, hq, sq, dtype=torch.float32, device=q.device)
 
 
+def takes_tma(*tensors: torch.Tensor) -> bool:
+    """Whether the copy engine can read the rows of every head of ``tensors`` (BSHD): unit stride
+    along D, each head's base and the row stride 16-byte aligned."""
+    return all(t.stride(3) == 1 and t.data_ptr() % gemm.TMA_ALIGNMENT == 0
+               and all(stride * t.element_size() % gemm.TMA_ALIGNMENT == 0 for stride in t.stride()[:3])
+               for t in tensors)
+
+
 def _table_strides(t: torch.Tensor) -> tuple[int, int, int]:
     """cos or sin ``[Sk, D]`` or ``[B, Sk, D]`` as ``(batch, row, column)`` strides (batch 0: shared)."""
     if t.dim() == 2 or t.shape[0] == 1:
@@ -437,7 +466,9 @@ def backward_calls(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     :param dlse: None, or ``[B, Hq, Sq]`` float32: the gradient of the returned lse.
     :param rotary: ``(cos, sin, interleaved)``: q and k are the inputs before the rotation (see
         the module doc); needs ``Sq <= Sk``.
-    :param config: the tiles (:func:`backward_config`'s keys); by default that heuristic.
+    :param config: the tiles (:func:`backward_config`'s keys); by default that heuristic. With
+        ``DKDV_TMA`` (``DQ_TMA``) the kernel reads its streamed tiles (q and dout; k and v) through
+        tensor descriptors where :func:`takes_tma` allows.
     :param stats: the float32 scratch of :func:`stats_scratch`; allocated here when None (a
         plan that replays passes its own and declares it as scratch).
     """
@@ -453,6 +484,10 @@ def backward_calls(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     tables = (*_table_strides(cos), *_table_strides(sin)) if rotary is not None else (0,) * 6
     flags = {"HEAD_DIM": d, "BLOCK_D": block_d, "CAUSAL": bool(causal), "ROTARY": rotary is not None,
              "INTERLEAVED": bool(interleaved), "INPUT_PRECISION": precision}
+    tma_dkdv = bool(config.get("DKDV_TMA", 0)) and takes_tma(q, dout)
+    tma_dq = bool(config.get("DQ_TMA", 0)) and takes_tma(k, v)
+    if (tma_dkdv or tma_dq) and q.device.type == "cuda":
+        gemm.ensure_allocator()
     calls = []
     if b * hq * sq:
         calls.append(KernelCall(attention_bwd_preprocess_kernel, (cdiv(sq, PREPROCESS_ROWS), b * hq), (
@@ -466,13 +501,13 @@ def backward_calls(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         calls.append(KernelCall(
             attention_dkdv_kernel, (cdiv(sk, config["DKDV_BLOCK_N"]), b * hk),
             (q, k, v, dout, stats, dk, dv, cos, sin, *common, *dk.stride(), *dv.stride(), *tables),
-            {**flags, "BLOCK_M": config["DKDV_BLOCK_M"], "BLOCK_N": config["DKDV_BLOCK_N"],
+            {**flags, "TMA": tma_dkdv, "BLOCK_M": config["DKDV_BLOCK_M"], "BLOCK_N": config["DKDV_BLOCK_N"],
              "num_warps": config["DKDV_WARPS"], "num_stages": config["DKDV_STAGES"]}))
     if b * hq * sq:
         calls.append(KernelCall(
             attention_dq_kernel, (cdiv(sq, config["DQ_BLOCK_M"]), b * hq),
             (q, k, v, dout, stats, dq, cos, sin, *common, *dq.stride(), *tables),
-            {**flags, "BLOCK_M": config["DQ_BLOCK_M"], "BLOCK_N": config["DQ_BLOCK_N"],
+            {**flags, "TMA": tma_dq, "BLOCK_M": config["DQ_BLOCK_M"], "BLOCK_N": config["DQ_BLOCK_N"],
              "num_warps": config["DQ_WARPS"], "num_stages": config["DQ_STAGES"]}))
     return calls
 
