@@ -10,11 +10,11 @@ import json
 import os
 
 import torch
-import torch.nn.functional as F
 import triton
 from dlblas_kernels import apply_rotary_pos_emb
+from dlblas_kernels.kernels.flash_attention_v2 import sdpa
 from dlblas_kernels.kernels.fused_rotary_and_fa import OP, fused_rotary_and_fa
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention import SDPBackend
 
 SEQ = [int(s) for s in os.environ.get("BENCH_SEQ", "2048,8192,16384").split(",")]
 HEADS = [tuple(int(h) for h in pair.split("/")) for pair in os.environ.get("BENCH_HEADS", "16/16").split(",")]
@@ -24,10 +24,7 @@ REP = int(os.environ.get("BENCH_REP", "60"))
 def composite(backend):
     def run(q, k, v, cos, sin, causal, scale, interleaved):
         q, k = apply_rotary_pos_emb(q, k, cos, sin, interleaved)
-        with sdpa_kernel([backend]):
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 is_causal=causal, enable_gqa=q.shape[2] != k.shape[2])
-        return out.transpose(1, 2)
+        return sdpa(q, k, v, causal, scale, backend)
     return run
 
 

@@ -34,9 +34,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 from dlblas_kernels import attention, attention_grad
 from dlblas_kernels.kernels import flash_attention_v2
@@ -51,7 +49,7 @@ from dlcore.runtime.template import Backward, Residuals, define_kernel
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ANY_LAYOUT = ("contiguous", "rows", "strided")
 #: SDPA's backends for the composite, fastest first; the two last serve what the first two refuse
-#: (the CPU; causal with Sq != Sk, which :func:`causal_lower_right` runs on the efficient kernel).
+#: (the CPU; causal with Sq != Sk, whose ``causal_lower_right`` mask runs on the efficient kernel).
 SDPA_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
                  SDPBackend.MATH]
 
@@ -131,7 +129,6 @@ def results(q: torch.Tensor, *_: Any) -> torch.Tensor:
 def _forward(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     q, k, v, cos, sin, causal, softmax_scale, interleaved = args
     out, lse = training_outputs(q)
-    config = flash_attention_v2.fit(config, q.shape[-1], q.element_size(), profile)
     calls = attention.forward_calls(q, k, v, out, lse, causal=causal, scale=scale_of(q, softmax_scale),
                                     config=config, profile=profile, rotary=(cos, sin, interleaved))
     return LaunchPlan(calls, (out, lse))
@@ -208,17 +205,6 @@ def cost(args: tuple, mode: str = "fwd") -> tuple[int, int]:
     return size(q, k, v, cos, sin) + size(q), flops
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` on BSHD q, k, v (transposed as views), the fastest backend
-    that takes them first (:data:`SDPA_BACKENDS`); causal bottom-right when Sq != Sk."""
-    sq, hq, sk, hk = q.shape[1], q.shape[2], k.shape[1], k.shape[2]
-    mask = causal_lower_right(sq, sk) if causal and sq != sk else None
-    with sdpa_kernel(SDPA_BACKENDS, set_priority=True):
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                             is_causal=causal and sq == sk, scale=scale, enable_gqa=hq != hk)
-    return out.transpose(1, 2)
-
-
 def composite(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               causal: bool = False, softmax_scale: float | None = None, interleaved: bool = False) -> torch.Tensor:
     """dlblas apply_rotary_pos_emb, then SDPA with the fastest backend that accepts the inputs."""
@@ -230,7 +216,8 @@ def composite(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tens
         no_heads = lambda t: t.new_empty(*t.shape[:2], 0, t.shape[3])  # noqa: E731
         q_rot = apply_rotary_pos_emb(q, no_heads(q), query_rows(cos, sq, sk), query_rows(sin, sq, sk), interleaved)[0]
         k_rot = apply_rotary_pos_emb(k, no_heads(k), cos, sin, interleaved)[0]
-    return sdpa(q_rot, k_rot, v, causal, scale_of(q, softmax_scale))
+    with sdpa_kernel(SDPA_BACKENDS, set_priority=True):
+        return flash_attention_v2.torch_attention(q_rot, k_rot, v, causal, softmax_scale)
 
 
 OP = Op(
