@@ -35,7 +35,7 @@ IMPLS = {"fused": fused_rotary_and_fa, "cudnn": composite(SDPBackend.CUDNN_ATTEN
 def timings(args, dout):
     leaves = [t.detach().requires_grad_() for t in args[:3]]
     fwd, bwd = {}, {}
-    for _ in range(2):  # alternating rounds; the best median of each
+    for _ in range(int(os.environ.get("BENCH_ROUNDS", "2"))):  # alternating rounds; the best median of each
         for name, fn in IMPLS.items():
             try:
                 f = triton.testing.do_bench(lambda fn=fn: fn(*args), warmup=10, rep=REP)
