@@ -172,6 +172,48 @@ def test_backward_non_contiguous_inputs(dtype, device, gen):
                    reduce_dim=gradient_terms(9, 9, 2, 16))
 
 
+@pytest.mark.parametrize("sq, sk", [
+    (5, 7),
+    pytest.param(7, 4, marks=pytest.mark.xfail(
+        strict=True, reason="attention_grad.rotary_backward_reference slices the tables' last Sq rows, which "
+                            "Sq > Sk does not have")),
+])
+def test_float64_custom_op_passes_gradcheck(sq, sk, gen):
+    """float64 runs the references (the path torch.autograd.gradcheck takes): the forward's and the
+    backward custom op's agree (the output only: lse is a residual callers never see)."""
+    q, k, v, cos, sin = inputs(1, sq, sk, 2, 1, 8, torch.float64, "cpu", gen)
+    op = torch.ops.dlblas.fused_rotary_and_fa.default
+    ints = [0] * (len(op._schema.arguments) - len(OP.args))
+    assert torch.autograd.gradcheck(lambda q, k, v: op(q, k, v, cos, sin, True, 0.4, True, *ints)[0],
+                                    [t.requires_grad_() for t in (q, k, v)])
+
+
+def test_opcheck(device, gen):
+    """The custom op's schema, fake and autograd registration (inputs requiring grad: its backward too)."""
+    q, k, v, cos, sin = inputs(1, 6, 9, 2, 1, 8, torch.float32, device, gen)
+    op = torch.ops.dlblas.fused_rotary_and_fa.default
+    ints = [0] * (len(op._schema.arguments) - len(OP.args))
+    torch.library.opcheck(op, (*(t.requires_grad_() for t in (q, k, v)), cos, sin, True, None, False, *ints))
+
+
+def test_compiles_without_graph_breaks(device, gen):
+    """An attention layer's core under torch.compile(fullgraph=True): one node, gradients as eager."""
+    torch._dynamo.reset()
+    q, k, v, cos, sin = inputs(1, 6, 6, 2, 1, 8, torch.float32, device, gen)
+
+    def layer(q, k, v):
+        return fused_rotary_and_fa(q * 2, k, v, cos, sin, True).square().sum()
+
+    eager = [t.clone().requires_grad_() for t in (q, k, v)]
+    compiled = [t.clone().requires_grad_() for t in (q, k, v)]
+    layer(*eager).backward()
+    out = torch.compile(layer, fullgraph=True, backend="aot_eager" if device == "cpu" else "inductor")(*compiled)
+    out.backward()
+    torch.testing.assert_close(out, layer(q, k, v))
+    for a, b in zip(compiled, eager):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
 def test_public_function_runs_the_plan(device, gen, run):
     args = (*inputs(1, 6, 6, 2, 1, 8, torch.float16, device, gen), True, None, True)
     assert dlblas_kernels.fused_rotary_and_fa is fused_rotary_and_fa
