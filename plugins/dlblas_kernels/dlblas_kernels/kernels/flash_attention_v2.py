@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 
+from dlblas_kernels import attention_decode, attention_grad
 from dlblas_kernels.attention import FORWARD_KERNELS, block_d, fit, forward_calls, shared_memory_bytes
 from dlcore import InvalidInputError
 from dlcore.declarations.device import DeviceProfile
@@ -36,16 +37,6 @@ from dlcore.declarations.signature import Signature
 from dlcore.declarations.space import Constraint, PowerOfTwo, SearchSpace, num_stages, num_warps
 from dlcore.runtime.template import Backward, Residuals, define_kernel
 
-# The backward (attention_grad, helper attn-bwd) and the split-KV decode path (attention_decode,
-# helper decode) land on their own branches; until the lead merges them this module works without.
-try:
-    from dlblas_kernels import attention_grad
-except ImportError:
-    attention_grad = None
-try:
-    from dlblas_kernels import attention_decode
-except ImportError:
-    attention_decode = None
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ANY_LAYOUT = ("contiguous", "rows", "strided")
@@ -117,7 +108,7 @@ def scale_of(q: torch.Tensor, softmax_scale: float | None) -> float:
 def _calls(args: tuple, config: Config, profile: DeviceProfile, out: torch.Tensor, lse: torch.Tensor) -> list:
     q, k, v, causal, softmax_scale, _ = args
     scale = scale_of(q, softmax_scale)
-    if attention_decode is not None and attention_decode.use_decode(q, k, profile):
+    if attention_decode.use_decode(q, k, profile):
         return attention_decode.decode_calls(q, k, v, out, lse, causal=causal, scale=scale, profile=profile)
     return forward_calls(q, k, v, out, lse, causal=causal, scale=scale, config=config, profile=profile)
 
@@ -311,7 +302,7 @@ def _gradients(backward, saved, grads, needs) -> dict:
     return {"q": dq, "k": dk, "v": dv}
 
 
-BACKWARD = None if attention_grad is None else Backward(
+BACKWARD = Backward(
     _gradients, saved=("q", "k", "v", "out", "lse", "causal", "softmax_scale"), plan=attention_grad.backward_plan,
     reference=attention_grad.backward_reference, results=attention_grad.backward_results,
     residuals=Residuals(("lse",), training_plan, training_outputs, flash_attention_v2_training_reference,
@@ -320,8 +311,7 @@ BACKWARD = None if attention_grad is None else Backward(
 
 KERNEL = define_kernel(
     OP, plan,
-    kernels=(*FORWARD_KERNELS, *(attention_decode.DECODE_KERNELS if attention_decode is not None else ()),
-             *(attention_grad.BACKWARD_KERNELS if attention_grad is not None else ())),
+    kernels=(*FORWARD_KERNELS, *attention_decode.DECODE_KERNELS, *attention_grad.BACKWARD_KERNELS),
     results=outputs,
     default_config=default_config,
     space=space,
