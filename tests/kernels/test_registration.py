@@ -36,6 +36,8 @@ CUSTOM_OPS = {
     "partial_rotary_emb": {"torch"},
     "matmul": {"torch"},
     "softmax": {"torch"},
+    "flash_attention_v2": {"torch", "sdpa_flash", "sdpa_cudnn"},
+    "fused_rotary_and_fa": {"composite"},
 }
 
 

@@ -37,7 +37,6 @@ from dlcore.declarations.signature import Signature
 from dlcore.declarations.space import Constraint, PowerOfTwo, SearchSpace, num_stages, num_warps
 from dlcore.runtime.template import Backward, Residuals, define_kernel
 
-
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ANY_LAYOUT = ("contiguous", "rows", "strided")
 MAX_HEAD_DIM = 256
