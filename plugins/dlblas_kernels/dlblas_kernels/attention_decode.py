@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dlblas_kernels.attention import block_d as tile_width
 from dlcore import InvalidInputError
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, KernelCall
@@ -207,7 +208,7 @@ def default_config(q: torch.Tensor, k: torch.Tensor, profile: DeviceProfile) -> 
     - but at most ``sqrt(Sk / SPLIT_BALANCE)`` splits: each split costs a prologue and a share of
       the combine, so short caches take fewer, longer splits (Sk 1024: 8 of 128 keys)."""
     batch, sk, hk, d = k.shape
-    block_d = max(next_power_of_2(d), 16)
+    block_d = tile_width(d)
     block_m = max(next_power_of_2(_rows(q, k)), MIN_DOT_ROWS)
     block_n = 64 if block_d <= 128 else 32
     stages = 3
@@ -259,7 +260,7 @@ def decode_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
     batch, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
     block_n = config["BLOCK_N"]
-    block_d = max(next_power_of_2(d), 16)
+    block_d = tile_width(d)
     # split lengths in whole key blocks: only the last split's last block is ragged
     keys_per_split = max(block_n, cdiv(cdiv(sk, config["SPLITS"]), block_n) * block_n)
     splits = max(1, cdiv(sk, keys_per_split))

@@ -58,9 +58,10 @@ import triton
 import triton.language as tl
 
 from dlblas_kernels import gemm
+from dlblas_kernels.attention import block_d as tile_width
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
-from dlcore.declarations.signature import cdiv, next_power_of_2
+from dlcore.declarations.signature import cdiv
 
 LOG2E = 1.4426950408889634
 #: rows of the preprocess kernel's programs
@@ -421,7 +422,7 @@ def backward_config(q: torch.Tensor, causal: bool, profile: DeviceProfile) -> Co
     program would not fit the shared memory), halved blocks for float32 (twice the bytes per
     element), :data:`INTERPRETER_TILES` elsewhere; ``DKDV_TMA`` and ``DQ_TMA`` 1 (the streamed
     tiles through tensor descriptors, where the inputs allow) on Hopper."""
-    d = next_power_of_2(q.shape[-1])
+    d = tile_width(q.shape[-1])
     if profile.backend != "cuda":
         dkdv, dq = INTERPRETER_TILES
     else:
@@ -492,7 +493,7 @@ def backward_calls(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         config = backward_config(q, causal, profile)
     if stats is None:
         stats = stats_scratch(q)
-    block_d = next_power_of_2(d)
+    block_d = tile_width(d)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     cos, sin, interleaved = rotary if rotary is not None else (q, q, False)
     tables = (*_table_strides(cos), *_table_strides(sin)) if rotary is not None else (0,) * 6
