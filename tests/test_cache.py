@@ -3,6 +3,7 @@
 import dataclasses
 import importlib
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -153,12 +154,147 @@ def test_a_corrupt_database_is_set_aside_and_rebuilt(tmp_path):
     directory = tmp_path / "c"
     DiskCache(directory).put("rms_norm:x", record())
     (directory / "cache.db").write_bytes(b"this is not a sqlite database" * 100)
+    (directory / "notes.txt").write_text("a user's file")
     cache = DiskCache(directory)
-    with pytest.warns(CacheWarning, match="moved it to"):
+    with pytest.warns(CacheWarning, match="moved cache.db to cache.db.corrupt-"):
         assert cache.get("rms_norm:x") is None
     cache.put("rms_norm:y", record())
     assert cache.get("rms_norm:y") is not None
-    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("c.corrupt-")]
+    assert [p.name for p in directory.iterdir() if p.name.startswith("cache.db.corrupt-")]
+    assert (directory / "notes.txt").read_text() == "a user's file"  # only the database moved
+
+
+def _tamper(directory, sql, *params):
+    import sqlite3
+
+    db = sqlite3.connect(directory / "cache.db")
+    db.execute(sql, params)
+    db.commit()
+    db.close()
+
+
+def test_a_row_naming_a_file_outside_the_cache_is_neither_read_nor_deleted(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text(json.dumps(record()))  # a valid record: reading it would be wrong too
+    directory = tmp_path / "c"
+    DiskCache(directory).put("rms_norm:k", record())
+    for mode in (2, 3, 4):  # diskcache's binary file, text file, pickle
+        _tamper(directory, "UPDATE Cache SET mode = ?, filename = '../victim.txt', value = NULL WHERE key = ?",
+                mode, "rms_norm:k")
+        cache = DiskCache(directory)
+        with pytest.warns(CacheWarning, match="unreadable cache entry"):
+            assert cache.get("rms_norm:k") is None
+        cache.put("rms_norm:k", record(BLOCK_N=64))  # replacing the row: diskcache would delete its file
+        cache.delete("rms_norm:k")
+        cache.put("rms_norm:k", record())
+        cache.clear()
+        cache.put("rms_norm:k", record())
+        cache.close()
+        assert victim.read_text() == json.dumps(record())
+    with pytest.raises(ValueError, match="only inline text"):
+        from dlcore.dispatch.jsondisk import TextOnlyDisk
+
+        TextOnlyDisk(str(directory)).fetch(1, "../victim.txt", "{}", False)
+
+
+def test_large_records_stay_inline(tmp_path):
+    cache = DiskCache(tmp_path / "c")
+    big = record(BLOCK_N=1, notes="x" * 200_000)  # over diskcache's 32 KiB file threshold
+    cache.put("rms_norm:big", big)
+    assert cache.get_record("rms_norm:big") == json.loads(json.dumps(big, sort_keys=True))
+    assert [p.name for p in (tmp_path / "c").rglob("*.val")] == []
+
+
+def test_tampered_settings_are_not_used(tmp_path):
+    directory = tmp_path / "c"
+    DiskCache(directory).put("rms_norm:x", record())
+    _tamper(directory, "INSERT OR REPLACE INTO Settings VALUES ('disk_min_file_size', 0)")
+    _tamper(directory, "INSERT OR REPLACE INTO Settings VALUES ('eviction_policy', 'nonsense')")
+    cache = DiskCache(directory)
+    assert cache.get("rms_norm:x") == selection()  # explicit settings win: nothing to set aside
+    cache.put("rms_norm:y", record())
+    assert [p.name for p in directory.rglob("*.val")] == []
+
+
+def test_keys_that_are_not_text_are_skipped(tmp_path, capsys):
+    directory = tmp_path / "c"
+    DiskCache(directory).put("rms_norm:x", record())
+    raw = diskcache.Cache(str(directory))
+    raw.set(7, "seven")
+    raw.set(b"bytes", "b")
+    raw.close()
+    cache = DiskCache(directory)
+    with pytest.warns(CacheWarning, match="2 cache entries .* not text"):
+        assert [k for k, _ in cache.items()] == ["rms_norm:x"]
+
+
+def test_a_read_only_cache_is_served_not_repaired(tmp_path, monkeypatch):
+    import os
+
+    import dlcore.dispatch.store as store
+
+    directory = tmp_path / "c"
+    DiskCache(directory).put("rms_norm:x", record())
+    before = sorted(p.name for p in directory.iterdir())
+    real_access = os.access
+    monkeypatch.setattr(store.os, "access",
+                        lambda path, mode: False if mode == os.W_OK else real_access(path, mode))
+    cache = DiskCache(directory)
+    with pytest.warns(CacheWarning, match="read-only") as caught:
+        assert cache.get("rms_norm:x") == selection()
+        cache.put("rms_norm:y", record())
+        assert cache.get("rms_norm:y") is None
+        assert [k for k, _ in cache.items()] == ["rms_norm:x"]
+    assert len(caught) == 1
+    with pytest.raises(CacheFileError, match="read-only"):
+        cache.clear()
+    assert sorted(p.name for p in directory.iterdir()) == before
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes through permission bits")
+def test_a_read_only_directory_on_disk(tmp_path):
+    directory = tmp_path / "c"
+    DiskCache(directory).put("rms_norm:x", record())
+    directory.chmod(0o555)
+    tmp_path.chmod(0o555)
+    try:
+        cache = DiskCache(directory)
+        with pytest.warns(CacheWarning, match="read-only"):
+            assert cache.get("rms_norm:x") == selection()
+            cache.put("rms_norm:y", record())
+    finally:
+        tmp_path.chmod(0o755)
+        directory.chmod(0o755)
+
+
+def test_a_cache_path_that_is_a_file_is_left_alone(tmp_path):
+    path = tmp_path / "my-notes"
+    path.write_text("mine")
+    cache = DiskCache(path)
+    with pytest.warns(CacheWarning, match="not a directory"):
+        assert cache.get("rms_norm:x") is None
+        cache.put("rms_norm:x", record())
+        assert list(cache.items()) == []
+    assert path.read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my-notes"]
+
+
+def test_get_op_runs_without_a_disk_cache_when_the_path_is_a_file(tmp_path):
+    path = tmp_path / "not-a-dir"
+    path.write_text("mine")
+    code = (
+        "import warnings, torch, dlcore\n"
+        "warnings.simplefilter('error', DeprecationWarning)\n"
+        "x, w = torch.randn(3, 64), torch.randn(64)\n"
+        "out = dlcore.get_op('rms_norm', (x, w))(x, w)\n"
+        "ref = dlcore.get_op('rms_norm', (x, w), impl='reference')(x, w)\n"
+        "assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()\n"
+    )
+    env = {**os.environ, "DLCORE_CACHE_DIR": str(path), "DLCORE_TUNE": "off"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "not a directory" in done.stderr
+    assert path.read_text() == "mine"
 
 
 def test_get_op_remembers_a_measured_selection_across_processes(monkeypatch):
@@ -188,3 +324,14 @@ def test_the_source_hash_covers_every_module_a_kernel_takes_code_from():
     assert modules == ["dlblas_kernels.kernels.add_rms_norm", "dlblas_kernels.kernels.rms_norm"]
     # The implementation's hash covers the same modules (its plan carries the kernel module's name).
     assert [m.__name__ for m in source_modules(add_rms_norm.KERNEL.implementation.plan)] == modules
+
+
+def test_export_and_import_errors_are_named(tmp_path):
+    cache = DiskCache(tmp_path / "c")
+    with pytest.raises(CacheFileError, match="cannot read .*missing.json"):
+        cache.import_(tmp_path / "missing.json")
+    with pytest.raises(CacheFileError, match="cannot write .*x.json"):
+        cache.export(tmp_path / "no-such-dir" / "x.json")
+    (tmp_path / "entries.json").write_text(json.dumps({"format": "dlcore-cache", "entries": [1]}))
+    with pytest.raises(CacheFileError, match="entries"):
+        cache.import_(tmp_path / "entries.json")

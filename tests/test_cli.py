@@ -57,3 +57,36 @@ def test_bad_size_syntax():
 def test_console_script_is_installed():
     done = subprocess.run([sys.executable, "-m", "dlcore.cli", "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and "plugins" in done.stdout
+
+
+def test_a_dlcore_error_is_one_line_and_exit_2(capsys, tmp_path):
+    assert main(["cache", "import", str(tmp_path / "missing.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dlcore: error: cannot read") and err.count("\n") == 1, err
+    from dlcore.errors import CacheFileError
+
+    with pytest.raises(CacheFileError):
+        main(["--debug", "cache", "import", str(tmp_path / "missing.json")])
+
+
+CHATTY = """
+import sys
+import dlcore.cli.inventory as inventory
+from dlcore.cli import main
+
+def run_ops(args):
+    for i in range(200_000):  # far more than a pipe holds
+        print(f"line {i}")
+    return 0
+
+inventory.run_ops = run_ops
+sys.exit(main(["ops"]))
+"""
+
+
+@pytest.mark.slow
+def test_a_closed_pipe_ends_quietly():
+    done = subprocess.run(f"{sys.executable} -c '{CHATTY}' | head -1; exit ${{PIPESTATUS[0]}}", shell=True,
+                          executable="/bin/bash", capture_output=True, text=True)
+    assert done.stdout == "line 0\n"
+    assert done.returncode == 0 and done.stderr == "", done.stderr

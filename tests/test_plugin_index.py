@@ -103,10 +103,22 @@ def test_an_unreadable_index_is_ignored(plugin_site, tmp_path):
     cache = tmp_path / "cache"
     first = run_json(REPORT, plugin_site, DLCORE_CACHE_DIR=str(cache))
     index = next((cache / "plugins").glob("kernels-*.json"))
+    learnt = json.loads(index.read_text())
+    ops_as_text = {**learnt, "plugins": {pid: {**e, "ops": ",".join(e["ops"])} for pid, e in learnt["plugins"].items()}}
     for damage in ("{not json", json.dumps({"schema": 1, "plugins": {"dlcore.kernels:ffn": {"value": 3}}}),
-                   json.dumps([1, 2])):
+                   json.dumps([1, 2]), json.dumps(ops_as_text)):
         index.write_text(damage)
         result = run_json(REPORT, plugin_site, DLCORE_CACHE_DIR=str(cache))
         assert result["impls"] == first["impls"] and result["ops"] == first["ops"]
         assert result["status"]["dlcore.kernels:ffn"] == "loaded"  # unknown again: loaded, and learnt anew
         assert _index(cache)["plugins"]["dlcore.kernels:ffn"]["ops"] == ["ffn"]
+
+
+def test_an_entry_of_the_wrong_types_is_not_trusted():
+    from dlcore.plugins.index import Entry
+
+    good = {"value": "m:p", "ops": ["rms_norm"], "eager": False, "root": "/r", "stamp": "s"}
+    assert Entry.from_json(good) == Entry("m:p", ["rms_norm"], False, "/r", "s")
+    for field, wrong in (("ops", "rms_norm"), ("ops", [1]), ("eager", "no"), ("value", 3), ("root", None)):
+        assert Entry.from_json({**good, field: wrong}) is None, field
+    assert Entry.from_json(["m:p"]) is None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
@@ -14,6 +15,7 @@ COMMANDS = ("inventory", "check", "tune", "cache", "bench", "lower")
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dlcore", description="Select, tune and lower Triton kernels.")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
         importlib.import_module(f"dlcore.cli.{name}").add_parsers(sub)
@@ -21,8 +23,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command. A :class:`~dlcore.errors.DlcoreError` (bad input, a missing tool, a
+    read-only cache) ends it with one line on stderr and exit status 2; ``--debug`` raises it
+    instead, with its traceback. A closed pipe (``dlcore ... | head``) ends it quietly."""
+    from dlcore.errors import DlcoreError
+
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except DlcoreError as exc:
+        if args.debug:
+            raise
+        print(f"dlcore: error: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # Python would complain again when it flushes stdout at exit: point it at nothing
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

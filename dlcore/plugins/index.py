@@ -49,12 +49,15 @@ class Entry:
 
     @classmethod
     def from_json(cls, data: Any) -> Entry | None:
-        try:
-            entry = cls(str(data["value"]), [str(o) for o in data["ops"]], bool(data["eager"]), str(data["root"]),
-                        str(data["stamp"]))
-        except (KeyError, TypeError, ValueError):
+        # Every field its own JSON type: a string where the list of ops belongs would otherwise be
+        # read character by character, and the plugin never loaded for its real ops.
+        if not isinstance(data, dict):
             return None
-        return entry
+        value, ops, eager, root, stamp = (data.get(k) for k in ("value", "ops", "eager", "root", "stamp"))
+        if not (isinstance(ops, list) and all(isinstance(o, str) for o in ops) and isinstance(eager, bool)
+                and all(isinstance(f, str) for f in (value, root, stamp))):
+            return None
+        return cls(value, list(ops), eager, root, stamp)
 
 
 @dataclass

@@ -424,9 +424,11 @@ class Shelf:
     def __init__(self, path: Path):
         self.path = path
         try:
-            self.entries: dict[str, Any] = json.loads(path.read_text())
+            entries = json.loads(path.read_text())
         except (OSError, ValueError):
-            self.entries = {}
+            entries = {}
+        # a shelf of another shape (damaged, or not dlcore's) is an empty one
+        self.entries: dict[str, Any] = entries if isinstance(entries, dict) else {}
 
     @classmethod
     def of(cls, kernel: Any) -> Shelf:
