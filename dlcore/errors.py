@@ -15,9 +15,14 @@ class DlcoreError(Exception):
 class UnknownOpError(DlcoreError, LookupError):
     """No op of that name is registered."""
 
-    def __init__(self, name: str, known: list[str], closest: list[str]):
+    def __init__(self, name: str, known: list[str], closest: list[str], disabled: str = ""):
+        """:param disabled: when the op's plugin is installed but not loaded, which and why."""
         self.name = name
         self.closest = closest
+        self.disabled = disabled
+        if disabled:
+            super().__init__(f"op {name!r} is provided by {disabled}. Registered ops: {', '.join(sorted(known))}.")
+            return
         hint = f" Did you mean {', '.join(repr(c) for c in closest)}?" if closest else ""
         listing = ", ".join(sorted(known)) or "none (is dlblas-kernels installed?)"
         super().__init__(f"unknown op {name!r}.{hint} Registered ops: {listing}.")
@@ -35,6 +40,11 @@ class InvalidInputError(DlcoreError, ValueError):
         if hint:
             message += f". {hint}"
         super().__init__(message)
+
+
+class InvalidCallError(DlcoreError, TypeError):
+    """``get_op`` (or another entry point) was given something of the wrong kind in place of an op's
+    name or its arguments; the message names the parameter."""
 
 
 class NoKernelError(DlcoreError):

@@ -134,6 +134,28 @@ def test_only_the_named_plugins_load(plugin_site):
     assert result["ops"] == ["softcap"]
 
 
+UNKNOWN_OP = """
+import json
+import torch
+import dlcore
+from dlcore.errors import UnknownOpError
+try:
+    dlcore.get_op("ffn", (torch.randn(2, 8),))
+except UnknownOpError as exc:
+    print(json.dumps({"message": str(exc), "disabled": exc.disabled}))
+"""
+
+
+@pytest.mark.slow
+def test_an_op_of_a_disabled_plugin_says_by_what(plugin_site):
+    result = run_json(UNKNOWN_OP, plugin_site, DLCORE_DISABLE_PLUGINS="ffn")
+    assert "dlcore.kernels:ffn (dlblas-kernels), installed but disabled by DLCORE_DISABLE_PLUGINS=ffn" in \
+        result["message"], result
+    assert "Did you mean" not in result["message"]
+    result = run_json(UNKNOWN_OP, plugin_site, DLCORE_PLUGINS="softcap")
+    assert "left out: DLCORE_PLUGINS=softcap does not name it" in result["message"], result
+
+
 @pytest.mark.slow
 def test_a_named_plugin_that_fails_raises(plugin_site):
     done = run_python("from dlcore.plugins.registry import registry; registry()", plugin_site,

@@ -84,3 +84,36 @@ def test_message_says_what_to_do():
 def test_unexpected_keyword():
     with pytest.raises(InvalidInputError, match="unexpected argument 'epsilon'"):
         dlcore.get_op("rms_norm", (rnd(4, 8), rnd(8)), {"epsilon": 1e-5})
+
+
+@pytest.mark.parametrize("name, args, kwargs, words", [
+    (None, ([1],), None, "name is None"),
+    (7, ([1],), None, "name is 7"),
+    ("rms_norm", None, None, "args is a NoneType"),
+    ("rms_norm", "xw", None, "args is a str"),
+    ("rms_norm", (), [("eps", 1.0)], "kwargs is a list"),
+])
+def test_get_op_names_a_wrong_kind_of_request(name, args, kwargs, words):
+    from dlcore.errors import InvalidCallError
+
+    with pytest.raises(InvalidCallError, match=words) as caught:
+        dlcore.get_op(name, args, kwargs)
+    assert isinstance(caught.value, TypeError)  # what Python itself would have raised
+
+
+def test_a_scalar_beyond_float_range_is_named():
+    from dlblas_kernels import rms_norm
+
+    x, w = torch.randn(2, 16), torch.randn(16)
+    for call in (lambda: rms_norm(x, w, eps=10**400), lambda: dlcore.get_op("rms_norm", (x, w, 10**400))):
+        with pytest.raises(InvalidInputError, match="eps is an integer of 1329 bits"):
+            call()
+
+
+def test_direct_functions_on_meta_tensors_give_shapes_like_torch():
+    from dlblas_kernels import matmul, rms_norm
+
+    x, w = torch.randn(5, 16, device="meta"), torch.randn(16, device="meta")
+    out = rms_norm(x, w)
+    assert out.device.type == "meta" and out.shape == (5, 16)
+    assert matmul(x, torch.randn(16, 3, device="meta")).shape == (5, 3)

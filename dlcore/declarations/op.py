@@ -172,6 +172,13 @@ class Op:
         ):
             names = " or ".join("None" if t is type(None) else t.__name__ for t in spec.types)
             raise InvalidInputError(self.name, spec.name, f"is a {type(value).__name__}", f"a {names} for {spec.name}")
+        if float in spec.types and isinstance(value, int) and not isinstance(value, bool):
+            try:
+                float(value)
+            except OverflowError:
+                got = f"is an integer of {value.bit_length()} bits, beyond a float's range"
+                raise InvalidInputError(self.name, spec.name, got, f"{spec.name} as a float (at most about 1.8e308)"
+                                        ) from None
         if spec.choices is not None and value not in spec.choices:
             raise InvalidInputError(self.name, spec.name, f"is {value!r}",
                                     f"one of {', '.join(repr(c) for c in spec.choices)}")

@@ -25,7 +25,7 @@ from dlcore.declarations.signature import Signature, make_signature
 from dlcore.dispatch.bound import BoundOp
 from dlcore.dispatch.key import DISABLE_IMPLS, Key, environment, exact_key
 from dlcore.dispatch.store import DiskCache, make_record
-from dlcore.errors import InvalidOptionError, NoKernelError, UnknownImplementationError
+from dlcore.errors import InvalidCallError, InvalidOptionError, NoKernelError, UnknownImplementationError
 from dlcore.plugins.registry import Registry, registry
 from dlcore.plugins.registry import reset as reset_registry
 from dlcore.tuning.policy import Tune, TunePolicy, resolve, satisfies
@@ -104,6 +104,7 @@ class Dispatcher:
         :raises BackendUnavailableError: no usable backend for the inputs' device.
         :raises NoKernelError: every implementation declined or failed.
         """
+        check_request(name, args, kwargs)
         options = (impl, tune, strategy, budget)
         exact = exact_key(name, args, kwargs, options)
         hit = self._exact.get(exact) if exact is not None else None
@@ -128,6 +129,7 @@ class Dispatcher:
     def tune_op(self, name: str, args: tuple | list, *, strategy: str, budget: int | None = None, tune: str = "full",
                 progress: Callable[[Evaluation], None] | None = None) -> tuple[BoundOp, dict[str, SearchResult]]:
         """Tune now, whatever is cached, and remember the result: what ``dlcore tune`` runs."""
+        check_request(name, args, None)
         call = self.prepare(name, args)
         key = self.key_of(call)
         policy = resolve(tune, strategy, budget)
@@ -290,6 +292,20 @@ def default() -> Dispatcher:
     if _default is None:
         _default = Dispatcher()
     return _default
+
+
+def check_request(name: Any, args: Any, kwargs: Any) -> None:
+    """:class:`InvalidCallError` unless ``name`` is a str, ``args`` a tuple or list and ``kwargs`` a
+    dict or None (a few hundred nanoseconds: it runs before every memo lookup)."""
+    if type(name) is not str:
+        raise InvalidCallError(f"get_op: name is {name!r} ({type(name).__name__}); expected an op's name as a str, "
+                               "e.g. 'rms_norm' (`dlcore ops` lists them)")
+    if not isinstance(args, (tuple, list)):
+        raise InvalidCallError(f"get_op({name!r}, args): args is a {type(args).__name__}; expected a tuple or list "
+                               "of the op's arguments in its order, e.g. (x, weight)")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise InvalidCallError(f"get_op({name!r}, args, kwargs): kwargs is a {type(kwargs).__name__}; expected a dict "
+                               "of arguments by name, or None")
 
 
 def get_op(name: str, args: tuple | list, kwargs: dict[str, Any] | None = None, **options: Any) -> BoundOp:

@@ -201,8 +201,12 @@ def discover(defer: Callable[[PluginRecord], bool] | None = None) -> PluginSet:
             plugins.records.append(record)
             wanted = {ep.name, record.id}
             requested_seen |= wanted & only
-            if wanted & disabled or (only and not record.builtin and not wanted & only):
+            if wanted & disabled:
                 record.status = PluginStatus.DISABLED
+                record.error = f"disabled by DLCORE_DISABLE_PLUGINS={os.environ.get('DLCORE_DISABLE_PLUGINS', '')}"
+            elif only and not record.builtin and not wanted & only:
+                record.status = PluginStatus.DISABLED
+                record.error = f"left out: DLCORE_PLUGINS={os.environ.get('DLCORE_PLUGINS', '')} does not name it"
             elif group == DEFERRABLE_GROUP and defer is not None and not wanted & only and defer(record):
                 record.status = PluginStatus.DEFERRED
             else:

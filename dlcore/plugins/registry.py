@@ -183,7 +183,19 @@ class Registry:
             return self._ops[name]
         except KeyError:
             known = sorted(set(self._ops).union(*(self.index.entries[r.id].ops for r in self.plugins.deferred())))
-            raise UnknownOpError(name, known, difflib.get_close_matches(name, known, n=3, cutoff=0.5)) from None
+            raise UnknownOpError(name, known, difflib.get_close_matches(name, known, n=3, cutoff=0.5),
+                                 self._disabled_provider(name)) from None
+
+    def _disabled_provider(self, op: str) -> str:
+        """Which installed but disabled kernel plugin provides ``op``, and why it is off ('' if none):
+        known from the plugin index, or from the convention that a kernel entry point is named after its op."""
+        for r in self.plugins.records:
+            if r.group != DEFERRABLE_GROUP or r.status is not PluginStatus.DISABLED:
+                continue
+            entry = self.index.entries.get(r.id) if self.index is not None else None
+            if r.name == op or (entry is not None and op in entry.ops):
+                return f"plugin {r.id} ({r.distribution}), installed but {r.error}"
+        return ""
 
     def implementations_of(self, op: str) -> list[Implementation]:
         self._require(op)
