@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from dlcore.declarations.layout import ACCEPTED_LAYOUT_TEXT, layout_of
+from dlcore.declarations.overlap import Overlap, overlap, overlaps_itself
 from dlcore.errors import DeclarationError, InvalidInputError
 
 REQUIRED = object()
@@ -66,6 +67,9 @@ class ScalarArg:
     default: Any = REQUIRED
     keyed: bool = False
     choices: tuple[Any, ...] | None = None
+    #: a ``bool`` argument that, when true, makes the op write its results into these tensor
+    #: arguments (``inplace``): each is then checked to overlap neither itself nor another argument
+    writes: tuple[str, ...] = ()
 
 
 Arg = TensorArg | ScalarArg
@@ -106,6 +110,11 @@ class Op:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_index", {a.name: i for i, a in enumerate(self.args)})
+        tensors = {a.name for a in self.args if isinstance(a, TensorArg)}
+        for a in self.args:
+            if isinstance(a, ScalarArg) and set(a.writes) - tensors:
+                raise DeclarationError(f"{self.name}: {a.name} writes {a.writes}, but its tensor arguments are "
+                                       f"{sorted(tensors)}")
 
     # -- binding --------------------------------------------------------------------------------
 
@@ -162,9 +171,33 @@ class Op:
                     self.name, spec.name, f"is on {value.device} while {first_tensor} is on {device}",
                     "tensors on one device", "Move all inputs to the same device.",
                 )
+        for spec, value in zip(self.args, bound):
+            if isinstance(spec, ScalarArg) and spec.writes and value:
+                self._check_writes(spec, bound)
         if self.check is not None:
             self.check(self, dict(zip(self._index, bound)))
         return device if device is not None else torch.device("cpu")
+
+    def _check_writes(self, spec: ScalarArg, bound: tuple) -> None:
+        """The tensors ``spec`` makes the op write into overlap neither themselves nor another
+        tensor argument (:mod:`dlcore.declarations.overlap`)."""
+        tensors = {a.name: v for a, v in zip(self.args, bound) if isinstance(v, torch.Tensor)}
+        for name in spec.writes:
+            written = tensors[name]
+            if overlaps_itself(written):
+                raise InvalidInputError(
+                    self.name, name, f"has elements that share memory (shape {tuple(written.shape)}, strides "
+                    f"{tuple(written.stride())})", f"with {spec.name}=True, a {name} whose elements are distinct",
+                    f"Pass {name}.clone(), or {spec.name}=False.")
+            for other, value in tensors.items():
+                if other == name or (other in spec.writes and spec.writes.index(other) < spec.writes.index(name)):
+                    continue
+                shared = overlap(written, value)
+                if shared is not Overlap.NONE:
+                    raise InvalidInputError(
+                        self.name, name, f"and {other} are {shared.value}",
+                        f"with {spec.name}=True, a {name} that shares no memory with {other}",
+                        f"Pass distinct tensors, or {spec.name}=False.")
 
     def _check_scalar(self, spec: ScalarArg, value: Any) -> None:
         if isinstance(value, torch.Tensor) or not isinstance(value, spec.types) or (

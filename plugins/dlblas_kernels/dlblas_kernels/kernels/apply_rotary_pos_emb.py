@@ -446,7 +446,7 @@ OP = Op(
         TensorArg("cos", DTYPES, min_rank=2, layouts=ANY_LAYOUT, bucket="rows", differentiable=False),
         TensorArg("sin", DTYPES, min_rank=2, layouts=ANY_LAYOUT, bucket="rows", differentiable=False),
         ScalarArg("interleaved", (bool,), default=False, keyed=True),
-        ScalarArg("inplace", (bool,), default=False),
+        ScalarArg("inplace", (bool,), default=False, writes=("q", "k")),
     ),
     reference=apply_rotary_pos_emb_reference,
     doc="(q * cos + rotate(q) * sin, k * cos + rotate(k) * sin), q/k [..., S, H, D], cos/sin [..., S, D]",
