@@ -34,7 +34,7 @@ def test(session: nox.Session, triton: str) -> None:
 
     pytest takes the last ``-m`` it is given, so one after ``--`` replaces the lane's."""
     install(session, triton)
-    session.install("pytest", "ruff", "matplotlib", "import-linter")
+    session.install("pytest", "ruff", "matplotlib", "import-linter", "hypothesis")
     session.run("ruff", "check", ".")
     session.run("lint-imports")
     lane = [] if triton == TRITON_VERSIONS[-1] else ["-m", "not slow"]

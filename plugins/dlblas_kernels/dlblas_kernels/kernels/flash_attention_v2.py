@@ -72,8 +72,8 @@ def flash_attention_v2_training_reference(q: torch.Tensor, k: torch.Tensor, v: t
         keys = torch.arange(sk, device=q.device)[None, :]
         scores = scores.masked_fill(keys > rows + (sk - sq), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    # exp(-inf - -inf) is NaN on the rows that see no key: their weights are 0.
-    weights = torch.exp(scores - lse[..., None]).nan_to_num(0.0)
+    # exp(-inf - -inf) is NaN on the rows that see no key: their weights are 0 (a NaN from the inputs stays NaN).
+    weights = torch.exp(scores - lse[..., None]).masked_fill(torch.isneginf(lse)[..., None], 0.0)
     out = (weights @ vf).transpose(1, 2)
     return out.to(q.dtype), lse.to(compute)
 
