@@ -1,11 +1,24 @@
-"""The ``npu`` backend: Ascend NPUs through torch_npu, imported only when first asked."""
+"""The ``npu`` backend: Ascend NPUs through torch_npu, imported only when first asked.
+
+On a real Ascend host (torch_npu, CANN and triton-ascend installed) the kernels run through
+triton-ascend's JIT on ``npu`` tensors. dlcore's warm launch path (:mod:`dlcore.runtime.launch`)
+checks, once, every Triton internal it relies on; triton-ascend 3.2.0 lacks ``triton.knobs`` and its
+launcher takes ``(*args, **kwargs)``, so that check fails, one warning names what is missing, and
+every launch goes through ``kernel[grid](...)``: the capability decides, not the backend's name.
+
+Device numbers: :mod:`dlc_ascend.runtime` (driver, then torch_npu, then :mod:`dlc_ascend.chips`);
+timing: NPU events; search spaces: :mod:`dlc_ascend.refine`.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import importlib.util
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dlc_ascend import refine, runtime
 from dlcore import hookimpl
 from dlcore.declarations.backend import Availability, Backend
 from dlcore.declarations.device import DeviceProfile
@@ -16,11 +29,13 @@ if TYPE_CHECKING:
     from dlcore.compiler.lowering import Lowering
     from dlcore.compiler.passes import Pipeline
     from dlcore.declarations.implementation import KernelCall
+    from dlcore.declarations.signature import Signature
+    from dlcore.declarations.space import SearchSpace
 
 INSTALL_HINT = "pip install 'dlc-ascend[npu]' with Huawei CANN installed and sourced"
-
-#: AI-core (cube) counts of known chips, for runtimes that do not report them
-KNOWN_CORES = {"Ascend910B1": 24, "Ascend910B2": 24, "Ascend910B3": 20, "Ascend910B4": 20, "Ascend310P3": 8}
+#: what to do when torch_npu is installed but does not import
+IMPORT_HINT = ("source CANN's set_env.sh (e.g. /usr/local/Ascend/ascend-toolkit/set_env.sh) before starting Python; "
+               "without CANN, set TORCH_DEVICE_BACKEND_AUTOLOAD=0 so that `import torch` does not import torch_npu")
 
 
 class AscendBackend(Backend):
@@ -36,32 +51,33 @@ class AscendBackend(Backend):
         return self._availability
 
     def _probe(self) -> Availability:
-        runtime, reason = import_runtime("torch_npu", INSTALL_HINT)
-        if runtime is None:
-            return Availability(False, reason)
+        module, reason = import_runtime("torch_npu", INSTALL_HINT)
+        if module is None:
+            installed = importlib.util.find_spec("torch_npu") is not None
+            return Availability(False, f"{reason}; {IMPORT_HINT}" if installed else reason)
         npu = getattr(torch, "npu", None)
         if npu is None or not npu.is_available():
             return Availability(False, "torch_npu imported but torch.npu.is_available() is False (no NPU visible)")
         return Availability(True)
 
-    def profile(self, device: torch.device) -> DeviceProfile:
+    def _npu(self) -> Any:
         availability = self.available()  # imports the runtime, which adds torch.npu
         if not availability:
             raise BackendUnavailableError(f"backend {self.name!r} is not available: {availability.reason}")
-        props = torch.npu.get_device_properties(device)
-        name = getattr(props, "name", "Ascend")
-        cores = getattr(props, "cube_core_num", 0) or KNOWN_CORES.get(name, 0) or 1
-        return DeviceProfile(
-            backend=self.name,
-            vendor="huawei",
-            name=name,
-            arch=name,
-            cores=cores,
-            memory_bytes=getattr(props, "total_memory", 0),
-        )
+        return torch.npu
+
+    def profile(self, device: torch.device) -> DeviceProfile:
+        """Cores, memory, unified buffer (``shared_memory_per_program``) and L2 of ``device``; see
+        :mod:`dlc_ascend.runtime` for where each number comes from and what ``cores`` counts."""
+        npu = self._npu()
+        return runtime.profile(runtime.device_index(npu, device), npu.get_device_properties(device))
 
     def synchronize(self, device: torch.device) -> None:
-        torch.npu.synchronize(device)
+        self._npu().synchronize(device)
+
+    def timer(self, fn: Callable[[], object], device: torch.device, *, warmup: int = 1, reps: int = 5) -> float:
+        """Median milliseconds between NPU events (``torch.npu.Event(enable_timing=True)``), warm-up excluded."""
+        return runtime.event_time(self._npu(), fn, device, warmup, reps)
 
     def lower(self, call: KernelCall, target: str, passes: Pipeline | None = None,
               specialize: bool = True) -> Lowering:
@@ -83,3 +99,9 @@ class AscendBackend(Backend):
 @hookimpl
 def dlcore_backends() -> list[Backend]:
     return [AscendBackend()]
+
+
+@hookimpl
+def dlcore_refine_space(space: SearchSpace, signature: Signature, profile: DeviceProfile) -> SearchSpace | None:
+    """Spaces searched on an npu device, narrowed for its AI cores (:func:`dlc_ascend.refine.refine`)."""
+    return refine.refine(space, signature, profile) if profile.backend == AscendBackend.name else None

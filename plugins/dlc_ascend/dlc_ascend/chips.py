@@ -2,7 +2,7 @@
 
 Each row is read from CANN's platform files (``<cann>/<arch>-linux/data/platform_config/<chip>.ini``,
 section ``[SoCInfo]``: ``cube_core_cnt``, ``vector_core_cnt``, ``memory_size``, ``l2_size``;
-``[AICoreSpec]``: ``ub_size``). On a real NPU the driver's counts win (see the backend's profile).
+``[AICoreSpec]``: ``ub_size``, ``l0_c_size``). On a real NPU the driver's counts win (see the backend's profile).
 
 An A2/A3 AI core pairs one cube core (``tl.dot``) with two vector cores (everything else): a
 vector-only kernel runs on the vector cores, a mixed kernel on the cube cores with their vector
@@ -32,6 +32,9 @@ class Chip:
     l2_bytes: int
     #: the unified buffer of one vector core (on-chip memory a program's tiles live in)
     ub_bytes: int
+    #: the cube unit's L0C buffer, where a ``tl.dot``'s float32 accumulator lives (the same on every
+    #: A2/A3 AI core, which all the parts below have)
+    l0c_bytes: int = 128 * KiB
 
 
 _A2_A3_UB = 192 * KiB
@@ -50,12 +53,17 @@ ALIASES = {"Ascend910B": "Ascend910B2", "Ascend910_93": "Ascend910_9392"}
 DEFAULT = "Ascend910B2"
 
 
+def find(name: str) -> Chip | None:
+    """The part named ``name`` (a family name maps through :data:`ALIASES`), or ``None``."""
+    return CHIPS.get(ALIASES.get(name, name))
+
+
 def chip(name: str) -> Chip:
     """The part named ``name`` (a family name maps through :data:`ALIASES`).
 
     :raises LoweringError: an unknown name, with the known ones.
     """
-    found = CHIPS.get(ALIASES.get(name, name))
+    found = find(name)
     if found is None:
         known = ", ".join([*CHIPS, *ALIASES])
         raise LoweringError(f"unknown Ascend part {name!r}; known: {known}")
