@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dlc_ascend.toolchain import TOOLCHAIN
 from dlcore import hookimpl
 from dlcore.declarations.backend import Availability, Backend
 from dlcore.declarations.device import DeviceProfile
@@ -26,6 +27,7 @@ KNOWN_CORES = {"Ascend910B1": 24, "Ascend910B2": 24, "Ascend910B3": 20, "Ascend9
 class AscendBackend(Backend):
     name = "npu"
     device_types = ("npu",)
+    toolchains = (TOOLCHAIN,)
 
     def __init__(self) -> None:
         self._availability: Availability | None = None
