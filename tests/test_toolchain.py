@@ -15,6 +15,7 @@ import stat
 import sys
 import zipfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 from dlc_ascend import toolchain as ascend
@@ -43,7 +44,7 @@ def script(path: Path, says: str, code: int = 0, executable: bool = True) -> Pat
 
 
 @pytest.fixture
-def isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Path]:
+def isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any]:
     """No Ascend tool anywhere: variables unset, PATH an empty folder and the system's, the tool cache empty, and the
     package lookup finding neither ascendnpuir nor triton-ascend's triton (the real ones are installed
     here; ``packages`` maps an import name to a fake package folder)."""
@@ -55,7 +56,7 @@ def isolated(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Path]
     packages: dict[str, Path] = {}
     monkeypatch.setattr(tc, "package_dir", lambda name: packages.get(name))
     return {"root": tmp_path, "path": tmp_path / "path", "cache": tmp_path / "toolcache" / "ascend",
-            "packages": packages}  # type: ignore[dict-item]
+            "packages": packages}
 
 
 def test_the_search_order_is_the_issues():
@@ -113,12 +114,11 @@ def test_packages_are_searched_in_the_order_given(isolated):
     chain = Toolchain("demo", "demo", (tool,))
     for name in ("first_pkg", "second_pkg"):
         isolated["packages"][name] = root / name
-    second = script(root / "second_pkg" / "demo-opt", "demo-opt 2")
+    script(root / "second_pkg" / "demo-opt", "demo-opt 2")
     assert tc.find(chain, "demo-opt").package == "second_pkg"
     script(root / "first_pkg" / "bin" / "demo-opt", "demo-opt 1")
     found = tc.find(chain, "demo-opt")
     assert (found.package, found.path) == ("first_pkg", root / "first_pkg" / "bin" / "demo-opt")
-    assert second.exists()
 
 
 def test_a_package_on_sys_path_is_found_without_importing_it(isolated, monkeypatch):
@@ -276,6 +276,25 @@ def test_fetch_from_a_local_wheel_extracts_only_the_adapter(isolated, pinned, ca
     assert "triton-adapter-opt  linalg  ok       20.0.0git  triton-ascend 3.2.0  tool cache" in out, out
     assert "bishengir-compile: get it: `pip install 'dlc-ascend[tools]'`" in out, out
     assert "pip install 'dlc-ascend[tools]'" in out.splitlines()[0]
+
+
+def test_fetch_says_when_an_earlier_source_is_the_one_used(isolated, pinned, monkeypatch, capsys):
+    monkeypatch.setenv("DLC_ASCEND_ADAPTER_OPT", str(script(isolated["root"] / "mine", ADAPTER_SAYS)))
+    local = fake_wheel(isolated["root"] / "w.whl", ADAPTER_SCRIPT)
+    pinned(local)
+    assert fetch("--wheel", str(local)) == 0
+    assert (f"note: triton-adapter-opt from the variable ({isolated['root'] / 'mine'}) comes first and is the one "
+            f"used; {isolated['cache'] / 'triton-adapter-opt'} serves when it is gone") in capsys.readouterr().out
+
+
+def test_a_fetched_adapter_that_does_not_run_here_is_an_error(isolated, pinned, capsys):
+    """As an aarch64 binary on an x86_64 host would be: the fetch fails, saying why."""
+    local = fake_wheel(isolated["root"] / "w.whl", b"\x7fELF for another machine")
+    pinned(local)
+    assert fetch("--wheel", str(local)) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"dlcore: error: triton-adapter-opt fetched to {isolated['cache']}/triton-adapter-opt "
+                          "does not work here: does not run: ") and err.count("\n") == 1, err
 
 
 def test_fetch_replaces_atomically_and_leaves_the_old_tool_on_failure(isolated, pinned, monkeypatch, capsys):
