@@ -22,6 +22,7 @@ from dlc_ascend import toolchain as ascend
 from dlc_ascend.backend import AscendBackend
 
 from dlcore.cli import main
+from dlcore.cli import toolchain as cli_toolchain
 from dlcore.compiler import toolchain as tc
 from dlcore.compiler import wheels
 from dlcore.compiler.toolchain import SEARCH_ORDER, Probe, Source, State, Tool, Toolchain
@@ -469,3 +470,14 @@ def test_the_installed_tools_answer_as_themselves():
     for name in ("triton-adapter-opt", "bishengir-compile"):
         health = tc.check(ascend.locate(name))
         assert health.state is State.OK and re.match(r"\d+\.\d+\.\d+", health.version), (name, health)
+
+
+def test_a_toolchain_without_a_fetcher_has_nothing_to_fetch(monkeypatch, capsys):
+    demo = Toolchain("demo", "demo", (Tool("demo-opt", "DEMO_OPT", "demo", "install the demo SDK"),))
+    monkeypatch.setattr(cli_toolchain, "installed", lambda: [demo])
+    assert main(["toolchain", "fetch", "demo"]) == 2
+    assert capsys.readouterr().err == ("dlcore: error: toolchain 'demo' has nothing to fetch; `dlcore toolchain` "
+                                       "says how to get each of its tools\n")
+    monkeypatch.setattr(cli_toolchain, "installed", lambda: [])
+    assert main(["toolchain"]) == 0
+    assert capsys.readouterr().out.startswith("no installed backend declares a toolchain")

@@ -19,7 +19,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     actions = p.add_subparsers(dest="action")
     actions.add_parser("list", help="every installed backend's toolchains and their tools (the default)")
     fetch = actions.add_parser("fetch", help="download a toolchain's fetchable tools into its per-user tool cache "
-                                             "(ascend: triton-adapter-opt out of the triton-ascend wheel)")
+                                             "(`dlcore toolchain` says which)")
     fetch.add_argument("name", help="the toolchain, e.g. ascend")
     fetch.add_argument("--wheel", type=Path, metavar="PATH",
                        help="take the tools from this local copy of what would be downloaded (offline hosts); "
