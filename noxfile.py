@@ -1,4 +1,5 @@
-"""Sessions: `nox -s demo` sets everything up and runs the main job; `nox -s test` runs the tests.
+"""Sessions: `nox -s demo` sets everything up and runs the main job; `nox -s test` runs the tests;
+`nox -s ascend` installs the Ascend compilers and lowers every kernel to HIVM IR with them.
 
 Every session builds a fresh virtualenv with torch pinned (a CPU build on CPU machines) and the
 five distributions installed as real, non-editable installs, exactly as users install them.
@@ -20,11 +21,11 @@ nox.options.sessions = ["test"]
 nox.options.reuse_existing_virtualenvs = False
 
 
-def install(session: nox.Session, triton: str) -> None:
+def install(session: nox.Session, triton: str, distributions: list[str] = DISTRIBUTIONS) -> None:
     # Triton 3.6's interpreter converts 1-element arrays with int(), which NumPy 2.4 refuses.
     numpy = ["numpy<2.4"] if triton.startswith("3.6.") else []
     session.install(TORCH, f"triton=={triton}", *numpy)
-    session.install(*DISTRIBUTIONS)
+    session.install(*distributions)
 
 
 @nox.session
@@ -42,6 +43,24 @@ def test(session: nox.Session, triton: str) -> None:
         "pytest", "-p", "no:cacheprovider", *lane, *session.posargs,
         env={"TRITON_INTERPRET": "1", "DLCORE_EXPECT_INSTALLED": "1", "TRITON_DEFAULT_FP_FUSION": "1"},
     )
+
+
+@nox.session
+def ascend(session: nox.Session) -> None:
+    """The Ascend toolchain on a CPU machine: bishengir-compile from ascendnpu-ir (``dlc-ascend[tools]``),
+    triton-adapter-opt fetched out of the triton-ascend wheel into the tool cache (triton-ascend itself
+    never installed), the tests that need the tools, then every kernel lowered to HIVM IR."""
+    install(session, TRITON_VERSIONS[0],
+            ["./plugins/dlc_ascend[tools]" if d == "plugins/dlc_ascend" else d for d in DISTRIBUTIONS])
+    session.install("pytest")
+    session.run("dlcore", "toolchain", "fetch", "ascend")
+    session.run("dlcore", "toolchain")
+    session.run(
+        "pytest", "-p", "no:cacheprovider", "-m", "ascend_tools", *session.posargs,
+        env={"TRITON_INTERPRET": "1", "DLCORE_EXPECT_INSTALLED": "1", "TRITON_DEFAULT_FP_FUSION": "1"},
+    )
+    # lowering runs the real compilers: not in Triton's interpreter
+    session.run("dlcore", "lower", "--all", "--target", "npu:Ascend910B2", "--stage", "hivm", "--report")
 
 
 @nox.session

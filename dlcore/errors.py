@@ -124,3 +124,13 @@ class ToolchainMissingError(LoweringError):
         super().__init__(message, partial)
         #: the executables not found
         self.missing = missing
+
+
+class ToolchainBrokenError(ToolchainMissingError):
+    """A compiler the target needs was found but does not run, or answers as another program would;
+    the message says where it was found, why it is unusable, and how to replace it."""
+
+
+class ToolFetchError(DlcoreError):
+    """``dlcore toolchain fetch`` could not put a tool in the tool cache (a download failed, an
+    archive's hash is not the pinned one, the archive lacks the tool); nothing was left half-written."""

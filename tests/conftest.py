@@ -24,15 +24,43 @@ TESTS = Path(__file__).parent
 PLUGIN_SOURCES = TESTS / "plugins"
 
 
+#: the tools a test marked ``ascend_tools`` needs when the marker names none
+ASCEND_TOOLS = ("triton-adapter-opt", "bishengir-compile")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``gpu`` need a CUDA device: without one they are skipped, and ``-m "not gpu"``
-    leaves them out altogether."""
-    if torch.cuda.is_available():
-        return
+    leaves them out altogether. Tests marked ``ascend_tools`` (``@pytest.mark.ascend_tools`` or
+    ``@pytest.mark.ascend_tools("bishengir-compile")``) are skipped, with the reason, unless each tool
+    is found and answers as itself (``nox -s ascend`` installs them)."""
     no_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    missing: dict[tuple[str, ...], str | None] = {}
     for item in items:
-        if item.get_closest_marker("gpu"):
+        if item.get_closest_marker("gpu") and not torch.cuda.is_available():
             item.add_marker(no_gpu)
+        marker = item.get_closest_marker("ascend_tools")
+        if marker is not None:
+            names = tuple(marker.args) or ASCEND_TOOLS
+            if names not in missing:
+                missing[names] = ascend_tools_missing(names)
+            if missing[names]:
+                item.add_marker(pytest.mark.skip(reason=f"needs the Ascend tools: {missing[names]}"))
+
+
+def ascend_tools_missing(names: tuple[str, ...]) -> str | None:
+    """Why one of the Ascend tools ``names`` cannot be used here, or ``None`` when all can."""
+    from dlcore.errors import DlcoreError
+
+    try:
+        from dlc_ascend import toolchain
+    except ImportError as exc:
+        return f"dlc-ascend is not installed ({exc})"
+    for name in names:
+        try:
+            toolchain.locate(name)
+        except DlcoreError as exc:
+            return str(exc)
+    return None
 
 
 @pytest.fixture(autouse=True)

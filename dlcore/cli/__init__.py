@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 #: the subcommand modules of dlcore.cli, in help order; each has ``add_parsers(subparsers)``.
 #: Imported when the parser is built, so that other modules may import dlcore.bench.table freely.
-COMMANDS = ("inventory", "check", "tune", "cache", "bench", "lower")
+COMMANDS = ("inventory", "check", "tune", "cache", "bench", "lower", "toolchain")
 
 
 def build_parser() -> argparse.ArgumentParser:

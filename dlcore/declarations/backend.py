@@ -16,6 +16,7 @@ from dlcore.declarations.device import DeviceProfile
 if TYPE_CHECKING:
     from dlcore.compiler.lowering import Lowering
     from dlcore.compiler.passes import Pipeline
+    from dlcore.compiler.toolchain import Toolchain
     from dlcore.declarations.implementation import Implementation, KernelCall
     from dlcore.declarations.signature import Signature
 
@@ -44,6 +45,9 @@ class Backend:
     #: library through torch, timed against the kernels; a backend whose kernels cannot be fairly
     #: timed against it leaves it out, as the cpu backend does)
     kinds: tuple[str, ...] = ("triton", "torch", "vendor")
+    #: the external compilers its ``lower`` runs, beyond Triton (``dlcore toolchain`` lists them,
+    #: ``dlcore toolchain fetch NAME`` fills a toolchain's cache); see :mod:`dlcore.compiler.toolchain`
+    toolchains: tuple[Toolchain, ...] = ()
 
     @property
     def version(self) -> str:

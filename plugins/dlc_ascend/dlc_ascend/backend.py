@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dlc_ascend import refine, runtime
+from dlc_ascend.toolchain import TOOLCHAIN
 from dlcore import hookimpl
 from dlcore.declarations.backend import Availability, Backend
 from dlcore.declarations.device import DeviceProfile
@@ -41,6 +42,7 @@ IMPORT_HINT = ("source CANN's set_env.sh (e.g. /usr/local/Ascend/ascend-toolkit/
 class AscendBackend(Backend):
     name = "npu"
     device_types = ("npu",)
+    toolchains = (TOOLCHAIN,)
 
     def __init__(self) -> None:
         self._availability: Availability | None = None
