@@ -451,7 +451,7 @@ def test_toolchain_reports_broken_tools(isolated, monkeypatch, capsys):
 def test_fetch_of_an_unknown_toolchain_is_a_usage_error(capsys):
     assert main(["toolchain", "fetch", "nope"]) == 2
     captured = capsys.readouterr()
-    assert captured.err == "dlcore: error: no toolchain 'nope'; the installed backends declare: ascend\n"
+    assert captured.err == "dlcore: error: no toolchain 'nope'; the installed backends declare: ascend, mlu\n"
     assert captured.out == ""
 
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dlc_mlu import refine, runtime
+from dlc_mlu.toolchain import TOOLCHAIN
 from dlcore import hookimpl
 from dlcore.declarations.backend import Availability, Backend
 from dlcore.declarations.device import DeviceProfile
@@ -32,6 +33,7 @@ INSTALL_HINT = "install Cambricon's torch_mlu from the Neuware SDK"
 class MluBackend(Backend):
     name = "mlu"
     device_types = ("mlu",)
+    toolchains = (TOOLCHAIN,)
 
     def __init__(self) -> None:
         self._availability: Availability | None = None
