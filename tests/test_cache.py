@@ -335,3 +335,24 @@ def test_export_and_import_errors_are_named(tmp_path):
     (tmp_path / "entries.json").write_text(json.dumps({"format": "dlcore-cache", "entries": [1]}))
     with pytest.raises(CacheFileError, match="entries"):
         cache.import_(tmp_path / "entries.json")
+
+
+def test_a_cached_config_outside_the_space_is_ignored(tmp_path, monkeypatch):
+    from dlcore.dispatch.dispatcher import Dispatcher, config_problem
+
+    dispatcher = Dispatcher(directory=tmp_path / "c")
+    x, w = torch.randn(5, 64), torch.randn(64)
+    call = dispatcher.prepare("rms_norm", (x, w))
+    key = dispatcher.key_of(call)
+    impl = call.candidates[0]
+    default = impl.default_config(call.signature, call.profile)
+    assert config_problem(impl, default, call) == ""
+    assert config_problem(impl, {**default, "BLOCK_N": 3}, call) != ""
+    assert config_problem(impl, ["BLOCK_N", 3], call) == "the config is a list, not a mapping"
+    tampered = Selection(impl=impl.name, config={**default, "BLOCK_N": 3}, how="measured", time_ms=0.1,
+                         measured={impl.name: 0.1})
+    dispatcher.store.put(key.digest, make_record("rms_norm", key.as_dict(), tampered))
+    with pytest.warns(CacheWarning, match="ignoring the cached selection of rms_norm"):
+        bound = dispatcher.get_op("rms_norm", (x, w))
+    assert bound.selection.config == default
+    torch.testing.assert_close(bound(x, w), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from dlcore.declarations.op import Op
 from dlcore.declarations.signature import Signature, make_signature
 from dlcore.dispatch.bound import BoundOp
 from dlcore.dispatch.key import DISABLE_IMPLS, Key, environment, exact_key
-from dlcore.dispatch.store import DiskCache, make_record
+from dlcore.dispatch.store import CacheWarning, DiskCache, make_record
 from dlcore.errors import InvalidCallError, InvalidOptionError, NoKernelError, UnknownImplementationError
 from dlcore.plugins.registry import Registry, registry
 from dlcore.plugins.registry import reset as reset_registry
@@ -181,9 +182,20 @@ class Dispatcher:
         return found
 
     def _cached(self, call: Call, key: Key, policy: TunePolicy) -> Selection | None:
-        """A remembered selection good enough for ``policy`` whose implementation is still a candidate."""
+        """A remembered selection good enough for ``policy`` whose implementation is still a
+        candidate and whose config that implementation could have chosen (a shared cache may have
+        been edited: a config outside the space is ignored, with a warning, and chosen again)."""
         selection = self._remembered(key)
-        if selection is None or not satisfies(selection, policy) or call.candidate(selection.impl) is None:
+        if selection is None or not satisfies(selection, policy):
+            return None
+        impl = call.candidate(selection.impl)
+        if impl is None:
+            return None
+        problem = config_problem(impl, selection.config, call)
+        if problem:
+            warnings.warn(f"dlcore: ignoring the cached selection of {call.op.name} ({impl.name}, "
+                          f"{selection.config}): {problem}", CacheWarning, stacklevel=4)
+            self._selections.pop(key.digest, None)
             return None
         return selection
 
@@ -201,6 +213,19 @@ class Dispatcher:
         if len(call.candidates) == 1:
             return without_measuring(call, call.candidates[0], How.ONLY_CANDIDATE)
         return select(call)
+
+
+def config_problem(impl: Implementation, config: Any, call: Call) -> str:
+    """Why ``impl`` could not have chosen ``config`` for ``call`` ('' if it could): it is its
+    heuristic default, or a member of its declared search space."""
+    if not isinstance(config, dict):
+        return f"the config is a {type(config).__name__}, not a mapping"
+    if config == impl.default_config(call.signature, call.profile):
+        return ""
+    space = impl.space(call.profile)
+    if space is None:
+        return "the implementation has no search space, and the config is not its default"
+    return space.is_valid(config) or ""
 
 
 def plan_transform(profile: DeviceProfile) -> PlanTransform | None:
