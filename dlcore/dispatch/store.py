@@ -108,11 +108,18 @@ class DiskCache:
             return StoreMode.READ_ONLY, reader
         try:
             return StoreMode.WRITABLE, self._writable()
-        except (sqlite3.DatabaseError, KeyError, TypeError, ValueError) as exc:
-            aside = self._set_aside(database)
-            self._warn(f"the kernel cache at {directory} is unreadable ({type(exc).__name__}: {exc}); moved "
-                       f"{DATABASE} to {aside.name} and started an empty one. Tuned configs will be measured again.")
-            return StoreMode.WRITABLE, self._writable()
+        except (sqlite3.DatabaseError, KeyError, TypeError, ValueError, OSError) as exc:
+            why = f"{type(exc).__name__}: {exc}"
+            try:
+                aside = self._set_aside(database)
+                fresh = self._writable()
+            except (sqlite3.DatabaseError, OSError) as again:
+                self._warn(f"the kernel cache at {directory} is unreadable ({why}) and could not be set aside "
+                           f"({again}); running without a disk cache")
+                return StoreMode.ABSENT, _Absent()
+            self._warn(f"the kernel cache at {directory} is unreadable ({why}); moved {DATABASE} to {aside.name} "
+                       "and started an empty one. Tuned configs will be measured again.")
+            return StoreMode.WRITABLE, fresh
 
     def _writable(self):
         import diskcache
