@@ -172,12 +172,7 @@ def test_backward_non_contiguous_inputs(dtype, device, gen):
                    reduce_dim=gradient_terms(9, 9, 2, 16))
 
 
-@pytest.mark.parametrize("sq, sk", [
-    (5, 7),
-    pytest.param(7, 4, marks=pytest.mark.xfail(
-        strict=True, reason="attention_grad.rotary_backward_reference slices the tables' last Sq rows, which "
-                            "Sq > Sk does not have")),
-])
+@pytest.mark.parametrize("sq, sk", [(5, 7), (7, 4)])
 def test_float64_custom_op_passes_gradcheck(sq, sk, gen):
     """float64 runs the references (the path torch.autograd.gradcheck takes): the forward's and the
     backward custom op's agree (the output only: lse is a residual callers never see)."""

@@ -538,10 +538,13 @@ def _rotate_half(x: torch.Tensor, interleaved: bool) -> torch.Tensor:
 
 
 def _tables(cos: torch.Tensor, sin: torch.Tensor, sq: int, compute: torch.dtype) -> tuple:
-    """(cos, sin) of the keys and of the queries (the last ``sq`` rows), ``[B or 1, S, 1, D]``."""
+    """(cos, sin) of the keys and of the queries, ``[B or 1, S, 1, D]``: query ``i`` takes row
+    ``Sk - Sq + i``; with ``Sq > Sk`` the first ``Sq - Sk`` queries, which see no key (their
+    gradient is 0), take row 0."""
     c, s = (t.to(compute) if t.dim() == 3 else t.to(compute)[None] for t in (cos, sin))
     c, s = c[:, :, None], s[:, :, None]
-    return (c, s), (c[:, c.shape[1] - sq:], s[:, s.shape[1] - sq:])
+    rows = (torch.arange(sq, device=c.device) + c.shape[1] - sq).clamp(min=0)
+    return (c, s), (c.index_select(1, rows), s.index_select(1, rows))
 
 
 def backward_reference(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
