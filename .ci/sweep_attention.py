@@ -91,7 +91,7 @@ def bench(fn) -> float:
 
 
 def baselines(q, k, v, causal) -> dict:
-    from dlblas_kernels.kernels.flash_attention_v2 import sdpa
+    from dlblas_kernels.sdpa import sdpa_attention as sdpa
     from torch.nn.attention import SDPBackend
 
     found = {}

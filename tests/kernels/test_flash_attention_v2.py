@@ -352,7 +352,7 @@ def test_bfloat16_at_the_benchmark_shape(causal, gen):
     """B 2, H 16, S 8192, D 128 in bfloat16 against float32 attention on the same values: the
     output's error at most SDPA flash's own plus a quarter of bfloat16's tolerance; lse within
     float32's tolerance of a reduction over D."""
-    from dlblas_kernels.kernels.flash_attention_v2 import sdpa
+    from dlblas_kernels.sdpa import sdpa_attention as sdpa
     from torch.nn.attention import SDPBackend
 
     q, k, v = inputs(2, 8192, 8192, 16, 16, 128, torch.bfloat16, "cuda", gen)

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention import SDPBackend
 
 from dlblas_kernels.gemm import ACTIVATIONS
+from dlblas_kernels.sdpa import sdpa_attention
 from dlcore import hookimpl
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Implementation, VendorImplementation
@@ -112,24 +112,6 @@ def ffn(x: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None, rms_w
 
 #: the widest head dimension SDPA's flash and cuDNN backends take (in multiples of 8)
 SDPA_MAX_HEAD_DIM = 256
-
-
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float | None,
-                   backend: SDPBackend) -> torch.Tensor:
-    """``softmax(scale * q k^T) v`` for ``q [B, Sq, Hq, D]``, ``k, v [B, Sk, Hk, D]`` by
-    ``F.scaled_dot_product_attention`` with ``backend`` alone: the ``[B, H, S, D]`` it takes are
-    transposed views (no copy but for a head dimension of stride other than 1, which SDPA's kernels
-    do not read), ``enable_gqa`` where Hq != Hk, the causal mask bottom-right as the op's (query i
-    sees keys ``j <= i + Sk - Sq``): ``is_causal`` when Sq == Sk, else ``causal_lower_right``, which
-    the flash backend runs natively. The result is ``[B, Sq, Hq, D]``, a view of SDPA's output."""
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    sq, sk = q.shape[1], k.shape[1]
-    mask = causal_lower_right(sq, sk) if causal and sq != sk else None
-    with sdpa_kernel(backend):
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-            is_causal=causal and sq == sk, scale=softmax_scale, enable_gqa=q.shape[2] != k.shape[2])
-    return out.transpose(1, 2)
 
 
 def _no_lse(return_lse: bool) -> None:

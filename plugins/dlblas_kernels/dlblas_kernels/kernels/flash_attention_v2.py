@@ -23,12 +23,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention import SDPBackend
 
 from dlblas_kernels import attention_decode, attention_grad
 from dlblas_kernels.attention import FORWARD_KERNELS, block_d, fit, forward_calls, shared_memory_bytes
+from dlblas_kernels.sdpa import sdpa_attention
 from dlcore import InvalidInputError
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, LaunchPlan
@@ -238,20 +237,7 @@ def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     the backend torch picks (flash, cuDNN, memory-efficient or math)."""
     if return_lse:
         raise NotImplementedError("SDPA returns no log-sum-exp")
-    sq, sk = q.shape[1], k.shape[1]
-    mask = causal_lower_right(sq, sk) if causal and sq != sk else None
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                         is_causal=causal and sq == sk, scale=softmax_scale,
-                                         enable_gqa=q.shape[2] != k.shape[2])
-    return out.transpose(1, 2)
-
-
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, softmax_scale: float | None,
-         backend: Any) -> torch.Tensor:
-    """``F.scaled_dot_product_attention`` with only ``backend`` allowed, on ``[B, H, S, D]`` views of
-    the ``[B, S, H, D]`` tensors; the causal mask bottom-right (``causal_lower_right`` when Sq != Sk)."""
-    with sdpa_kernel(backend):
-        return torch_attention(q, k, v, causal, softmax_scale)
+    return sdpa_attention(q, k, v, causal, softmax_scale)
 
 
 def _sdpa_baseline(name: str):
@@ -266,7 +252,7 @@ def _sdpa_baseline(name: str):
         def run(q, k, v, causal=False, softmax_scale=None, return_lse=False):
             if return_lse:
                 raise NotImplementedError("SDPA returns no log-sum-exp")
-            return sdpa(q, k, v, causal, softmax_scale, backend)
+            return sdpa_attention(q, k, v, causal, softmax_scale, backend)
 
         return run
 
