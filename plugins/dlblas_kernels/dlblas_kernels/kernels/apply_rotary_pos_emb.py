@@ -102,10 +102,12 @@ def _rotate_heads(
         if BLOCK_P != HEAD_DIM // 2:
             mask = mask & (p < HEAD_DIM // 2)
         a = tl.load(x_heads + p * stride_x_d, mask=mask, other=0.0)
-        b = tl.load(x_heads + (p + HEAD_DIM // 2) * stride_x_d, mask=mask, other=0.0)
         dl.multibuffer(a, 2)
+        a = a.to(tl.float32)
+        b = tl.load(x_heads + (p + HEAD_DIM // 2) * stride_x_d, mask=mask, other=0.0)
         dl.multibuffer(b, 2)
-        out_a, out_b = rotate_pairs(a.to(tl.float32), b.to(tl.float32), cos_a, cos_b, sin_a, sin_b, BACKWARD)
+        b = b.to(tl.float32)
+        out_a, out_b = rotate_pairs(a, b, cos_a, cos_b, sin_a, sin_b, BACKWARD)
         tl.store(o_heads + p * stride_o_d, out_a.to(o_rows.dtype.element_ty), mask=mask)
         tl.store(o_heads + (p + HEAD_DIM // 2) * stride_o_d, out_b.to(o_rows.dtype.element_ty), mask=mask)
 

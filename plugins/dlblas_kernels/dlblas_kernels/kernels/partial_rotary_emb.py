@@ -185,11 +185,12 @@ def partial_rotary_backward_kernel(
 
         mask = head_mask & i_mask[None, :]
         d_a = tl.load(dqo_t + (NOPE + i)[None, :] * stride_dqo_d, mask=mask, other=0.0)
-        d_b = tl.load(dqo_t + (NOPE + half + i)[None, :] * stride_dqo_d, mask=mask, other=0.0)
         dl.multibuffer(d_a, 2)
+        d_a = d_a.to(tl.float32)
+        d_b = tl.load(dqo_t + (NOPE + half + i)[None, :] * stride_dqo_d, mask=mask, other=0.0)
         dl.multibuffer(d_b, 2)
-        g_a, g_b = rotate_pairs(d_a.to(tl.float32), d_b.to(tl.float32), cos_a[None, :], cos_b[None, :],
-                                sin_a[None, :], sin_b[None, :], True)
+        d_b = d_b.to(tl.float32)
+        g_a, g_b = rotate_pairs(d_a, d_b, cos_a[None, :], cos_b[None, :], sin_a[None, :], sin_b[None, :], True)
         g = tl.reshape(tl.join(g_a, g_b), (BLOCK_H, BLOCK_R))
         tl.store(dq_t + (NOPE + r)[None, :], g.to(dq_ptr.dtype.element_ty), mask=head_mask & (r < ROPE)[None, :])
 
