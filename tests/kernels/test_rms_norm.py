@@ -1,7 +1,10 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+import subprocess
 import sys
+from pathlib import Path
 
 import dlblas_kernels
 import pytest
@@ -313,3 +316,82 @@ def test_backward_compiles_for_nvidia_targets():
     found = run_json(COMPILE_SCRIPT, None, TRITON_INTERPRET="0")
     assert len(found) == 3 * (3 * 4 + 2), sorted(found)  # the 1-row plans launch one kernel
     assert all(size > 0 for size in found.values()), found
+
+
+TTIR_SCRIPT = """
+import json, sys, torch
+from triton.backends.compiler import GPUTarget
+from dlcore.compiler.lowering import compile_call, target_profile
+import dlblas_kernels.kernels.rms_norm as rms
+
+x, w = torch.empty(37, 1000, device="meta", dtype=torch.float16), torch.empty(1000, device="meta", dtype=torch.float16)
+found = {}
+for name, config in (("one_block", {"BLOCK_M": 2, "BLOCK_N": 1024, "num_warps": 4}),
+                     ("looping", {"BLOCK_M": 1, "BLOCK_N": 256, "num_warps": 2})):
+    for dres in (None, x):
+        call = rms.backward_plan((x, x, w, dres, 1e-6), config, target_profile("cuda:90")).calls[0]
+        key = name + ("+dres" if dres is not None else "")
+        found[key] = compile_call(call, GPUTarget("cuda", 90, 32)).asm["ttir"]
+print(json.dumps(found))
+"""
+
+
+@pytest.fixture(scope="module")
+def backward_ttir() -> dict[str, str]:
+    """The backward row kernel's TTIR from upstream Triton for sm_90 (what dlc-ascend's pipeline
+    lowers too): rows in one block and rows in two passes, each with and without dres."""
+    from isolated import run_json
+
+    return run_json(TTIR_SCRIPT, None, TRITON_INTERPRET="0")
+
+
+def test_backward_reduces_one_operand_at_a_time(backward_ttir):
+    """triton-ascend's adapter leaves a multi-operand tt.reduce unlowered (and exits 0): the
+    backward sums x**2 and g*x with two single-operand reductions."""
+    assert set(backward_ttir) == {"one_block", "one_block+dres", "looping", "looping+dres"}
+    for name, ttir in backward_ttir.items():
+        operands = re.findall(r'"tt\.reduce"\(([^)]*)\)', ttir)
+        assert operands, f"{name}: no tt.reduce in the TTIR"
+        assert all(len(o.split(",")) == 1 for o in operands), (name, operands)
+
+
+def _ascend_tool(name: str) -> Path:
+    from dlc_ascend import toolchain
+
+    found = toolchain.find(name)
+    if found is None:
+        pytest.skip(f"{name} not found: {toolchain.TOOLS[name].how_to_get}")
+    return found.path
+
+
+ADAPTER_PASSES = (
+    "--discrete-mask-access-conversion=compile-on-910-95=False force-simt-template=False", "--triton-to-annotation",
+    "--triton-to-unstructure=compile-on-910-95=False force-simt-template=False", "--triton-to-hivm",
+    "--triton-to-hfusion", "--triton-to-llvm", "--bubble-up-operation",
+    "--triton-to-linalg=global-kernel=false named-ops=True enable-nd2nz-on-vector=False "
+    "enable-select-analysis=False compile-on-910-95=False",
+)
+BISHENGIR_OPTIONS = (
+    "--target=Ascend910B2", "--enable-auto-multi-buffer=True", "--enable-auto-bind-sub-block=True",
+    "--enable-hfusion-compile=true", "--enable-hivm-compile=true", "--enable-triton-kernel-compile=true",
+)
+
+
+def test_backward_lowers_to_hivm_ir(backward_ttir, tmp_path):
+    """triton-ascend's pipeline on the backward's TTIR: no tt. operation left after the adapter,
+    and bishengir-compile's HIVM IR (``module.hivm.opt.mlir``) holds hivm.hir operations (it then
+    stops for want of CANN's hivmc, whatever its exit status says)."""
+    adapter, bishengir = _ascend_tool("triton-adapter-opt"), _ascend_tool("bishengir-compile")
+    for name, ttir in backward_ttir.items():
+        work = tmp_path / name.replace("+", "_")
+        (work / "temps").mkdir(parents=True)
+        (work / "kernel.ttir").write_text(ttir)
+        subprocess.run([adapter, work / "kernel.ttir", *ADAPTER_PASSES, "-o", work / "linalg.mlir"], check=True,
+                       capture_output=True, timeout=300)
+        linalg = (work / "linalg.mlir").read_text()
+        assert not re.findall(r'(?:= |^\s*|")tt\.[a-z_]+', linalg, re.MULTILINE), name
+        (work / "in.mlir").write_text(re.sub(r',\s*mix_mode\s*=\s*"[^"]*"', "", linalg))
+        subprocess.run([bishengir, work / "in.mlir", *BISHENGIR_OPTIONS, f"--save-temps={work / 'temps'}",
+                        "-o", work / "temps" / "kernel"], capture_output=True, timeout=600)
+        hivm = work / "temps" / "module.hivm.opt.mlir"
+        assert hivm.is_file() and "hivm.hir." in hivm.read_text(), name

@@ -12,6 +12,10 @@ of ``residual_out`` itself, and it is the gradient of both ``x`` and ``residual`
 ``rms_norm``'s backward (its kernels, through the custom op ``dlblas::rms_norm_backward`` where a
 tracer watches) on the saved ``residual_out`` with that
 second gradient added as it writes ``dx``: one output, returned for both inputs.
+
+Through :mod:`dlcore.language`, the loops over rows wider than a block mark the inputs they load
+for double buffering (triton-ascend then loads the next block while it computes this one;
+upstream Triton ignores the mark).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+import dlcore.language as dl
 from dlblas_kernels.kernels.rms_norm import KERNEL as RMS_NORM
 from dlblas_kernels.kernels.rms_norm import heuristic_config, rms_norm_reference, space, torch_rms_norm
 from dlcore.declarations.device import DeviceProfile
@@ -72,9 +77,11 @@ def add_rms_norm_kernel(
         sum_sq = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for start in range(0, K, BLOCK_N):
             mask = row_mask & (start + cols < K)[None, :]
-            x = tl.load(x_rows + (start + cols)[None, :] * stride_x_col, mask=mask, other=0.0).to(tl.float32)
-            r = tl.load(r_rows + (start + cols)[None, :] * stride_r_col, mask=mask, other=0.0).to(tl.float32)
-            h = (x + r).to(h_ptr.dtype.element_ty)
+            x = tl.load(x_rows + (start + cols)[None, :] * stride_x_col, mask=mask, other=0.0)
+            r = tl.load(r_rows + (start + cols)[None, :] * stride_r_col, mask=mask, other=0.0)
+            dl.multibuffer(x, 2)
+            dl.multibuffer(r, 2)
+            h = (x.to(tl.float32) + r.to(tl.float32)).to(h_ptr.dtype.element_ty)
             tl.store(h_rows + (start + cols)[None, :] * stride_h_col, h, mask=mask)
             hf = h.to(tl.float32)
             sum_sq += hf * hf
@@ -82,9 +89,11 @@ def add_rms_norm_kernel(
         # Pass 2: recompute residual_out from the inputs (in cache), scale and store y.
         for start in range(0, K, BLOCK_N):
             mask = row_mask & (start + cols < K)[None, :]
-            x = tl.load(x_rows + (start + cols)[None, :] * stride_x_col, mask=mask, other=0.0).to(tl.float32)
-            r = tl.load(r_rows + (start + cols)[None, :] * stride_r_col, mask=mask, other=0.0).to(tl.float32)
-            hf = (x + r).to(h_ptr.dtype.element_ty).to(tl.float32)
+            x = tl.load(x_rows + (start + cols)[None, :] * stride_x_col, mask=mask, other=0.0)
+            r = tl.load(r_rows + (start + cols)[None, :] * stride_r_col, mask=mask, other=0.0)
+            dl.multibuffer(x, 2)
+            dl.multibuffer(r, 2)
+            hf = (x.to(tl.float32) + r.to(tl.float32)).to(h_ptr.dtype.element_ty).to(tl.float32)
             w = tl.load(w_ptr + (start + cols) * stride_w, mask=start + cols < K, other=0.0).to(tl.float32)
             tl.store(y_rows + (start + cols)[None, :] * stride_y_col,
                      (hf * rstd * w[None, :]).to(y_ptr.dtype.element_ty), mask=mask)

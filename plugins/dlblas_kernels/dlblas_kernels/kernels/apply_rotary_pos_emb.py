@@ -22,6 +22,9 @@ into even and odd lanes). Every byte of q and k is read once and every output by
 cos and sin are read twice (for q's programs and for k's), 2.5% more bytes than the minimum for
 LLaMA-3-8B. Math in float32; outputs in q's dtype, written to new tensors, or into q and k
 with ``inplace=True``. The plan computes strides in Python (no views on the host path).
+Through :mod:`dlcore.language`, the heads a program loads in its loop over head steps are marked
+for double buffering (triton-ascend then loads the next step while it rotates this one; upstream
+Triton ignores the mark).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+import dlcore.language as dl
 from dlcore import InvalidInputError
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
@@ -86,8 +90,9 @@ def _rotate_heads(
         cols = tl.arange(0, 2 * BLOCK_P)[None, None, :]
         if 2 * BLOCK_P != HEAD_DIM:
             mask = mask & (cols < HEAD_DIM)
-        x = tl.load(x_heads + cols * stride_x_d, mask=mask, other=0.0).to(tl.float32)
-        a, b = tl.split(tl.reshape(x, (BLOCK_T, BLOCK_H, BLOCK_P, 2)))
+        x = tl.load(x_heads + cols * stride_x_d, mask=mask, other=0.0)
+        dl.multibuffer(x, 2)
+        a, b = tl.split(tl.reshape(x.to(tl.float32), (BLOCK_T, BLOCK_H, BLOCK_P, 2)))
         out_a, out_b = rotate_pairs(a, b, cos_a, cos_b, sin_a, sin_b, BACKWARD)
         out = tl.reshape(tl.join(out_a, out_b), (BLOCK_T, BLOCK_H, 2 * BLOCK_P))
         tl.store(o_heads + cols * stride_o_d, out.to(o_rows.dtype.element_ty), mask=mask)
@@ -96,8 +101,12 @@ def _rotate_heads(
         p = tl.arange(0, BLOCK_P)[None, None, :]
         if BLOCK_P != HEAD_DIM // 2:
             mask = mask & (p < HEAD_DIM // 2)
-        a = tl.load(x_heads + p * stride_x_d, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(x_heads + (p + HEAD_DIM // 2) * stride_x_d, mask=mask, other=0.0).to(tl.float32)
+        a = tl.load(x_heads + p * stride_x_d, mask=mask, other=0.0)
+        dl.multibuffer(a, 2)
+        a = a.to(tl.float32)
+        b = tl.load(x_heads + (p + HEAD_DIM // 2) * stride_x_d, mask=mask, other=0.0)
+        dl.multibuffer(b, 2)
+        b = b.to(tl.float32)
         out_a, out_b = rotate_pairs(a, b, cos_a, cos_b, sin_a, sin_b, BACKWARD)
         tl.store(o_heads + p * stride_o_d, out_a.to(o_rows.dtype.element_ty), mask=mask)
         tl.store(o_heads + (p + HEAD_DIM // 2) * stride_o_d, out_b.to(o_rows.dtype.element_ty), mask=mask)

@@ -16,7 +16,9 @@ Forward grid: (tokens, head blocks); each program copies the nope parts, rotates
 the token's k_pe (recomputed per head block: it is one head) and writes both halves of out_kv.
 Backward grid: (tokens,); each program loops over all heads, so it can sum the key gradient over
 the heads for ``dk_pe`` in registers; the rotation is transposed as in :mod:`apply_rotary_pos_emb`.
-Math in float32; outputs in q's dtype.
+Math in float32; outputs in q's dtype. Through :mod:`dlcore.language`, the gradients the backward
+loads in its loop over heads are marked for double buffering (triton-ascend then loads the next
+heads while it computes these; upstream Triton ignores the mark).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+import dlcore.language as dl
 from dlblas_kernels.kernels.apply_rotary_pos_emb import (
     bsd_strides,
     bshd_strides,
@@ -181,8 +184,12 @@ def partial_rotary_backward_kernel(
         tl.store(dkv_t + (NOPE + v)[None, :], tl.load(dvalues_t + v[None, :] * stride_dokv_d, mask=mask), mask=mask)
 
         mask = head_mask & i_mask[None, :]
-        d_a = tl.load(dqo_t + (NOPE + i)[None, :] * stride_dqo_d, mask=mask, other=0.0).to(tl.float32)
-        d_b = tl.load(dqo_t + (NOPE + half + i)[None, :] * stride_dqo_d, mask=mask, other=0.0).to(tl.float32)
+        d_a = tl.load(dqo_t + (NOPE + i)[None, :] * stride_dqo_d, mask=mask, other=0.0)
+        dl.multibuffer(d_a, 2)
+        d_a = d_a.to(tl.float32)
+        d_b = tl.load(dqo_t + (NOPE + half + i)[None, :] * stride_dqo_d, mask=mask, other=0.0)
+        dl.multibuffer(d_b, 2)
+        d_b = d_b.to(tl.float32)
         g_a, g_b = rotate_pairs(d_a, d_b, cos_a[None, :], cos_b[None, :], sin_a[None, :], sin_b[None, :], True)
         g = tl.reshape(tl.join(g_a, g_b), (BLOCK_H, BLOCK_R))
         tl.store(dq_t + (NOPE + r)[None, :], g.to(dq_ptr.dtype.element_ty), mask=head_mask & (r < ROPE)[None, :])

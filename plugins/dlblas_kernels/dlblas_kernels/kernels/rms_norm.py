@@ -10,8 +10,9 @@ Backward, with ``xhat = x * rstd`` and ``g = dy * weight``::
     dx      = rstd * (g - xhat * mean(g * xhat, -1))  (+ dres, a gradient reaching x by another path)
     dweight = sum over rows of dy * xhat
 
-``rstd`` is recomputed from ``x``, which the backward reads anyway (one reduction gives both
-``sum(x**2)`` and ``sum(g * x)``): the forward stores nothing but its output. The backward is
+``rstd`` is recomputed from ``x``, which the backward reads anyway (two row sums, ``sum(x**2)`` and
+``sum(g * x)``, each a single-operand ``tl.sum``: triton-ascend's adapter leaves a two-operand
+``tl.reduce`` unlowered): the forward stores nothing but its output. The backward is
 memory-bound: it reads ``dy`` and ``x`` and writes ``dx`` (three times the size of ``x``, the
 minimum), plus a ``[programs, K]`` float32 buffer of dweight partials written and read once (4 MiB
 at hidden 4096 on 132 multiprocessors, against 96 MiB for 4096 tokens in bfloat16). Its grid is
@@ -22,6 +23,11 @@ keeps its ``dweight`` share in registers, and writes it once at the end; a secon
 the partials' columns. With a single program the share is ``dweight`` itself: one launch. Rows
 wider than a block take two passes per row block, the second from cache. Math in float32; outputs
 in the input dtypes (``weight`` may have another float dtype than ``x``).
+
+Portable across Tritons through :mod:`dlcore.language`: the backward's loop over row blocks is its
+persistent loop, and the forward's loops over rows wider than a block mark the rows they load for
+double buffering (triton-ascend then loads the next block while it computes this one; upstream
+Triton ignores the mark).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+import dlcore.language as dl
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
 from dlcore.declarations.layout import as_rows
@@ -87,21 +94,20 @@ def rms_norm_kernel(
         sum_sq = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for start in range(0, K, BLOCK_N):
             mask = row_mask & (start + cols < K)[None, :]
-            x = tl.load(x_rows + (start + cols)[None, :] * stride_x_col, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_rows + (start + cols)[None, :] * stride_x_col, mask=mask, other=0.0)
+            dl.multibuffer(x, 2)
+            x = x.to(tl.float32)
             sum_sq += x * x
         rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / K + eps)[:, None]
         # Pass 2: re-read the rows (now in cache), scale and store.
         for start in range(0, K, BLOCK_N):
             mask = row_mask & (start + cols < K)[None, :]
-            x = tl.load(x_rows + (start + cols)[None, :] * stride_x_col, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_rows + (start + cols)[None, :] * stride_x_col, mask=mask, other=0.0)
+            dl.multibuffer(x, 2)
+            x = x.to(tl.float32)
             w = tl.load(w_ptr + (start + cols) * stride_w, mask=start + cols < K, other=0.0).to(tl.float32)
             tl.store(out_rows + (start + cols)[None, :] * stride_out_col,
                      (x * rstd * w[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _add_pairs(a0, b0, a1, b1):
-    return a0 + a1, b0 + b1
 
 
 @triton.jit
@@ -137,7 +143,7 @@ def rms_norm_backward_kernel(
         mask = (row < rows)[:, None] & col_mask
         x_next = tl.load(x_ptr + row[:, None] * stride_x_row + cols[None, :] * stride_x_col, mask=mask, other=0.0)
         dy_next = tl.load(dy_ptr + row[:, None] * stride_dy_row + cols[None, :] * stride_dy_col, mask=mask, other=0.0)
-        for block in range(pid, blocks, programs):
+        for block in dl.persistent_range(pid, blocks, programs):
             # Rows and masks from the loop index, not carried over: carried, the compiler could not
             # prove the mask constant along a row, and would not vectorise the loads.
             row = block * BLOCK_M + block_rows
@@ -154,9 +160,10 @@ def rms_norm_backward_kernel(
                 # Not prefetched (registers): issued now, it overlaps this block's reductions.
                 dres = tl.load(dres_ptr + row[:, None] * stride_dres_row + cols[None, :] * stride_dres_col,
                                mask=mask, other=0.0)
-            # Both row sums in one reduction: sum(x**2) for rstd, sum(g * x) for mean(g * xhat).
+            # The row sums: sum(x**2) for rstd, sum(g * x) for mean(g * xhat).
             g = dy * w
-            sum_sq, sum_gx = tl.reduce((x * x, g * x), 1, _add_pairs)
+            sum_sq = tl.sum(x * x, axis=1)
+            sum_gx = tl.sum(g * x, axis=1)
             rstd = tl.rsqrt(sum_sq / K + eps)
             # dx = rstd * g - x * rstd**3 * mean(g * x)
             coef = (sum_gx / K) * rstd * rstd * rstd
@@ -172,7 +179,7 @@ def rms_norm_backward_kernel(
         # Rows longer than a block: per row block, pass 1 sums x**2 and g*x over the row, pass 2
         # re-reads it (from cache), writes dx and adds dy*xhat into this program's dweight row, which
         # the first row block stores and later ones read back (so the buffer needs no zeroing).
-        for block in range(pid, blocks, programs):
+        for block in dl.persistent_range(pid, blocks, programs):
             row = block * BLOCK_M + block_rows
             row_mask = (row < rows)[:, None]
             sum_sq = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
