@@ -1,8 +1,8 @@
 """Compile reports: what each kernel asks of the hardware per target, and how long it compiled.
 
 ``dlcore lower --report`` prints one row per kernel and target: registers and spills (from
-``ptxas``'s own report on CUDA), shared memory (Triton's metadata), the stages reached and the
-compile time.
+``ptxas``'s own report on CUDA), shared memory (Triton's metadata), the stages reached (how many of
+the target's, and the last), the time of each stage and the whole compile.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from collections.abc import Sequence
 
 from dlcore.compiler.lowering import Lowering, Resources
 
-HEADER = ("kernel", "op", "target", "dtype", "regs", "spills (st/ld B)", "smem B", "stages", "compile ms", "notes")
+HEADER = ("kernel", "op", "target", "dtype", "regs", "spills (st/ld B)", "smem B", "stages", "ms per stage",
+          "compile ms", "notes")
 
 _REGISTERS = re.compile(r"Used (\d+) registers")
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -40,4 +41,10 @@ def row(lowering: Lowering, op: str, dtype: str, notes: Sequence[str] = ()) -> t
     reached = lowering.reached
     stages = f"{len(reached)}/{len(lowering.planned)} ({reached[-1] if reached else 'none'})"
     return (lowering.kernel, op, lowering.target, dtype, _known(r.registers), spills, _known(r.shared), stages,
-            f"{lowering.seconds * 1e3:.0f}", "; ".join(notes))
+            stage_times(lowering), f"{lowering.seconds * 1e3:.0f}", "; ".join(notes))
+
+
+def stage_times(lowering: Lowering) -> str:
+    """``ttir 120, linalg 250, hivm 180``: milliseconds of each stage reached."""
+    return ", ".join(f"{s.stage} {s.seconds * 1e3:.0f}" for s in lowering.stages
+                     if s.stage in lowering.planned and not s.after_pass)

@@ -20,6 +20,8 @@ from dlcore.compiler.toolchain import Found
 from dlcore.errors import LoweringError
 
 _MODULE = re.compile(r"^\s*module\b", re.MULTILINE)
+# a crashing LLVM tool prints its stack after the message: the frames say nothing to a user
+_STACK_FRAME = re.compile(r"^\s*#\d+ 0x[0-9a-f]+")
 #: how much of a tool's stderr an error quotes (its last lines hold the diagnosis)
 TAIL_LINES = 12
 
@@ -44,7 +46,7 @@ class ToolRun:
     def tail(self) -> str:
         """The last lines of stderr (of stdout when stderr is empty), indented for an error message."""
         text = (self.stderr.strip() or self.stdout.strip())
-        lines = text.splitlines()[-TAIL_LINES:]
+        lines = [line for line in text.splitlines() if not _STACK_FRAME.match(line)][-TAIL_LINES:]
         return "\n".join(f"    {line}" for line in lines) if lines else "    (it printed nothing)"
 
     def failure(self, what: str) -> LoweringError:

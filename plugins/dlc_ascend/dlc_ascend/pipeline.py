@@ -207,7 +207,8 @@ def hivm(linalg_ir: str, part: Chip, hivmc: Found | None) -> Bishengir:
                 retried.append(done.tail())
                 if len(retried) < ATTEMPTS:
                     continue
-                raise done.failure(f"{ATTEMPTS} runs failed with messages known to come and go ({'; '.join(TRANSIENT)})")
+                raise done.failure(f"{ATTEMPTS} runs failed with messages known to come and go "
+                                   f"({'; '.join(TRANSIENT)})")
             return _made(folder, done, started, hivmc, mix_mode, retried)
 
 
