@@ -86,13 +86,13 @@ def operations(ir: str) -> list[str]:
 def check_linalg(ir: str) -> None:
     """:raises LoweringError: ``ir`` holds no function, or Triton operations the adapter left."""
     ops = operations(ir)
-    if "func.func" not in ops:
-        raise LoweringError(f"{ADAPTER.name} gave no func.func in the linalg stage (it starts {ir.strip()[:80]!r})")
     left = sorted({op for op in ops if op.startswith("tt.")})
     if left:
         raise LoweringError(f"{ADAPTER.name} left Triton operations it did not lower in the linalg stage: "
                             f"{', '.join(left)} (it exits 0 all the same); the kernel must be written without "
                             "what it cannot lower")
+    if "func.func" not in ops:
+        raise LoweringError(f"{ADAPTER.name} gave no func.func in the linalg stage (it starts {ir.strip()[:80]!r})")
 
 
 def check_hivm(ir: str) -> None:
@@ -252,7 +252,7 @@ class _TtirCompile:
 
 
 @dataclass(frozen=True)
-class _Stages:
+class NpuCompile:
     """What the passes of the npu stages see: one :class:`Compile` sharing the ttir compile's hash
     and its scratch (so the IR dump writes every stage into the ttir's folder)."""
 
@@ -260,7 +260,7 @@ class _Stages:
     metadata: dict
 
     @classmethod
-    def after(cls, ttir: StageContext | None, kernel: str, part: Chip) -> _Stages:
+    def after(cls, ttir: StageContext | None, kernel: str, part: Chip) -> NpuCompile:
         scratch = ttir.compile.scratch if ttir is not None else {}
         metadata = {"hash": ttir.hash if ttir is not None else ""}
         return cls(Compile("npu", f"npu:{part.name}", None, STAGES, kernel, scratch), metadata)
@@ -290,7 +290,7 @@ def lower(call: KernelCall, target: str, pipeline: Pipeline, specialize: bool = 
     start = time.perf_counter()
     lowering, ttir = _ttir(call, target, pipeline, specialize)
     try:
-        _later_stages(lowering, pipeline, _Stages.after(ttir, lowering.kernel, part), part)
+        _later_stages(lowering, pipeline, NpuCompile.after(ttir, lowering.kernel, part), part)
     except LoweringError as exc:
         lowering.seconds = time.perf_counter() - start
         if isinstance(exc, ToolchainMissingError):
@@ -326,7 +326,7 @@ def _ttir(call: KernelCall, target: str, pipeline: Pipeline, specialize: bool) -
     return lowering, seen.context
 
 
-def _later_stages(lowering: Lowering, pipeline: Pipeline, stages: _Stages, part: Chip) -> None:
+def _later_stages(lowering: Lowering, pipeline: Pipeline, stages: NpuCompile, part: Chip) -> None:
     lowering.stages.extend(linalg(str(lowering.stage("ttir").ir), pipeline, stages.context("linalg")))
     hivmc = find(HIVMC.name)
     made = hivm(str(lowering.stage("linalg").ir), part, hivmc)
