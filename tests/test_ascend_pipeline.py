@@ -17,10 +17,10 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from dlc_ascend import passes, pipeline
 from dlc_ascend.chips import chip
 from dlc_ascend.toolchain import find
+
 from dlcore.compiler.passes import Pipeline
 from dlcore.errors import LoweringError
 
@@ -227,6 +227,25 @@ def test_hivm_ir_without_hivm_operations_is_caught(tmp_path, monkeypatch):
     (tmp_path / "hivm.mlir").write_text("module {\n}\n")
     with pytest.raises(LoweringError, match="without hivm.hir operations"):
         pipeline.hivm(ADD_ONE_LINALG, PART, None)
+
+
+def test_with_hivmc_the_same_run_makes_the_binary(tmp_path, monkeypatch):
+    """bishengir-compile runs hivmc from PATH: a hivmc found elsewhere is put first on it."""
+    (tmp_path / "cann").mkdir()
+    monkeypatch.setenv("DLC_ASCEND_HIVMC", str(_script(tmp_path / "cann" / "hivmc", "exit 0\n")))
+    compiles = (f'command -v hivmc > /dev/null || exit 3; cp {tmp_path / "hivm.mlir"} "$dir/module.hivm.opt.mlir"; '
+                'printf BIN > "$dir/kernel.o"')
+    monkeypatch.setenv("DLC_ASCEND_BISHENGIR", str(_bishengir(tmp_path, compiles)))
+    made = pipeline.hivm(ADD_ONE_LINALG, PART, find("hivmc"))
+    assert made.binary == b"BIN" and made.hivm == HIVM_OUT and made.bin_seconds >= 0
+
+
+def test_dlcore_ops_says_which_kernels_cannot_lower(capsys):
+    from dlcore.cli import main
+
+    assert main(["ops"]) == 0
+    out = capsys.readouterr().out
+    assert "fused_rotary_and_fa.triton: npu: attention_dkdv_kernel, attention_dq_kernel stop before hivm" in out
 
 
 def test_operations_are_told_from_attributes():

@@ -34,6 +34,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="turn a pass off")
     p.add_argument("--report", action="store_true",
                    help="one row per kernel and target instead of the IR")
+    p.add_argument("--markdown", metavar="FILE", type=Path,
+                   help="with --report: also write the portability page (docs/portability.md) to FILE")
     p.add_argument("--no-specialize", dest="specialize", action="store_false",
                    help="compile on the argument types only, not specialized on their values as a launch is "
                         "(16-byte aligned pointers, integers divisible by 16, integers equal to 1 made constants)")
@@ -103,10 +105,20 @@ def run_lower(args: argparse.Namespace) -> int:
             rows.append(report.row(lowering, launch.name, args.dtype, notes))
     if args.report:
         print(table(rows, report.HEADER))
+        if args.markdown is not None:
+            _write_page(args.markdown, report.portability_page(rows, args.target or [DEFAULT_TARGET],
+                                                               "dlcore lower " + " ".join(sys.argv[2:])))
     if args.stage and short:
         print(f"dlcore lower: {len(short)} kernels did not reach {', '.join(args.stage)}: {', '.join(short)}",
               file=sys.stderr)
     return 1 if failed else 0
+
+
+def _write_page(path: Path, text: str) -> None:
+    """Written whole or not at all."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    partial.replace(path)
 
 
 def _declared(reg, launch, backend: str):

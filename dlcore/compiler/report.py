@@ -48,3 +48,29 @@ def stage_times(lowering: Lowering) -> str:
     """``ttir 120, linalg 250, hivm 180``: milliseconds of each stage reached."""
     return ", ".join(f"{s.stage} {s.seconds * 1e3:.0f}" for s in lowering.stages
                      if s.stage in lowering.planned and not s.after_pass)
+
+
+def portability_page(rows: Sequence[Sequence[str]], targets: Sequence[str], command: str) -> str:
+    """docs/portability.md: per kernel launch, the last stage reached on each target (from
+    :func:`row`'s rows), with the command that regenerates it first."""
+    reached: dict[tuple[str, str], dict[str, str]] = {}
+    for r in rows:
+        kernel, op, target, stages, times = r[0], r[1], r[2], r[7], r[8]
+        reached.setdefault((op, kernel), {})[target] = f"{stages.split('(')[-1].rstrip(')')} ({times})"
+    lines = [
+        "# Portability: how far each kernel lowers, per target",
+        "",
+        "Regenerate (no GPU or NPU needed; npu's stages need triton-adapter-opt and bishengir-compile, see",
+        "plugins/dlc_ascend/dlc_ascend/pipeline.py):",
+        "",
+        f"    {command}",
+        "",
+        "Each cell: the last stage reached, then milliseconds per stage. npu stops at hivm where CANN's hivmc",
+        "is absent; `dlcore ops` lists the kernels a backend declares it cannot lower, and why.",
+        "",
+        "| op | kernel | " + " | ".join(targets) + " |",
+        "|---|---|" + "---|" * len(targets),
+    ]
+    for (op, kernel), cells in sorted(reached.items()):
+        lines.append(f"| {op} | {kernel} | " + " | ".join(cells.get(t, "not lowered") for t in targets) + " |")
+    return "\n".join(lines) + "\n"
