@@ -358,11 +358,26 @@ def test_stage_hivm_succeeds_when_every_kernel_reached_it_and_names_those_that_d
 
 
 @pytest.mark.slow
-def test_dump_shows_the_ir_after_each_linalg_pass(tmp_path):
+def test_dumps_show_the_ir_after_each_linalg_pass(tmp_path):
+    """--dump, and DLC_DUMP_IR's folder per compile (ttir from Triton's hook, the rest from the npu pipeline)."""
     done = _cli(tmp_path, "silu_and_mul_kernel", "--target", "npu:Ascend910B2", "--dump", str(tmp_path / "dump"),
-                **_fake_tools(tmp_path))
+                DLC_DUMP_IR="1", DLC_DUMP_DIR=str(tmp_path / "ir"), **_fake_tools(tmp_path))
     assert done.returncode == 1 and "hivmc" in done.stderr
+    steps = [f"02-linalg.{k}-{name}.mlir" for k, (name, *_) in enumerate(passes.ADAPTER_PASSES, start=1)]
     names = sorted(p.name for p in (tmp_path / "dump" / "silu_and_mul_kernel-npuAscend910B2").iterdir())
-    assert names == ["00-python.py", "00-source.mlir", "01-ttir.ttir",
-                     *(f"02-linalg.{k}-{name}.mlir" for k, (name, *_) in enumerate(passes.ADAPTER_PASSES, start=1)),
-                     "02-linalg.mlir", "03-hivm.mlir"]
+    assert names == ["00-python.py", "00-source.mlir", "01-ttir.ttir", *steps, "02-linalg.mlir", "03-hivm.mlir"]
+    (folder,) = (tmp_path / "ir").iterdir()
+    assert sorted(p.name for p in folder.iterdir()) == ["01-ttir.ttir", *steps, "02-linalg.mlir", "03-hivm.mlir"]
+    assert (folder / "02-linalg.mlir").read_text() == ADD_ONE_LINALG
+
+
+def test_the_portability_page_has_a_cell_per_kernel_and_target_and_says_why_one_stopped():
+    from dlcore.compiler.report import portability_page
+
+    rows = [("k", "op.triton", "cuda:90", "float16", "?", "?", "?", "5/5 (cubin)", "ttir 1, cubin 2", "9", ""),
+            ("k", "op.triton", "npu:Ascend910B2", "float16", "?", "?", "?", "2/4 (linalg)", "ttir 1, linalg 3", "4",
+             "needs hivmc; stopped: bishengir-compile failed")]
+    page = portability_page(rows, ["cuda:90", "cuda:100", "npu:Ascend910B2"], "dlcore lower --all --report")
+    assert page.splitlines()[5] == "    dlcore lower --all --report"
+    assert "| op.triton | k | cubin (ttir 1, cubin 2) | not launched | linalg (ttir 1, linalg 3) |" in page
+    assert "- op.triton / k on npu:Ascend910B2: stopped: bishengir-compile failed" in page

@@ -82,12 +82,13 @@ def run_lower(args: argparse.Namespace) -> int:
             if lowering is not None:
                 notes.extend(lowering.notes)
             enough = _enough(lowering, error, args.stage)
-            declared = _declared(reg, launch, backend_name) if error is not None else None
+            kernel = source.kernel_name(launch.original)
+            declared = _declared(reg, launch, backend_name, kernel) if error is not None else None
             if declared is not None:
                 notes.append(f"declared: stops before {declared.stage} on {declared.backend}: {declared.reason}")
             if not enough:
                 failed = True
-                short.append(f"{launch.name}/{source.kernel_name(launch.original)} ({target}"
+                short.append(f"{launch.name}/{kernel} ({target}"
                              f"{', declared' if declared is not None else ''})")
             if error is not None:
                 missing = error.missing if isinstance(error, ToolchainMissingError) else ()
@@ -95,7 +96,7 @@ def run_lower(args: argparse.Namespace) -> int:
                 if not enough or (missing, target) not in said:
                     print(f"dlcore lower: {launch.name}: {error}", file=sys.stderr)
                     said.add((missing, target))
-                notes.append(f"needs {', '.join(missing)}" if missing else "stopped early (see above)")
+                notes.append(f"needs {', '.join(missing)}" if missing else f"stopped: {str(error).splitlines()[0]}")
                 if lowering is None:
                     continue
             if args.dump is not None:
@@ -106,8 +107,7 @@ def run_lower(args: argparse.Namespace) -> int:
     if args.report:
         print(table(rows, report.HEADER))
         if args.markdown is not None:
-            _write_page(args.markdown, report.portability_page(rows, args.target or [DEFAULT_TARGET],
-                                                               "dlcore lower " + " ".join(sys.argv[2:])))
+            _write_page(args.markdown, report.portability_page(rows, args.target or [DEFAULT_TARGET], _command(args)))
     if args.stage and short:
         print(f"dlcore lower: {len(short)} kernels did not reach {', '.join(args.stage)}: {', '.join(short)}",
               file=sys.stderr)
@@ -121,12 +121,21 @@ def _write_page(path: Path, text: str) -> None:
     partial.replace(path)
 
 
-def _declared(reg, launch, backend: str):
-    """The limit the launch's implementation declares for its kernel on ``backend``, if any."""
-    from dlcore.compiler import source
-
+def _declared(reg, launch, backend: str, kernel: str):
+    """The limit the launch's implementation declares for ``kernel`` on ``backend``, if any."""
     impl = next((i for i in reg.implementations_of(launch.op) if i.name == launch.impl), None)
-    return impl.limit(backend, source.kernel_name(launch.original)) if impl is not None else None
+    return impl.limit(backend, kernel) if impl is not None else None
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The ``dlcore lower`` command line that gives this report."""
+    parts = ["dlcore lower", "--all" if args.all else args.name]
+    parts += [f"--target {t}" for t in args.target or [DEFAULT_TARGET]]
+    parts += [f"--dtype {args.dtype}"] if args.dtype != "float16" else []
+    parts += [f"--shape {','.join(f'{k}={v}' for k, v in args.shape.items())}"] if args.shape else []
+    parts += [f"--pass {n}" for n in args.enable] + [f"--no-pass {n}" for n in args.disable]
+    parts += [] if args.specialize else ["--no-specialize"]
+    return " ".join([*parts, "--report", f"--markdown {args.markdown}"])
 
 
 def _enough(lowering, error, stages: list[str] | None) -> bool:

@@ -52,7 +52,9 @@ def stage_times(lowering: Lowering) -> str:
 
 def portability_page(rows: Sequence[Sequence[str]], targets: Sequence[str], command: str) -> str:
     """docs/portability.md: per kernel launch, the last stage reached on each target (from
-    :func:`row`'s rows), with the command that regenerates it first."""
+    :func:`row`'s rows; "not launched": the target's plan launches another kernel, e.g. the
+    tensor-descriptor GEMM on sm_90 alone), why a kernel stopped early, and first the command that
+    regenerates it."""
     reached: dict[tuple[str, str], dict[str, str]] = {}
     for r in rows:
         kernel, op, target, stages, times = r[0], r[1], r[2], r[7], r[8]
@@ -72,5 +74,10 @@ def portability_page(rows: Sequence[Sequence[str]], targets: Sequence[str], comm
         "|---|---|" + "---|" * len(targets),
     ]
     for (op, kernel), cells in sorted(reached.items()):
-        lines.append(f"| {op} | {kernel} | " + " | ".join(cells.get(t, "not lowered") for t in targets) + " |")
+        lines.append(f"| {op} | {kernel} | " + " | ".join(cells.get(t, "not launched") for t in targets) + " |")
+    stops = sorted({(r[1], r[0], r[2], note) for r in rows for note in r[10].split("; ")
+                    if note.startswith(("stopped:", "declared:"))})
+    if stops:
+        lines += ["", "Where a kernel stops before the end of a target's pipeline (besides a missing tool):", ""]
+        lines += [f"- {op} / {kernel} on {target}: {note}" for op, kernel, target, note in stops]
     return "\n".join(lines) + "\n"

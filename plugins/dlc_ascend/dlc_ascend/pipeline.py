@@ -130,13 +130,7 @@ def run_passes(module: str, stage_passes: tuple[Pass, ...], context: StageContex
     start = time.perf_counter()
     for p in stage_passes:
         began = time.perf_counter()
-        try:
-            out = p.run(module, context)
-        except DlcoreError:
-            raise
-        except Exception as exc:
-            raise LoweringError(f"pass {p.name!r} failed in the {context.stage} stage of {context.kernel}: "
-                                f"{type(exc).__name__}: {exc}") from exc
+        out = _run_pass(p, module, context)
         if out is not None:
             module = ir_text(out)
         if p.stage != EVERY_IR_STAGE:
@@ -344,15 +338,19 @@ def _later_stages(lowering: Lowering, pipeline: Pipeline, stages: NpuCompile, pa
     _read_only(made.binary, pipeline.at("bin"), stages.context("bin"))
 
 
+def _run_pass(p: Pass, module: str | bytes, context: StageContext) -> object:
+    try:
+        return p.run(module, context)
+    except DlcoreError:
+        raise
+    except Exception as exc:
+        raise LoweringError(f"pass {p.name!r} failed in the {context.stage} stage of {context.kernel}: "
+                            f"{type(exc).__name__}: {exc}") from exc
+
+
 def _read_only(module: str | bytes, stage_passes: tuple[Pass, ...], context: StageContext) -> None:
     for p in stage_passes:
-        try:
-            out = p.run(module, context)
-        except DlcoreError:
-            raise
-        except Exception as exc:
-            raise LoweringError(f"pass {p.name!r} failed in the {context.stage} stage of {context.kernel}: "
-                                f"{type(exc).__name__}: {exc}") from exc
+        out = _run_pass(p, module, context)
         if out is not None and ir_text(out) != module:
             raise LoweringError(f"pass {p.name!r} changed the {context.stage} stage of {context.kernel}; on npu one "
                                 f"{BISHENGIR.name} run makes hivm and bin, so only passes that read them may run there")
