@@ -254,10 +254,14 @@ def test_operations_are_told_from_attributes():
     assert pipeline.operations(ir) == ["tt.reduce", "tt.reduce.return", "arith.addf", "func.func"]
 
 
-def test_targets_name_a_known_part():
+def test_targets_name_a_known_part(capsys):
+    from dlcore.cli import main
+
     assert pipeline.part_of("npu:Ascend910B").name == "Ascend910B2"
     with pytest.raises(LoweringError, match="unknown Ascend part 'Ascend999'; known: Ascend910B1"):
         pipeline.part_of("npu:Ascend999")
+    assert main(["lower", "silu_and_mul", "--target", "npu:Ascend999"]) == 2
+    assert "unknown Ascend part 'Ascend999'; known: Ascend910B1" in capsys.readouterr().err
 
 
 def test_the_npu_target_profile_counts_vector_cores():

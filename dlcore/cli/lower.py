@@ -64,8 +64,12 @@ def run_lower(args: argparse.Namespace) -> int:
                   "install dlc-cuda, dlc-ascend or dlc-mlu", file=sys.stderr)
             return 2
         passes = pipeline(backend_name, args.enable, args.disable)
-        todo, skipped = launches(reg, None if args.all else args.name, dtype, args.shape, target_profile(target),
-                                 passes)
+        try:
+            todo, skipped = launches(reg, None if args.all else args.name, dtype, args.shape, target_profile(target),
+                                     passes)
+        except LoweringError as exc:  # an unknown target part or kernel name
+            print(f"dlcore lower: {exc}", file=sys.stderr)
+            return 2
         for note in skipped:
             if note not in said:
                 said.add(note)
