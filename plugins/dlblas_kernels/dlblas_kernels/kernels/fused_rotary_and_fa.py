@@ -264,8 +264,9 @@ KERNEL = define_kernel(
         "same rotation after loading, dq and dk rotated back before storing",
     limits=(LoweringLimit(
         "npu", ("attention_dkdv_kernel", "attention_dq_kernel"), "hivm",
-        "the backward's rotation swaps lanes with tl.gather, which triton-adapter-opt (triton-ascend 3.2) lowers "
-        "to a call of triton_gather that bishengir-compile 1.2 aborts on ('getIndexingMaps not implemented')"),),
+        "bishengir-compile 1.2 aborts in its tile-cube-vector-loop pass ('getIndexingMaps not implemented') on "
+        "the backward with the rotation (its tl.gather of lanes inside the mixed cube/vector loops); the same "
+        "kernels without rotation (flash_attention_v2) and tl.gather in small kernels reach HIVM IR"),),
 )
 fused_rotary_and_fa = KERNEL.function
 dlcore_ops, dlcore_implementations = KERNEL.dlcore_ops, KERNEL.dlcore_implementations
