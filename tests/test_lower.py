@@ -1,5 +1,5 @@
 """`Backend.lower` and `dlcore lower`: every stage of every kernel for cuda:80 and cuda:90 on this
-CPU-only machine, folded kernels included, the Ascend stub, the report and the dump.
+CPU-only machine, folded kernels included, npu's ttir, the report and the dump.
 
 Lowering needs Triton's real compiler: those cases run in fresh processes without
 ``TRITON_INTERPRET``; the rest run here.
@@ -30,7 +30,6 @@ LOWER_ALL = """
 import json
 import torch
 from dlcore.compiler.lowering import launches, target_profile
-from dlcore.errors import ToolchainMissingError
 from dlcore.compiler.passes import pipeline
 from dlcore.plugins.registry import registry
 
@@ -49,13 +48,6 @@ for target, enable in (("cuda:80", []), ("cuda:90", []), ("cuda:90", ["grid_fold
             "shared": lowered.resources.shared, "seconds": lowered.seconds, "notes": launch.notes,
             "grid": list(launch.call.grid),
         }
-passes = pipeline("npu")
-todo, _ = launches(reg, "rms_norm", torch.float16, {}, target_profile("npu:Ascend910B"), passes)
-try:
-    reg.backends["npu"].lower(todo[0].call, "npu:Ascend910B", passes)
-except ToolchainMissingError as exc:
-    found["npu"] = {"message": str(exc), "stages": [s.stage for s in exc.partial.stages],
-                    "planned": list(exc.partial.planned), "missing": list(exc.missing)}
 print(json.dumps(found))
 """
 
@@ -100,15 +92,6 @@ def test_folded_kernels_lower_to_cubin(lowered, op, kernel):
 
 
 @pytest.mark.slow
-def test_ascend_stops_after_ttir_naming_the_missing_tools(lowered):
-    npu = lowered["npu"]
-    assert npu["stages"] == ["python", "source", "ttir"]
-    assert npu["planned"] == ["ttir", "linalg", "hivm", "bin"]
-    assert "lowered as far as ttir" in npu["message"] and "triton-adapter-opt (from triton-ascend)" in npu["message"]
-    assert set(npu["missing"]) <= {"triton-adapter-opt", "bishengir-compile", "hivmc"}
-
-
-@pytest.mark.slow
 def test_cli_report_for_every_kernel():
     done = lower_cli("--all", "--report", "--target", "cuda:80", "--target", "cuda:90")
     assert done.returncode == 0, done.stderr
@@ -149,11 +132,11 @@ def test_cli_dumps_a_kernel_launched_both_ways_into_two_folders(tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_lowers_as_far_as_it_can_and_says_why():
-    done = lower_cli("silu_and_mul", "--target", "npu:Ascend910B", "--stage", "ttir")
-    assert done.returncode == 1
+def test_cli_prints_the_stage_asked_for_whatever_stops_the_pipeline_after_it():
+    """npu's later stages need tools (tests/test_ascend_pipeline.py); ttir needs upstream Triton alone."""
+    done = lower_cli("silu_and_mul", "--target", "npu:Ascend910B", "--stage", "ttir", "--shape", "tokens=20000")
+    assert done.returncode == 0, done.stderr
     assert "tt.func public @silu_and_mul_kernel_folded" in done.stdout  # folded by default on npu
-    assert "lowered as far as ttir" in done.stderr and "bishengir-compile" in done.stderr
 
 
 @pytest.mark.slow

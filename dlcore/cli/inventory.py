@@ -45,7 +45,7 @@ def run_ops(args: argparse.Namespace) -> int:
     from dlcore.plugins.registry import registry
 
     reg = registry()
-    rows = []
+    rows, limits = [], []
     for name in sorted(reg.ops):
         op = reg.ops[name]
         for impl in reg.implementations_of(name):
@@ -60,5 +60,9 @@ def run_ops(args: argparse.Namespace) -> int:
                 impl.plugin,
                 getattr(impl, "library", ""),
             ))
+            limits.extend(f"  {impl.qualname}: {limit.describe()}" for limit in impl.limits)
     print(table(rows, ("op", "implementation", "kind", "backends", "dtypes", "plugin", "library")))
+    if limits:
+        print("\nkernels a backend cannot lower (declared beside them):")
+        print("\n".join(limits))
     return 0

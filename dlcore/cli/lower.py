@@ -23,7 +23,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help=f"cuda:80, cuda:90, cuda:100, npu:Ascend910B, ...; repeatable (default {DEFAULT_TARGET})")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float16", help="dtype of the example inputs")
     p.add_argument("--shape", type=parse_sizes, default={}, help="named sizes of the example inputs, e.g. tokens=4096")
-    p.add_argument("--stage", action="append", metavar="STAGE", help="print only this stage (repeatable), e.g. ttgir")
+    p.add_argument("--stage", action="append", metavar="STAGE",
+                   help="print only this stage (repeatable), e.g. ttgir; the exit status is then 0 when every kernel "
+                        "reached the stages named, whatever stopped it after them (npu:... --stage hivm without hivmc)")
     p.add_argument("--dump", metavar="DIR", type=Path,
                    help="write the stages to DIR/<kernel>-<target>/<nn>-<stage>.<ext> instead of printing them")
     p.add_argument("--pass", dest="enable", action="append", default=[], metavar="NAME",
@@ -32,6 +34,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="turn a pass off")
     p.add_argument("--report", action="store_true",
                    help="one row per kernel and target instead of the IR")
+    p.add_argument("--markdown", metavar="FILE", type=Path,
+                   help="with --report: also write the portability page (docs/portability.md) to FILE")
     p.add_argument("--no-specialize", dest="specialize", action="store_false",
                    help="compile on the argument types only, not specialized on their values as a launch is "
                         "(16-byte aligned pointers, integers divisible by 16, integers equal to 1 made constants)")
@@ -40,7 +44,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 def run_lower(args: argparse.Namespace) -> int:
     from dlcore.bench.table import table
-    from dlcore.compiler import report
+    from dlcore.compiler import report, source
     from dlcore.compiler.lowering import launches, parse_target, target_profile
     from dlcore.compiler.passes import pipeline
     from dlcore.errors import LoweringError, ToolchainMissingError
@@ -51,7 +55,7 @@ def run_lower(args: argparse.Namespace) -> int:
         return 2
     reg = registry()
     dtype = DTYPES[args.dtype]
-    rows, failed, said = [], False, set()
+    rows, failed, said, short = [], False, set(), []
     for target in args.target or [DEFAULT_TARGET]:
         backend_name, _ = parse_target(target)
         backend = reg.backends.get(backend_name)
@@ -60,24 +64,43 @@ def run_lower(args: argparse.Namespace) -> int:
                   "install dlc-cuda, dlc-ascend or dlc-mlu", file=sys.stderr)
             return 2
         passes = pipeline(backend_name, args.enable, args.disable)
-        todo, skipped = launches(reg, None if args.all else args.name, dtype, args.shape, target_profile(target),
-                                 passes)
+        try:
+            todo, skipped = launches(reg, None if args.all else args.name, dtype, args.shape, target_profile(target),
+                                     passes)
+        except LoweringError as exc:  # an unknown target part or kernel name
+            print(f"dlcore lower: {exc}", file=sys.stderr)
+            return 2
         for note in skipped:
             if note not in said:
                 said.add(note)
                 print(f"skipped {note}", file=sys.stderr)
         for launch in todo:
             notes = list(launch.notes) + ([] if args.specialize else ["not specialized (--no-specialize)"])
+            error = None
             try:
                 # specialize= only when asked off: a backend written before the option still lowers
                 lowering = backend.lower(launch.call, target, passes,
                                          **({} if args.specialize else {"specialize": False}))
             except LoweringError as exc:
+                error, lowering = exc, exc.partial
+            if lowering is not None:
+                notes.extend(lowering.notes)
+            enough = _enough(lowering, error, args.stage)
+            kernel = source.kernel_name(launch.original)
+            declared = _declared(reg, launch, backend_name, kernel) if error is not None else None
+            if declared is not None:
+                notes.append(f"declared: stops before {declared.stage} on {declared.backend}: {declared.reason}")
+            if not enough:
                 failed = True
-                print(f"dlcore lower: {launch.name}: {exc}", file=sys.stderr)
-                lowering = exc.partial
-                missing = getattr(exc, "missing", ()) if isinstance(exc, ToolchainMissingError) else ()
-                notes.append(f"needs {', '.join(missing)}" if missing else "stopped early (see above)")
+                short.append(f"{launch.name}/{kernel} ({target}"
+                             f"{', declared' if declared is not None else ''})")
+            if error is not None:
+                missing = error.missing if isinstance(error, ToolchainMissingError) else ()
+                # a missing tool that stops every kernel after the stages asked for is no failure: said once
+                if not enough or (missing, target) not in said:
+                    print(f"dlcore lower: {launch.name}: {error}", file=sys.stderr)
+                    said.add((missing, target))
+                notes.append(f"needs {', '.join(missing)}" if missing else f"stopped: {str(error).splitlines()[0]}")
                 if lowering is None:
                     continue
             if args.dump is not None:
@@ -87,11 +110,50 @@ def run_lower(args: argparse.Namespace) -> int:
             rows.append(report.row(lowering, launch.name, args.dtype, notes))
     if args.report:
         print(table(rows, report.HEADER))
+        if args.markdown is not None:
+            _write_page(args.markdown, report.portability_page(rows, args.target or [DEFAULT_TARGET], _command(args)))
+    if args.stage and short:
+        print(f"dlcore lower: {len(short)} kernels did not reach {', '.join(args.stage)}: {', '.join(short)}",
+              file=sys.stderr)
     return 1 if failed else 0
 
 
-def _selected(lowering, stages: list[str] | None) -> list:
-    return [s for s in lowering.stages if not stages or s.stage in stages]
+def _write_page(path: Path, text: str) -> None:
+    """Written whole or not at all."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    partial.replace(path)
+
+
+def _declared(reg, launch, backend: str, kernel: str):
+    """The limit the launch's implementation declares for ``kernel`` on ``backend``, if any."""
+    impl = next((i for i in reg.implementations_of(launch.op) if i.name == launch.impl), None)
+    return impl.limit(backend, kernel) if impl is not None else None
+
+
+def _command(args: argparse.Namespace) -> str:
+    """The ``dlcore lower`` command line that gives this report."""
+    parts = ["dlcore lower", "--all" if args.all else args.name]
+    parts += [f"--target {t}" for t in args.target or [DEFAULT_TARGET]]
+    parts += [f"--dtype {args.dtype}"] if args.dtype != "float16" else []
+    parts += [f"--shape {','.join(f'{k}={v}' for k, v in args.shape.items())}"] if args.shape else []
+    parts += [f"--pass {n}" for n in args.enable] + [f"--no-pass {n}" for n in args.disable]
+    parts += [] if args.specialize else ["--no-specialize"]
+    return " ".join([*parts, "--report", f"--markdown {args.markdown}"])
+
+
+def _enough(lowering, error, stages: list[str] | None) -> bool:
+    """Whether a lowering did what was asked: every stage named (``--stage``), or without
+    ``--stage`` the whole pipeline."""
+    if stages:
+        return lowering is not None and all(stage in lowering.reached for stage in stages)
+    return error is None
+
+
+def _selected(lowering, stages: list[str] | None, passes: bool = False) -> list:
+    """The outputs to show: those of the stages named (all without), with the IR after each pass
+    within a stage only if ``passes``."""
+    return [s for s in lowering.stages if (not stages or s.stage in stages) and (passes or not s.after_pass)]
 
 
 def _print(lowering, launch, notes: list[str], pass_names: tuple[str, ...], stages: list[str] | None) -> None:
@@ -109,9 +171,14 @@ def _print(lowering, launch, notes: list[str], pass_names: tuple[str, ...], stag
 
 
 def file_name(lowering, stage) -> str:
-    """``<nn>-<stage>.<ext>``: nn the stage's place in the target's pipeline, 00 before it."""
+    """``<nn>-<stage>.<ext>``: nn the stage's place in the target's pipeline, 00 before it;
+    ``<nn>-<stage>.<k>-<pass>.<ext>`` for the IR after the stage's k-th pass."""
+    from dlcore.compiler.dump import file_name as named
+
     index = lowering.planned.index(stage.stage) + 1 if stage.stage in lowering.planned else 0
-    return f"{index:02d}-{stage.stage}.{stage.extension}"
+    steps = [s for s in lowering.stages if s.stage == stage.stage and s.after_pass]
+    step = next((k for k, s in enumerate(steps, start=1) if s is stage), 0)
+    return named(index, stage.stage, stage.extension, stage.after_pass, step)
 
 
 def _write(lowering, root: Path, stages: list[str] | None, suffix: str = "") -> None:
@@ -120,5 +187,5 @@ def _write(lowering, root: Path, stages: list[str] | None, suffix: str = "") -> 
     # suffix: "-backward" for a backward launch (rotary's one kernel serves both directions)
     folder = root / f"{lowering.kernel}{suffix}-{lowering.target.replace(':', '')}"
     folder.mkdir(parents=True, exist_ok=True)
-    written = [write_new(folder / file_name(lowering, s), s.ir).name for s in _selected(lowering, stages)]
+    written = [write_new(folder / file_name(lowering, s), s.ir).name for s in _selected(lowering, stages, passes=True)]
     print(f"{folder}: {' '.join(written)}")

@@ -3,7 +3,10 @@
 Files go to ``DLC_DUMP_DIR`` (default ``./dlc_ir``), one folder per compile,
 ``<kernel>-<hash>/<nn>-<stage>.<ext>``: ``<hash>`` the start of Triton's hash of the compile,
 ``<nn>`` the stage's position in the pipeline (``01-ttir.ttir``, ``02-ttgir.ttgir``,
-``03-llir.ll``, ``04-ptx.ptx``, ``05-cubin.cubin`` on CUDA; later ``linalg``, ``hivm`` on Ascend).
+``03-llir.ll``, ``04-ptx.ptx``, ``05-cubin.cubin`` on CUDA; ``02-linalg.mlir``, ``03-hivm.mlir``
+on npu). A stage made by a sequence of passes (npu's linalg) also has the IR after each pass,
+``<nn>-<stage>.<k>-<pass>.<ext>`` (``02-linalg.1-discrete_mask_access_conversion.mlir``): the IR
+before pass k is the file of pass k-1, or the previous stage's.
 
 The pass only reads IR, so while it is on Triton's cache is not read (see
 :mod:`dlcore.compiler.stages`): every compile runs and is dumped. It deletes and overwrites
@@ -60,9 +63,15 @@ def folder_for(stage: StageContext) -> Path:
     return folder
 
 
+def file_name(index: int, stage: str, ext: str, after_pass: str = "", step: int = 0) -> str:
+    """``<nn>-<stage>.<ext>``, or for the IR after pass number ``step`` of the stage,
+    ``<nn>-<stage>.<step>-<pass>.<ext>``."""
+    return f"{index:02d}-{stage}.{step}-{after_pass}.{ext}" if after_pass else f"{index:02d}-{stage}.{ext}"
+
+
 def dump_stage(module: Any, stage: StageContext) -> None:
     ir = ir_text(module)
-    write_new(folder_for(stage) / f"{stage.index:02d}-{stage.stage}.{extension(stage.stage, ir)}", ir)
+    write_new(folder_for(stage) / file_name(stage.index, stage.stage, extension(stage.stage, ir)), ir)
 
 
 @hookimpl

@@ -235,15 +235,18 @@ class Lowering:
     resources: Resources = field(default_factory=Resources)
     #: Triton's compiled kernel, when the pipeline ran to its end
     compiled: Any = None
+    #: what the backend's pipeline noted on the way (a retried tool run, a kernel's execution mode)
+    notes: list[str] = field(default_factory=list)
 
     @property
     def reached(self) -> list[str]:
-        """The pipeline stages that ran (``python`` and ``source`` excluded)."""
-        return [s.stage for s in self.stages if s.stage in self.planned]
+        """The pipeline stages that ran (``python``, ``source`` and the outputs of single passes excluded)."""
+        return [s.stage for s in self.stages if s.stage in self.planned and not s.after_pass]
 
     def stage(self, name: str) -> StageOutput:
+        """The output of stage ``name`` (not that of one of its passes)."""
         for s in self.stages:
-            if s.stage == name:
+            if s.stage == name and not s.after_pass:
                 return s
         have = [s.stage for s in self.stages]
         raise KeyError(f"{self.kernel} for {self.target} has no stage {name!r}; it has {have}")
@@ -363,8 +366,15 @@ NOMINAL_BACKENDS = {"cuda": ("nvidia", 1), "npu": ("huawei", 24), "mlu": ("cambr
 
 
 def target_profile(target: str) -> DeviceProfile:
-    """A nominal :class:`DeviceProfile` for ``target`` (no device is asked)."""
+    """A nominal :class:`DeviceProfile` for ``target`` (no device is asked): the installed backend's
+    (:meth:`~dlcore.declarations.backend.Backend.target_profile`), else from the tables above."""
+    from dlcore.plugins.registry import registry
+
     backend, arch = parse_target(target)
+    owner = registry().backends.get(backend)
+    own = owner.target_profile(target) if owner is not None else None
+    if own is not None:
+        return own
     vendor, cores = NOMINAL_BACKENDS.get(backend, (backend, 1))
     name, cores = NOMINAL.get((backend, arch.removeprefix("sm_")), (f"{target} (nominal)", cores))
     if backend != "cuda":

@@ -1,8 +1,8 @@
 """Compile reports: what each kernel asks of the hardware per target, and how long it compiled.
 
 ``dlcore lower --report`` prints one row per kernel and target: registers and spills (from
-``ptxas``'s own report on CUDA), shared memory (Triton's metadata), the stages reached and the
-compile time.
+``ptxas``'s own report on CUDA), shared memory (Triton's metadata), the stages reached (how many of
+the target's, and the last), the time of each stage and the whole compile.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from collections.abc import Sequence
 
 from dlcore.compiler.lowering import Lowering, Resources
 
-HEADER = ("kernel", "op", "target", "dtype", "regs", "spills (st/ld B)", "smem B", "stages", "compile ms", "notes")
+HEADER = ("kernel", "op", "target", "dtype", "regs", "spills (st/ld B)", "smem B", "stages", "ms per stage",
+          "compile ms", "notes")
 
 _REGISTERS = re.compile(r"Used (\d+) registers")
 _SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
@@ -40,4 +41,43 @@ def row(lowering: Lowering, op: str, dtype: str, notes: Sequence[str] = ()) -> t
     reached = lowering.reached
     stages = f"{len(reached)}/{len(lowering.planned)} ({reached[-1] if reached else 'none'})"
     return (lowering.kernel, op, lowering.target, dtype, _known(r.registers), spills, _known(r.shared), stages,
-            f"{lowering.seconds * 1e3:.0f}", "; ".join(notes))
+            stage_times(lowering), f"{lowering.seconds * 1e3:.0f}", "; ".join(notes))
+
+
+def stage_times(lowering: Lowering) -> str:
+    """``ttir 120, linalg 250, hivm 180``: milliseconds of each stage reached."""
+    return ", ".join(f"{s.stage} {s.seconds * 1e3:.0f}" for s in lowering.stages
+                     if s.stage in lowering.planned and not s.after_pass)
+
+
+def portability_page(rows: Sequence[Sequence[str]], targets: Sequence[str], command: str) -> str:
+    """docs/portability.md: per kernel launch, the last stage reached on each target (from
+    :func:`row`'s rows; "not launched": the target's plan launches another kernel, e.g. the
+    tensor-descriptor GEMM on sm_90 alone), why a kernel stopped early, and first the command that
+    regenerates it."""
+    reached: dict[tuple[str, str], dict[str, str]] = {}
+    for r in rows:
+        kernel, op, target, stages, times = r[0], r[1], r[2], r[7], r[8]
+        reached.setdefault((op, kernel), {})[target] = f"{stages.split('(')[-1].rstrip(')')} ({times})"
+    lines = [
+        "# Portability: how far each kernel lowers, per target",
+        "",
+        "Regenerate (no GPU or NPU needed; npu's stages need triton-adapter-opt and bishengir-compile, see",
+        "plugins/dlc_ascend/dlc_ascend/pipeline.py):",
+        "",
+        f"    {command}",
+        "",
+        "Each cell: the last stage reached, then milliseconds per stage. npu stops at hivm where CANN's hivmc",
+        "is absent; `dlcore ops` lists the kernels a backend declares it cannot lower, and why.",
+        "",
+        "| op | kernel | " + " | ".join(targets) + " |",
+        "|---|---|" + "---|" * len(targets),
+    ]
+    for (op, kernel), cells in sorted(reached.items()):
+        lines.append(f"| {op} | {kernel} | " + " | ".join(cells.get(t, "not launched") for t in targets) + " |")
+    stops = sorted({(r[1], r[0], r[2], note) for r in rows for note in r[10].split("; ")
+                    if note.startswith(("stopped:", "declared:"))})
+    if stops:
+        lines += ["", "Where a kernel stops before the end of a target's pipeline (besides a missing tool):", ""]
+        lines += [f"- {op} / {kernel} on {target}: {note}" for op, kernel, target, note in stops]
+    return "\n".join(lines) + "\n"

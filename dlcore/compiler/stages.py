@@ -115,9 +115,14 @@ def _function_name(ir: Any) -> str:
 
 @dataclass
 class StageOutput:
+    """What one stage made, or (``after_pass`` set) the IR after one pass within that stage: a
+    backend whose stage is a sequence of passes (npu's linalg) records each, so a dump shows the IR
+    before and after every pass."""
+
     stage: str
     ir: str | bytes
     seconds: float
+    after_pass: str = ""
 
     @property
     def extension(self) -> str:

@@ -85,6 +85,13 @@ class Backend:
             times.append((time.perf_counter() - start) * 1e3)
         return statistics.median(times)
 
+    def target_profile(self, target: str) -> DeviceProfile | None:
+        """The nominal :class:`DeviceProfile` of lowering target ``target`` (``BACKEND:ARCH`` of this
+        backend), asked of no device: what plans are sized for and launch passes fold grids to when
+        ``dlcore lower`` builds them. ``None``: dlcore's table of nominal targets serves
+        (:func:`dlcore.compiler.lowering.target_profile`)."""
+        return None
+
     def lower(self, call: KernelCall, target: str, passes: Pipeline | None = None,
               specialize: bool = True) -> Lowering:
         """What one kernel launch becomes for ``target`` at each IR stage, without the hardware.

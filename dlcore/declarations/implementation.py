@@ -67,23 +67,50 @@ class LaunchPlan:
         return self.result
 
 
+@dataclass(frozen=True)
+class LoweringLimit:
+    """Kernels of an implementation that a backend's compiler cannot lower past a stage, and why:
+    declared beside the kernel, shown by ``dlcore ops`` and by ``dlcore lower`` when it stops there.
+
+    :param backend: the backend whose pipeline stops (``npu``).
+    :param kernels: the ``@triton.jit`` function names concerned.
+    :param stage: the first stage they do not reach (``hivm``).
+    :param reason: what stops them, with the tool and version where it is the tool's limit.
+    """
+
+    backend: str
+    kernels: tuple[str, ...]
+    stage: str
+    reason: str
+
+    def describe(self) -> str:
+        return f"{self.backend}: {', '.join(self.kernels)} stop before {self.stage}: {self.reason}"
+
+
 class Implementation:
     """Base of every implementation. ``kind`` says which backends can run it (``triton``, ``torch``,
     ``vendor``: see :attr:`dlcore.declarations.backend.Backend.kinds`)."""
 
     kind: str = ""
 
-    def __init__(self, op: str, name: str, *, dtypes: tuple | None = None, doc: str = ""):
+    def __init__(self, op: str, name: str, *, dtypes: tuple | None = None, doc: str = "",
+                 limits: tuple[LoweringLimit, ...] = ()):
         self.op = op
         self.name = name
         self.dtypes = dtypes
         self.doc = doc
+        #: the kernels some backend cannot lower, and why (``dlcore ops``)
+        self.limits = tuple(limits)
         #: set by the registry: the plugin that provided it
         self.plugin: str = ""
 
     @property
     def qualname(self) -> str:
         return f"{self.op}.{self.name}"
+
+    def limit(self, backend: str, kernel: str) -> LoweringLimit | None:
+        """The declared limit of ``backend`` on ``kernel`` (a function name), if any."""
+        return next((x for x in self.limits if x.backend == backend and kernel in x.kernels), None)
 
     def supports(self, signature: Signature, profile: DeviceProfile) -> str | None:
         """``None`` if this implementation handles ``signature``, else the reason it declines."""

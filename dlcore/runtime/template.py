@@ -58,7 +58,7 @@ from typing import Any
 import torch
 
 from dlcore.declarations.device import DeviceProfile, planning_target
-from dlcore.declarations.implementation import Config, LaunchPlan
+from dlcore.declarations.implementation import Config, LaunchPlan, LoweringLimit
 from dlcore.declarations.op import REQUIRED, Op, ScalarArg, TensorArg
 from dlcore.declarations.signature import Signature, make_signature
 from dlcore.declarations.space import SearchSpace
@@ -326,6 +326,7 @@ def define_kernel(
     name: str = "triton",
     replayable: bool = True,
     doc: str = "",
+    limits: tuple[LoweringLimit, ...] = (),
 ) -> Kernel:
     """Generate ``op``'s custom op, fake, autograd, implementation, public function and hooks (see
     the module docstring).
@@ -345,6 +346,7 @@ def define_kernel(
     :param namespace: the custom ops' namespace: ``dlblas`` is dlblas-kernels'; a third party names its own.
     :param replayable: the plan depends only on the exact input (see ``TritonImplementation``).
     :param doc: the implementation's one-line description (``dlcore ops``).
+    :param limits: the kernels a backend's compiler cannot lower, and why (``dlcore ops``).
     """
     space_params = space(UNKNOWN_DEVICE) if space is not None else None
     keys = () if space_params is None else (*space_params.names, *space_params.fixed)
@@ -435,6 +437,7 @@ def define_kernel(
     implementation = _Implementation(
         op.name, name, plan=planned, kernels=kernels, default_config=default_config, space_of=space,
         replayable=replayable, backward_plan=backward_plan, custom_op=call_custom_op, dtypes=op.dtypes(), doc=doc,
+        limits=limits,
     )
     function = _public_function(op, implementation, call_custom_op, plan.__module__, backward is not None)
     return Kernel(op, implementation, function, custom_op, backward_op if backward and backward.of is None else None)

@@ -23,7 +23,7 @@ from dlc_ascend.toolchain import TOOLCHAIN
 from dlcore import hookimpl
 from dlcore.declarations.backend import Availability, Backend
 from dlcore.declarations.device import DeviceProfile
-from dlcore.errors import BackendUnavailableError
+from dlcore.errors import BackendUnavailableError, LoweringError
 from dlcore.plugins.vendor import import_runtime
 
 if TYPE_CHECKING:
@@ -81,21 +81,38 @@ class AscendBackend(Backend):
         """Median milliseconds between NPU events (``torch.npu.Event(enable_timing=True)``), warm-up excluded."""
         return runtime.event_time(self._npu(), fn, device, warmup, reps)
 
+    def target_profile(self, target: str) -> DeviceProfile:
+        """The nominal profile of ``npu:PART`` from :mod:`dlc_ascend.chips` (``npu:Ascend910B``:
+        :data:`~dlc_ascend.chips.DEFAULT`).
+
+        ``cores`` counts the part's vector cores, not its cube cores: what sizes a plan's grid here is
+        grid folding (``grid_folding``), and the kernels it folds are vector kernels (norms, rotary,
+        softmax, activations: ``mix_mode aiv``), each program on one vector core, so folding to the
+        cube count would leave half the vector cores idle. A kernel with ``tl.dot`` runs a program
+        per cube core (with its two vector cores): folded to the vector count it takes two waves,
+        which costs less than idling half of every vector kernel's cores.
+        """
+        from dlc_ascend.chips import chip
+        from dlcore.compiler.lowering import parse_target
+
+        backend, arch = parse_target(target)
+        if backend != self.name:
+            raise LoweringError(f"target {target!r} is not a {self.name} target (e.g. npu:Ascend910B2)")
+        part = chip(arch)
+        return DeviceProfile(backend=self.name, vendor="huawei", name=part.name, arch=part.name,
+                             cores=part.vector_cores, memory_bytes=part.memory_bytes,
+                             shared_memory_per_program=part.ub_bytes, l2_bytes=part.l2_bytes)
+
     def lower(self, call: KernelCall, target: str, passes: Pipeline | None = None,
               specialize: bool = True) -> Lowering:
-        """ttir from upstream Triton; linalg (``triton-adapter-opt``), HIVM (``bishengir-compile``) and the
-        device binary (CANN's ``hivmc``) come with the Ascend pipeline: until then this raises
-        :class:`~dlcore.compiler.lowering.ToolchainMissingError` naming the missing tools, with the
-        ttir in its ``partial``."""
-        from dlcore.compiler.lowering import parse_target, ttir_then_missing
+        """ttir (upstream Triton) -> linalg (``triton-adapter-opt``) -> HIVM IR (``bishengir-compile``)
+        -> binary (CANN's ``hivmc``), each stage checked: :mod:`dlc_ascend.pipeline`. Where a tool is
+        missing, :class:`~dlcore.errors.ToolchainMissingError` says how to get it, with the stages
+        reached in its ``partial``."""
+        from dlc_ascend import pipeline
         from dlcore.compiler.passes import default_pipeline
-        from dlcore.errors import LoweringError
 
-        if parse_target(target)[0] != self.name:
-            raise LoweringError(f"target {target!r} is not a {self.name} target (e.g. npu:Ascend910B)")
-        passes = passes if passes is not None else default_pipeline(self.name)
-        tools = {"triton-adapter-opt": "triton-ascend", "bishengir-compile": "ascendnpu-ir", "hivmc": "Huawei CANN"}
-        ttir_then_missing(call, target, passes, ("linalg", "hivm", "bin"), tools, specialize)
+        return pipeline.lower(call, target, passes if passes is not None else default_pipeline(self.name), specialize)
 
 
 @hookimpl

@@ -42,7 +42,7 @@ from dlblas_kernels.kernels.apply_rotary_pos_emb import apply_rotary_pos_emb, ll
 from dlblas_kernels.kernels.flash_attention_v2 import scale_of, training_outputs
 from dlcore import InvalidInputError
 from dlcore.declarations.device import DeviceProfile
-from dlcore.declarations.implementation import Config, LaunchPlan
+from dlcore.declarations.implementation import Config, LaunchPlan, LoweringLimit
 from dlcore.declarations.op import Op, ScalarArg, TensorArg
 from dlcore.runtime.template import Backward, Residuals, define_kernel
 
@@ -262,6 +262,11 @@ KERNEL = define_kernel(
         residuals=Residuals(("lse",), training_plan, training_outputs, fused_rotary_and_fa_training_reference)),
     doc="flash attention with q and k rotated in registers after loading (never written); backward: the "
         "same rotation after loading, dq and dk rotated back before storing",
+    limits=(LoweringLimit(
+        "npu", ("attention_dkdv_kernel", "attention_dq_kernel"), "hivm",
+        "bishengir-compile 1.2 aborts in its tile-cube-vector-loop pass ('getIndexingMaps not implemented') on "
+        "the backward with the rotation (its tl.gather of lanes inside the mixed cube/vector loops); the same "
+        "kernels without rotation (flash_attention_v2) and tl.gather in small kernels reach HIVM IR"),),
 )
 fused_rotary_and_fa = KERNEL.function
 dlcore_ops, dlcore_implementations = KERNEL.dlcore_ops, KERNEL.dlcore_implementations
