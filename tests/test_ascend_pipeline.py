@@ -114,8 +114,12 @@ def _adapter_pipeline(disable: tuple[str, ...] = ()) -> Pipeline:
     return Pipeline("npu", tuple(p for p in passes.adapter_passes() if p.name not in disable))
 
 
+#: what the real tools print for --version, which dlcore's discovery checks before using one
+VERSION = 'if [ "$1" = "--version" ]; then echo "LLVM version 20.0.0git"; echo "bishengir-compile 1.2.0"; exit 0; fi\n'
+
+
 def _script(path: Path, body: str) -> Path:
-    path.write_text("#!/bin/sh\n" + body)
+    path.write_text("#!/bin/sh\n" + VERSION + body)
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
     return path
 
