@@ -82,13 +82,23 @@ def kernel_device() -> str:
     return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available() else "cuda"
 
 
-@pytest.fixture(scope="session")
-def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder with the test plugin distributions pip-installed into it (real builds, real entry points)."""
-    target = tmp_path_factory.mktemp("site")
+def install_plugins(target: Path, *names: str) -> Path:
+    """pip-install the test plugin distributions ``names`` (folders of tests/plugins) into ``target``."""
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--target", str(target), str(PLUGIN_SOURCES / "thirdparty"), str(PLUGIN_SOURCES / "broken")],
+         "--target", str(target), *(str(PLUGIN_SOURCES / name) for name in names)],
         check=True,
     )
     return target
+
+
+@pytest.fixture(scope="session")
+def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder with the test plugin distributions pip-installed into it (real builds, real entry points)."""
+    return install_plugins(tmp_path_factory.mktemp("site"), "thirdparty", "broken")
+
+
+@pytest.fixture(scope="session")
+def clash_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder with a plugin whose entry-point name (``rms_norm``) clashes with dlblas-kernels'."""
+    return install_plugins(tmp_path_factory.mktemp("clash-site"), "clash")

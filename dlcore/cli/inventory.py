@@ -28,6 +28,8 @@ def run_plugins(args: argparse.Namespace) -> int:
         status = f"{r.status}: {r.error}" if r.error else str(r.status)
         if r.ignored:
             status += f" (ignored {'; '.join(r.ignored)})"
+        if r.clashes:
+            status += f" (name also used by {'; '.join(r.clashes)}: rename one entry point)"
         if r.id in availability:
             a = availability[r.id]
             status += " (available)" if a else f" (unavailable: {a.reason})"
