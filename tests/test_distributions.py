@@ -1,10 +1,10 @@
 """The five distributions' names: free on the package index (recorded offline), and pinned to each other."""
 
 import json
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 

@@ -6,10 +6,8 @@ import argparse
 import math
 import sys
 
-import torch
-
 from dlcore.bench.table import table
-from dlcore.cli.options import DTYPES, default_device, parse_sizes
+from dlcore.cli.options import DTYPES, parse_sizes, require_plotting, resolve_device
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -68,11 +66,13 @@ def run_tune(args: argparse.Namespace) -> int:
         raise SystemExit("dlcore tune: name an op, or give --all")
     ops = sorted(reg.ops) if args.all and not args.op else [args.op]
     strategies = [s.strip() for s in args.strategy.split(",") if s.strip()]
-    device = torch.device(default_device(args.device))
+    device = resolve_device(args.device)
+    if args.plot:
+        require_plotting()
     rows, curves = [], {}
     for name in ops:
         op = reg.op(name)
-        if op.example is None:
+        if op.example is None and args.all:
             print(f"{name}: declares no example inputs; skipped", file=sys.stderr)
             continue
         for sizes in _shapes_for(op, args):
