@@ -58,3 +58,24 @@ def test_tune_plot_without_matplotlib_fails_before_the_search(capsys, monkeypatc
     monkeypatch.setattr(dispatcher.Dispatcher, "tune_op", lambda *a, **k: pytest.fail("the search ran"))
     err = error_line(capsys, ["tune", "rms_norm", "--shape", "tokens=2,hidden=16", "--plot", str(tmp_path / "p.png")])
     assert "pip install 'dlc-core[plot]'" in err
+
+
+@pytest.mark.parametrize("argv", [["check", "silu_and_mul", "--shape", "tokens=2,hidden=8"],
+                                  ["tune", "silu_and_mul", "--shape", "foo=3", "--budget", "1"]])
+def test_an_unknown_size_name_lists_the_op_s(capsys, argv):
+    err = error_line(capsys, argv)
+    assert "silu_and_mul has no size named" in err and "tokens, inter" in err
+
+
+def test_tune_defaults_to_float32_on_a_cpu(capsys, monkeypatch):
+    from dlcore.dispatch import dispatcher
+
+    seen = []
+
+    def tune_op(self, name, inputs, **kwargs):
+        seen.append(inputs[0].dtype)
+        raise dispatcher.InvalidOptionError("stop here")
+
+    monkeypatch.setattr(dispatcher.Dispatcher, "tune_op", tune_op)
+    error_line(capsys, ["tune", "rms_norm", "--shape", "tokens=2,hidden=16", "--device", "cpu"])
+    assert seen == [torch.float32]

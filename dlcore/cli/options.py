@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 
 from dlcore.bench.presets import parse_sizes
+from dlcore.declarations.op import Op
 from dlcore.errors import InvalidOptionError
 
-__all__ = ["DTYPES", "default_device", "parse_sizes", "require_plotting", "resolve_device"]
+__all__ = ["DTYPES", "check_sizes", "default_device", "default_dtype", "parse_sizes", "require_plotting",
+           "resolve_device"]
 
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -43,3 +45,21 @@ def require_plotting(option: str = "--plot") -> None:
     except ImportError as exc:
         raise InvalidOptionError(f"{option} needs matplotlib, which is not installed: "
                                  f"pip install 'dlc-core[plot]' (or leave out {option})") from exc
+
+
+def default_dtype(requested: str | None, device: torch.device) -> str:
+    """``--dtype`` as given; else bfloat16, or float32 on a CPU, where Triton's interpreter declines bfloat16
+    (a search there would time the reference alone)."""
+    if requested:
+        return requested
+    return "float32" if device.type == "cpu" else "bfloat16"
+
+
+def check_sizes(op: Op, sizes: dict[str, int], option: str = "--shape") -> None:
+    """Refuse size names ``op`` does not declare: a misspelt name would silently keep the example's value."""
+    unknown = sorted(set(sizes) - set(op.example_sizes))
+    if unknown:
+        given = ",".join(f"{k}={sizes[k]}" for k in unknown)
+        known = ", ".join(op.example_sizes) or "none (it declares no example sizes)"
+        raise InvalidOptionError(f"{option} {given}: {op.name} has no size named {', '.join(unknown)}; "
+                                 f"its sizes are {known} (`dlcore ops {op.name}` shows them)")
