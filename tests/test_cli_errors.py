@@ -79,3 +79,19 @@ def test_tune_defaults_to_float32_on_a_cpu(capsys, monkeypatch):
     monkeypatch.setattr(dispatcher.Dispatcher, "tune_op", tune_op)
     error_line(capsys, ["tune", "rms_norm", "--shape", "tokens=2,hidden=16", "--device", "cpu"])
     assert seen == [torch.float32]
+
+
+def test_bench_on_a_cpu_warns_and_times_the_example_sizes_only(capsys, monkeypatch):
+    from dlcore.bench import harness
+    from dlcore.errors import InvalidOptionError
+
+    seen = []
+
+    def run_bench(op, shapes, **kwargs):
+        seen.extend(s.sizes for s in shapes)
+        raise InvalidOptionError("stop here")
+
+    monkeypatch.setattr(harness, "run_bench", run_bench)
+    assert main(["bench", "rms_norm", "--device", "cpu"]) == 2
+    assert seen == [registry().op("rms_norm").example_sizes]
+    assert "warning: on a CPU the kernels run in Triton's interpreter" in capsys.readouterr().err

@@ -95,6 +95,13 @@ def run_bench_command(args: argparse.Namespace) -> int:
         require_plotting()
     try:
         op = registry().op(args.op)
+        if device.type == "cpu" and args.shapes is None and args.tokens is None:
+            # The model presets reach 16384 tokens: hours in Triton's interpreter, and times that say
+            # nothing about an accelerator.
+            args.shapes = ",".join(f"{k}={v}" for k, v in op.example_sizes.items())
+            print(f"dlcore bench: warning: on a CPU the kernels run in Triton's interpreter and the times say "
+                  f"nothing about an accelerator's; timing the example sizes only ({args.shapes}); give "
+                  f"--shapes to choose", file=sys.stderr)
         shapes, notes = shapes_for(op.example_sizes, args.shapes, args.tokens)
         timer, timer_name = default_timer(device, registry().backend_for(device), args.warmup, args.rep,
                                           args.timer)
