@@ -17,8 +17,8 @@ make it too.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 import warnings
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
