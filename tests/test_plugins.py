@@ -217,3 +217,40 @@ def test_a_clashing_plugin_can_be_disabled_alone(clash_site):
     rows = {line.split()[2]: line for line in done.stdout.splitlines() if " rms_norm " in line}
     assert "loaded" in rows["dlblas-kernels"] and "disabled" in rows["dlc-clash-demo"]
     assert "name also used by dlc-clash-demo" in rows["dlblas-kernels"]
+
+
+GUIDE_EXAMPLE = """
+import contextlib, io, json, torch, dlcore
+from dlcore.cli import main
+from dlc_thirdparty_demo.softcap import softcap
+g = torch.Generator().manual_seed(0)
+x = (torch.randn(8, 300, generator=g) * 40).requires_grad_()
+bound = dlcore.get_op("softcap", (x, 30.0))
+y = bound(x, 30.0)
+(dx,) = torch.autograd.grad(y.sum(), x)
+(dx_fn,) = torch.autograd.grad(softcap(x, 30.0).sum(), x)
+expected = 1 - torch.tanh(x.detach() / 30.0) ** 2
+out = {"grad_err": (dx - expected).abs().max().item(), "fn_grad_err": (dx_fn - expected).abs().max().item()}
+for argv in (["ops", "softcap"], ["ops", "rms_norm"], ["check", "softcap"]):
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        out[" ".join(argv) + " rc"] = main(argv)
+    out[" ".join(argv)] = text.getvalue()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_the_guide_s_example_plugin_works_as_documented(plugin_site):
+    """docs/plugins.md's example, tests/plugins/thirdparty: a new op with its backward, example sizes
+    and space, and a second rms_norm implementation with its own space and limits."""
+    result = run_json(GUIDE_EXAMPLE, plugin_site)
+    assert result["grad_err"] < 1e-5 and result["fn_grad_err"] < 1e-5
+    softcap = result["ops softcap"]
+    assert result["ops softcap rc"] == 0 and "declared by dlcore.kernels:softcap" in softcap
+    assert "example sizes (--shape): tokens=37, hidden=1000" in softcap, softcap
+    assert "BLOCK: a power of two in [64, 1024]" in softcap, softcap
+    rms_norm = result["ops rms_norm"]
+    for words in ("weight", "contiguous,rows", "chunked", "CHUNK", "dlcore.kernels:thirdparty_rms_norm"):
+        assert words in rms_norm, rms_norm
+    assert result["check softcap rc"] == 0 and ": OK" in result["check softcap"]

@@ -104,7 +104,7 @@ def describe_op(reg, name: str) -> str:
     rows = []
     for impl in reg.implementations_of(op.name):
         space = impl.space()
-        described = "; ".join(p.describe() for p in space.params) if space is not None else "-"
+        described = "; ".join(f"{p.name}: {p.describe()}" for p in space.params) if space is not None else "-"
         rows.append((impl.name, impl.kind, _dtype_names(impl.dtypes or op.dtypes()), impl.plugin, described))
     lines.append(table(rows, ("name", "kind", "dtypes", "plugin", "search space")))
     return "\n".join(lines)
