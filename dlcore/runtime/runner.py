@@ -7,8 +7,9 @@ bound op call with the inputs.
   launcher (:func:`dlcore.runtime.launch.run_plan`);
 - a custom-op implementation: the same, unless autograd or ``torch.compile`` must see the call
   (:func:`dlcore.runtime.torch_ops.needs_autograd`), then its custom op;
-- a Triton implementation without a backward: its launches, with one
-  :class:`~dlcore.runtime.torch_ops.ForwardOnlyWarning` the first time it runs on inputs that require grad;
+- a custom-op implementation without a backward (``define_kernel`` without ``Backward``): its
+  launches, with one :class:`~dlcore.runtime.torch_ops.ForwardOnlyWarning` the first time it runs on
+  inputs that require grad;
 - anything else: ``impl.run(args, config)``.
 """
 
@@ -32,18 +33,19 @@ def runner(impl: Implementation, config: Config, transform: PlanTransform | None
     if not isinstance(impl, TritonImplementation):
         return lambda args: impl.run(args, config)
     launch = _launches(impl, config, transform)
-    if isinstance(impl, CustomOpTritonImplementation) and impl.differentiable:
+    if not isinstance(impl, CustomOpTritonImplementation):
+        return launch
+    if impl.differentiable:
         def run(args: tuple) -> Any:
             if needs_autograd(args):
                 return impl.custom_op(args, config)
             return launch(args)
 
         return run
-    custom_op = impl.custom_op if isinstance(impl, CustomOpTritonImplementation) else None
 
     def forward_only(args: tuple) -> Any:
-        if custom_op is not None and torch.compiler.is_compiling():
-            return custom_op(args, config)
+        if torch.compiler.is_compiling():
+            return impl.custom_op(args, config)
         warn_forward_only(impl, args)
         return launch(args)
 
