@@ -95,3 +95,10 @@ def test_bench_on_a_cpu_warns_and_times_the_example_sizes_only(capsys, monkeypat
     assert main(["bench", "rms_norm", "--device", "cpu"]) == 2
     assert seen == [registry().op("rms_norm").example_sizes]
     assert "warning: on a CPU the kernels run in Triton's interpreter" in capsys.readouterr().err
+
+
+def test_tune_says_why_it_kept_the_reference(capsys):
+    assert main(["tune", "rms_norm", "--shape", "tokens=2,hidden=16", "--dtype", "bf16", "--budget", "1",
+                 "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert "kept the reference, since every implementation declined" in err and "bfloat16" in err, err

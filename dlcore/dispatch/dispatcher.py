@@ -325,7 +325,7 @@ def _warn_fallback(op: Op, profile: DeviceProfile, declined: dict[str, str]) -> 
     _warned_fallback.add((op.name, profile.backend))
     why = "; ".join(f"{name}: {reason}" for name, reason in declined.items())
     warnings.warn(f"dlcore: {op.name} on {profile.describe()} runs its torch reference, since every implementation "
-                  f"declined ({why})", FallbackWarning, stacklevel=4)
+                  f"declined ({why})", FallbackWarning, stacklevel=6)  # the caller of dlcore.get_op
 
 
 _default: Dispatcher | None = None
