@@ -21,11 +21,13 @@ nox.options.sessions = ["test"]
 nox.options.reuse_existing_virtualenvs = False
 
 
-def install(session: nox.Session, triton: str, distributions: list[str] = DISTRIBUTIONS) -> None:
+def install(session: nox.Session, triton: str, distributions: list[str] = DISTRIBUTIONS,
+            silent: bool = True) -> None:
+    """``silent=False``: pip's own progress is shown (the downloads take minutes on a fresh machine)."""
     # Triton 3.6's interpreter converts 1-element arrays with int(), which NumPy 2.4 refuses.
     numpy = ["numpy<2.4"] if triton.startswith("3.6.") else []
-    session.install(TORCH, f"triton=={triton}", *numpy)
-    session.install(*distributions)
+    session.install(TORCH, f"triton=={triton}", *numpy, silent=silent)
+    session.install(*distributions, silent=silent)
 
 
 @nox.session
@@ -66,7 +68,21 @@ def ascend(session: nox.Session) -> None:
 @nox.session
 def demo(session: nox.Session) -> None:
     """The main job on this machine: get_op('ffn', ...) on real inputs, checked, explained."""
-    install(session, TRITON_VERSIONS[-1])
+    install(session, TRITON_VERSIONS[-1], silent=False)
     env = {"TRITON_INTERPRET": "1", "TRITON_DEFAULT_FP_FUSION": "1"}
     session.run("dlcore", "plugins", env=env)
     session.run("dlcore", "check", "ffn", "--shape", "tokens=37,hidden=256,inter=96", "--dtype", "float32", env=env)
+    bin_dir = session.bin
+    session.log("next steps, in this virtualenv (. %s/activate; TRITON_INTERPRET=1 on a CPU):", bin_dir)
+    for line in NEXT_STEPS:
+        session.log("  %s", line)
+
+
+#: what `nox -s demo` suggests last: the commands a newcomer tries next
+NEXT_STEPS = (
+    "dlcore ops                      every op and implementation; dlcore ops rms_norm: one op in full",
+    "dlcore check rms_norm --shape tokens=37,hidden=256",
+    "dlcore tune rms_norm --shape tokens=64,hidden=512 --budget 8     (float32 on a CPU)",
+    "dlcore cache list",
+    "docs/plugins.md                 write a kernel plugin of your own",
+)

@@ -1,7 +1,8 @@
 """dlcore: a plugin-based framework to write, lower, select and tune Triton kernels.
 
 ``dlcore.get_op(name, args)`` returns the best implementation of an op for those inputs on their
-device; plugins (backends, kernels, passes, strategies) arrive through entry points.
+device; plugins (backends, kernels, passes, strategies) arrive through entry points. The public
+API is :mod:`dlcore.api`, whose names this package exposes too (imported on first use).
 """
 
 from __future__ import annotations
@@ -18,26 +19,32 @@ from dlcore.errors import (
 
 __version__ = "0.1.0"
 
+#: the names of :mod:`dlcore.api`; kept in step by tests/test_api.py
 __all__ = [
-    "BackendUnavailableError",
-    "DlcoreError",
-    "InvalidInputError",
-    "InvalidOptionError",
-    "NoKernelError",
-    "PluginLoadError",
-    "UnknownOpError",
-    "get_op",
+    "get_op", "BoundOp",
+    "Op", "TensorArg", "ScalarArg",
+    "define_kernel", "Kernel", "Backward", "Residuals", "KernelCall", "LaunchPlan", "Config",
+    "Signature", "DeviceProfile", "as_rows", "cdiv", "next_power_of_2",
+    "Implementation", "TritonImplementation", "TorchImplementation", "VendorImplementation",
+    "SearchSpace", "Choice", "PowerOfTwo", "IntRange", "Constraint", "num_warps", "num_stages",
+    "Backend", "Availability",
     "hookimpl",
+    "DlcoreError", "UnknownOpError", "InvalidInputError", "InvalidCallError", "InvalidOptionError",
+    "NoKernelError", "BackendUnavailableError", "PluginLoadError", "PluginConflictError", "DeclarationError",
+    "SearchSpaceError", "UnknownImplementationError", "CacheFileError", "LoweringError", "ToolchainMissingError",
+    "PluginWarning", "FallbackWarning", "ForwardOnlyWarning",
 ]
 
-
 def __getattr__(name: str):
-    # Each imports what only its users need: pluggy for plugins, the dispatcher for callers.
-    if name == "hookimpl":
-        from dlcore.plugins.hookspecs import hookimpl as found
-    elif name == "get_op":
-        from dlcore.dispatch.dispatcher import get_op as found
-    else:
+    # The rest of the API imports torch, pluggy and the dispatcher: only a user of it pays for that.
+    if name not in __all__:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from dlcore import api
+
+    found = getattr(api, name)
     globals()[name] = found
     return found
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

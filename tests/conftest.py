@@ -7,14 +7,23 @@ must be set before triton is first imported, hence here, at the top of the first
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The whole session, collection and the interpreters tests start included, keeps its selections and
+# plugin index in a folder of its own, never in the user's ~/.cache/dlcore (each test then gets a
+# fresh one of its own from ``fresh_dlcore``). The tool cache (DLCORE_TOOL_CACHE) stays shared: the
+# Ascend tests use the adapter `dlcore toolchain fetch ascend` put there.
+SESSION_CACHE = Path(tempfile.mkdtemp(prefix="dlcore-tests-"))
+os.environ["DLCORE_CACHE_DIR"] = str(SESSION_CACHE / "dlcore-cache")
 
 import pytest  # noqa: E402
 
@@ -82,13 +91,27 @@ def kernel_device() -> str:
     return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available() else "cuda"
 
 
-@pytest.fixture(scope="session")
-def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A folder with the test plugin distributions pip-installed into it (real builds, real entry points)."""
-    target = tmp_path_factory.mktemp("site")
+def install_plugins(target: Path, *names: str) -> Path:
+    """pip-install the test plugin distributions ``names`` (folders of tests/plugins) into ``target``."""
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
-         "--target", str(target), str(PLUGIN_SOURCES / "thirdparty"), str(PLUGIN_SOURCES / "broken")],
+         "--target", str(target), *(str(PLUGIN_SOURCES / name) for name in names)],
         check=True,
     )
     return target
+
+
+@pytest.fixture(scope="session")
+def plugin_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder with the test plugin distributions pip-installed into it (real builds, real entry points)."""
+    return install_plugins(tmp_path_factory.mktemp("site"), "thirdparty", "broken")
+
+
+@pytest.fixture(scope="session")
+def clash_site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder with a plugin whose entry-point name (``rms_norm``) clashes with dlblas-kernels'."""
+    return install_plugins(tmp_path_factory.mktemp("clash-site"), "clash")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    shutil.rmtree(SESSION_CACHE, ignore_errors=True)

@@ -21,9 +21,9 @@ print(json.dumps({"records": records, "warnings": [str(w.message) for w in caugh
 def test_builtins_arrive_through_entry_points():
     reg = registry()
     status = {r.id: (r.status, r.distribution) for r in reg.plugins.records}
-    assert status["dlcore.backends:cpu"] == ("loaded", "dlcore")
+    assert status["dlcore.backends:cpu"] == ("loaded", "dlc-core")
     for name in ("grid", "random", "tpe"):
-        assert status[f"dlcore.strategies:{name}"] == ("loaded", "dlcore")
+        assert status[f"dlcore.strategies:{name}"] == ("loaded", "dlc-core")
     assert status["dlcore.backends:cuda"] == ("loaded", "dlc-cuda")
     assert status["dlcore.backends:npu"] == ("loaded", "dlc-ascend")
     assert status["dlcore.backends:mlu"] == ("loaded", "dlc-mlu")
@@ -176,3 +176,81 @@ print(json.dumps({"registry": dlcore.plugins.registry._registry is not None,
                   "vendor": [m for m in ("torch_npu", "torch_mlu", "dlc_cuda", "dlblas_kernels") if m in sys.modules]}))
 """)
     assert result == {"registry": False, "vendor": []}
+
+
+CLASH = """
+import json, warnings
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import torch, dlcore
+    from dlcore.plugins.registry import registry
+    reg = registry()
+    x, w = torch.randn(4, 64), torch.randn(64)
+    silu = dlcore.get_op("silu_and_mul", (torch.randn(4, 64),))
+    forced = dlcore.get_op("rms_norm", (x, w), impl="clash_torch")
+    err = (forced(x, w) - reg.op("rms_norm").reference(x, w)).abs().max().item()
+    impls = sorted(i.name for i in reg.implementations_of("rms_norm"))
+records = {r.id: [str(r.status), r.distribution, r.clashes] for r in reg.plugins.records if r.name == "rms_norm"}
+print(json.dumps({"records": records, "impls": impls, "err": err,
+                  "warnings": [str(w.message) for w in caught if "is used by" in str(w.message)]}))
+"""
+
+
+@pytest.mark.slow
+def test_an_entry_point_name_clash_is_isolated_and_reported(clash_site):
+    result = run_json(CLASH, clash_site)
+    records = result["records"]
+    assert set(records) == {"dlcore.kernels:rms_norm@dlblas-kernels", "dlcore.kernels:rms_norm@dlc-clash-demo"}
+    assert all(status == "loaded" for status, _, _ in records.values())
+    assert "dlblas-kernels" in records["dlcore.kernels:rms_norm@dlc-clash-demo"][2][0]
+    assert "dlc-clash-demo" in records["dlcore.kernels:rms_norm@dlblas-kernels"][2][0]
+    assert {"triton", "clash_torch"} <= set(result["impls"]) and result["err"] < 1e-5
+    [warning] = result["warnings"]
+    assert "dlblas-kernels" in warning and "dlc-clash-demo" in warning and "rename" in warning
+
+
+@pytest.mark.slow
+def test_a_clashing_plugin_can_be_disabled_alone(clash_site):
+    done = run_python("import sys; from dlcore.cli import main; sys.exit(main(['plugins']))", clash_site,
+                      DLCORE_DISABLE_PLUGINS="dlcore.kernels:rms_norm@dlc-clash-demo")
+    assert done.returncode == 0, done.stderr
+    rows = {line.split()[2]: line for line in done.stdout.splitlines() if " rms_norm " in line}
+    assert "loaded" in rows["dlblas-kernels"] and "disabled" in rows["dlc-clash-demo"]
+    assert "name also used by dlc-clash-demo" in rows["dlblas-kernels"]
+
+
+GUIDE_EXAMPLE = """
+import contextlib, io, json, torch, dlcore
+from dlcore.cli import main
+from dlc_thirdparty_demo.softcap import softcap
+g = torch.Generator().manual_seed(0)
+x = (torch.randn(8, 300, generator=g) * 40).requires_grad_()
+bound = dlcore.get_op("softcap", (x, 30.0))
+y = bound(x, 30.0)
+(dx,) = torch.autograd.grad(y.sum(), x)
+(dx_fn,) = torch.autograd.grad(softcap(x, 30.0).sum(), x)
+expected = 1 - torch.tanh(x.detach() / 30.0) ** 2
+out = {"grad_err": (dx - expected).abs().max().item(), "fn_grad_err": (dx_fn - expected).abs().max().item()}
+for argv in (["ops", "softcap"], ["ops", "rms_norm"], ["check", "softcap"]):
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        out[" ".join(argv) + " rc"] = main(argv)
+    out[" ".join(argv)] = text.getvalue()
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_the_guide_s_example_plugin_works_as_documented(plugin_site):
+    """docs/plugins.md's example, tests/plugins/thirdparty: a new op with its backward, example sizes
+    and space, and a second rms_norm implementation with its own space and limits."""
+    result = run_json(GUIDE_EXAMPLE, plugin_site)
+    assert result["grad_err"] < 1e-5 and result["fn_grad_err"] < 1e-5
+    softcap = result["ops softcap"]
+    assert result["ops softcap rc"] == 0 and "declared by dlcore.kernels:softcap" in softcap
+    assert "example sizes (--shape): tokens=37, hidden=1000" in softcap, softcap
+    assert "BLOCK: a power of two in [64, 1024]" in softcap, softcap
+    rms_norm = result["ops rms_norm"]
+    for words in ("weight", "contiguous,rows", "chunked", "CHUNK", "dlcore.kernels:thirdparty_rms_norm"):
+        assert words in rms_norm, rms_norm
+    assert result["check softcap rc"] == 0 and ": OK" in result["check softcap"]

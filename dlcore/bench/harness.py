@@ -785,7 +785,7 @@ def versions() -> dict[str, str | None]:
 
     found: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__,
                                     "cuda": torch.version.cuda}
-    for dist in ("triton", "dlcore", "dlblas-kernels", "liger-kernel"):
+    for dist in ("triton", "dlc-core", "dlblas-kernels", "liger-kernel"):
         try:
             found[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:

@@ -9,7 +9,7 @@ import sys
 
 from dlcore.bench.harness import KNOWN_BASELINES, MODES, OWN, TIMERS
 from dlcore.bench.presets import DEFAULT_PRESET, PRESET_TOKENS, PRESETS, TOKENS, VARIANTS
-from dlcore.cli.options import DTYPES, default_device
+from dlcore.cli.options import DTYPES, require_plotting, resolve_device
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -84,18 +84,25 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
-    import torch
-
     from dlcore.bench.harness import default_timer, run_bench
     from dlcore.bench.presets import shapes_for
     from dlcore.errors import DlcoreError
     from dlcore.plugins.registry import registry
 
-    args.device = default_device(args.device)
+    device = resolve_device(args.device)
+    args.device = str(device)
+    if args.plot:
+        require_plotting()
     try:
         op = registry().op(args.op)
+        if device.type == "cpu" and args.shapes is None and args.tokens is None:
+            # The model presets reach 16384 tokens: hours in Triton's interpreter, and times that say
+            # nothing about an accelerator.
+            args.shapes = ",".join(f"{k}={v}" for k, v in op.example_sizes.items())
+            print(f"dlcore bench: warning: on a CPU the kernels run in Triton's interpreter and the times say "
+                  f"nothing about an accelerator's; timing the example sizes only ({args.shapes}); give "
+                  f"--shapes to choose", file=sys.stderr)
         shapes, notes = shapes_for(op.example_sizes, args.shapes, args.tokens)
-        device = torch.device(args.device)
         timer, timer_name = default_timer(device, registry().backend_for(device), args.warmup, args.rep,
                                           args.timer)
         report = run_bench(

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dlcore.cli.options import DTYPES, default_device, parse_sizes
+from dlcore.cli.options import DTYPES, check_sizes, parse_sizes, resolve_device
 from dlcore.declarations.op import Op
 from dlcore.dispatch.dispatcher import get_op
 from dlcore.plugins.registry import registry
@@ -27,7 +27,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 def run_check(args: argparse.Namespace) -> int:
     op = registry().op(args.op)
-    report = check_op(op, args.shape, DTYPES[args.dtype], default_device(args.device), impl=args.impl, seed=args.seed)
+    report = check_op(op, args.shape, DTYPES[args.dtype], resolve_device(args.device), impl=args.impl, seed=args.seed)
     print(report.explanation)
     sizes = ", ".join(f"{k}={v}" for k, v in report.sizes.items())
     verdict = "OK" if report.ok else f"MISMATCH: {report.problem}"
@@ -53,6 +53,7 @@ class CheckReport:
 def check_op(op: Op, sizes: dict[str, int], dtype: torch.dtype, device: str, impl: str | None = None,
              seed: int = 0) -> CheckReport:
     """Run ``get_op`` on random inputs of ``sizes`` and compare with the float64 reference."""
+    check_sizes(op, sizes)
     full = {**op.example_sizes, **sizes}
     args = op.example_inputs(sizes, dtype, device, seed)
     bound = get_op(op.name, args, impl=impl)

@@ -6,10 +6,8 @@ import argparse
 import math
 import sys
 
-import torch
-
 from dlcore.bench.table import table
-from dlcore.cli.options import DTYPES, default_device, parse_sizes
+from dlcore.cli.options import DTYPES, check_sizes, default_dtype, parse_sizes, require_plotting, resolve_device
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -17,7 +15,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("op", nargs="?", help="the op (omit with --all)")
     p.add_argument("--shape", type=parse_sizes, action="append", default=[],
                    help="named sizes, e.g. tokens=4096,hidden=4096; repeat for several shapes")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="bfloat16; float32 on a CPU")
     p.add_argument("--device", default=None, help="cuda when available, else cpu")
     p.add_argument("--strategy", default="tpe", help="one or several, comma-separated: grid,random,tpe")
     p.add_argument("--budget", type=int, default=None, help="evaluations per implementation")
@@ -68,16 +66,20 @@ def run_tune(args: argparse.Namespace) -> int:
         raise SystemExit("dlcore tune: name an op, or give --all")
     ops = sorted(reg.ops) if args.all and not args.op else [args.op]
     strategies = [s.strip() for s in args.strategy.split(",") if s.strip()]
-    device = torch.device(default_device(args.device))
+    device = resolve_device(args.device)
+    dtype = DTYPES[default_dtype(args.dtype, device)]
+    if args.plot:
+        require_plotting()
     rows, curves = [], {}
     for name in ops:
         op = reg.op(name)
-        if op.example is None:
+        if op.example is None and args.all:
             print(f"{name}: declares no example inputs; skipped", file=sys.stderr)
             continue
         for sizes in _shapes_for(op, args):
+            check_sizes(op, sizes)
             full = {**op.example_sizes, **sizes}
-            inputs = op.example_inputs(full, DTYPES[args.dtype], device)
+            inputs = op.example_inputs(full, dtype, device)
             shape = ",".join(f"{k}={v}" for k, v in full.items())
             for strategy in strategies:
                 progress = Progress(f"{name} {shape} [{strategy}]", args.budget)
@@ -91,6 +93,10 @@ def run_tune(args: argparse.Namespace) -> int:
                                  result.best_config))
                 rows.append((name, shape, "-> kept", bound.impl.name, "", f"{bound.selection.time_ms:.4f}",
                              bound.config))
+                if getattr(bound.impl, "fallback_only", False) and bound.selection.declined:
+                    why = "; ".join(f"{impl}: {reason}" for impl, reason in bound.selection.declined.items())
+                    print(f"{name} {shape}: kept the reference, since every implementation declined ({why})",
+                          file=sys.stderr)
     print(table(rows, ("op", "shape", "strategy", "implementation", "evaluations", "best ms", "config")))
     if args.plot:
         plot_curves(curves, args.plot)

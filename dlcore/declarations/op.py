@@ -264,7 +264,10 @@ class Op:
                        seed: int = 0) -> tuple:
         """Random arguments from ``example``: ``sizes`` over ``example_sizes``, drawn from ``seed``."""
         if self.example is None:
-            raise DeclarationError(f"op {self.name!r} declares no example inputs")
+            raise DeclarationError(
+                f"op {self.name!r} declares no example inputs, which `dlcore check`, `tune`, `bench` and `lower` "
+                f"need: its plugin should give Op(..., example=fn(sizes, dtype, device, generator), "
+                f"example_sizes={{...}}) (docs/plugins.md); get_op itself works on real tensors")
         return self.example({**self.example_sizes, **sizes}, dtype, torch.device(device),
                             torch.Generator().manual_seed(seed))
 

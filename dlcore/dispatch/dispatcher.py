@@ -303,9 +303,29 @@ def find_candidates(
             for c in candidates:
                 declined[c.name] = f"{op.name} declares no fallback to its reference"
             candidates = []
+        elif candidates and declined:
+            _warn_fallback(op, profile, declined)
     if not candidates:
         raise NoKernelError(op.name, f"{signature.describe()} on {profile.describe()}", declined)
     return candidates, declined
+
+
+class FallbackWarning(UserWarning):
+    """Every dedicated implementation declined the inputs: the op's torch reference runs instead."""
+
+
+#: (op, backend) pairs already warned about in this process
+_warned_fallback: set[tuple[str, str]] = set()
+
+
+def _warn_fallback(op: Op, profile: DeviceProfile, declined: dict[str, str]) -> None:
+    """Say once per op and backend that the reference serves, and why: ``.explain()`` alone hides it."""
+    if (op.name, profile.backend) in _warned_fallback:
+        return
+    _warned_fallback.add((op.name, profile.backend))
+    why = "; ".join(f"{name}: {reason}" for name, reason in declined.items())
+    warnings.warn(f"dlcore: {op.name} on {profile.describe()} runs its torch reference, since every implementation "
+                  f"declined ({why})", FallbackWarning, stacklevel=6)  # the caller of dlcore.get_op
 
 
 _default: Dispatcher | None = None
@@ -345,4 +365,5 @@ def reset() -> None:
     if _default is not None:
         _default.clear()
     _default = None
+    _warned_fallback.clear()
     reset_registry()

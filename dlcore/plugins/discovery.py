@@ -11,6 +11,12 @@ Selection by environment:
   ``group:name``).
 - ``DLCORE_PLUGINS=a,b``: load only these, besides dlcore's own built-ins; a plugin named here
   that is missing or fails to load raises :class:`~dlcore.errors.PluginLoadError`.
+
+Entry-point names are meant to be unique in a group. When several distributions use one name (a
+third party's ``rms_norm`` beside dlblas-kernels'), each of them is kept apart under an id
+qualified by its distribution (``dlcore.kernels:rms_norm@dlblas-kernels``), loaded and reported on
+its own, and a :class:`PluginWarning` names the distributions: a clash is never fatal, and one
+plugin cannot take another's place.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from dlcore.plugins import hookspecs
 GROUPS = ("dlcore.backends", "dlcore.kernels", "dlcore.passes", "dlcore.strategies")
 #: the one group whose plugins may be loaded on first use (see :mod:`dlcore.plugins.index`)
 DEFERRABLE_GROUP = "dlcore.kernels"
-CORE_DISTRIBUTION = "dlcore"
+CORE_DISTRIBUTION = "dlc-core"
 
 
 class PluginWarning(UserWarning):
@@ -67,10 +73,14 @@ class PluginRecord:
     #: what a loaded plugin provided and the registry left out, and why (e.g. an implementation of
     #: an op whose declaring plugin is disabled)
     ignored: list[str] = field(default_factory=list)
+    #: the distribution that qualifies the id when other distributions use the same entry-point name
+    qualifier: str = ""
+    #: those other distributions' entry points, ``distribution version (value)``
+    clashes: list[str] = field(default_factory=list)
 
     @property
     def id(self) -> str:
-        return f"{self.group}:{self.name}"
+        return f"{self.group}:{self.name}" + (f"@{self.qualifier}" if self.qualifier else "")
 
     @property
     def builtin(self) -> bool:
@@ -115,25 +125,40 @@ class PluginSet:
         return [r.id for r in records if r.status == PluginStatus.LOADED]
 
     def load_records(self, group: str, records: list[PluginRecord]) -> None:
-        """Load the entry points of ``records`` (all of ``group``) through stevedore and register them."""
+        """Load the entry points of ``records`` (all of ``group``) and register them, in their order.
+
+        stevedore loads the entry points by name; one whose name other distributions share is loaded
+        alone from its own entry point (stevedore would load every one of that name, and its conflict
+        resolver fails on modules), so that it is imported only if it is itself allowed.
+        """
         if not records:
             return
-        by_name = {r.name: r for r in records}
+        by_name = {r.name: r for r in records if not r.qualifier}
+        plugins: dict[str, object] = {}
 
         def on_failure(_manager, ep: EntryPoint, exc: Exception) -> None:
             record = by_name[ep.name]
             record.fail(PluginStatus.FAILED, exc)
             _warn(record)
 
-        extensions = NamedExtensionManager(
-            group,
-            names=list(by_name),
-            name_order=True,
-            on_load_failure_callback=on_failure,
-            on_missing_entrypoints_callback=None,
-        )
-        for ext in extensions:
-            _register(self.manager, by_name[ext.name], ext.plugin)
+        if by_name:
+            extensions = NamedExtensionManager(
+                group,
+                names=list(by_name),
+                on_load_failure_callback=on_failure,
+                on_missing_entrypoints_callback=None,
+            )
+            plugins = {by_name[ext.name].id: ext.plugin for ext in extensions}
+        for record in records:
+            if record.qualifier:
+                try:
+                    plugins[record.id] = EntryPoint(record.name, record.value, group).load()
+                except Exception as exc:  # noqa: BLE001 - a plugin that fails to import is only left out
+                    record.fail(PluginStatus.FAILED, exc)
+                    _warn(record)
+        for record in records:
+            if record.id in plugins:
+                _register(self.manager, record, plugins[record.id])
 
     def fail(self, plugin_id: str, exc: BaseException) -> None:
         """A loaded plugin misbehaved in a hook: unregister it and report it once."""
@@ -162,6 +187,27 @@ def _distributions() -> dict[tuple[str, str, str], tuple[str, str]]:
             if dist is not None:
                 found[(group, ep.name, ep.value)] = (dist.metadata["Name"], dist.version)
     return found
+
+
+def _qualify_clashes(group: str, records: list[PluginRecord]) -> None:
+    """Give the records of an entry-point name several distributions use ids of their own; warn once."""
+    by_name: dict[str, list[PluginRecord]] = {}
+    for record in records:
+        by_name.setdefault(record.name, []).append(record)
+    for name, same in by_name.items():
+        if len(same) < 2:
+            continue
+        shown = [f"{r.distribution} {r.version} ({r.value})" for r in same]
+        for record, other in zip(same, shown):
+            record.qualifier = record.distribution if record.distribution != "?" else record.value
+            record.clashes = [s for s in shown if s != other]
+        warnings.warn(
+            f"dlcore plugin name {group}:{name} is used by {len(same)} distributions: {', '.join(shown)}. "
+            f"Each is loaded on its own as {', '.join(r.id for r in same)}; entry-point names must be "
+            f"unique in a group, so the plugin's author should rename one (`dlcore plugins` lists them).",
+            PluginWarning,
+            stacklevel=3,
+        )
 
 
 def _warn(record: PluginRecord) -> None:
@@ -196,10 +242,12 @@ def discover(defer: Callable[[PluginRecord], bool] | None = None) -> PluginSet:
         # A manager asked for no names loads nothing: it only lists the group (from stevedore's cache).
         listed = NamedExtensionManager(group, names=[], on_missing_entrypoints_callback=None).list_entry_points()
         # dlcore's own plugins register first, so no plugin can take over what a built-in owns.
-        for ep in sorted(listed, key=lambda ep: not PluginRecord(group, ep.name, ep.value).builtin):
-            record = PluginRecord(group, ep.name, ep.value)
+        records = [PluginRecord(group, ep.name, ep.value)
+                   for ep in sorted(listed, key=lambda ep: not PluginRecord(group, ep.name, ep.value).builtin)]
+        _qualify_clashes(group, records)
+        for record in records:
             plugins.records.append(record)
-            wanted = {ep.name, record.id}
+            wanted = {record.name, record.id}
             requested_seen |= wanted & only
             if wanted & disabled:
                 record.status = PluginStatus.DISABLED

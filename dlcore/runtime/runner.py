@@ -7,6 +7,9 @@ bound op call with the inputs.
   launcher (:func:`dlcore.runtime.launch.run_plan`);
 - a custom-op implementation: the same, unless autograd or ``torch.compile`` must see the call
   (:func:`dlcore.runtime.torch_ops.needs_autograd`), then its custom op;
+- a custom-op implementation without a backward (``define_kernel`` without ``Backward``): its
+  launches, with one :class:`~dlcore.runtime.torch_ops.ForwardOnlyWarning` the first time it runs on
+  inputs that require grad;
 - anything else: ``impl.run(args, config)``.
 """
 
@@ -15,9 +18,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from dlcore.declarations.implementation import Config, Implementation, PlanTransform, TritonImplementation
 from dlcore.runtime.launch import Replay, run_plan
-from dlcore.runtime.torch_ops import CustomOpTritonImplementation, needs_autograd
+from dlcore.runtime.torch_ops import CustomOpTritonImplementation, needs_autograd, warn_forward_only
 
 Runner = Callable[[tuple], Any]
 
@@ -30,13 +35,21 @@ def runner(impl: Implementation, config: Config, transform: PlanTransform | None
     launch = _launches(impl, config, transform)
     if not isinstance(impl, CustomOpTritonImplementation):
         return launch
+    if impl.differentiable:
+        def run(args: tuple) -> Any:
+            if needs_autograd(args):
+                return impl.custom_op(args, config)
+            return launch(args)
 
-    def run(args: tuple) -> Any:
-        if needs_autograd(args):
+        return run
+
+    def forward_only(args: tuple) -> Any:
+        if torch.compiler.is_compiling():
             return impl.custom_op(args, config)
+        warn_forward_only(impl, args)
         return launch(args)
 
-    return run
+    return forward_only
 
 
 def _launches(impl: TritonImplementation, config: Config, transform: PlanTransform | None) -> Runner:

@@ -17,6 +17,7 @@ make it too.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,6 +25,33 @@ import torch
 
 from dlcore.declarations.implementation import Config, LaunchPlan, TritonImplementation
 from dlcore.runtime.launch import Replay, run_plan
+
+
+class ForwardOnlyWarning(UserWarning):
+    """An implementation without a backward ran on inputs that require grad: its outputs carry no gradient."""
+
+
+_warned_forward_only: set[tuple[str, str]] = set()
+
+
+def warn_forward_only(impl: TritonImplementation, args: Sequence[Any]) -> None:
+    """Warn once per implementation when it runs, grad mode on, on a tensor that requires grad.
+
+    A warning, not an error, as torch does for ops without a derivative: the forward result is
+    right, and models are often evaluated without ``torch.no_grad()``; but a silent output without
+    ``grad_fn`` would train nothing behind it.
+    """
+    if (impl.op, impl.name) in _warned_forward_only or not torch.is_grad_enabled():
+        return
+    if any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        _warned_forward_only.add((impl.op, impl.name))
+        warnings.warn(
+            f"{impl.op}: implementation {impl.name!r} is forward only, so its outputs have no grad_fn and no "
+            f"gradient reaches the inputs that require grad; call it under torch.no_grad(), or give the kernel "
+            f"a backward (define_kernel(..., backward=Backward(...)), see docs/plugins.md)",
+            ForwardOnlyWarning,
+            stacklevel=3,
+        )
 
 
 def needs_autograd(args: Sequence[Any]) -> bool:
@@ -102,8 +130,15 @@ class CustomOpTritonImplementation(TritonImplementation):
         super().__init__(op, name, **kwargs)
         self.custom_op = custom_op
 
+    @property
+    def differentiable(self) -> bool:
+        """Whether its custom op has an autograd formula (the kernel was given a ``Backward``)."""
+        return self.backward_plan is not None
+
     def run(self, args: tuple, config: Config) -> Any:
-        if needs_autograd(args):
+        if torch.compiler.is_compiling() or (self.differentiable and needs_autograd(args)):
             return self.custom_op(args, config)
+        if not self.differentiable:
+            warn_forward_only(self, args)
         return run_plan(self.plan(args, config))
 

@@ -1,12 +1,16 @@
-"""Another implementation of dlblas' rms_norm: two passes over the row in small chunks."""
+"""Another implementation of dlblas' rms_norm: two passes over the row in small chunks.
+
+It takes rms_norm's arguments as the op declares them (``dlcore ops rms_norm``: x, weight, eps;
+x in the layouts contiguous or rows) and returns what the op's reference returns."""
 
 import torch
 import triton
 import triton.language as tl
 
-from dlcore import hookimpl
-from dlcore.declarations.implementation import KernelCall, LaunchPlan, TritonImplementation
-from dlcore.declarations.layout import as_rows
+from dlcore.api import KernelCall, LaunchPlan, PowerOfTwo, SearchSpace, TritonImplementation, as_rows, hookimpl
+
+#: the longest row it takes: one program per row, the row walked in chunks twice
+MAX_HIDDEN = 65536
 
 
 @triton.jit
@@ -37,10 +41,17 @@ def _plan(args, config):
     return LaunchPlan([call], y)
 
 
+def _supports(signature, profile):
+    hidden = signature.tensor("x").shape[-1]
+    return None if hidden <= MAX_HIDDEN else f"rows of {hidden} elements; it takes up to {MAX_HIDDEN}"
+
+
 CHUNKED = TritonImplementation(
     "rms_norm", "chunked",
     plan=_plan, kernels=(_chunked_rms_norm,),
     default_config=lambda signature, profile: {"CHUNK": 16},
+    space=lambda: SearchSpace([PowerOfTwo("CHUNK", 16, 128)]),
+    supports=_supports,
     dtypes=(torch.float16, torch.float32),
     doc="two passes in chunks of 16 (slow on purpose: selection must not pick it)",
 )

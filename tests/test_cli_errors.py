@@ -1,0 +1,104 @@
+"""Plain mistakes on the command line end in one line, ``dlcore: error: ...`` with the fix, and exit 2."""
+
+import dataclasses
+import sys
+
+import pytest
+import torch
+
+from dlcore.cli import main
+from dlcore.plugins.registry import registry
+
+
+def error_line(capsys, argv: list[str]) -> str:
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith("dlcore: error: ") and captured.err.count("\n") == 1, captured.err
+    return captured.err
+
+
+@pytest.mark.parametrize("argv", [["check", "rms_nrom"], ["tune", "rms_nrom", "--budget", "1"],
+                                  ["ops", "rms_nrom"]])
+def test_a_misspelled_op_names_the_closest(capsys, argv):
+    assert "rms_norm" in error_line(capsys, argv)
+
+
+def test_an_unknown_op_to_lower(capsys):
+    assert "rms_norm" in error_line(capsys, ["lower", "nothing", "--target", "cuda:90"])
+
+
+def test_an_unknown_implementation_lists_the_op_s(capsys):
+    err = error_line(capsys, ["check", "rms_norm", "--impl", "foo", "--shape", "tokens=2,hidden=16"])
+    assert "foo" in err and "triton" in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a CPU-only torch")
+def test_a_device_this_build_lacks(capsys):
+    err = error_line(capsys, ["check", "rms_norm", "--device", "cuda", "--shape", "tokens=2,hidden=16"])
+    assert "--device cuda" in err and "--device cpu" in err
+
+
+@pytest.mark.parametrize("command", ["check", "tune"])
+def test_a_device_that_is_no_device(capsys, command):
+    err = error_line(capsys, [command, "rms_norm", "--device", "gpu"])
+    assert "--device gpu" in err and "cuda" in err
+
+
+def test_check_of_an_op_without_example_sizes(capsys, monkeypatch):
+    reg = registry()
+    monkeypatch.setitem(reg.ops, "rms_norm", dataclasses.replace(reg.ops["rms_norm"], example=None))
+    err = error_line(capsys, ["check", "rms_norm"])
+    assert "declares no example inputs" in err and "example=" in err
+
+
+def test_tune_plot_without_matplotlib_fails_before_the_search(capsys, monkeypatch, tmp_path):
+    from dlcore.dispatch import dispatcher
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    monkeypatch.setattr(dispatcher.Dispatcher, "tune_op", lambda *a, **k: pytest.fail("the search ran"))
+    err = error_line(capsys, ["tune", "rms_norm", "--shape", "tokens=2,hidden=16", "--plot", str(tmp_path / "p.png")])
+    assert "pip install 'dlc-core[plot]'" in err
+
+
+@pytest.mark.parametrize("argv", [["check", "silu_and_mul", "--shape", "tokens=2,hidden=8"],
+                                  ["tune", "silu_and_mul", "--shape", "foo=3", "--budget", "1"]])
+def test_an_unknown_size_name_lists_the_op_s(capsys, argv):
+    err = error_line(capsys, argv)
+    assert "silu_and_mul has no size named" in err and "tokens, inter" in err
+
+
+def test_tune_defaults_to_float32_on_a_cpu(capsys, monkeypatch):
+    from dlcore.dispatch import dispatcher
+
+    seen = []
+
+    def tune_op(self, name, inputs, **kwargs):
+        seen.append(inputs[0].dtype)
+        raise dispatcher.InvalidOptionError("stop here")
+
+    monkeypatch.setattr(dispatcher.Dispatcher, "tune_op", tune_op)
+    error_line(capsys, ["tune", "rms_norm", "--shape", "tokens=2,hidden=16", "--device", "cpu"])
+    assert seen == [torch.float32]
+
+
+def test_bench_on_a_cpu_warns_and_times_the_example_sizes_only(capsys, monkeypatch):
+    from dlcore.bench import harness
+    from dlcore.errors import InvalidOptionError
+
+    seen = []
+
+    def run_bench(op, shapes, **kwargs):
+        seen.extend(s.sizes for s in shapes)
+        raise InvalidOptionError("stop here")
+
+    monkeypatch.setattr(harness, "run_bench", run_bench)
+    assert main(["bench", "rms_norm", "--device", "cpu"]) == 2
+    assert seen == [registry().op("rms_norm").example_sizes]
+    assert "warning: on a CPU the kernels run in Triton's interpreter" in capsys.readouterr().err
+
+
+def test_tune_says_why_it_kept_the_reference(capsys):
+    assert main(["tune", "rms_norm", "--shape", "tokens=2,hidden=16", "--dtype", "bf16", "--budget", "1",
+                 "--device", "cpu"]) == 0
+    err = capsys.readouterr().err
+    assert "kept the reference, since every implementation declined" in err and "bfloat16" in err, err
