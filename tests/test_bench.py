@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import re
 import statistics
 import time
 
@@ -285,6 +286,8 @@ def log(monkeypatch):
 
 def register(monkeypatch, op: Op) -> Op:
     reg = registry()
+    # the fake timers of these tests stand for a device's: bench then rates copies as on hardware
+    monkeypatch.setattr(type(reg.backends["cpu"]), "hardware_timings", True)
     monkeypatch.setitem(reg.ops, op.name, op)
     monkeypatch.setitem(reg.implementations, op.name, [ReferenceImplementation(op)])
     return op
@@ -670,7 +673,8 @@ def test_rms_norm_end_to_end_in_the_interpreter(tmp_path, capsys):
     own = shape["results"][OWN]
     assert len(own["rounds_ms"]) == 3 and min(own["rounds_ms"]) > 0
     assert own["ms"] == statistics.median(own["rounds_ms"])
-    assert data["copy_bandwidth_gbps"] == max(data["copy_bandwidth_runs_gbps"]) > 0
+    # the interpreter's times say nothing of bandwidth: no copy is measured, no fraction reported
+    assert data["copy_bandwidth_gbps"] is None and data["copy_bandwidth_runs_gbps"] == []
     if "torch" in op.baselines:
         torch_ms = shape["results"]["torch"]["ms"]
         assert torch_ms > 0 and shape["max_abs_diff_vs_dlcore"]["torch"] < 1e-4
@@ -717,3 +721,13 @@ def test_graph_timer_runs_shapes_on_its_stream_and_copies_with_do_bench(monkeypa
     assert streams == ["side stream"]
     assert len(copies) == 3 and all("copy" in c for c in copies)  # bandwidth before and after, the same-size copy
     assert report.shapes[0].copy_ms == 0.5 and report.shapes[0].ms(OWN) == 1.0
+
+
+def test_interpreted_timings_give_no_copy_fractions(monkeypatch, log):
+    op = register(monkeypatch, fake_op(log))
+    monkeypatch.setattr(type(registry().backends["cpu"]), "hardware_timings", False)
+    report = bench(op, log)
+    assert report.copy_gbps == [] and all(r.copy_ms is None for r in report.shapes)
+    table = report.table()
+    assert "copy bandwidth: not measured" in table and not re.search(r"\d%", table)
+    assert any("runs Triton kernels in the interpreter" in n for n in report.notes)

@@ -33,6 +33,7 @@ class CpuBackend(Backend):
     name = "cpu"
     device_types = ("cpu",)
     kinds = ("triton", "torch")
+    hardware_timings = False
 
     def profile(self, device: torch.device) -> DeviceProfile:
         machine = platform.machine() or "unknown"

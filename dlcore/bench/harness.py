@@ -852,17 +852,23 @@ def run_bench(
     copy_timer = timer.copy_timer if isinstance(timer, GraphTimer) else timer
     # A graph timer's shapes run on its stream from the start (see GraphTimer).
     on_stream = torch.cuda.stream(timer.stream) if isinstance(timer, GraphTimer) else contextlib.nullcontext()
-    report.copy_gbps.append(copy_bandwidth(device, copy_timer, copy_bytes))
+    copies = backend.hardware_timings
+    if copies:
+        report.copy_gbps.append(copy_bandwidth(device, copy_timer, copy_bytes))
+    else:
+        bench.notes.append(f"no copy fractions: the {backend.name} backend runs Triton kernels in the interpreter, "
+                           "whose times say nothing of a device's bandwidth")
     with _retainable_compiled_backward(), on_stream:
         for i, shape in enumerate(shapes, 1):
             result = bench.run_shape(shape, requested)
-            if result.bound == "memory" and result.rounds.get(OWN):
+            if copies and result.bound == "memory" and result.rounds.get(OWN):
                 result.copy_ms = copy_ms(device, copy_timer, result.nbytes)
             report.shapes.append(result)
             if progress is not None:
                 progress(f"[{i}/{len(shapes)}] {shape.label()}: "
                          f"{_progress_line(result, [*report.impls, *requested])}")
-    report.copy_gbps.append(copy_bandwidth(device, copy_timer, copy_bytes))
+    if copies:
+        report.copy_gbps.append(copy_bandwidth(device, copy_timer, copy_bytes))
     report.notes = bench.notes
     return report
 

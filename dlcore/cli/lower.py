@@ -25,7 +25,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shape", type=parse_sizes, default={}, help="named sizes of the example inputs, e.g. tokens=4096")
     p.add_argument("--stage", action="append", metavar="STAGE",
                    help="print only this stage (repeatable), e.g. ttgir; the exit status is then 0 when every kernel "
-                        "reached the stages named, whatever stopped it after them (npu:... --stage hivm without hivmc)")
+                        "reached the stages named, whatever stopped it after them (npu:... --stage hivm without "
+                        "hivmc), or is declared unable to (a LoweringLimit, named on stderr and in `dlcore ops`)")
     p.add_argument("--dump", metavar="DIR", type=Path,
                    help="write the stages to DIR/<kernel>-<target>/<nn>-<stage>.<ext> instead of printing them")
     p.add_argument("--pass", dest="enable", action="append", default=[], metavar="NAME",
@@ -55,7 +56,7 @@ def run_lower(args: argparse.Namespace) -> int:
         return 2
     reg = registry()
     dtype = DTYPES[args.dtype]
-    rows, failed, said, short = [], False, set(), []
+    rows, failed, said, short, known = [], False, set(), [], []
     for target in args.target or [DEFAULT_TARGET]:
         backend_name, _ = parse_target(target)
         backend = reg.backends.get(backend_name)
@@ -90,10 +91,12 @@ def run_lower(args: argparse.Namespace) -> int:
             declared = _declared(reg, launch, backend_name, kernel) if error is not None else None
             if declared is not None:
                 notes.append(f"declared: stops before {declared.stage} on {declared.backend}: {declared.reason}")
-            if not enough:
+            if not enough and declared is not None:
+                # a kernel its implementation declares it cannot lower (`dlcore ops` says why): named, no failure
+                known.append(f"{launch.name}/{kernel} ({target})")
+            elif not enough:
                 failed = True
-                short.append(f"{launch.name}/{kernel} ({target}"
-                             f"{', declared' if declared is not None else ''})")
+                short.append(f"{launch.name}/{kernel} ({target})")
             if error is not None:
                 missing = error.missing if isinstance(error, ToolchainMissingError) else ()
                 # a missing tool that stops every kernel after the stages asked for is no failure: said once
@@ -112,6 +115,9 @@ def run_lower(args: argparse.Namespace) -> int:
         print(table(rows, report.HEADER))
         if args.markdown is not None:
             _write_page(args.markdown, report.portability_page(rows, args.target or [DEFAULT_TARGET], _command(args)))
+    if args.stage and known:
+        print(f"dlcore lower: {len(known)} kernels declared unable to reach {', '.join(args.stage)} "
+              f"(see `dlcore ops`): {', '.join(known)}", file=sys.stderr)
     if args.stage and short:
         print(f"dlcore lower: {len(short)} kernels did not reach {', '.join(args.stage)}: {', '.join(short)}",
               file=sys.stderr)

@@ -45,6 +45,9 @@ class Backend:
     #: library through torch, timed against the kernels; a backend whose kernels cannot be fairly
     #: timed against it leaves it out, as the cpu backend does)
     kinds: tuple[str, ...] = ("triton", "torch", "vendor")
+    #: whether its timings say how fast kernels are on the hardware: False where Triton kernels run
+    #: in the interpreter (the cpu backend), so that bench reports no fractions of a copy's bandwidth
+    hardware_timings: bool = True
     #: the external compilers its ``lower`` runs, beyond Triton (``dlcore toolchain`` lists them,
     #: ``dlcore toolchain fetch NAME`` fills a toolchain's cache); see :mod:`dlcore.compiler.toolchain`
     toolchains: tuple[Toolchain, ...] = ()
