@@ -98,11 +98,9 @@ memref<?xf32, strided<[1], offset: ?>>) -> ()
 """
 HIVM_OUT = 'module {\n  func.func @add_one() {\n    hivm.hir.vadd ins() outs()\n    return\n  }\n}\n'
 
-needs_adapter = pytest.mark.skipif(find("triton-adapter-opt") is None,
-                                   reason="triton-adapter-opt not found (set DLC_ASCEND_ADAPTER_OPT or run "
-                                          "`dlcore toolchain fetch ascend`)")
-needs_bishengir = pytest.mark.skipif(find("bishengir-compile") is None,
-                                     reason="bishengir-compile not found (pip install 'dlc-ascend[tools]')")
+# the ascend_tools marker skips, with the reason, where the tools are absent (tests/conftest.py); nox -s ascend runs them
+needs_adapter = pytest.mark.ascend_tools("triton-adapter-opt")
+needs_bishengir = pytest.mark.ascend_tools("bishengir-compile")
 PART = chip("Ascend910B2")
 
 

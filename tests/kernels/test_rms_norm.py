@@ -377,6 +377,7 @@ BISHENGIR_OPTIONS = (
 )
 
 
+@pytest.mark.ascend_tools
 def test_backward_lowers_to_hivm_ir(backward_ttir, tmp_path):
     """triton-ascend's pipeline on the backward's TTIR: no tt. operation left after the adapter,
     and bishengir-compile's HIVM IR (``module.hivm.opt.mlir``) holds hivm.hir operations (it then
