@@ -98,7 +98,7 @@ memref<?xf32, strided<[1], offset: ?>>) -> ()
 """
 HIVM_OUT = 'module {\n  func.func @add_one() {\n    hivm.hir.vadd ins() outs()\n    return\n  }\n}\n'
 
-# the ascend_tools marker skips, with the reason, where the tools are absent (tests/conftest.py); nox -s ascend runs them
+# ascend_tools skips, with the reason, where the tools are absent (tests/conftest.py); nox -s ascend runs them
 needs_adapter = pytest.mark.ascend_tools("triton-adapter-opt")
 needs_bishengir = pytest.mark.ascend_tools("bishengir-compile")
 PART = chip("Ascend910B2")
