@@ -27,12 +27,13 @@ __all__ = [
     "Signature", "DeviceProfile", "as_rows", "cdiv", "next_power_of_2",
     "Implementation", "TritonImplementation", "TorchImplementation", "VendorImplementation",
     "SearchSpace", "Choice", "PowerOfTwo", "IntRange", "Constraint", "num_warps", "num_stages",
-    "Backend", "Availability",
+    "Backend", "Availability", "Toolchain", "Tool", "Probe", "Found", "LoweringLimit",
     "hookimpl",
     "DlcoreError", "UnknownOpError", "InvalidInputError", "InvalidCallError", "InvalidOptionError",
     "NoKernelError", "BackendUnavailableError", "PluginLoadError", "PluginConflictError", "DeclarationError",
     "SearchSpaceError", "UnknownImplementationError", "CacheFileError", "LoweringError", "ToolchainMissingError",
-    "PluginWarning", "FallbackWarning", "ForwardOnlyWarning",
+    "ToolchainBrokenError", "ToolFetchError",
+    "PluginWarning", "FallbackWarning", "ForwardOnlyWarning", "CacheWarning",
 ]
 
 def __getattr__(name: str):

@@ -7,6 +7,7 @@ first use, so ``import dlcore`` stays cheap. docs/plugins.md is the guide.
 
 from __future__ import annotations
 
+from dlcore.compiler.toolchain import Found, Probe, Tool, Toolchain
 from dlcore.declarations.backend import Availability, Backend
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import (
@@ -14,6 +15,7 @@ from dlcore.declarations.implementation import (
     Implementation,
     KernelCall,
     LaunchPlan,
+    LoweringLimit,
     TorchImplementation,
     TritonImplementation,
     VendorImplementation,
@@ -24,6 +26,7 @@ from dlcore.declarations.signature import Signature, cdiv, next_power_of_2
 from dlcore.declarations.space import Choice, Constraint, IntRange, PowerOfTwo, SearchSpace, num_stages, num_warps
 from dlcore.dispatch.bound import BoundOp
 from dlcore.dispatch.dispatcher import FallbackWarning, get_op
+from dlcore.dispatch.store import CacheWarning
 from dlcore.errors import (
     BackendUnavailableError,
     CacheFileError,
@@ -37,7 +40,9 @@ from dlcore.errors import (
     PluginConflictError,
     PluginLoadError,
     SearchSpaceError,
+    ToolchainBrokenError,
     ToolchainMissingError,
+    ToolFetchError,
     UnknownImplementationError,
     UnknownOpError,
 )
@@ -58,13 +63,14 @@ __all__ = [
     "Implementation", "TritonImplementation", "TorchImplementation", "VendorImplementation",
     # search spaces
     "SearchSpace", "Choice", "PowerOfTwo", "IntRange", "Constraint", "num_warps", "num_stages",
-    # backends
-    "Backend", "Availability",
+    # backends, their external compilers, and what a kernel declares it cannot lower
+    "Backend", "Availability", "Toolchain", "Tool", "Probe", "Found", "LoweringLimit",
     # the plugin hooks
     "hookimpl",
     # errors and warnings
     "DlcoreError", "UnknownOpError", "InvalidInputError", "InvalidCallError", "InvalidOptionError",
     "NoKernelError", "BackendUnavailableError", "PluginLoadError", "PluginConflictError", "DeclarationError",
     "SearchSpaceError", "UnknownImplementationError", "CacheFileError", "LoweringError", "ToolchainMissingError",
-    "PluginWarning", "FallbackWarning", "ForwardOnlyWarning",
+    "ToolchainBrokenError", "ToolFetchError",
+    "PluginWarning", "FallbackWarning", "ForwardOnlyWarning", "CacheWarning",
 ]
