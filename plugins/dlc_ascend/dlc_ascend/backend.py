@@ -24,7 +24,7 @@ from dlcore import hookimpl
 from dlcore.declarations.backend import Availability, Backend
 from dlcore.declarations.device import DeviceProfile
 from dlcore.errors import BackendUnavailableError, LoweringError
-from dlcore.plugins.vendor import import_runtime
+from dlcore.plugins.vendor import device_index, event_time, import_runtime
 
 if TYPE_CHECKING:
     from dlcore.compiler.lowering import Lowering
@@ -72,14 +72,14 @@ class AscendBackend(Backend):
         """Cores, memory, unified buffer (``shared_memory_per_program``) and L2 of ``device``; see
         :mod:`dlc_ascend.runtime` for where each number comes from and what ``cores`` counts."""
         npu = self._npu()
-        return runtime.profile(runtime.device_index(npu, device), npu.get_device_properties(device))
+        return runtime.profile(device_index(npu, device), npu.get_device_properties(device))
 
     def synchronize(self, device: torch.device) -> None:
         self._npu().synchronize(device)
 
     def timer(self, fn: Callable[[], object], device: torch.device, *, warmup: int = 1, reps: int = 5) -> float:
         """Median milliseconds between NPU events (``torch.npu.Event(enable_timing=True)``), warm-up excluded."""
-        return runtime.event_time(self._npu(), fn, device, warmup, reps)
+        return event_time(self._npu(), fn, device, warmup, reps)
 
     def target_profile(self, target: str) -> DeviceProfile:
         """The nominal profile of ``npu:PART`` from :mod:`dlc_ascend.chips` (``npu:Ascend910B``:

@@ -32,13 +32,9 @@ AI core, which run in turn.
 from __future__ import annotations
 
 import enum
-import statistics
 import warnings
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from dlc_ascend import chips
 from dlcore.declarations.device import DeviceProfile
@@ -119,31 +115,3 @@ def profile(index: int, props: Any) -> DeviceProfile:
         shared_memory_per_program=part.ub_bytes if part else 0,
         l2_bytes=_positive(getattr(props, "L2_cache_size", 0)) or (part.l2_bytes if part else 0),
     )
-
-
-def device_index(npu: Any, device: torch.device | int | str) -> int:
-    """The index of ``device`` (an ``npu`` device, its index, or ``"npu:N"``); the current device when
-    it names none."""
-    if isinstance(device, int):
-        return device
-    index = torch.device(device).index if isinstance(device, str) else device.index
-    return npu.current_device() if index is None else index
-
-
-def event_time(npu: Any, fn: Callable[[], object], device: Any, warmup: int, reps: int) -> float:
-    """Median milliseconds of ``fn()`` between two device events (``npu.Event(enable_timing=True)``)
-    on the device's current stream: ``warmup`` runs first, untimed; the ``reps`` runs follow one
-    another without a host wait, so each one's time is the device's, not the host's."""
-    for _ in range(warmup):
-        fn()
-    npu.synchronize(device)
-    stream = npu.current_stream(device)
-    pairs = []
-    for _ in range(reps):
-        start, end = npu.Event(enable_timing=True), npu.Event(enable_timing=True)
-        start.record(stream)
-        fn()
-        end.record(stream)
-        pairs.append((start, end))
-    npu.synchronize(device)
-    return statistics.median(start.elapsed_time(end) for start, end in pairs)

@@ -18,7 +18,7 @@ from dlcore import hookimpl
 from dlcore.declarations.backend import Availability, Backend
 from dlcore.declarations.device import DeviceProfile
 from dlcore.errors import BackendUnavailableError
-from dlcore.plugins.vendor import import_runtime
+from dlcore.plugins.vendor import device_index, event_time, import_runtime
 
 if TYPE_CHECKING:
     from dlcore.compiler.lowering import Lowering
@@ -62,14 +62,14 @@ class MluBackend(Backend):
         """Clusters (``cores``), cores per cluster (``programs_per_core``), memory, NRAM and L2 of
         ``device``; see :mod:`dlc_mlu.runtime` for where each number comes from."""
         mlu = self._mlu()
-        return runtime.profile(runtime.device_index(mlu, device), mlu.get_device_properties(device))
+        return runtime.profile(device_index(mlu, device), mlu.get_device_properties(device))
 
     def synchronize(self, device: torch.device) -> None:
         self._mlu().synchronize(device)
 
     def timer(self, fn: Callable[[], object], device: torch.device, *, warmup: int = 1, reps: int = 5) -> float:
         """Median milliseconds between MLU events (``torch.mlu.Event(enable_timing=True)``), warm-up excluded."""
-        return runtime.event_time(self._mlu(), fn, device, warmup, reps)
+        return event_time(self._mlu(), fn, device, warmup, reps)
 
     def lower(self, call: KernelCall, target: str, passes: Pipeline | None = None,
               specialize: bool = True) -> Lowering:

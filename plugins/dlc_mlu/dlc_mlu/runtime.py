@@ -22,12 +22,8 @@ core_num_per_cluster``).
 
 from __future__ import annotations
 
-import statistics
 import warnings
-from collections.abc import Callable
 from typing import Any
-
-import torch
 
 from dlcore.declarations.device import DeviceProfile
 
@@ -71,31 +67,3 @@ def profile(index: int, props: Any, driver: dict[str, Any] | None = None) -> Dev
         shared_memory_per_program=_positive(found.get("max_nram_size")),
         l2_bytes=_positive(found.get("max_l2_cache_size")),
     )
-
-
-def device_index(mlu: Any, device: torch.device | int | str) -> int:
-    """The index of ``device`` (an ``mlu`` device, its index, or ``"mlu:N"``); the current device when
-    it names none."""
-    if isinstance(device, int):
-        return device
-    index = torch.device(device).index if isinstance(device, str) else device.index
-    return mlu.current_device() if index is None else index
-
-
-def event_time(mlu: Any, fn: Callable[[], object], device: Any, warmup: int, reps: int) -> float:
-    """Median milliseconds of ``fn()`` between two device events (``mlu.Event(enable_timing=True)``)
-    on the device's current queue: ``warmup`` runs first, untimed; the ``reps`` runs follow one
-    another without a host wait, so each one's time is the device's, not the host's."""
-    for _ in range(warmup):
-        fn()
-    mlu.synchronize(device)
-    stream = mlu.current_stream(device)
-    pairs = []
-    for _ in range(reps):
-        start, end = mlu.Event(enable_timing=True), mlu.Event(enable_timing=True)
-        start.record(stream)
-        fn()
-        end.record(stream)
-        pairs.append((start, end))
-    mlu.synchronize(device)
-    return statistics.median(start.elapsed_time(end) for start, end in pairs)
