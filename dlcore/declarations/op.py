@@ -107,6 +107,8 @@ class Op:
     cost: Callable[[tuple], tuple[int, int]] | None = None
     baselines: dict[str, Callable[[], Callable[..., Any] | None]] = field(default_factory=dict)
     _index: dict[str, int] = field(default=None, init=False, repr=False, compare=False)  # type: ignore[assignment]
+    #: the positions of the flags that make the op write into tensor arguments (``ScalarArg.writes``)
+    _writers: tuple[int, ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_index", {a.name: i for i, a in enumerate(self.args)})
@@ -115,6 +117,8 @@ class Op:
             if isinstance(a, ScalarArg) and set(a.writes) - tensors:
                 raise DeclarationError(f"{self.name}: {a.name} writes {a.writes}, but its tensor arguments are "
                                        f"{sorted(tensors)}")
+        object.__setattr__(self, "_writers",
+                           tuple(i for i, a in enumerate(self.args) if isinstance(a, ScalarArg) and a.writes))
 
     # -- binding --------------------------------------------------------------------------------
 
@@ -171,9 +175,9 @@ class Op:
                     self.name, spec.name, f"is on {value.device} while {first_tensor} is on {device}",
                     "tensors on one device", "Move all inputs to the same device.",
                 )
-        for spec, value in zip(self.args, bound):
-            if isinstance(spec, ScalarArg) and spec.writes and value:
-                self._check_writes(spec, bound)
+        for i in self._writers:
+            if bound[i]:
+                self._check_writes(self.args[i], bound)
         if self.check is not None:
             self.check(self, dict(zip(self._index, bound)))
         return device if device is not None else torch.device("cpu")
