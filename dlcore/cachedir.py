@@ -31,21 +31,30 @@ def environment_key() -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
-def write_json(path: Path, data: Any) -> bool:
-    """Write ``data`` to ``path`` atomically (readers see the old file or the new one); False if it
-    could not be written: what these files hold can always be rebuilt."""
+def write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically: readers see the old file or the new one, never half
+    of it (a temporary file beside it, then a rename).
+
+    :raises OSError: it could not be written; nothing is left behind.
+    """
     import tempfile
 
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.stem}-", suffix=".tmp")
-    except OSError:
-        return False
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
+            f.write(text)
         os.replace(tmp, path)
     except OSError:
         Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, data: Any) -> bool:
+    """Write ``data`` to ``path`` atomically (:func:`write_text`); False if it could not be written:
+    what these files hold can always be rebuilt."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text(path, json.dumps(data, indent=1))
+    except OSError:
         return False
     return True

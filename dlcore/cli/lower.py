@@ -45,6 +45,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 def run_lower(args: argparse.Namespace) -> int:
     from dlcore.bench.table import table
+    from dlcore.cachedir import write_text
     from dlcore.compiler import report, source
     from dlcore.compiler.lowering import launches, parse_target, target_profile
     from dlcore.compiler.passes import pipeline
@@ -111,7 +112,7 @@ def run_lower(args: argparse.Namespace) -> int:
     if args.report:
         print(table(rows, report.HEADER))
         if args.markdown is not None:
-            _write_page(args.markdown, report.portability_page(rows, args.target or [DEFAULT_TARGET], _command(args)))
+            write_text(args.markdown, report.portability_page(rows, args.target or [DEFAULT_TARGET], _command(args)))
     if args.stage and known:
         print(f"dlcore lower: {len(known)} kernels declared unable to reach {', '.join(args.stage)} "
               f"(see `dlcore ops`): {', '.join(known)}", file=sys.stderr)
@@ -121,11 +122,6 @@ def run_lower(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _write_page(path: Path, text: str) -> None:
-    """Written whole or not at all."""
-    partial = path.with_name(path.name + ".partial")
-    partial.write_text(text)
-    partial.replace(path)
 
 
 def _declared(reg, launch, backend: str, kernel: str):

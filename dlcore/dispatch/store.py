@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from dlcore.cachedir import default_directory
+from dlcore.cachedir import default_directory, write_text
 from dlcore.dispatch.key import SCHEMA_VERSION
 from dlcore.errors import CacheFileError
 from dlcore.tuning.selection import Selection
@@ -236,18 +236,9 @@ class DiskCache:
 
 def _write_atomically(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` whole or not at all (a reader never sees half an export)."""
-    import tempfile
-
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-", suffix=".tmp")
+        write_text(path, text)
     except OSError as exc:
-        raise CacheFileError(f"cannot write {path}: {exc.strerror or exc}") from None
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except OSError as exc:
-        Path(tmp).unlink(missing_ok=True)
         raise CacheFileError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
