@@ -110,6 +110,24 @@ def dot_range(acc, a_ptrs, b_ptrs, mask_m, mask_n, offs_k, k_start, k_end, strid
 
 
 @triton.jit
+def dot_range_pair(acc, acc3, a_ptrs, b_ptrs, b3_ptrs, mask_m, mask_n, offs_k, k_start, k_end, stride_ak, stride_bk,
+                   stride_b3k, BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """:func:`dot_range` of two products sharing ``a`` (SwiGLU's gate and up): ``(acc + a @ b,
+    acc3 + a @ b3)`` over ``[k_start, k_end)``, each ``a`` tile loaded once for both."""
+    for k in range(k_start, k_end, BLOCK_K):
+        mask_k = offs_k < k_end - k
+        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        b3 = tl.load(b3_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc3 = tl.dot(a, b3, acc3, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+        b3_ptrs += BLOCK_K * stride_b3k
+    return acc, acc3
+
+
+@triton.jit
 def activate(z, ACTIVATION: tl.constexpr):
     """``act(z)`` in float32. gelu_tanh: ``0.5 z (1 + tanh(u)) = z * sigmoid(2u)``,
     ``u = sqrt(2/pi) (z + 0.044715 z^3)``."""
@@ -224,17 +242,8 @@ def gemm_kernel(
         # Both accumulators in one loop: each a tile is loaded once for the two products.
         stride_b3k = tl.cast(stride_b3k, tl.int64)
         b3_ptrs = b3_ptr + (k_start + offs_k)[:, None] * stride_b3k + offs_n[None, :] * stride_b3n
-        for k in range(k_start, k_end, BLOCK_K):
-            # Masked-off elements load as 0, so a ragged last K slice adds nothing to the sum.
-            mask_k = offs_k < k_end - k
-            a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-            b3 = tl.load(b3_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-            acc3 = tl.dot(a, b3, acc3, input_precision=INPUT_PRECISION)
-            a_ptrs += BLOCK_K * stride_ak
-            b_ptrs += BLOCK_K * stride_bk
-            b3_ptrs += BLOCK_K * stride_b3k
+        acc, acc3 = dot_range_pair(acc, acc3, a_ptrs, b_ptrs, b3_ptrs, mask_m, mask_n, offs_k, k_start, k_end,
+                                   stride_ak, stride_bk, stride_b3k, BLOCK_K, INPUT_PRECISION)
     else:
         acc = dot_range(acc, a_ptrs, b_ptrs, mask_m, mask_n, offs_k, k_start, k_end, stride_ak, stride_bk,
                         BLOCK_K, INPUT_PRECISION)
