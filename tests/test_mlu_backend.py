@@ -4,7 +4,6 @@ interpreter (Triton's compiler, not its interpreter)."""
 
 from __future__ import annotations
 
-import importlib.machinery
 import stat
 import sys
 import textwrap
@@ -17,6 +16,8 @@ import triton
 from dlblas_kernels.kernels import matmul, rms_norm
 from dlc_mlu import refine, stages, toolchain
 from dlc_mlu.backend import MluBackend
+from fake_devices import FakeAccelerator, installer
+from fake_devices import signature as fake_signature
 from isolated import run_json
 
 from dlcore.compiler.lowering import Lowering
@@ -24,54 +25,11 @@ from dlcore.compiler.passes import Pipeline
 from dlcore.compiler.stages import StageOutput
 from dlcore.compiler.toolchain import Tool
 from dlcore.declarations.device import DeviceProfile
-from dlcore.declarations.signature import Signature, TensorSpec
+from dlcore.declarations.signature import Signature
 from dlcore.errors import LoweringError, ToolchainMissingError
 from dlcore.plugins.registry import registry
 
 KiB = 2**10
-
-
-class FakeEvent:
-    def __init__(self, device: FakeMlu, enable_timing: bool = False):
-        self.device, self.enable_timing, self.at, self.stream = device, enable_timing, None, None
-
-    def record(self, stream=None):
-        self.at, self.stream = self.device.clock, stream
-
-    def elapsed_time(self, end: FakeEvent) -> float:
-        assert self.enable_timing and end.enable_timing, "events made without enable_timing=True cannot time"
-        return end.at - self.at
-
-
-class FakeMlu(types.SimpleNamespace):
-    """``torch.mlu`` as torch_mlu adds it, with a device clock that ``advance`` moves."""
-
-    def __init__(self, props=None, available: bool = True):
-        super().__init__(clock=0.0, synchronized=[], events=[], stream=object())
-        self.props, self.available = props, available
-
-    def is_available(self) -> bool:
-        return self.available
-
-    def get_device_properties(self, device):
-        return self.props
-
-    def current_device(self) -> int:
-        return 0
-
-    def current_stream(self, device=None):
-        return self.stream
-
-    def synchronize(self, device=None) -> None:
-        self.synchronized.append(device)
-
-    def Event(self, enable_timing: bool = False) -> FakeEvent:  # noqa: N802 - torch.mlu's name
-        event = FakeEvent(self, enable_timing)
-        self.events.append(event)
-        return event
-
-    def advance(self, ms: float) -> None:
-        self.clock += ms
 
 
 def mlu_props(name: str = "MLU370-X8", **numbers) -> types.SimpleNamespace:
@@ -81,15 +39,7 @@ def mlu_props(name: str = "MLU370-X8", **numbers) -> types.SimpleNamespace:
 
 @pytest.fixture
 def mlu(monkeypatch):
-    module = types.ModuleType("torch_mlu")
-    module.__spec__ = importlib.machinery.ModuleSpec("torch_mlu", None)
-    monkeypatch.setitem(sys.modules, "torch_mlu", module)
-
-    def install(fake: FakeMlu) -> FakeMlu:
-        monkeypatch.setattr(torch, "mlu", fake, raising=False)
-        return fake
-
-    return install
+    return installer(monkeypatch, "torch_mlu", "mlu")
 
 
 @pytest.fixture
@@ -104,8 +54,7 @@ def bang_driver(monkeypatch):
 
 
 def signature(op: str, dtype: torch.dtype, *shapes: tuple[int, ...]) -> Signature:
-    tensors = tuple((f"t{i}", TensorSpec(dtype, shape, "contiguous", True)) for i, shape in enumerate(shapes))
-    return Signature(op, "mlu", tensors, ())
+    return fake_signature(op, "mlu", dtype, *shapes)
 
 
 MLU370 = DeviceProfile(backend="mlu", vendor="cambricon", name="MLU370-X8", arch="mtp_372", cores=8,
@@ -127,12 +76,12 @@ def test_unavailable_when_torch_mlu_fails_to_import(monkeypatch, tmp_path):
 
 
 def test_unavailable_without_a_visible_mlu(mlu):
-    mlu(FakeMlu(available=False))
+    mlu(FakeAccelerator(available=False))
     assert "torch.mlu.is_available() is False" in MluBackend().available().reason
 
 
 def test_profile_from_torch_mlu(mlu):
-    mlu(FakeMlu(mlu_props(cluster_count=8, core_num_per_cluster=4, total_memory=48 * 2**30, major=3, minor=7)))
+    mlu(FakeAccelerator(mlu_props(cluster_count=8, core_num_per_cluster=4, total_memory=48 * 2**30, major=3, minor=7)))
     profile = MluBackend().profile(0)
     assert (profile.backend, profile.vendor, profile.name, profile.arch) == ("mlu", "cambricon", "MLU370-X8",
                                                                             "MLU370-X8")
@@ -142,7 +91,7 @@ def test_profile_from_torch_mlu(mlu):
 
 
 def test_profile_from_cambricons_triton_driver(mlu, bang_driver):
-    mlu(FakeMlu(mlu_props("MLU590-H8", cluster_count=12, core_num_per_cluster=4, total_memory=80 * 2**30)))
+    mlu(FakeAccelerator(mlu_props("MLU590-H8", cluster_count=12, core_num_per_cluster=4, total_memory=80 * 2**30)))
     bang_driver({"cluster_num": 10, "core_num_per_cluster": 4, "max_nram_size": 512 * KiB, "max_shared_mem": 2**21,
                  "max_l2_cache_size": 48 * 2**20, "isa_version": 592})
     profile = MluBackend().profile(torch.device("meta"))
@@ -152,14 +101,14 @@ def test_profile_from_cambricons_triton_driver(mlu, bang_driver):
 
 
 def test_profile_without_counts_warns(mlu):
-    mlu(FakeMlu(mlu_props(cluster_count=-1, core_num_per_cluster=-1)))
+    mlu(FakeAccelerator(mlu_props(cluster_count=-1, core_num_per_cluster=-1)))
     with pytest.warns(UserWarning, match="no cluster or core count for 'MLU370-X8'"):
         profile = MluBackend().profile(0)
     assert (profile.cores, profile.programs_per_core) == (1, 1)
 
 
 def test_timer_is_the_median_between_mlu_events(mlu):
-    fake = mlu(FakeMlu(mlu_props(cluster_count=8, core_num_per_cluster=4)))
+    fake = mlu(FakeAccelerator(mlu_props(cluster_count=8, core_num_per_cluster=4)))
     runs = iter([40.0, 2.0, 9.0, 1.0])
     assert MluBackend().timer(lambda: fake.advance(next(runs)), 0, warmup=1, reps=3) == 2.0
     assert len(fake.events) == 6 and all(e.enable_timing and e.stream is fake.stream for e in fake.events)

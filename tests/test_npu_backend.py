@@ -4,7 +4,6 @@ the chip. Nothing here needs CANN, an NPU or triton-ascend."""
 
 from __future__ import annotations
 
-import importlib.machinery
 import sys
 import textwrap
 import types
@@ -16,62 +15,19 @@ import triton
 from dlblas_kernels.kernels import matmul, rms_norm
 from dlc_ascend import chips, refine, runtime
 from dlc_ascend.backend import AscendBackend
+from fake_devices import FakeAccelerator, installer
+from fake_devices import signature as fake_signature
 from isolated import run_json
 
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import KernelCall
-from dlcore.declarations.signature import Signature, TensorSpec
+from dlcore.declarations.signature import Signature
 from dlcore.declarations.space import PowerOfTwo, SearchSpace, num_warps
 from dlcore.errors import BackendUnavailableError
 from dlcore.plugins.registry import registry
 from dlcore.runtime import launch
 
 KiB = 2**10
-
-
-class FakeEvent:
-    """``torch.npu.Event``: records the fake device clock."""
-
-    def __init__(self, device: FakeNpu, enable_timing: bool = False):
-        self.device, self.enable_timing, self.at, self.stream = device, enable_timing, None, None
-
-    def record(self, stream=None):
-        self.at, self.stream = self.device.clock, stream
-
-    def elapsed_time(self, end: FakeEvent) -> float:
-        assert self.enable_timing and end.enable_timing, "events made without enable_timing=True cannot time"
-        return end.at - self.at
-
-
-class FakeNpu(types.SimpleNamespace):
-    """``torch.npu`` as torch_npu adds it, with a device clock that ``advance`` moves."""
-
-    def __init__(self, props=None, available: bool = True):
-        super().__init__(clock=0.0, synchronized=[], events=[], stream=object())
-        self.props, self.available = props, available
-
-    def is_available(self) -> bool:
-        return self.available
-
-    def get_device_properties(self, device):
-        return self.props
-
-    def current_device(self) -> int:
-        return 0
-
-    def current_stream(self, device=None):
-        return self.stream
-
-    def synchronize(self, device=None) -> None:
-        self.synchronized.append(device)
-
-    def Event(self, enable_timing: bool = False) -> FakeEvent:  # noqa: N802 - torch.npu's name
-        event = FakeEvent(self, enable_timing)
-        self.events.append(event)
-        return event
-
-    def advance(self, ms: float) -> None:
-        self.clock += ms
 
 
 def props(name: str, **numbers) -> types.SimpleNamespace:
@@ -82,15 +38,7 @@ def props(name: str, **numbers) -> types.SimpleNamespace:
 @pytest.fixture
 def npu(monkeypatch):
     """Install a fake, importable ``torch_npu`` and a fake ``torch.npu``; returns a setter for the latter."""
-    module = types.ModuleType("torch_npu")
-    module.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
-    monkeypatch.setitem(sys.modules, "torch_npu", module)
-
-    def install(fake: FakeNpu) -> FakeNpu:
-        monkeypatch.setattr(torch, "npu", fake, raising=False)
-        return fake
-
-    return install
+    return installer(monkeypatch, "torch_npu", "npu")
 
 
 @pytest.fixture
@@ -112,8 +60,7 @@ def driver(monkeypatch):
 
 
 def signature(op: str, dtype: torch.dtype, *shapes: tuple[int, ...]) -> Signature:
-    tensors = tuple((f"t{i}", TensorSpec(dtype, shape, "contiguous", True)) for i, shape in enumerate(shapes))
-    return Signature(op, "npu", tensors, ())
+    return fake_signature(op, "npu", dtype, *shapes)
 
 
 def npu_profile(name: str = "Ascend910B2") -> DeviceProfile:
@@ -141,13 +88,13 @@ def test_unavailable_when_torch_npu_fails_to_import_says_what_to_do(tmp_path, mo
 
 
 def test_unavailable_without_a_visible_npu(npu):
-    npu(FakeNpu(available=False))
+    npu(FakeAccelerator(available=False))
     availability = AscendBackend().available()
     assert not availability and "torch.npu.is_available() is False" in availability.reason
 
 
 def test_available_with_torch_npu_and_a_device(npu):
-    npu(FakeNpu(props("Ascend910B2")))
+    npu(FakeAccelerator(props("Ascend910B2")))
     assert AscendBackend().available()
 
 
@@ -173,7 +120,7 @@ def test_plugin_load_never_imports_torch_npu(tmp_path):
 # --- the profile ---------------------------------------------------------------------------------
 
 def test_profile_takes_the_core_counts_from_triton_ascends_driver(npu, driver):
-    npu(FakeNpu(props("Ascend910B2", total_memory=62 * 2**30, cube_core_num=24, vector_core_num=48,
+    npu(FakeAccelerator(props("Ascend910B2", total_memory=62 * 2**30, cube_core_num=24, vector_core_num=48,
                       L2_cache_size=96 * 2**20)))
     asked = driver({"max_shared_mem": 1, "num_aicore": 20, "num_vectorcore": 40})
     profile = AscendBackend().profile(torch.device("meta"))  # a device with no index: the current one
@@ -188,14 +135,14 @@ def test_profile_takes_the_core_counts_from_triton_ascends_driver(npu, driver):
 
 def test_profile_falls_back_to_torch_npus_counts_without_the_driver(npu):
     # upstream Triton here: it has no NPU driver (driver.active raises)
-    npu(FakeNpu(props("Ascend910B4", total_memory=32 * 2**30, cube_core_num=18, vector_core_num=36)))
+    npu(FakeAccelerator(props("Ascend910B4", total_memory=32 * 2**30, cube_core_num=18, vector_core_num=36)))
     profile = AscendBackend().profile(0)
     assert (profile.cores, profile.programs_per_core) == (18, 2)
     assert profile.l2_bytes == chips.chip("Ascend910B4").l2_bytes  # torch_npu gave none
 
 
 def test_profile_falls_back_to_the_parts_table_by_name(npu, driver):
-    npu(FakeNpu(props("Ascend910B3", cube_core_num=0)))
+    npu(FakeAccelerator(props("Ascend910B3", cube_core_num=0)))
     driver({"max_shared_mem": 1})  # a driver without the counts
     profile = AscendBackend().profile(0)
     part = chips.chip("Ascend910B3")
@@ -205,7 +152,7 @@ def test_profile_falls_back_to_the_parts_table_by_name(npu, driver):
 
 
 def test_an_unknown_part_without_counts_warns_and_sizes_for_one_core(npu):
-    npu(FakeNpu(props("Ascend999X")))
+    npu(FakeAccelerator(props("Ascend999X")))
     with pytest.warns(UserWarning, match="no core count for 'Ascend999X'.*dlc_ascend/chips.py"):
         profile = AscendBackend().profile(0)
     assert (profile.cores, profile.programs_per_core, profile.shared_memory_per_program) == (1, 1, 0)
@@ -220,7 +167,7 @@ def test_profile_of_an_unavailable_backend_says_why(monkeypatch):
 # --- timing --------------------------------------------------------------------------------------
 
 def test_timer_is_the_median_between_npu_events_warm_up_excluded(npu):
-    fake = npu(FakeNpu(props("Ascend910B2")))
+    fake = npu(FakeAccelerator(props("Ascend910B2")))
     runs = iter([100.0, 100.0, 3.0, 1.0, 2.0, 50.0, 4.0])  # two warm-up runs, then five timed
     result = AscendBackend().timer(lambda: fake.advance(next(runs)), 0, warmup=2, reps=5)
     assert result == 3.0
