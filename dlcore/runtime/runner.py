@@ -7,8 +7,9 @@ bound op call with the inputs.
   launcher (:func:`dlcore.runtime.launch.run_plan`);
 - a custom-op implementation: the same, unless autograd or ``torch.compile`` must see the call
   (:func:`dlcore.runtime.torch_ops.needs_autograd`), then its custom op;
-- a custom-op implementation without a backward (``define_kernel`` without ``Backward``): its
-  launches, with one :class:`~dlcore.runtime.torch_ops.ForwardOnlyWarning` the first time it runs on
+- a custom-op implementation without a backward (``define_kernel`` without ``Backward``), or a
+  Triton implementation built without the template: its launches, with one
+  :class:`~dlcore.runtime.torch_ops.ForwardOnlyWarning` the first time it runs on
   inputs that require grad;
 - anything else: ``impl.run(args, config)``.
 """
@@ -34,7 +35,12 @@ def runner(impl: Implementation, config: Config, transform: PlanTransform | None
         return lambda args: impl.run(args, config)
     launch = _launches(impl, config, transform)
     if not isinstance(impl, CustomOpTritonImplementation):
-        return launch
+        # Built without the template: no custom op and no backward, so forward only by construction.
+        def plain(args: tuple) -> Any:
+            warn_forward_only(impl, args)
+            return launch(args)
+
+        return plain
     if impl.differentiable:
         def run(args: tuple) -> Any:
             if needs_autograd(args):

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dlcore.declarations.implementation import KernelCall, LaunchPlan
+from dlcore.declarations.implementation import KernelCall, LaunchPlan, TritonImplementation
 from dlcore.declarations.op import Op, TensorArg
 from dlcore.declarations.signature import cdiv
 from dlcore.runtime.runner import runner
@@ -52,8 +52,13 @@ def forward_only_warnings(call, x: torch.Tensor) -> list[str]:
     return [str(w.message) for w in caught if issubclass(w.category, ForwardOnlyWarning)]
 
 
-@pytest.mark.parametrize("call", [KERNEL.function, lambda x: runner(KERNEL.implementation, {})((x,))],
-                         ids=["function", "bound op's runner"])
+PLAIN = TritonImplementation("double_fwd_only", "plain", plan=_plan, kernels=(_double,),
+                             default_config=lambda signature, profile: {})
+
+
+@pytest.mark.parametrize("call", [KERNEL.function, lambda x: runner(KERNEL.implementation, {})((x,)),
+                                  lambda x: runner(PLAIN, {})((x,))],
+                         ids=["function", "bound op's runner", "implementation built without the template"])
 def test_a_forward_only_kernel_warns_once_on_inputs_that_require_grad(call):
     x = torch.randn(100, requires_grad=True)
     [message] = forward_only_warnings(call, x)
