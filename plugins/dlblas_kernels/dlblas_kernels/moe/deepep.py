@@ -35,7 +35,10 @@ INSTALL = ("build it from https://github.com/deepseek-ai/DeepEP (it needs CUDA, 
 
 def deepep_available() -> bool:
     """Whether ``deep_ep`` can be imported (without importing it)."""
-    return importlib.util.find_spec("deep_ep") is not None
+    try:
+        return importlib.util.find_spec("deep_ep") is not None
+    except ValueError:  # in sys.modules without a spec: whatever put it there made it importable
+        return True
 
 
 def load_deepep() -> ModuleType:

@@ -28,7 +28,9 @@ def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool = True) -> tupl
     (ties to the lower expert id)."""
     _check(logits, k, "softmax_topk")
     probs = torch.softmax(logits.float(), dim=-1)
-    weights, ids = torch.topk(probs, k, dim=-1, sorted=True)
+    # a stable sort, not torch.topk, whose order among equal values is unspecified
+    weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+    weights, ids = weights[:, :k], ids[:, :k]
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights, ids
