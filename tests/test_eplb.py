@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dlblas_kernels.moe import ExpertLoadRecorder, Placement, balance, imbalance, rank_loads, routed_rank_loads
 from dlblas_kernels.moe.eplb import pack, replicate
+
 from dlcore import InvalidInputError
 
 

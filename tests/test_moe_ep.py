@@ -23,7 +23,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
 from dlblas_kernels.moe import (
     AllToAllExchange,
     DeepEPExchange,
@@ -35,6 +34,7 @@ from dlblas_kernels.moe import (
     make_exchange,
     softmax_topk,
 )
+
 from dlcore import DlcoreError, InvalidInputError
 from dlcore.testing import assert_close
 
@@ -316,6 +316,7 @@ CASES: dict[str, Callable[[int, int], None]] = {
 
 
 def worker(rank: int, world: int, port: int, folder: str) -> None:
+    torch.set_num_threads(1)  # as torchrun does: the processes share the machine's cores
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     torch.manual_seed(0)

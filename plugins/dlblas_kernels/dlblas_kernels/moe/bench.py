@@ -60,8 +60,9 @@ class Result:
         return (self.dispatch_ms + self.combine_ms) / staged if staged > 0 else 0.0
 
     def record(self) -> dict:
-        return {**asdict(self), "tokens_per_s": self.tokens_per_s, "one_device_tokens_per_s": self.one_device_tokens_per_s,
-                "exchange_share": self.exchange_share, "scaling": self.tokens_per_s / self.one_device_tokens_per_s}
+        return {**asdict(self), "tokens_per_s": self.tokens_per_s,
+                "one_device_tokens_per_s": self.one_device_tokens_per_s, "exchange_share": self.exchange_share,
+                "scaling": self.tokens_per_s / self.one_device_tokens_per_s}
 
 
 def expert_loop(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -161,7 +162,6 @@ def measure(args: argparse.Namespace, tokens: int, device: torch.device, compute
         one_device_ms = timed(lambda: compute(x, w13_all, w2_all, topk_weights, topk_ids), device, args.iters,
                               args.warmup)
     kind = layer.exchange.kind.value
-    del layer
     results = [one_device_ms, error if error is not None else -1.0]
     if world > 1:
         gathered = torch.tensor([layer_ms, dispatch_ms, compute_ms, combine_ms, *results], dtype=torch.float64)

@@ -228,7 +228,8 @@ class EPMoE(nn.Module):
 def check_shard(w13: torch.Tensor, w2: torch.Tensor) -> None:
     """``w13 [L, 2I, H]`` and ``w2 [L, H, I]`` agree, or an :class:`InvalidInputError` names the one at fault."""
     if w13.dim() != 3 or w13.shape[1] % 2:
-        raise InvalidInputError("EPMoE", "w13", f"has shape {list(w13.shape)}", "[E/W, 2I, H] (gate rows, then up rows)")
+        raise InvalidInputError("EPMoE", "w13", f"has shape {list(w13.shape)}",
+                                "[E/W, 2I, H] (gate rows, then up rows)")
     local, two_inter, hidden = w13.shape
     expected = [local, hidden, two_inter // 2]
     if list(w2.shape) != expected:
