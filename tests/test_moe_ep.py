@@ -114,6 +114,38 @@ def case_dropped_choices(rank: int, world: int) -> None:
     assert_close(out, oracle(hidden, w13, w2, weights, ids), reduce_dim=HIDDEN)
 
 
+def case_gradients_reach_the_tokens_the_weights_and_the_experts(rank: int, world: int) -> None:
+    check_gradients(rank, world, problem([6, 3, 0][:world], seed=12, drop=0.2))
+    # only rank 0's experts chosen: the other ranks compute nothing, yet take part in the backward
+    confine = lambda logits: logits.index_fill(1, torch.arange(EXPERTS // world, EXPERTS), -1e9)  # noqa: E731
+    check_gradients(rank, world, problem([4, 5, 2][:world], seed=13, experts=confine))
+
+
+def check_gradients(rank: int, world: int, case: tuple) -> None:
+    w13, w2, ranks = case
+    hidden, weights, ids = (t.clone() for t in ranks[rank])
+    hidden.requires_grad_(True)
+    weights.requires_grad_(True)
+    layer = layer_for(w13, w2)
+    layer.w13.requires_grad_(True)
+    layer.w2.requires_grad_(True)
+    probe = torch.randn(hidden.shape, generator=torch.Generator().manual_seed(rank), dtype=hidden.dtype)
+    (layer(hidden, weights, ids) * probe).sum().backward()
+    # the reference: every rank's tokens through all experts in one process, the same probes
+    full13, full2 = w13.clone().requires_grad_(True), w2.clone().requires_grad_(True)
+    leaves = [(h.clone().requires_grad_(True), w.clone().requires_grad_(True), i) for h, w, i in ranks]
+    for r, (h, w, i) in enumerate(leaves):
+        probe_r = torch.randn(h.shape, generator=torch.Generator().manual_seed(r), dtype=h.dtype)
+        (oracle(h, full13, full2, w, i) * probe_r).sum().backward()
+    local = slice(rank * (EXPERTS // world), (rank + 1) * (EXPERTS // world))
+    for actual, expected in [(hidden.grad, leaves[rank][0].grad), (weights.grad, leaves[rank][1].grad),
+                             (layer.w13.grad, full13.grad[local]), (layer.w2.grad, full2.grad[local])]:
+        if actual is None:  # the experts of a rank that computed nothing get no gradient
+            assert not expected.any()
+        else:
+            assert_close(actual, expected, reduce_dim=HIDDEN)
+
+
 def case_exchange_is_all_to_all_on_gloo(rank: int, world: int) -> None:
     w13, w2, _ = problem([1] * world, seed=5)
     assert layer_for(w13, w2).exchange.kind is ExchangeKind.ALL_TO_ALL

@@ -10,8 +10,9 @@ exchanges (:mod:`dlblas_kernels.moe.deepep`) keep the same contract.
 
 The all-to-all exchange sends one row per (token, destination rank), not per choice: a token whose
 choices fall on one rank crosses once. Counts go first (one ``all_to_all_single`` of ``W`` integers,
-then a copy to the host for the split sizes), then the hidden rows, then the ids and weights packed
-into one int32 tensor (the float32 weights by their bits), and the results on the way back.
+then a copy to the host for the split sizes), then the hidden rows, their weights and their ids, and
+the results on the way back. The exchange is differentiable (for the hidden states and the weights):
+its backward is the same all-to-all the other way.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ class AllToAllExchange(Exchange):
 
     def dispatch(self, hidden: torch.Tensor, topk_weights: torch.Tensor, slot_ids: torch.Tensor,
                  slots_per_rank: int) -> Received:
-        tokens, k = slot_ids.shape
+        tokens = slot_ids.shape[0]
         world = self.world_size
         # destination rank of every choice; dropped choices go to an extra column, cut off below
         dest = torch.where(slot_ids >= 0, slot_ids // slots_per_rank, world)
@@ -108,36 +109,46 @@ class AllToAllExchange(Exchange):
         here = dest[token_of_row] == rank_of_row.unsqueeze(1)
         ids = torch.where(here, slot_ids[token_of_row] - rank_of_row.unsqueeze(1) * slots_per_rank, -1)
         weights = torch.where(here, topk_weights[token_of_row].float(), 0.0)
-        meta = torch.cat([weights.view(torch.int32), ids.to(torch.int32)], dim=1)
         rows = hidden[token_of_row]
         if world == 1:
             send = recv = [rows.shape[0]]
-            recv_rows, recv_meta = rows, meta
         else:
             recv_counts = torch.empty_like(send_counts)
             dist.all_to_all_single(recv_counts, send_counts, group=self.group)
             send, recv = send_counts.tolist(), recv_counts.tolist()
-            recv_rows = self._exchange(rows, recv, send)
-            recv_meta = self._exchange(meta, recv, send)
-        return Received(
-            hidden=recv_rows,
-            topk_weights=recv_meta[:, :k].contiguous().view(torch.float32),
-            topk_ids=recv_meta[:, k:].long(),
-            handle=(token_of_row, tokens, send, recv),
-        )
+            rows, weights = AllToAll.apply(recv, send, self.group, rows, weights)
+            ids = all_to_all(ids, recv, send, self.group)
+        return Received(hidden=rows, topk_weights=weights, topk_ids=ids, handle=(token_of_row, tokens, send, recv))
 
     def combine(self, out: torch.Tensor, received: Received) -> torch.Tensor:
         token_of_row, tokens, send, recv = received.handle
-        back = out if self.world_size == 1 else self._exchange(out, send, recv)
+        back = out if self.world_size == 1 else AllToAll.apply(send, recv, self.group, out)[0]
         # each token's rows summed at float32 at least: a token served by two ranks adds two partial sums
         wide = torch.promote_types(out.dtype, torch.float32)
         result = torch.zeros(tokens, out.shape[1], dtype=wide, device=out.device)
         result.index_add_(0, token_of_row, back.to(wide))
         return result.to(out.dtype)
 
-    def _exchange(self, rows: torch.Tensor, recv: list[int], send: list[int]) -> torch.Tensor:
-        """Rows ``send[r]`` at a time to each rank ``r``; ``recv[r]`` rows from each."""
-        out = rows.new_empty((sum(recv), *rows.shape[1:]))
-        dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=recv, input_split_sizes=send,
-                               group=self.group)
-        return out
+
+def all_to_all(rows: torch.Tensor, recv: list[int], send: list[int], group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Rows ``send[r]`` at a time to each rank ``r`` of ``group``; ``recv[r]`` rows from each."""
+    out = rows.new_empty((sum(recv), *rows.shape[1:]))
+    dist.all_to_all_single(out, rows.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+    return out
+
+
+class AllToAll(torch.autograd.Function):
+    """:func:`all_to_all` of several tensors, differentiable: the backward sends their gradients back
+    the other way, all of them, in the same order on every rank (a gradient autograd does not need
+    goes as zeros), so that every rank's backward runs the same collectives."""
+
+    @staticmethod
+    def forward(ctx, recv: list[int], send: list[int], group: dist.ProcessGroup | None,
+                *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.splits = (recv, send, group)
+        return tuple(all_to_all(t, recv, send, group) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        recv, send, group = ctx.splits
+        return (None, None, None, *(all_to_all(g, send, recv, group) for g in grads))

@@ -120,7 +120,9 @@ class EPMoE(nn.Module):
     def compute_experts(self, received: Received) -> torch.Tensor:
         """Step 3 of :meth:`forward`: the local experts over the received rows, ``[N, H]`` (local)."""
         if received.hidden.shape[0] == 0:
-            return received.hidden.new_zeros(0, self.hidden_size)
+            # nothing to compute; the empty result still hangs on the received rows, so that under
+            # autograd this rank's backward runs the exchange's collectives as every other rank's does
+            return received.hidden * 0
         compute = self.compute or dlblas_kernels.fused_moe
         return compute(received.hidden, self.w13, self.w2, received.topk_weights, received.topk_ids)
 
