@@ -337,6 +337,10 @@ def case_deepep_exchanges_against_a_fake(rank: int, world: int) -> None:
         assert low_latency.num_qps_per_rank == EXPERTS // world
         with pytest.raises(InvalidInputError, match="max_tokens_per_rank"):
             layer(torch.cat([hidden] * 40), torch.cat([weights] * 40), torch.cat([ids] * 40))
+        w13, w2, ranks = problem([3] * world, seed=9)
+        for kind in (ExchangeKind.DEEPEP, ExchangeKind.DEEPEP_LOW_LATENCY):
+            with pytest.raises(InvalidInputError, match="bfloat16"):
+                layer_for(w13, w2, exchange=kind)(*ranks[rank])
     finally:
         del sys.modules["deep_ep"]
         FakeBuffer.made.clear()

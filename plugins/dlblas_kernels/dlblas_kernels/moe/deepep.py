@@ -14,7 +14,9 @@ These classes use the Buffer interface its documentation describes (``docs/legac
   (weight 1), and scattered back for ``low_latency_combine``, which applies the weights. At most
   ``max_tokens_per_rank`` tokens per rank per call, the same bound on every rank.
 
-The buffers are allocated on first use and grown when a call needs more.
+The buffers are allocated on first use and grown when a call needs more. These exchanges run the
+forward only (DeepEP's backward, a combine for a dispatch and the reverse, is not wired to autograd
+here); the all-to-all exchange is the one to train through.
 """
 
 from __future__ import annotations
@@ -50,6 +52,12 @@ def load_deepep() -> ModuleType:
                                        f"({error}): {INSTALL}") from error
 
 
+def check_bfloat16(hidden: torch.Tensor, name: str) -> None:
+    if hidden.dtype != torch.bfloat16:
+        raise InvalidInputError(name, "hidden", f"has dtype {hidden.dtype}", "torch.bfloat16 (what DeepEP sends)",
+                                hint="use exchange='all_to_all' for other dtypes")
+
+
 class DeepEPExchange(Exchange):
     """DeepEP's normal (high-throughput) dispatch and combine."""
 
@@ -75,6 +83,7 @@ class DeepEPExchange(Exchange):
 
     def dispatch(self, hidden: torch.Tensor, topk_weights: torch.Tensor, slot_ids: torch.Tensor,
                  slots_per_rank: int) -> Received:
+        check_bfloat16(hidden, "EPMoE (DeepEP)")
         buffer = self._buffer(hidden)
         num_slots = slots_per_rank * self.world_size
         per_rank, per_rdma_rank, per_expert, in_rank, _ = buffer.get_dispatch_layout(slot_ids, num_slots)
@@ -114,6 +123,7 @@ class DeepEPLowLatencyExchange(Exchange):
 
     def dispatch(self, hidden: torch.Tensor, topk_weights: torch.Tensor, slot_ids: torch.Tensor,
                  slots_per_rank: int) -> Received:
+        check_bfloat16(hidden, "EPMoE (DeepEP low latency)")
         if hidden.shape[0] > self.max_tokens_per_rank:
             raise InvalidInputError("EPMoE (DeepEP low latency)", "hidden", f"has {hidden.shape[0]} tokens",
                                     f"at most max_tokens_per_rank = {self.max_tokens_per_rank} per rank",

@@ -31,7 +31,8 @@ from dlcore import DlcoreError
 class ExchangeKind(enum.Enum):
     """Which exchange a layer uses."""
 
-    #: DeepEP's normal kernels when ``deep_ep`` imports and the group runs on NCCL, else all-to-all
+    #: DeepEP's normal kernels for bfloat16 tokens when ``deep_ep`` imports and the group runs on NCCL, else
+    #: all-to-all
     AUTO = "auto"
     #: ``torch.distributed.all_to_all_single``: any backend that implements it (NCCL, gloo)
     ALL_TO_ALL = "all_to_all"

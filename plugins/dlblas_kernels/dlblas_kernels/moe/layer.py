@@ -34,13 +34,16 @@ from dlcore import InvalidInputError
 Compute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def make_exchange(kind: ExchangeKind | str, group: dist.ProcessGroup | None) -> Exchange:
-    """The exchange of ``kind`` over ``group``; ``auto`` is DeepEP's normal kernels where ``deep_ep``
-    imports and the group runs on NCCL, else all-to-all."""
+def make_exchange(kind: ExchangeKind | str, group: dist.ProcessGroup | None,
+                  dtype: torch.dtype = torch.bfloat16) -> Exchange:
+    """The exchange of ``kind`` over ``group`` for tokens of ``dtype``; ``auto`` is DeepEP's normal
+    kernels where ``deep_ep`` imports, the group runs on NCCL and the tokens are bfloat16 (what
+    DeepEP sends), else all-to-all."""
     kind = ExchangeKind(kind)
     if kind is ExchangeKind.AUTO:
         nccl = dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl"
-        kind = ExchangeKind.DEEPEP if nccl and deepep_available() else ExchangeKind.ALL_TO_ALL
+        deepep = nccl and dtype == torch.bfloat16 and deepep_available()
+        kind = ExchangeKind.DEEPEP if deepep else ExchangeKind.ALL_TO_ALL
     if kind is ExchangeKind.DEEPEP:
         return DeepEPExchange(group)
     if kind is ExchangeKind.DEEPEP_LOW_LATENCY:
@@ -77,7 +80,7 @@ class EPMoE(nn.Module):
         self.hidden_size = hidden
         self.w13 = nn.Parameter(w13, requires_grad=w13.requires_grad)
         self.w2 = nn.Parameter(w2, requires_grad=w2.requires_grad)
-        self.exchange = exchange if isinstance(exchange, Exchange) else make_exchange(exchange, group)
+        self.exchange = exchange if isinstance(exchange, Exchange) else make_exchange(exchange, group, w13.dtype)
         self.compute = compute
         self.recorder = recorder
         self._set_placement(Placement.contiguous(self.num_experts, self.world_size))
