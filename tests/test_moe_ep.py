@@ -31,6 +31,7 @@ from dlblas_kernels.moe import (
     ExchangeUnavailableError,
     ExpertLoadRecorder,
     Placement,
+    capacity_topk,
     make_exchange,
     softmax_topk,
 )
@@ -473,3 +474,26 @@ def test_softmax_topk():
     for bad, arg in [((logits, 5), "k"), ((logits, 0), "k"), ((logits[0], 1), "logits"), ((ids, 1), "logits")]:
         with pytest.raises(InvalidInputError, match=arg):
             softmax_topk(*bad)
+
+
+def test_capacity_topk_reads_topk_gatings_layout(monkeypatch):
+    """topk_gating itself is tested beside its kernel; here a stand-in returns its documented layout for
+    3 tokens, 2 experts, k 2, capacity 2: first choices 1, 1, 0 (all kept), second choices 0, 0, 1 (the
+    last two past their expert's capacity, dropped)."""
+    import dlblas_kernels
+
+    l_aux = torch.tensor(0.5)
+    slot_of_choice = torch.tensor([2, 3, 0, 1, 0, 0], dtype=torch.int32)  # e * C + c, choice-major
+    choice_weights = torch.tensor([0.7, 1.0, 1.0, 0.3, 0.0, 0.0])
+    token_of_slot = torch.tensor([2, 0, 0, 1])  # expert 0: tokens 2, 0; expert 1: tokens 0, 1
+    calls = []
+
+    def topk_gating(logits, k, capacity_factor, min_capacity):
+        calls.append((logits.shape, k, capacity_factor, min_capacity))
+        return l_aux, slot_of_choice, choice_weights, token_of_slot
+
+    monkeypatch.setattr(dlblas_kernels, "topk_gating", topk_gating, raising=False)
+    weights, ids, aux = capacity_topk(torch.zeros(3, 2), 2, capacity_factor=1.5, min_capacity=2)
+    assert calls == [((3, 2), 2, 1.5, 2)] and aux is l_aux
+    assert ids.tolist() == [[1, 0], [1, -1], [0, -1]]
+    torch.testing.assert_close(weights, torch.tensor([[0.7, 0.3], [1.0, 0.0], [1.0, 0.0]]))

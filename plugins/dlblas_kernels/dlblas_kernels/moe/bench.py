@@ -164,7 +164,9 @@ def measure(args: argparse.Namespace, tokens: int, device: torch.device, compute
     kind = layer.exchange.kind.value
     results = [one_device_ms, error if error is not None else -1.0]
     if world > 1:
-        gathered = torch.tensor([layer_ms, dispatch_ms, compute_ms, combine_ms, *results], dtype=torch.float64)
+        # the slowest rank's times (on the device: NCCL reduces device tensors only)
+        gathered = torch.tensor([layer_ms, dispatch_ms, compute_ms, combine_ms, *results], dtype=torch.float64,
+                                device=device)
         dist.all_reduce(gathered, op=dist.ReduceOp.MAX)
         layer_ms, dispatch_ms, compute_ms, combine_ms, one_device_ms, err = gathered.tolist()
         error = err if args.check else None

@@ -214,6 +214,9 @@ class EPMoE(nn.Module):
         if hidden.dtype != self.w13.dtype or hidden.device != self.w13.device:
             raise InvalidInputError("EPMoE", "hidden", f"is {hidden.dtype} on {hidden.device}",
                                     f"the experts' {self.w13.dtype} on {self.w13.device}")
+        if topk_ids.device != hidden.device or topk_weights.device != hidden.device:
+            raise InvalidInputError("EPMoE", "topk_ids", f"is on {topk_ids.device}, topk_weights on "
+                                    f"{topk_weights.device}", f"hidden's device {hidden.device}")
         if topk_ids.dim() != 2 or topk_ids.shape[0] != hidden.shape[0]:
             raise InvalidInputError("EPMoE", "topk_ids", f"has shape {list(topk_ids.shape)}",
                                     f"[T, k] with T = {hidden.shape[0]} (hidden's rows)")
@@ -224,7 +227,7 @@ class EPMoE(nn.Module):
         if topk_ids.dtype not in (torch.int32, torch.int64):
             raise InvalidInputError("EPMoE", "topk_ids", f"has dtype {topk_ids.dtype}", "torch.int32 or torch.int64")
         if topk_ids.numel():
-            low, high = int(topk_ids.min()), int(topk_ids.max())
+            low, high = (int(v) for v in torch.aminmax(topk_ids))
             if low < -1 or high >= self.num_experts:
                 raise InvalidInputError("EPMoE", "topk_ids", f"holds ids from {low} to {high}",
                                         f"global expert ids in [0, {self.num_experts}), or -1 for a dropped choice")
