@@ -37,7 +37,7 @@ the gate/up GEMM's epilogue into the template's residuals), not recomputed: reco
 cost the backward a GEMM of the gate/up GEMM's size (two thirds of the forward's FLOPs); saving
 costs the forward a write of ``2 T k I`` elements. The alignment is recomputed (three small
 launches). Then: ``dout`` and ``hidden`` in expert order (a gather), ``r`` (a grouped GEMM),
-``dg``, ``du``, ``w a`` and the weights' gradient (:func:`moe_swiglu_backward_kernel`), the weight
+``r`` in float32, ``dg``, ``du``, ``w a`` and the routing weights' gradient (:func:`moe_swiglu_backward_kernel`), the weight
 gradients as reductions over each expert's rows (:func:`~dlblas_kernels.grouped.expert_gemm_kernel`),
 ``[dg | du] @ w13[e]`` by slot (a grouped GEMM) and its sum over the choices of each token.
 """
@@ -99,13 +99,12 @@ def moe_sum_kernel(y_ptr, ids_ptr, out_ptr, dw_ptr, experts, H, stride_ym, strid
 
 
 @triton.jit
-def moe_swiglu_backward_kernel(r_ptr, gate_ptr, up_ptr, weights_ptr, dh_ptr, dw_ptr, sorted_ptr, starts_ptr,
-                               n_slots, experts, I, stride_rp, stride_gm, stride_um, stride_hp,
+def moe_swiglu_backward_kernel(r_ptr, gate_ptr, up_ptr, weights_ptr, dh_ptr, wa_ptr, dw_ptr, sorted_ptr, starts_ptr,
+                               n_slots, experts, I, stride_rp, stride_gm, stride_um, stride_hp, stride_ap,
                                BLOCK_P: tl.constexpr, BLOCK_I: tl.constexpr):
     """For places ``p`` in expert order below the padded total, slot ``n = sorted[p]``: from
-    ``r[p]`` (``dout @ w2[e]``), the saved ``gate[n]``, ``up[n]`` and the weight ``w[n]``,
-    ``dh[p] = [dg | du]`` and ``r[p] <- w * a`` (in place), ``dw[n] = <r, a>``; padding places
-    get zeros."""
+    ``r[p]`` (``dout @ w2[e]``, float32), the saved ``gate[n]``, ``up[n]`` and the weight ``w[n]``:
+    ``dh[p] = [dg | du]``, ``wa[p] = w * a`` and ``dw[n] = <r, a>``; padding places get zeros."""
     total = tl.load(starts_ptr + experts)
     places = (tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)).to(tl.int64)
     live = places < total
@@ -117,8 +116,7 @@ def moe_swiglu_backward_kernel(r_ptr, gate_ptr, up_ptr, weights_ptr, dh_ptr, dw_
         cols = i + tl.arange(0, BLOCK_I)
         mask_i = (cols < I)[None, :]
         mask = real[:, None] & mask_i
-        r_ptrs = r_ptr + places[:, None] * stride_rp + cols[None, :]
-        r = tl.load(r_ptrs, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + places[:, None] * stride_rp + cols[None, :], mask=mask, other=0.0)
         g = tl.load(gate_ptr + slots[:, None] * stride_gm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         u = tl.load(up_ptr + slots[:, None] * stride_um + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         s = tl.sigmoid(g)
@@ -130,7 +128,8 @@ def moe_swiglu_backward_kernel(r_ptr, gate_ptr, up_ptr, weights_ptr, dh_ptr, dw_
         store = live[:, None] & mask_i
         tl.store(dh_ptrs, (da * u * s * (1 + g * (1 - s))).to(dh_ptr.dtype.element_ty), mask=store)
         tl.store(dh_ptrs + I, (da * g * s).to(dh_ptr.dtype.element_ty), mask=store)
-        tl.store(r_ptrs, (w[:, None] * a).to(r_ptr.dtype.element_ty), mask=store)
+        tl.store(wa_ptr + places[:, None] * stride_ap + cols[None, :], (w[:, None] * a).to(wa_ptr.dtype.element_ty),
+                 mask=store)
     tl.store(dw_ptr + slots, dw.to(dw_ptr.dtype.element_ty), mask=real)
 
 
@@ -247,8 +246,10 @@ def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> Launch
     calls, align, scratch = grouped.align_calls(topk_ids, topk_weights, experts, config["BLOCK_M"])
     new = lambda *shape: torch.empty(shape, dtype=hidden.dtype, device=hidden.device)  # noqa: E731
     places = align.places
-    dout_sorted, hidden_sorted, r, dh13, dh_slots = new(places, h), new(places, h), new(places, inter), \
+    dout_sorted, hidden_sorted, wa, dh13, dh_slots = new(places, h), new(places, h), new(places, inter), \
         new(places, 2 * inter), new(tokens * topk, h)
+    # r = dout @ w2[e] in float32: d topk_weights sums its products with a over I
+    r = torch.empty(places, inter, dtype=torch.float32, device=hidden.device)
     wide = {**up_config(config), "BLOCK_N": min(2 * config["BLOCK_N"], 256)}
     calls += [
         grouped.gather_call(align, dout, dout_sorted, topk),
@@ -256,17 +257,17 @@ def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> Launch
         grouped.grouped_call(align, dout_sorted, w2.transpose(1, 2), r, wide, gather=False, scatter=False,
                              input_precision=PRECISION),
         KernelCall(moe_swiglu_backward_kernel, (cdiv(places, SWIGLU_ROWS),), (
-            r, gate, up, align.weights, dh13, dtw, align.sorted_ids, align.starts, align.n_slots, experts, inter,
-            r.stride(0), gate.stride(0), up.stride(0), dh13.stride(0),
+            r, gate, up, align.weights, dh13, wa, dtw, align.sorted_ids, align.starts, align.n_slots, experts, inter,
+            r.stride(0), gate.stride(0), up.stride(0), dh13.stride(0), wa.stride(0),
         ), {"BLOCK_P": SWIGLU_ROWS, "BLOCK_I": min(next_power_of_2(inter), SWIGLU_BLOCK), "num_warps": 4}),
-        grouped.expert_gemm_call(align, dout_sorted, r, dw2, weight_grad_config(h, inter), PRECISION),
+        grouped.expert_gemm_call(align, dout_sorted, wa, dw2, weight_grad_config(h, inter), PRECISION),
         grouped.expert_gemm_call(align, dh13, hidden_sorted, dw13, weight_grad_config(2 * inter, h), PRECISION),
         grouped.grouped_call(align, dh13, w13.transpose(1, 2), dh_slots, down_config(config), gather=False,
                              scatter=True, input_precision=PRECISION),
         sum_call(dh_slots, topk_ids, dh, experts, dw=dtw),
     ]
     return LaunchPlan(calls=calls, result=(dh, dw13, dw2, dtw),
-                      scratch=(*scratch, *align.scratch(), dout_sorted, hidden_sorted, r, dh13, dh_slots))
+                      scratch=(*scratch, *align.scratch(), dout_sorted, hidden_sorted, r, wa, dh13, dh_slots))
 
 
 # --- references --------------------------------------------------------------------------------------
@@ -315,7 +316,7 @@ def fused_moe_backward_reference(dout: torch.Tensor, hidden: torch.Tensor, w13: 
                                  topk_weights: torch.Tensor, topk_ids: torch.Tensor, gate: torch.Tensor,
                                  up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward formulas of the module doc by a loop over the experts, in float32 (or wider),
-    the pre-activations recomputed at that precision; in the inputs' dtypes."""
+    from the saved pre-activations (as the kernel takes them); in the inputs' dtypes."""
     compute = torch.promote_types(hidden.dtype, torch.float32)
     d = dout.to(compute)
     dh = torch.zeros(hidden.shape, dtype=compute, device=hidden.device)
@@ -323,7 +324,8 @@ def fused_moe_backward_reference(dout: torch.Tensor, hidden: torch.Tensor, w13: 
     dw2 = torch.zeros(w2.shape, dtype=compute, device=hidden.device)
     dtw = torch.zeros(topk_weights.numel(), dtype=compute, device=hidden.device)
     weights = topk_weights.reshape(-1).to(compute)
-    for e, slots, token, x, g, u in _per_expert(hidden, w13, topk_ids):
+    for e, slots, token, x, _, _ in _per_expert(hidden, w13, topk_ids):
+        g, u = gate[slots].to(compute), up[slots].to(compute)
         s = torch.sigmoid(g)
         a = g * s * u
         w = weights[slots, None]
@@ -470,7 +472,7 @@ def example(sizes: dict[str, int], dtype: torch.dtype, device: torch.device, gen
     and a softmax top-k routing of random logits."""
     tokens, h, inter, experts, topk = (sizes[n] for n in ("tokens", "hidden", "inter", "experts", "topk"))
     seed = int(torch.randint(0, 2**62, (1,), generator=generator))
-    on_device = torch.Generator(device=device).manual_seed(seed)
+    on_device = None if device.type == "meta" else torch.Generator(device=device).manual_seed(seed)
 
     def draw(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return (torch.randn(*shape, generator=on_device, device=device, dtype=dtype) * scale).to(dtype)
