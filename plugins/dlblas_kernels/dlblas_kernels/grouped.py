@@ -169,16 +169,16 @@ def grouped_gemm_kernel(
         offs_k = tl.arange(0, BLOCK_K)
         mask_n = offs_n < N
         # 64-bit: an expert's offset, and K steps times a K stride, may pass 2**31 elements.
-        stride_ak = tl.cast(stride_ak, tl.int64)
-        stride_bk = tl.cast(stride_bk, tl.int64)
-        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
-        b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+        step_a = tl.cast(stride_ak, tl.int64)
+        step_b = tl.cast(stride_bk, tl.int64)
+        a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * step_a
+        b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + offs_k[:, None] * step_b + offs_n[None, :] * stride_bn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         if SWIGLU:
             acc, acc3 = dot_range_pair(acc, acc, a_ptrs, b_ptrs, b_ptrs + b3_offset, mask_m, mask_n, offs_k, 0, K,
-                                       stride_ak, stride_bk, stride_bk, BLOCK_K, INPUT_PRECISION)
+                                       step_a, step_b, step_b, BLOCK_K, INPUT_PRECISION)
         else:
-            acc = dot_range(acc, a_ptrs, b_ptrs, mask_m, mask_n, offs_k, 0, K, stride_ak, stride_bk,
+            acc = dot_range(acc, a_ptrs, b_ptrs, mask_m, mask_n, offs_k, 0, K, step_a, step_b,
                             BLOCK_K, INPUT_PRECISION)
             acc3 = acc
         store_tile(acc, acc3, out_rows, offs_n, c_rows, N, c_ptr, pre_ptr, pre3_ptr, c_ptr, stride_cm, stride_cn,
