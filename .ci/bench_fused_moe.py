@@ -12,15 +12,16 @@ copy's bandwidth.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import sys
 
 import torch
 import triton
-
 from dlblas_kernels import vendor
 from dlblas_kernels.kernels import fused_moe as moe
+
 from dlcore.runtime.runner import runner
 from dlcore.runtime.template import device_profile
 
@@ -44,7 +45,7 @@ def main() -> None:
     profile = device_profile(device)
     src = torch.empty(2**30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    copy_bw = 2 * src.numel() / (median_ms(lambda: dst.copy_(src)) * 1e-3)
+    copy_bw = 2 * src.numel() / (median_ms(functools.partial(dst.copy_, src)) * 1e-3)
     del src, dst
     results = {"copy_GBps": copy_bw / 1e9, "shapes": []}
     print(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s", flush=True)
@@ -62,7 +63,7 @@ def main() -> None:
             active = int(torch.unique(ids).numel())
             weight_bytes = active * (w13[0].numel() + w2[0].numel()) * 2
             expected = vendor.fused_moe(*args[:5])
-            composite_ms = median_ms(lambda: vendor.fused_moe(*args[:5]))
+            composite_ms = median_ms(functools.partial(vendor.fused_moe, *args[:5]))
             base = moe.heuristic(tokens, experts, topk, 2, profile)
             regime = 16 if base["BLOCK_M"] == 16 else (64 if base["BLOCK_M"] <= 64 else 128)
             configs = [base] + [moe._config(bm, up, down) for bm, up, down in ALTERNATIVES[regime]]
@@ -72,7 +73,7 @@ def main() -> None:
                 try:
                     got = run(args)
                     err = ((got.float() - expected.float()).norm() / expected.float().norm()).item()
-                    ms = median_ms(lambda: run(args))
+                    ms = median_ms(functools.partial(run, args))
                 except Exception as exc:  # noqa: BLE001 - a config that fails is reported, the others run
                     timed.append({"config": config, "error": repr(exc)[:300]})
                     continue

@@ -26,7 +26,7 @@ from dlcore.declarations.implementation import LaunchPlan
 from dlcore.testing import assert_close, poison, randn, upcast
 
 TRITON = KERNEL.implementation
-T, H, I, E, K = 13, 32, 48, 5, 2
+T, H, INTER, E, K = 13, 32, 48, 5, 2
 EMPTY_EXPERT = 3
 
 # Row blocks of 16 (two of the 26 slots' worth), several column tiles and K steps per GEMM.
@@ -47,7 +47,7 @@ def routing(tokens: int, experts: int, topk: int, device, gen, dropped: bool = T
     return weights.to(device), ids.to(device)
 
 
-def inputs(dtype, device, gen, tokens=T, hidden=H, inter=I, experts=E, topk=K):
+def inputs(dtype, device, gen, tokens=T, hidden=H, inter=INTER, experts=E, topk=K):
     x = randn(tokens, hidden, dtype=dtype, device=device, generator=gen)
     w13 = randn(experts, 2 * inter, hidden, dtype=dtype, device=device, generator=gen, scale=hidden**-0.5)
     w2 = randn(experts, hidden, inter, dtype=dtype, device=device, generator=gen, scale=inter**-0.5)
@@ -112,14 +112,14 @@ def test_nothing_routed_and_decode(device, gen):
 def test_gradients_match_the_reference(dtype, device, gen):
     args = inputs(dtype, device, gen)
     check_backward(lambda *a: fused_moe(*a), fused_moe_reference, args, wrt=(0, 1, 2), gen=gen, reduce_dim=H)
-    # The routing weights' gradient <dout @ w2[e], silu(g) * u> sums I products of the pre-activations
+    # The routing weights' gradient <dout @ w2[e], silu(g) * u> sums INTER products of the pre-activations
     # saved in the hidden dtype: against the formulas on those (rounded alike), in that dtype's tolerance.
     weights = args[3].detach().requires_grad_()
     dout = randn(T, H, dtype=dtype, device=device, generator=gen)
     fused_moe(*args[:3], weights, args[4]).backward(dout)
     _, gate, up = fused_moe_training_reference(*args)
     expected = fused_moe_backward_reference(*upcast(dout, *args[:4]), args[4], gate, up)[3]
-    assert_close(weights.grad.to(dtype), expected, dtype, reduce_dim=I)
+    assert_close(weights.grad.to(dtype), expected, dtype, reduce_dim=INTER)
 
 
 def test_backward_reference_is_the_derivative_of_the_reference(gen):
@@ -150,7 +150,8 @@ def test_composite_matches_the_reference(gen):
 
 
 def test_heuristic_rows_per_expert():
-    assert heuristic(1, 256, 8, 2, None)["BLOCK_M"] == 16
+    assert heuristic(1, 256, 8, 2, None)["BLOCK_M"] == 16 and heuristic(1, 256, 8, 2, None)["BLOCK_K"] == 256
+    assert heuristic(64, 8, 2, 2, None)["BLOCK_K"] == 128
     assert heuristic(4096, 8, 2, 2, None)["BLOCK_M"] == 128
     assert heuristic(4096, 8, 2, 4, None)["BLOCK_K"] == 32
 

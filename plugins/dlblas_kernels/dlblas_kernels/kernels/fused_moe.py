@@ -36,9 +36,9 @@ The pre-activations ``g`` and ``u`` are **saved** by the forward (``[T * k, I]``
 the gate/up GEMM's epilogue into the template's residuals), not recomputed: recomputing them would
 cost the backward a GEMM of the gate/up GEMM's size (two thirds of the forward's FLOPs); saving
 costs the forward a write of ``2 T k I`` elements. The alignment is recomputed (three small
-launches). Then: ``dout`` and ``hidden`` in expert order (a gather), ``r`` (a grouped GEMM),
-``r`` in float32, ``dg``, ``du``, ``w a`` and the routing weights' gradient (:func:`moe_swiglu_backward_kernel`), the weight
-gradients as reductions over each expert's rows (:func:`~dlblas_kernels.grouped.expert_gemm_kernel`),
+launches). Then: ``dout`` and ``hidden`` in expert order (a gather), ``r`` in float32 (a grouped
+GEMM), ``dg``, ``du``, ``w a`` and the routing weights' gradient (:func:`moe_swiglu_backward_kernel`),
+the weight gradients as reductions over each expert's rows (:func:`~dlblas_kernels.grouped.expert_gemm_kernel`),
 ``[dg | du] @ w13[e]`` by slot (a grouped GEMM) and its sum over the choices of each token.
 """
 
@@ -49,6 +49,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake  # torch's own test for fake tensors; no public one
 
 from dlblas_kernels import grouped
 from dlcore import InvalidInputError
@@ -100,7 +101,7 @@ def moe_sum_kernel(y_ptr, ids_ptr, out_ptr, dw_ptr, experts, H, stride_ym, strid
 
 @triton.jit
 def moe_swiglu_backward_kernel(r_ptr, gate_ptr, up_ptr, weights_ptr, dh_ptr, wa_ptr, dw_ptr, sorted_ptr, starts_ptr,
-                               n_slots, experts, I, stride_rp, stride_gm, stride_um, stride_hp, stride_ap,
+                               n_slots, experts, inter, stride_rp, stride_gm, stride_um, stride_hp, stride_ap,
                                BLOCK_P: tl.constexpr, BLOCK_I: tl.constexpr):
     """For places ``p`` in expert order below the padded total, slot ``n = sorted[p]``: from
     ``r[p]`` (``dout @ w2[e]``, float32), the saved ``gate[n]``, ``up[n]`` and the weight ``w[n]``:
@@ -112,9 +113,9 @@ def moe_swiglu_backward_kernel(r_ptr, gate_ptr, up_ptr, weights_ptr, dh_ptr, wa_
     real = slots < n_slots
     w = tl.load(weights_ptr + slots, mask=real, other=0.0)
     dw = tl.zeros((BLOCK_P,), dtype=tl.float32)
-    for i in range(0, I, BLOCK_I):
+    for i in range(0, inter, BLOCK_I):
         cols = i + tl.arange(0, BLOCK_I)
-        mask_i = (cols < I)[None, :]
+        mask_i = (cols < inter)[None, :]
         mask = real[:, None] & mask_i
         r = tl.load(r_ptr + places[:, None] * stride_rp + cols[None, :], mask=mask, other=0.0)
         g = tl.load(gate_ptr + slots[:, None] * stride_gm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -127,7 +128,7 @@ def moe_swiglu_backward_kernel(r_ptr, gate_ptr, up_ptr, weights_ptr, dh_ptr, wa_
         dh_ptrs = dh_ptr + places[:, None] * stride_hp + cols[None, :]
         store = live[:, None] & mask_i
         tl.store(dh_ptrs, (da * u * s * (1 + g * (1 - s))).to(dh_ptr.dtype.element_ty), mask=store)
-        tl.store(dh_ptrs + I, (da * g * s).to(dh_ptr.dtype.element_ty), mask=store)
+        tl.store(dh_ptrs + inter, (da * g * s).to(dh_ptr.dtype.element_ty), mask=store)
         tl.store(wa_ptr + places[:, None] * stride_ap + cols[None, :], (w[:, None] * a).to(wa_ptr.dtype.element_ty),
                  mask=store)
     tl.store(dw_ptr + slots, dw.to(dw_ptr.dtype.element_ty), mask=real)
@@ -357,17 +358,23 @@ def _down_bytes(c: Config, element_size: int = SPACE_ELEMENT_BYTES) -> int:
 
 
 def heuristic(tokens: int, experts: int, topk: int, element_size: int, profile: DeviceProfile | None) -> Config:
-    """By the mean rows per expert ``tokens * k / E``:
+    """By the mean rows per expert ``tokens * k / E``, as measured on the H200 (bf16, Mixtral-8x7B
+    and DeepSeek-V3's experts, ``.ci/bench_fused_moe.py``):
 
-    - up to DECODE_ROWS (decoding): 16-row blocks, 64-column tiles, K steps of 128: the weights of
-      each activated expert stream through many programs once;
+    - up to DECODE_ROWS (decoding): 16-row blocks, 64-column tiles, K steps of 128 (256, 3 stages,
+      at one row per expert or fewer: 200 against 207 us for Mixtral's token): the weights of each
+      activated expert stream through many programs once, at 83 to 93% of the copy bandwidth;
+      128-column tiles were 1 to 5% slower;
     - up to 64: 64-row blocks, 64 columns per gate/up accumulator, 128 for the down GEMM;
-    - more: 128-row blocks, 128 x 128 per gate/up accumulator (8 warps), 128 x 256 down tiles.
+    - more: 128-row blocks, 128 x 128 per gate/up accumulator (8 warps, 3 stages), 128 x 256 down
+      tiles: 4 stages, or 128-column down tiles, 3 to 7% slower; 64-row blocks 18 to 50% slower.
 
     float32 halves the K step; pipelining stages are dropped while the tiles overflow the device's
     shared memory (no bound where the profile knows none)."""
     rows = tokens * topk / max(experts, 1)
-    if rows <= DECODE_ROWS:
+    if rows <= 1:
+        config = _config(16, (64, 256, 4, 3), (64, 256, 4, 3))
+    elif rows <= DECODE_ROWS:
         config = _config(16, (64, 128, 4, 4), (64, 128, 4, 4))
     elif rows <= 64:
         config = _config(64, (64, 64, 4, 4), (128, 64, 4, 4))
@@ -428,8 +435,6 @@ def space(profile: DeviceProfile) -> SearchSpace:
 
 def _values_known(t: torch.Tensor) -> bool:
     """Whether ``t`` holds data to read (not a meta tensor, nor torch.compile's fake)."""
-    from torch._subclasses.fake_tensor import is_fake  # torch's own test; no public one exists
-
     return t.device.type != "meta" and not is_fake(t)
 
 
