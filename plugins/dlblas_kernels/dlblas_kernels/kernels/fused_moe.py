@@ -7,6 +7,9 @@
 (int32 or int64; -1 drops a choice, which then contributes nothing). Every tensor may have any
 strides. fp8 weights with block scales (``w13_scale``, ``w2_scale``) are declared but not supported
 by this version: giving a scale, or fp8 weights, raises :class:`~dlcore.InvalidInputError`.
+Validation reads the range of ``topk_ids`` (one read back from the device: the public function
+pays it per call, ``get_op``'s bound ops only when bound); the kernels treat ids outside
+``[0, E)`` as dropped all the same.
 
 The forward, six launches, none of them waiting on the host:
 
