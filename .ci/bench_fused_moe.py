@@ -1,6 +1,6 @@
 """fused_moe on the GPU against the grouped_mm composite at issue #19's shapes (bf16).
 
-    python3 .ci/bench_fused_moe.py OUT.json [TOKENS ...]
+    python3 .ci/bench_fused_moe.py OUT.json [TOKENS ...]      (BACKWARD=1: forward + backward too)
 
 Mixtral-8x7B (E 8, k 2, H 4096, I 14336) and DeepSeek-V3's routed experts (E 256, k 8, H 7168,
 I 2048); a softmax top-k routing of random logits. Each shape: the heuristic config and the
@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import sys
 
 import torch
@@ -38,6 +39,22 @@ ALTERNATIVES = {
 
 def median_ms(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def backward_times(args: tuple) -> dict:
+    """Forward and backward (gradients of hidden, w13, w2, topk_weights) of the public function
+    and of the composite under autograd, from the same output gradient."""
+    leaves = [a.detach().requires_grad_() for a in args[:4]]
+    dout = torch.randn_like(args[0])
+    found = {}
+    for name, fn in (("fused_moe", moe.fused_moe), ("composite", vendor.fused_moe)):
+        def step(fn=fn) -> None:
+            torch.autograd.grad(fn(*leaves, args[4]), leaves, dout)
+        try:
+            found[f"{name}_fwd_bwd_us"] = median_ms(step) * 1e3
+        except Exception as exc:  # noqa: BLE001 - reported, the forward numbers stand
+            found[f"{name}_fwd_bwd_error"] = repr(exc)[:300]
+    return found
 
 
 def main() -> None:
@@ -93,6 +110,8 @@ def main() -> None:
                 row["speedup_best"] = composite_ms / best["ms"]
                 row["TFLOPs_best"] = flops / best["ms"] / 1e9
                 row["weight_bw_fraction"] = weight_bytes / (best["ms"] * 1e-3) / copy_bw
+            if os.environ.get("BACKWARD"):
+                row.update(backward_times(args))
             results["shapes"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "configs"}), flush=True)
             for t in timed:
