@@ -44,6 +44,9 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "rope_dim": ("rope_dim", "rope", "qk_rope_head_dim"),
     "v_dim": ("v_dim", "v", "v_head_dim"),
     "kv_tokens": ("kv_tokens", "kv_seq", "seq_k", "seqlen_k", "kv_len", "sk"),
+    # a mixture of experts: routed experts per layer, experts per token
+    "experts": ("experts", "num_experts", "n_routed_experts"),
+    "topk": ("topk", "top_k", "experts_per_token", "num_experts_per_tok"),
     # flags an op takes as sizes (0 or 1): no model sets them
     "causal": ("causal", "is_causal"),
     "interleaved": ("interleaved",),
@@ -66,8 +69,8 @@ MODELS: dict[str, dict[str, int]] = {
                          "nope_dim": 128, "rope_dim": 64, "v_dim": 128},
     "deepseek-v3": {"hidden": 7168, "inter": 18432, "heads": 128, "kv_heads": 1, "head_dim": 64,
                     "nope_dim": 128, "rope_dim": 64, "v_dim": 128},
-    # the routed experts' FFN width
-    "deepseek-v3-moe": {"hidden": 7168, "inter": 2048},
+    # the routed experts: their FFN width, how many, how many per token
+    "deepseek-v3-moe": {"hidden": 7168, "inter": 2048, "experts": 256, "topk": 8},
     # the shared expert (n_shared_experts 1, moe_intermediate_size 2048): a dense FFN every token
     # goes through, so its GEMMs have as many rows as there are tokens
     "deepseek-v3-shared": {"hidden": 7168, "inter": 2048},
@@ -80,6 +83,8 @@ SETUPS: dict[str, dict[str, int]] = {
     "attention-b2-h16-d128-causal": {"batch": 2, "heads": 16, "kv_heads": 16, "head_dim": 128, "causal": 1},
     # issue #14's decode: one query of LLaMA-3-8B's attention (GQA 32/8, D 128) against a KV cache
     "decode-h32-kv8-d128": {"batch": 1, "tokens": 1, "heads": 32, "kv_heads": 8, "head_dim": 128},
+    # issue #19's routed experts of Mixtral-8x7B (beside DeepSeek-V3's, a model of its own)
+    "moe-mixtral-8x7b": {"experts": 8, "topk": 2, "hidden": 4096, "inter": 14336},
 }
 
 #: preset name -> models and setups; every model is a preset on its own
@@ -92,6 +97,8 @@ PRESETS: dict[str, tuple[str, ...]] = {
     # issue #14: attention (prefill) at S 2048 to 16384, causal or not; decode at Sk 1024 to 65536
     "attention": ("attention-b2-h16-d128", "attention-b2-h16-d128-causal"),
     "decode": ("decode-h32-kv8-d128",),
+    # issue #19: fused_moe at 1 to 16384 tokens
+    "moe": ("moe-mixtral-8x7b", "deepseek-v3-moe"),
     **{name: (name,) for name in MODELS},
 }
 DEFAULT_PRESET = "all"

@@ -39,6 +39,7 @@ CUSTOM_OPS = {
     "softmax": {"torch"},
     "flash_attention_v2": {"torch", "sdpa_flash", "sdpa_cudnn"},
     "fused_rotary_and_fa": {"composite"},
+    "fused_moe": {"torch"},
 }
 
 
@@ -68,6 +69,7 @@ def test_each_entry_point_provides_an_op_that_get_op_selects(entry_point, device
 #: vendor entry point -> the op and the name of the one implementation it provides
 VENDOR = {
     "vendor_ffn": ("ffn", "torch"),
+    "vendor_fused_moe": ("fused_moe", "torch"),
     "vendor_matmul": ("matmul", "torch"),
     "vendor_sdpa_cudnn": ("flash_attention_v2", "sdpa_cudnn"),
     "vendor_sdpa_flash": ("flash_attention_v2", "sdpa_flash"),

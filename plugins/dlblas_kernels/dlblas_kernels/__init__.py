@@ -21,6 +21,7 @@ __all__ = [
     "apply_rotary_pos_emb",
     "ffn",
     "flash_attention_v2",
+    "fused_moe",
     "fused_rotary_and_fa",
     "matmul",
     "partial_rotary_emb",

@@ -1,0 +1,563 @@
+"""fused_moe: the routed experts of a mixture-of-experts layer, with SwiGLU experts, and its backward.
+
+    g, u  = split(w13[e] @ hidden[t])                      w13: [E, 2I, H] (gate rows, then up rows)
+    out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u),    e = topk_ids[t, j],  w2: [E, H, I]
+
+``hidden [T, H]``; ``topk_weights [T, k]`` (float32, or the hidden dtype) and ``topk_ids [T, k]``
+(int32 or int64; -1 drops a choice, which then contributes nothing). Every tensor may have any
+strides. fp8 weights with block scales (``w13_scale``, ``w2_scale``) are declared but not supported
+by this version: giving a scale, or fp8 weights, raises :class:`~dlcore.InvalidInputError`.
+Validation reads the range of ``topk_ids`` (one read back from the device: the public function
+pays it per call, ``get_op``'s bound ops only when bound); the kernels treat ids outside
+``[0, E)`` as dropped all the same.
+
+The forward, six launches, none of them waiting on the host:
+
+1. the alignment (:func:`dlblas_kernels.grouped.align_calls`): the ``T * k`` (token, choice)
+   slots sorted by expert, each expert's slots padded to the row block ``BLOCK_M``, with the
+   expert of every row block;
+2. the gate/up GEMM (:func:`~dlblas_kernels.grouped.grouped_gemm_kernel`, the GEMM block's
+   ``dot_range_pair``): each row block's tokens gathered from ``hidden`` by pointer (token =
+   slot // k), both halves of its expert's ``w13`` in one pass over them, SwiGLU in the epilogue,
+   ``act [T * k, I]`` written by slot;
+3. the down GEMM (``dot_range``): ``act``'s rows gathered by slot against ``w2[e]``, the
+   routing weight as the epilogue's row scale, ``y [T * k, H]`` by slot;
+4. :func:`moe_sum_kernel`: ``out[t] = sum_j y[t * k + j]`` over the routed choices, in float32
+   (deterministic: no atomics).
+
+Decoding (a few tokens) reads each activated expert's weights once: thin row blocks (16 rows) and
+narrow column tiles, so the weights stream through many programs.
+
+Backward, with ``dout`` the output gradient, for each slot ``n = (t, j)`` routed to ``e``, ``w``
+its weight and ``a = silu(g) * u``::
+
+    r = dout[t] @ w2[e]          d topk_weights[t, j] = <r, a>          dw2[e] = sum_n (w dout[t])^T a
+    da = w r      dg = da * u * silu'(g)      du = da * silu(g)         dw13[e] = sum_n [dg | du]^T hidden[t]
+    d hidden[t] = sum_j [dg | du] @ w13[e]
+
+The pre-activations ``g`` and ``u`` are **saved** by the forward (``[T * k, I]`` each, written by
+the gate/up GEMM's epilogue into the template's residuals), not recomputed: recomputing them would
+cost the backward a GEMM of the gate/up GEMM's size (two thirds of the forward's FLOPs); saving
+costs the forward a write of ``2 T k I`` elements. The alignment is recomputed (three small
+launches). Then: ``dout`` and ``hidden`` in expert order (a gather), ``r`` in float32 (a grouped
+GEMM), ``dg``, ``du``, ``w a`` and the routing weights' gradient (:func:`moe_swiglu_backward_kernel`),
+the weight gradients as reductions over each expert's rows (:func:`~dlblas_kernels.grouped.expert_gemm_kernel`),
+``[dg | du] @ w13[e]`` by slot (a grouped GEMM) and its sum over the choices of each token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake  # torch's own test for fake tensors; no public one
+
+from dlblas_kernels import grouped
+from dlcore import InvalidInputError
+from dlcore.declarations.device import DeviceProfile
+from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
+from dlcore.declarations.op import Op, TensorArg
+from dlcore.declarations.signature import Signature, cdiv, next_power_of_2
+from dlcore.declarations.space import Choice, Constraint, PowerOfTwo, SearchSpace, num_stages, num_warps
+from dlcore.runtime.template import Backward, Residuals, define_kernel
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: weight dtypes of a later version (block-scaled fp8); declared so that the error says so
+FP8_DTYPES = (torch.float8_e4m3fn,)
+ID_DTYPES = (torch.int32, torch.int64)
+ANY_LAYOUT = ("contiguous", "rows", "strided")
+
+# Mean rows per expert up to which a call counts as decoding: 16-row blocks, weights streamed.
+DECODE_ROWS = 16
+# Declared for 16-bit inputs; a float32 config that overflows shared memory fails to compile and the
+# tuner records it as failed.
+SPACE_ELEMENT_BYTES = 2
+# Widest column slice of the backward's elementwise programs, and the rows each takes.
+SWIGLU_BLOCK = 256
+SWIGLU_ROWS = 16
+# Widest column slice of the sum over choices.
+SUM_BLOCK = 1024
+# float32 inputs multiply exactly (no tf32)
+PRECISION = "ieee"
+
+
+@triton.jit
+def moe_sum_kernel(y_ptr, ids_ptr, out_ptr, dw_ptr, experts, H, stride_ym, stride_it, stride_ij, stride_ot, stride_oh,
+                   TOPK: tl.constexpr, BLOCK_H: tl.constexpr, ZERO_DROPPED: tl.constexpr):
+    """``out[t] = sum_j y[t * TOPK + j]`` over the routed choices of token ``t`` (program axis 0),
+    in float32. ZERO_DROPPED: ``dw[t, j] = 0`` (``dw`` contiguous ``[T, TOPK]``) for the dropped ones."""
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = cols < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        e = tl.load(ids_ptr + t * stride_it + j * stride_ij)
+        routed = (e >= 0) & (e < experts)
+        y = tl.load(y_ptr + (t * TOPK + j) * stride_ym + cols, mask=mask & routed, other=0.0)
+        acc += y.to(tl.float32)
+        if ZERO_DROPPED:
+            tl.store(dw_ptr + t * TOPK + j, 0.0, mask=((e < 0) | (e >= experts)) & (tl.program_id(1) == 0))
+    tl.store(out_ptr + t * stride_ot + cols * stride_oh, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def moe_swiglu_backward_kernel(r_ptr, gate_ptr, up_ptr, weights_ptr, dh_ptr, wa_ptr, dw_ptr, sorted_ptr, starts_ptr,
+                               n_slots, experts, inter, stride_rp, stride_gm, stride_um, stride_hp, stride_ap,
+                               BLOCK_P: tl.constexpr, BLOCK_I: tl.constexpr):
+    """For places ``p`` in expert order below the padded total, slot ``n = sorted[p]``: from
+    ``r[p]`` (``dout @ w2[e]``, float32), the saved ``gate[n]``, ``up[n]`` and the weight ``w[n]``:
+    ``dh[p] = [dg | du]``, ``wa[p] = w * a`` and ``dw[n] = <r, a>``; padding places get zeros."""
+    total = tl.load(starts_ptr + experts)
+    places = (tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)).to(tl.int64)
+    live = places < total
+    slots = tl.load(sorted_ptr + places, mask=live, other=n_slots).to(tl.int64)
+    real = slots < n_slots
+    w = tl.load(weights_ptr + slots, mask=real, other=0.0)
+    dw = tl.zeros((BLOCK_P,), dtype=tl.float32)
+    for i in range(0, inter, BLOCK_I):
+        cols = i + tl.arange(0, BLOCK_I)
+        mask_i = (cols < inter)[None, :]
+        mask = real[:, None] & mask_i
+        r = tl.load(r_ptr + places[:, None] * stride_rp + cols[None, :], mask=mask, other=0.0)
+        g = tl.load(gate_ptr + slots[:, None] * stride_gm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(up_ptr + slots[:, None] * stride_um + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = tl.sigmoid(g)
+        a = g * s * u
+        dw += tl.sum(r * a, axis=1)
+        da = w[:, None] * r
+        # d silu(g) / dg = s * (1 + g * (1 - s))
+        dh_ptrs = dh_ptr + places[:, None] * stride_hp + cols[None, :]
+        store = live[:, None] & mask_i
+        tl.store(dh_ptrs, (da * u * s * (1 + g * (1 - s))).to(dh_ptr.dtype.element_ty), mask=store)
+        tl.store(dh_ptrs + inter, (da * g * s).to(dh_ptr.dtype.element_ty), mask=store)
+        tl.store(wa_ptr + places[:, None] * stride_ap + cols[None, :], (w[:, None] * a).to(wa_ptr.dtype.element_ty),
+                 mask=store)
+    tl.store(dw_ptr + slots, dw.to(dw_ptr.dtype.element_ty), mask=real)
+
+
+# --- sizes and outputs ---------------------------------------------------------------------------------
+
+def _dims(hidden: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor) -> tuple[int, int, int, int, int]:
+    """``(T, H, E, I, k)``."""
+    (tokens, h), (experts, two_i) = hidden.shape, w13.shape[:2]
+    return tokens, h, experts, two_i // 2, topk_ids.shape[1]
+
+
+def output(hidden: torch.Tensor, *_: Any) -> torch.Tensor:
+    return torch.empty(hidden.shape, dtype=hidden.dtype, device=hidden.device)
+
+
+def training_outputs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                     topk_ids: torch.Tensor, *_: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, gate, up)``: the output and each slot's pre-activations ``[T * k, I]``."""
+    tokens, _, _, inter, topk = _dims(hidden, w13, topk_ids)
+    pre = lambda: torch.empty(tokens * topk, inter, dtype=hidden.dtype, device=hidden.device)  # noqa: E731
+    return output(hidden), pre(), pre()
+
+
+def up_config(config: Config) -> Config:
+    return {k: config[k] for k in ("BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")}
+
+
+def down_config(config: Config) -> Config:
+    return {"BLOCK_N": config["DOWN_BLOCK_N"], "BLOCK_K": config["DOWN_BLOCK_K"], "GROUP_M": config["GROUP_M"],
+            "num_warps": config["DOWN_WARPS"], "num_stages": config["DOWN_STAGES"]}
+
+
+def sum_call(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, experts: int,
+             dw: torch.Tensor | None = None) -> KernelCall:
+    tokens, h = out.shape
+    block = min(next_power_of_2(max(h, 1)), SUM_BLOCK)
+    return KernelCall(moe_sum_kernel, (tokens, cdiv(h, block)), (
+        y, topk_ids, out, out if dw is None else dw, experts, h, y.stride(0), topk_ids.stride(0), topk_ids.stride(1),
+        out.stride(0), out.stride(1),
+    ), {"TOPK": topk_ids.shape[1], "BLOCK_H": block, "ZERO_DROPPED": dw is not None, "num_warps": 4})
+
+
+def _forward(args: tuple, config: Config, out: torch.Tensor, gate: torch.Tensor | None = None,
+             up: torch.Tensor | None = None) -> tuple[list[KernelCall], tuple]:
+    hidden, w13, w2, topk_weights, topk_ids = args[:5]
+    tokens, h, experts, inter, topk = _dims(hidden, w13, topk_ids)
+    calls, align, scratch = grouped.align_calls(topk_ids, topk_weights, experts, config["BLOCK_M"])
+    act = torch.empty(tokens * topk, inter, dtype=hidden.dtype, device=hidden.device)
+    y = torch.empty(tokens * topk, h, dtype=hidden.dtype, device=hidden.device)
+    calls += [
+        grouped.grouped_call(align, hidden, w13, act, up_config(config), gather=True, scatter=True, a_div=topk,
+                             swiglu=True, pre=gate, pre3=up, input_precision=PRECISION),
+        grouped.grouped_call(align, act, w2, y, down_config(config), gather=True, scatter=True, scale=True,
+                             input_precision=PRECISION),
+        sum_call(y, topk_ids, out, experts),
+    ]
+    return calls, (*scratch, *align.scratch(), act, y)
+
+
+def _empty(args: tuple) -> bool:
+    """Nothing to compute: no tokens, no choices, or no hidden or intermediate features."""
+    tokens, h, _, inter, topk = _dims(args[0], args[1], args[4])
+    return tokens * topk * h * inter == 0
+
+
+def _zeros_call(out: torch.Tensor, topk_ids: torch.Tensor) -> list[KernelCall]:
+    """``out`` zeroed by the sum over choices when there is nothing to sum (no K, no choices)."""
+    if out.numel() == 0:
+        return []
+    none = torch.full((out.shape[0], 0), -1, dtype=topk_ids.dtype, device=topk_ids.device)
+    return [sum_call(out, none, out, 0)]
+
+
+def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
+    """The alignment, the gate/up and the down grouped GEMMs, the sum over choices (module doc)."""
+    out = output(*args)
+    if _empty(args):
+        return LaunchPlan(calls=_zeros_call(out, args[4]), result=out)
+    calls, scratch = _forward(args, config, out)
+    return LaunchPlan(calls=calls, result=out, scratch=scratch)
+
+
+def training_plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
+    """:func:`plan`, the pre-activations stored too (the custom op's body: autograd saves them)."""
+    out, gate, up = training_outputs(*args)
+    if _empty(args):
+        return LaunchPlan(calls=_zeros_call(out, args[4]), result=(out, gate, up))
+    calls, scratch = _forward(args, config, out, gate, up)
+    return LaunchPlan(calls=calls, result=(out, gate, up), scratch=scratch)
+
+
+def backward_outputs(dout: torch.Tensor, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                     topk_weights: torch.Tensor, topk_ids: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(d hidden, d w13, d w2, d topk_weights)``, contiguous, in the inputs' dtypes."""
+    new = lambda t: torch.empty(t.shape, dtype=t.dtype, device=t.device)  # noqa: E731
+    return new(hidden), new(w13), new(w2), new(topk_weights)
+
+
+def weight_grad_config(m: int, n: int) -> Config:
+    """The tiles of the reductions over an expert's rows (``[m, n]`` outputs, K a multiple of 16)."""
+    return {"BLOCK_M": min(128, max(16, next_power_of_2(m))), "BLOCK_N": min(128, max(16, next_power_of_2(n))),
+            "BLOCK_K": 32, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+
+
+def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
+    """Launches for ``(d hidden, d w13, d w2, d topk_weights)`` from ``args = (dout, hidden, w13,
+    w2, topk_weights, topk_ids, gate, up)`` (the module doc); ``config`` is the forward's."""
+    dout, hidden, w13, w2, topk_weights, topk_ids, gate, up = args
+    dh, dw13, dw2, dtw = backward_outputs(*args)
+    if _empty(args[1:]):
+        return LaunchPlan(calls=[], result=(dh.zero_(), dw13.zero_(), dw2.zero_(), dtw.zero_()))
+    tokens, h, experts, inter, topk = _dims(hidden, w13, topk_ids)
+    calls, align, scratch = grouped.align_calls(topk_ids, topk_weights, experts, config["BLOCK_M"])
+    new = lambda *shape: torch.empty(shape, dtype=hidden.dtype, device=hidden.device)  # noqa: E731
+    places = align.places
+    dout_sorted, hidden_sorted, wa, dh13, dh_slots = new(places, h), new(places, h), new(places, inter), \
+        new(places, 2 * inter), new(tokens * topk, h)
+    # r = dout @ w2[e] in float32: d topk_weights sums its products with a over I
+    r = torch.empty(places, inter, dtype=torch.float32, device=hidden.device)
+    wide = {**up_config(config), "BLOCK_N": min(2 * config["BLOCK_N"], 256)}
+    calls += [
+        grouped.gather_call(align, dout, dout_sorted, topk),
+        grouped.gather_call(align, hidden, hidden_sorted, topk),
+        grouped.grouped_call(align, dout_sorted, w2.transpose(1, 2), r, wide, gather=False, scatter=False,
+                             input_precision=PRECISION),
+        KernelCall(moe_swiglu_backward_kernel, (cdiv(places, SWIGLU_ROWS),), (
+            r, gate, up, align.weights, dh13, wa, dtw, align.sorted_ids, align.starts, align.n_slots, experts, inter,
+            r.stride(0), gate.stride(0), up.stride(0), dh13.stride(0), wa.stride(0),
+        ), {"BLOCK_P": SWIGLU_ROWS, "BLOCK_I": min(next_power_of_2(inter), SWIGLU_BLOCK), "num_warps": 4}),
+        grouped.expert_gemm_call(align, dout_sorted, wa, dw2, weight_grad_config(h, inter), PRECISION),
+        grouped.expert_gemm_call(align, dh13, hidden_sorted, dw13, weight_grad_config(2 * inter, h), PRECISION),
+        grouped.grouped_call(align, dh13, w13.transpose(1, 2), dh_slots, down_config(config), gather=False,
+                             scatter=True, input_precision=PRECISION),
+        sum_call(dh_slots, topk_ids, dh, experts, dw=dtw),
+    ]
+    return LaunchPlan(calls=calls, result=(dh, dw13, dw2, dtw),
+                      scratch=(*scratch, *align.scratch(), dout_sorted, hidden_sorted, r, wa, dh13, dh_slots))
+
+
+# --- references --------------------------------------------------------------------------------------
+
+def _per_expert(hidden: torch.Tensor, w13: torch.Tensor, topk_ids: torch.Tensor):
+    """``(e, slots, tokens, x, g, u)`` per expert with routed slots, in float32 (or wider)."""
+    compute = torch.promote_types(hidden.dtype, torch.float32)
+    _, _, experts, inter, topk = _dims(hidden, w13, topk_ids)
+    flat = topk_ids.reshape(-1)
+    h = hidden.to(compute)
+    for e in range(experts):
+        slots = (flat == e).nonzero().squeeze(1)
+        if slots.numel():
+            x = h[slots // topk]
+            w = w13[e].to(compute)
+            yield e, slots, slots // topk, x, x @ w[:inter].T, x @ w[inter:].T
+
+
+def fused_moe_training_reference(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                                 topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                                 w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None
+                                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, gate, up)``: a loop over the experts in float32 (or wider), in ``hidden``'s dtype;
+    the pre-activations of dropped slots are zero."""
+    tokens, h, _, inter, topk = _dims(hidden, w13, topk_ids)
+    compute = torch.promote_types(hidden.dtype, torch.float32)
+    out = torch.zeros(tokens, h, dtype=compute, device=hidden.device)
+    gate = torch.zeros(tokens * topk, inter, dtype=compute, device=hidden.device)
+    up = torch.zeros_like(gate)
+    weights = topk_weights.reshape(-1).to(compute)
+    for e, slots, token, _, g, u in _per_expert(hidden, w13, topk_ids):
+        y = (torch.nn.functional.silu(g) * u) @ w2[e].to(compute).T
+        out.index_add_(0, token, y * weights[slots, None])
+        gate[slots], up[slots] = g, u
+    return out.to(hidden.dtype), gate.to(hidden.dtype), up.to(hidden.dtype)
+
+
+def fused_moe_reference(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+                        w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The routed experts' output, by a loop over the experts in float32 (or wider), in ``hidden``'s dtype."""
+    return fused_moe_training_reference(hidden, w13, w2, topk_weights, topk_ids)[0]
+
+
+def fused_moe_backward_reference(dout: torch.Tensor, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                                 topk_weights: torch.Tensor, topk_ids: torch.Tensor, gate: torch.Tensor,
+                                 up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward formulas of the module doc by a loop over the experts, in float32 (or wider),
+    from the saved pre-activations (as the kernel takes them); in the inputs' dtypes."""
+    compute = torch.promote_types(hidden.dtype, torch.float32)
+    d = dout.to(compute)
+    dh = torch.zeros(hidden.shape, dtype=compute, device=hidden.device)
+    dw13 = torch.zeros(w13.shape, dtype=compute, device=hidden.device)
+    dw2 = torch.zeros(w2.shape, dtype=compute, device=hidden.device)
+    dtw = torch.zeros(topk_weights.numel(), dtype=compute, device=hidden.device)
+    weights = topk_weights.reshape(-1).to(compute)
+    for e, slots, token, x, _, _ in _per_expert(hidden, w13, topk_ids):
+        g, u = gate[slots].to(compute), up[slots].to(compute)
+        s = torch.sigmoid(g)
+        a = g * s * u
+        w = weights[slots, None]
+        r = d[token] @ w2[e].to(compute)
+        dtw[slots] = (r * a).sum(1)
+        dw2[e] = (w * d[token]).T @ a
+        da = w * r
+        dh13 = torch.cat([da * u * s * (1 + g * (1 - s)), da * g * s], dim=1)
+        dw13[e] = dh13.T @ x
+        dh.index_add_(0, token, dh13 @ w13[e].to(compute))
+    return (dh.to(hidden.dtype), dw13.to(w13.dtype), dw2.to(w2.dtype),
+            dtw.view(topk_weights.shape).to(topk_weights.dtype))
+
+
+# --- config --------------------------------------------------------------------------------------------
+
+def _config(block_m: int, up: tuple[int, int, int, int], down: tuple[int, int, int, int]) -> Config:
+    return {"BLOCK_M": block_m, "BLOCK_N": up[0], "BLOCK_K": up[1], "GROUP_M": 8, "num_warps": up[2],
+            "num_stages": up[3], "DOWN_BLOCK_N": down[0], "DOWN_BLOCK_K": down[1], "DOWN_WARPS": down[2],
+            "DOWN_STAGES": down[3]}
+
+
+def _up_bytes(c: Config, element_size: int = SPACE_ELEMENT_BYTES) -> int:
+    return c["num_stages"] * (c["BLOCK_M"] + 2 * c["BLOCK_N"]) * c["BLOCK_K"] * element_size
+
+
+def _down_bytes(c: Config, element_size: int = SPACE_ELEMENT_BYTES) -> int:
+    return c["DOWN_STAGES"] * (c["BLOCK_M"] + c["DOWN_BLOCK_N"]) * c["DOWN_BLOCK_K"] * element_size
+
+
+def heuristic(tokens: int, experts: int, topk: int, element_size: int, profile: DeviceProfile | None) -> Config:
+    """By the mean rows per expert ``tokens * k / E``, as measured on the H200 (bf16, Mixtral-8x7B
+    and DeepSeek-V3's experts, ``.ci/bench_fused_moe.py``):
+
+    - up to DECODE_ROWS (decoding): 16-row blocks, 64-column tiles, K steps of 128 (256, 3 stages,
+      at one row per expert or fewer: 200 against 207 us for Mixtral's token): the weights of each
+      activated expert stream through many programs once, at 83 to 93% of the copy bandwidth;
+      128-column tiles were 1 to 5% slower;
+    - up to 64: 64-row blocks, 64 columns per gate/up accumulator, 128 for the down GEMM;
+    - more: 128-row blocks, 128 x 128 per gate/up accumulator (8 warps, 3 stages), 128 x 256 down
+      tiles (4 stages: 1 to 2% faster than 3); 4 gate/up stages with 128-column down tiles 3 to 7%
+      slower, 64-column gate/up tiles or K steps of 128 about 15%, 64-row blocks 18 to 50%.
+
+    float32 halves the K step; pipelining stages are dropped while the tiles overflow the device's
+    shared memory (no bound where the profile knows none)."""
+    rows = tokens * topk / max(experts, 1)
+    if rows <= 1:
+        config = _config(16, (64, 256, 4, 3), (64, 256, 4, 3))
+    elif rows <= DECODE_ROWS:
+        config = _config(16, (64, 128, 4, 4), (64, 128, 4, 4))
+    elif rows <= 64:
+        config = _config(64, (64, 64, 4, 4), (128, 64, 4, 4))
+    else:
+        config = _config(128, (128, 64, 8, 3), (256, 64, 8, 4))
+    if element_size > 2:
+        config["BLOCK_K"] //= 2
+        config["DOWN_BLOCK_K"] //= 2
+    limit = profile.shared_memory_per_program if profile is not None else 0
+    while limit and config["num_stages"] > 2 and _up_bytes(config, element_size) > limit:
+        config["num_stages"] -= 1
+    while limit and config["DOWN_STAGES"] > 2 and _down_bytes(config, element_size) > limit:
+        config["DOWN_STAGES"] -= 1
+    return config
+
+
+def default_config(sig: Signature, profile: DeviceProfile) -> Config:
+    tokens = sig.tensor("hidden").shape[0]  # rounded up to a power of two
+    return heuristic(tokens, sig.tensor("w13").shape[0], sig.tensor("topk_ids").shape[1], sig.dtype.itemsize,
+                     profile)
+
+
+def space(profile: DeviceProfile) -> SearchSpace:
+    """The row block (shared by both GEMMs: the alignment pads to it), each GEMM's column tile, K
+    step, warps and pipelining depth, the grouped program order; the pipelined tiles within the
+    shared memory a program may use on the device (no bound where the profile knows none)."""
+    shared = profile.shared_memory_per_program
+    fits = [
+        Constraint(f"num_stages * (BLOCK_M + 2 * BLOCK_N) * BLOCK_K * {SPACE_ELEMENT_BYTES} bytes <= {shared} "
+                   f"(the gate/up GEMM's tiles fit in shared memory)", lambda c: _up_bytes(c) <= shared),
+        Constraint(f"DOWN_STAGES * (BLOCK_M + DOWN_BLOCK_N) * DOWN_BLOCK_K * {SPACE_ELEMENT_BYTES} bytes <= "
+                   f"{shared} (the down GEMM's tiles fit in shared memory)", lambda c: _down_bytes(c) <= shared),
+    ] if shared else []
+    return SearchSpace(
+        [
+            PowerOfTwo("BLOCK_M", 16, 128),
+            PowerOfTwo("BLOCK_N", 32, 256),
+            PowerOfTwo("BLOCK_K", 32, 256),
+            Choice("GROUP_M", (1, 8)),
+            num_warps(4, 8),
+            num_stages(2, 3, 4, 5),
+            PowerOfTwo("DOWN_BLOCK_N", 32, 256),
+            PowerOfTwo("DOWN_BLOCK_K", 32, 256),
+            Choice("DOWN_WARPS", (4, 8)),
+            Choice("DOWN_STAGES", (2, 3, 4, 5)),
+        ],
+        [
+            *fits,
+            Constraint("2 * BLOCK_M * BLOCK_N / (32 * num_warps) <= 128 (both float32 accumulators fit in registers)",
+                       lambda c: 2 * c["BLOCK_M"] * c["BLOCK_N"] / (32 * c["num_warps"]) <= 128),
+            Constraint("BLOCK_M * DOWN_BLOCK_N / (32 * DOWN_WARPS) <= 128 (the down accumulator fits in registers)",
+                       lambda c: c["BLOCK_M"] * c["DOWN_BLOCK_N"] / (32 * c["DOWN_WARPS"]) <= 128),
+        ],
+    )
+
+
+# --- declaration ---------------------------------------------------------------------------------------
+
+def _values_known(t: torch.Tensor) -> bool:
+    """Whether ``t`` holds data to read (not a meta tensor, nor torch.compile's fake)."""
+    return t.device.type != "meta" and not is_fake(t)
+
+
+def check(op: Op, args: dict[str, Any]) -> None:
+    hidden, w13, w2, topk_weights, topk_ids = (args[n] for n in ("hidden", "w13", "w2", "topk_weights", "topk_ids"))
+    for name in ("w13_scale", "w2_scale"):
+        if args[name] is not None:
+            raise InvalidInputError(op.name, name, "is given (fp8 block-scaled weights)",
+                                    f"{name}=None: fp8 weights with block scales are not supported by this "
+                                    f"version yet", "Pass bfloat16, float16 or float32 weights.")
+    for name, w in (("w13", w13), ("w2", w2)):
+        if w.dtype != hidden.dtype:
+            why = "fp8 weights are not supported by this version yet" if w.dtype in FP8_DTYPES else \
+                f"{name} with the dtype of hidden"
+            raise InvalidInputError(op.name, name, f"has dtype {w.dtype} but hidden has {hidden.dtype}", why)
+    tokens, h = hidden.shape
+    experts, two_i = w13.shape[:2]
+    if experts == 0:
+        raise InvalidInputError(op.name, "w13", f"has no experts (shape {tuple(w13.shape)})", "[E, 2I, H], E >= 1")
+    if two_i % 2:
+        raise InvalidInputError(op.name, "w13", f"has an odd number of rows per expert (shape {tuple(w13.shape)})",
+                                "[E, 2I, H]: each expert's I gate rows, then its I up rows")
+    op.expect_shape("w13", w13, (experts, two_i, h), "[E, 2I, H], H being hidden's last dimension")
+    op.expect_shape("w2", w2, (experts, h, two_i // 2), "[E, H, I], E and I those of w13 [E, 2I, H]")
+    if topk_ids.shape[0] != tokens:
+        raise InvalidInputError(op.name, "topk_ids", f"has shape {tuple(topk_ids.shape)}",
+                                f"topk_ids of shape [{tokens}, k] (one row per token of hidden)")
+    op.expect_shape("topk_weights", topk_weights, tuple(topk_ids.shape),
+                    "[T, k], the shape of topk_ids: one weight per choice")
+    if topk_ids.numel() and _values_known(topk_ids):
+        low, high = (int(v) for v in torch.aminmax(topk_ids))
+        if low < -1 or high >= experts:
+            raise InvalidInputError(op.name, "topk_ids", f"holds ids from {low} to {high}",
+                                    f"expert ids in [0, {experts}) or -1 (a dropped choice)")
+
+
+def example(sizes: dict[str, int], dtype: torch.dtype, device: torch.device, generator: torch.Generator) -> tuple:
+    """Random ``hidden [tokens, hidden]``, expert weights scaled like trained layers (variance
+    1/fan-in; drawn on the device from a seed of ``generator``: a large layer holds billions),
+    and a softmax top-k routing of random logits."""
+    tokens, h, inter, experts, topk = (sizes[n] for n in ("tokens", "hidden", "inter", "experts", "topk"))
+    seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+    on_device = None if device.type == "meta" else torch.Generator(device=device).manual_seed(seed)
+
+    def draw(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=on_device, device=device, dtype=dtype) * scale).to(dtype)
+
+    logits = torch.randn(tokens, experts, generator=on_device, device=device)
+    topk_weights, topk_ids = torch.softmax(logits, dim=-1).topk(topk, dim=-1)
+    return (draw(tokens, h), draw(experts, 2 * inter, h, scale=h**-0.5), draw(experts, h, inter, scale=inter**-0.5),
+            topk_weights / topk_weights.sum(-1, keepdim=True), topk_ids.to(torch.int32), None, None)
+
+
+def cost(args: tuple, mode: str = "fwd") -> tuple[int, int]:
+    """Forward: the activated experts' weights read once, ``hidden``, the routing read, the output
+    written; per routed choice ``2 * (2I * H + H * I)`` flops (the gate/up and the down GEMMs).
+    Backward: ``dout``, ``hidden``, the activated weights and the routing read, every expert's
+    weight gradient and ``d hidden`` written; twice the forward's flops (an input and a weight
+    gradient per GEMM; the pre-activations are saved)."""
+    hidden, w13, w2, topk_weights, topk_ids = args[:5]
+    tokens, h, experts, inter, topk = _dims(hidden, w13, topk_ids)
+    routed_ids = topk_ids[(topk_ids >= 0) & (topk_ids < experts)]
+    routed, active = routed_ids.numel(), int(torch.unique(routed_ids).numel())
+    per_expert = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+    routing = topk_ids.numel() * (topk_ids.element_size() + topk_weights.element_size())
+    activations = 2 * hidden.numel() * hidden.element_size()
+    flops = 2 * routed * 3 * inter * h
+    if mode == "bwd":
+        return active * per_expert + experts * per_expert + routing + 2 * activations, 2 * flops
+    return active * per_expert + routing + activations, flops
+
+
+def _composite() -> Any:
+    from dlblas_kernels import vendor  # the composite lives with the vendor candidates; imported when asked for
+
+    return vendor.fused_moe
+
+
+OP = Op(
+    name="fused_moe",
+    args=(
+        TensorArg("hidden", DTYPES, min_rank=2, max_rank=2, layouts=ANY_LAYOUT, bucket="rows"),
+        TensorArg("w13", DTYPES + FP8_DTYPES, min_rank=3, max_rank=3, layouts=ANY_LAYOUT),
+        TensorArg("w2", DTYPES + FP8_DTYPES, min_rank=3, max_rank=3, layouts=ANY_LAYOUT),
+        TensorArg("topk_weights", DTYPES, min_rank=2, max_rank=2, layouts=ANY_LAYOUT, bucket="rows"),
+        TensorArg("topk_ids", ID_DTYPES, min_rank=2, max_rank=2, layouts=ANY_LAYOUT, bucket="rows",
+                  differentiable=False),
+        TensorArg("w13_scale", (torch.float32,), layouts=ANY_LAYOUT, differentiable=False, optional=True),
+        TensorArg("w2_scale", (torch.float32,), layouts=ANY_LAYOUT, differentiable=False, optional=True),
+    ),
+    reference=fused_moe_reference,
+    doc="sum_j topk_weights[t, j] * w2[e] @ (silu(g) * u), g, u = split(w13[e] @ hidden[t]), e = topk_ids[t, j] "
+        "(-1: dropped); w13 [E, 2I, H], w2 [E, H, I]",
+    check=check,
+    example=example,
+    example_sizes={"tokens": 37, "hidden": 64, "inter": 96, "experts": 6, "topk": 2},
+    cost=cost,
+    baselines={"torch": _composite},
+)
+
+
+def _gradients(backward, saved, grads, needs) -> dict:
+    dh, dw13, dw2, dtw = backward(grads[0], saved.hidden, saved.w13, saved.w2, saved.topk_weights, saved.topk_ids,
+                                  saved.gate, saved.up)
+    return {"hidden": dh, "w13": dw13, "w2": dw2, "topk_weights": dtw}
+
+
+KERNEL = define_kernel(
+    OP, plan,
+    kernels=(*grouped.KERNELS, moe_sum_kernel, moe_swiglu_backward_kernel),
+    results=output,
+    default_config=default_config,
+    space=space,
+    backward=Backward(_gradients, saved=("hidden", "w13", "w2", "topk_weights", "topk_ids", "gate", "up"),
+                      plan=backward_plan, reference=fused_moe_backward_reference, results=backward_outputs,
+                      residuals=Residuals(("gate", "up"), training_plan, training_outputs,
+                                          fused_moe_training_reference)),
+    doc="slots sorted by expert on the device, grouped gate/up GEMM with SwiGLU, grouped down GEMM with the "
+        "routing weight as row scale, deterministic sum over choices; backward from the saved pre-activations",
+)
+fused_moe = KERNEL.function
+dlcore_ops, dlcore_implementations = KERNEL.dlcore_ops, KERNEL.dlcore_implementations
