@@ -115,6 +115,15 @@ def case_dropped_choices(rank: int, world: int) -> None:
     assert_close(out, oracle(hidden, w13, w2, weights, ids), reduce_dim=HIDDEN)
 
 
+def case_the_fused_moe_kernel_computes_each_ranks_experts(rank: int, world: int) -> None:
+    # the default computation: dlblas_kernels.fused_moe's Triton kernels on each rank's shard
+    w13, w2, ranks = problem([5, 7, 3][:world], seed=14, dtype=torch.float32, drop=0.2)
+    hidden, weights, ids = ranks[rank]
+    out = EPMoE.from_experts(w13, w2)(hidden, weights, ids)
+    assert_close(out, oracle(hidden.double(), w13.double(), w2.double(), weights, ids), dtype=torch.float32,
+                 reduce_dim=HIDDEN)
+
+
 def case_gradients_reach_the_tokens_the_weights_and_the_experts(rank: int, world: int) -> None:
     check_gradients(rank, world, problem([6, 3, 0][:world], seed=12, drop=0.2))
     # only rank 0's experts chosen: the other ranks compute nothing, yet take part in the backward
