@@ -43,6 +43,8 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "nope_dim": ("nope_dim", "nope", "qk_nope_head_dim"),
     "rope_dim": ("rope_dim", "rope", "qk_rope_head_dim"),
     "v_dim": ("v_dim", "v", "v_head_dim"),
+    "experts": ("experts", "num_experts", "n_experts"),
+    "topk": ("topk", "top_k"),
     "kv_tokens": ("kv_tokens", "kv_seq", "seq_k", "seqlen_k", "kv_len", "sk"),
     # flags an op takes as sizes (0 or 1): no model sets them
     "causal": ("causal", "is_causal"),
@@ -80,6 +82,8 @@ SETUPS: dict[str, dict[str, int]] = {
     "attention-b2-h16-d128-causal": {"batch": 2, "heads": 16, "kv_heads": 16, "head_dim": 128, "causal": 1},
     # issue #14's decode: one query of LLaMA-3-8B's attention (GQA 32/8, D 128) against a KV cache
     "decode-h32-kv8-d128": {"batch": 1, "tokens": 1, "heads": 32, "kv_heads": 8, "head_dim": 128},
+    # issue #18's MoE routing (topk_gating): 64 or 256 experts, top 2 or top 8
+    **{f"gating-e{e}-k{k}": {"experts": e, "topk": k} for e in (64, 256) for k in (2, 8)},
 }
 
 #: preset name -> models and setups; every model is a preset on its own
@@ -92,6 +96,8 @@ PRESETS: dict[str, tuple[str, ...]] = {
     # issue #14: attention (prefill) at S 2048 to 16384, causal or not; decode at Sk 1024 to 65536
     "attention": ("attention-b2-h16-d128", "attention-b2-h16-d128-causal"),
     "decode": ("decode-h32-kv8-d128",),
+    # issue #18: topk_gating at S 4096 and 16384, and at a few tokens (1 to 64)
+    "gating": ("gating-e64-k2", "gating-e64-k8", "gating-e256-k2", "gating-e256-k8"),
     **{name: (name,) for name in MODELS},
 }
 DEFAULT_PRESET = "all"
@@ -100,6 +106,7 @@ PRESET_TOKENS: dict[str, tuple[int, ...]] = {
     "gemm": GEMM_TOKENS,
     "attention": (2048, 4096, 8192, 16384),
     "decode": (1024, 2048, 4096, 8192, 16384, 32768, 65536),
+    "gating": (1, 16, 64, 4096, 16384),
 }
 #: preset -> the canonical dimension its token counts go to (the others: ``tokens``)
 PRESET_AXIS: dict[str, str] = {"decode": "kv_tokens"}
