@@ -44,10 +44,11 @@ def plans(dtype):
         (q, e(2, 7, 2, 8, 192, dtype=dtype), cos, cos, k_pe, kv, 128, 64, 128), {"BLOCK_H": 4, "num_warps": 4}, profile)
     q, k_pe, kv, cos = e(4, 3, 2, dtype=dtype), e(4, 1, 2, dtype=dtype), e(4, 3, 1, dtype=dtype), e(4, 2, dtype=dtype)
     yield "partial_rotary_emb.tiny", mla.plan((q, k_pe, kv, cos, cos, 0, 2, 1), {"BLOCK_H": 2, "num_warps": 1}, profile)
-    logits, top = e(300, 256, dtype=dtype), {"BLOCK_S": 64, "num_warps": 16}
+    logits, top = e(300, 256, dtype=dtype), {"BLOCK_S": 32, "num_warps": 16}
     yield "topk_gating.e256.k8", gate.plan((logits, 8, 1.0, 2), top, profile)
-    yield "topk_gating.backward", gate.backward_plan((e(1, dtype=torch.float32)[0], e(2400, dtype=torch.float32), logits,
-                                                      e(2400, dtype=torch.int32), e(256, dtype=torch.int32), 8), top, profile)
+    grads = (e(1, dtype=torch.float32)[0], e(2400, dtype=torch.float32))
+    kept = (e(2400, dtype=torch.int32), e(256, dtype=torch.int32))
+    yield "topk_gating.backward", gate.backward_plan((*grads, logits, *kept, 8), top, profile)
 
 found = {}
 for dtype, capability in ((torch.bfloat16, 90), (torch.float16, 80), (torch.float32, 80)):

@@ -71,8 +71,8 @@ EPS = torch.finfo(torch.float32).eps
 
 # Elements of the [BLOCK_S, BLOCK_E] tile a token-block program holds at most (the default config),
 # and per thread; the fewest token blocks the default keeps per core (the scan's rows grow with them).
-MAX_TILE = 16384
-ELEMENTS_PER_THREAD = 32
+MAX_TILE = 8192
+ELEMENTS_PER_THREAD = 16
 BLOCKS_PER_CORE = 2
 # The scan's tiles: experts per program and elements per tile.
 SCAN_EXPERTS = 16
@@ -210,7 +210,8 @@ def topk_gating_backward_kernel(
     _, p = _gates(logits_ptr, tokens, experts, S, E, stride_s, stride_e)
     # l_aux = sum_e (sum_s p[s, e]) * count_e * E / (S * S * k): dl_aux/dp[s, e] = count_e * l_aux_scale
     count = tl.load(totals_ptr + experts, mask=real, other=0).to(tl.float32)
-    grad = tl.zeros((BLOCK_S, BLOCK_E), tl.float32) + (tl.load(d_l_aux_ptr).to(tl.float32) * l_aux_scale * count)[None, :]
+    d_l_aux = tl.load(d_l_aux_ptr).to(tl.float32)
+    grad = tl.zeros((BLOCK_S, BLOCK_E), tl.float32) + (d_l_aux * l_aux_scale * count)[None, :]
     ranks = tl.arange(0, K_POW2)
     kept_gates = tl.zeros((BLOCK_S, K_POW2), tl.float32)
     d_weights = tl.zeros((BLOCK_S, K_POW2), tl.float32)
