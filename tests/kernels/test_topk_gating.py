@@ -22,6 +22,7 @@ from dlcore import InvalidInputError
 from dlcore.declarations.signature import make_signature
 from dlcore.runtime.template import UNKNOWN_DEVICE, device_profile
 from dlcore.testing import assert_close, poison, randn
+from dlcore.tuning.verify import mismatch, reference_result
 
 TRITON = KERNEL.implementation
 #: what no kernel writes into an index output: an element left unwritten shows
@@ -266,6 +267,17 @@ def test_gradient_of_l_aux_alone_and_of_a_strided_weight_gradient(device, gen):
         (x64,) = leaves((logits.double(),), (0,))
         (expected,) = torch.autograd.grad(topk_gating_reference(x64, 4)[pick].sum(), [x64])
         assert_close(grad, expected, torch.float32)
+
+
+def test_tuning_checks_the_indices_exactly(device, gen):
+    """What tuning and ``dlcore check`` compare (``mismatch``): weights within tolerance, indices exactly."""
+    logits = randn(9, 8, device=device, generator=gen, scale=2.0)
+    outputs = launch((logits, 2, 1.0, 2))
+    expected = reference_result(OP, (logits, 2, 1.0, 2))
+    assert mismatch(outputs, expected) is None
+    ec_idx = outputs[1].clone()
+    ec_idx[3] += 1
+    assert mismatch((outputs[0], ec_idx, *outputs[2:]), expected) == "output 1: 1 of 18 elements differ"
 
 
 def test_opcheck(device, gen):
