@@ -297,7 +297,7 @@ def topk_gating_backward_reference(d_l_aux: torch.Tensor, d_weights: torch.Tenso
     kept_gates = torch.where(kept, p.gather(1, at), 0.0)
     total = kept_gates.sum(1)
     denominator = total.clamp(min=EPS)
-    dw = d_weights.to(compute).view(k, tokens).T
+    dw = d_weights.to(compute).reshape(k, tokens).T
     through = torch.where(total >= EPS, (dw * kept_gates).sum(1) / denominator, 0.0)
     coefficients = torch.where(kept, (dw - through[:, None]) / denominator[:, None], 0.0)
     grad = grad.scatter_add(1, at, coefficients)
