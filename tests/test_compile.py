@@ -47,7 +47,7 @@ def compiled():
     return run_json(SCRIPT, None, TRITON_INTERPRET="0")
 
 
-@pytest.mark.parametrize("op", ["softmax", "silu_and_mul", "rms_norm", "ffn"])
+@pytest.mark.parametrize("op", ["softmax", "silu_and_mul", "rms_norm", "ffn", "topk_gating"])
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
 @pytest.mark.parametrize("capability", [80, 90])
 def test_kernel_compiles_to_cubin(compiled, op, dtype, capability):

@@ -45,7 +45,7 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "v_dim": ("v_dim", "v", "v_head_dim"),
     "kv_tokens": ("kv_tokens", "kv_seq", "seq_k", "seqlen_k", "kv_len", "sk"),
     # a mixture of experts: routed experts per layer, experts per token
-    "experts": ("experts", "num_experts", "n_routed_experts"),
+    "experts": ("experts", "num_experts", "n_experts", "n_routed_experts"),
     "topk": ("topk", "top_k", "experts_per_token", "num_experts_per_tok"),
     # flags an op takes as sizes (0 or 1): no model sets them
     "causal": ("causal", "is_causal"),
@@ -85,6 +85,8 @@ SETUPS: dict[str, dict[str, int]] = {
     "decode-h32-kv8-d128": {"batch": 1, "tokens": 1, "heads": 32, "kv_heads": 8, "head_dim": 128},
     # issue #19's routed experts of Mixtral-8x7B (beside DeepSeek-V3's, a model of its own)
     "moe-mixtral-8x7b": {"experts": 8, "topk": 2, "hidden": 4096, "inter": 14336},
+    # issue #18's MoE routing (topk_gating): 64 or 256 experts, top 2 or top 8
+    **{f"gating-e{e}-k{k}": {"experts": e, "topk": k} for e in (64, 256) for k in (2, 8)},
 }
 
 #: preset name -> models and setups; every model is a preset on its own
@@ -99,6 +101,8 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "decode": ("decode-h32-kv8-d128",),
     # issue #19: fused_moe at 1 to 16384 tokens
     "moe": ("moe-mixtral-8x7b", "deepseek-v3-moe"),
+    # issue #18: topk_gating at S 4096 and 16384, and at a few tokens (1 to 64)
+    "gating": ("gating-e64-k2", "gating-e64-k8", "gating-e256-k2", "gating-e256-k8"),
     **{name: (name,) for name in MODELS},
 }
 DEFAULT_PRESET = "all"
@@ -107,6 +111,7 @@ PRESET_TOKENS: dict[str, tuple[int, ...]] = {
     "gemm": GEMM_TOKENS,
     "attention": (2048, 4096, 8192, 16384),
     "decode": (1024, 2048, 4096, 8192, 16384, 32768, 65536),
+    "gating": (1, 16, 64, 4096, 16384),
 }
 #: preset -> the canonical dimension its token counts go to (the others: ``tokens``)
 PRESET_AXIS: dict[str, str] = {"decode": "kv_tokens"}

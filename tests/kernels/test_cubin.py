@@ -17,8 +17,9 @@ from triton.backends.compiler import GPUTarget
 from dlcore.compiler.lowering import compile_call
 from dlcore.runtime.template import UNKNOWN_DEVICE as profile
 
-rms, silu, add, rope, mla = (importlib.import_module("dlblas_kernels.kernels." + name) for name in
-                             ("rms_norm", "silu_and_mul", "add_rms_norm", "apply_rotary_pos_emb", "partial_rotary_emb"))
+rms, silu, add, rope, mla, gate = (importlib.import_module("dlblas_kernels.kernels." + name) for name in
+                                   ("rms_norm", "silu_and_mul", "add_rms_norm", "apply_rotary_pos_emb",
+                                    "partial_rotary_emb", "topk_gating"))
 
 def e(*shape, dtype):
     return torch.empty(*shape, device="meta", dtype=dtype)
@@ -43,6 +44,11 @@ def plans(dtype):
         (q, e(2, 7, 2, 8, 192, dtype=dtype), cos, cos, k_pe, kv, 128, 64, 128), {"BLOCK_H": 4, "num_warps": 4}, profile)
     q, k_pe, kv, cos = e(4, 3, 2, dtype=dtype), e(4, 1, 2, dtype=dtype), e(4, 3, 1, dtype=dtype), e(4, 2, dtype=dtype)
     yield "partial_rotary_emb.tiny", mla.plan((q, k_pe, kv, cos, cos, 0, 2, 1), {"BLOCK_H": 2, "num_warps": 1}, profile)
+    logits, top = e(300, 256, dtype=dtype), {"BLOCK_S": 32, "num_warps": 16}
+    yield "topk_gating.e256.k8", gate.plan((logits, 8, 1.0, 2), top, profile)
+    grads = (e(1, dtype=torch.float32)[0], e(2400, dtype=torch.float32))
+    kept = (e(2400, dtype=torch.int32), e(256, dtype=torch.int32))
+    yield "topk_gating.backward", gate.backward_plan((*grads, logits, *kept, 8), top, profile)
 
 found = {}
 for dtype, capability in ((torch.bfloat16, 90), (torch.float16, 80), (torch.float32, 80)):
@@ -55,7 +61,7 @@ print(json.dumps(found))
 
 VARIANTS = ["rms_norm.backward", "rms_norm.backward.looping+dres", "add_rms_norm.looping", "silu_and_mul.backward",
             "apply_rotary_pos_emb.interleaved", "apply_rotary_pos_emb.backward", "apply_rotary_pos_emb.tiny",
-            "partial_rotary_emb.backward", "partial_rotary_emb.tiny"]
+            "partial_rotary_emb.backward", "partial_rotary_emb.tiny", "topk_gating.e256.k8", "topk_gating.backward"]
 TARGETS = ["bfloat16/sm_90", "float16/sm_80", "float32/sm_80"]
 
 

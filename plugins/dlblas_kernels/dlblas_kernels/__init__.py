@@ -28,6 +28,7 @@ __all__ = [
     "rms_norm",
     "silu_and_mul",
     "softmax",
+    "topk_gating",
 ]
 
 

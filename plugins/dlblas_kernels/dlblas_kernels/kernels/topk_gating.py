@@ -1,0 +1,505 @@
+"""topk_gating: GShard-style top-k routing of ``S`` tokens over ``E`` experts with expert capacity,
+the tokens rearranged by expert (InternEvo's fused top-k gating, in DLBlas's layout).
+
+For ``logits [S, E]`` (math in float32)::
+
+    gates = softmax(logits, dim=1)
+    C     = max(ceil(S / E * capacity_factor * k), min_capacity)           the capacity of an expert
+
+- **choices**: each token's ``k`` experts of the largest logits (the largest gates: softmax keeps
+  the order; the logits are compared because they are exact, where two gates may round to one
+  float), equal logits to the lower expert index. Choice ``j`` of token ``s`` has the rank
+  ``j * S + s``: all first choices, then all second choices, and so on.
+- **slots**: the slot of choice ``(j, s)`` of expert ``e`` is the number of choices of ``e`` of lower
+  rank; a choice whose slot is ``>= C`` is dropped.
+- ``l_aux = mean_e(me_e * ce_e) * E * E`` (a scalar), ``me`` the mean gate of each expert over the
+  tokens, ``ce`` the number of tokens that chose it (before dropping) over ``S * k``.
+- ``token_exp_weights [k * S]`` float32 (index ``j * S + s``): the gate of a kept choice over the sum
+  of its token's kept gates (that sum at least float32's eps); 0 for a dropped one.
+- ``token_rearranged_ec_idx [k * S]`` int32: ``e * C + slot`` of a kept choice, 0 of a dropped one.
+- ``expert_select_token_idx [E * C]`` int64: the token in slot ``c`` of expert ``e`` at ``e * C + c``,
+  -1 where no choice fills the slot.
+
+``l_aux`` and ``token_exp_weights`` are differentiable in the logits (the choices and slots are
+constants of the backward); the index outputs are not.
+
+Forward, three launches, deterministic (no atomics):
+
+1. **route**, a program per block of ``BLOCK_S`` tokens (the whole row of experts in registers):
+   softmax, the ``k`` choices by ``k`` rounds of (largest logit left, lowest index among equals),
+   the gate of each choice, the block's count of each expert per choice rank
+   ``counts [k, blocks, E]`` and its sum of gates per expert.
+2. **scan**, a program per group of experts: the exclusive prefix sum of ``counts`` in rank order
+   (rank ``j``, then block), which is the first slot each (rank, block) takes of each expert; each
+   expert's total (its ``ce``), its share of ``l_aux``, and -1 in the slots past its last choice.
+3. **assign**, a program per token block again: a choice's slot is its (rank, block)'s first slot
+   plus the choices of the same expert and rank by earlier tokens of the block; then the kept
+   choices' indices and tokens, and the weights normalised over each token's kept gates. Program 0
+   sums the scan's shares of ``l_aux``.
+
+Backward, one launch per token block: the softmax recomputed from the logits, and with ``p`` the
+gates, ``g`` the output gradients, ``D_s`` token ``s``'s clamped sum of kept gates::
+
+    dL/dp[s, e]  = g_l_aux * E * ce_e / S
+                 + (g_w[j, s] - [sum >= eps] * sum_j' g_w[j', s] * w[j', s]) / D_s   for kept (j, s) of e
+    dlogits      = p * (dL/dp - sum_e p * dL/dp)
+
+The forward keeps for it each choice's expert (-1 where dropped) and each expert's count.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from dlcore.declarations.device import DeviceProfile
+from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
+from dlcore.declarations.op import Op, ScalarArg, TensorArg
+from dlcore.declarations.signature import Signature, cdiv, next_power_of_2
+from dlcore.declarations.space import PowerOfTwo, SearchSpace, num_warps
+from dlcore.errors import InvalidInputError
+from dlcore.runtime.template import Backward, Residuals, define_kernel
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+ANY_LAYOUT = ("contiguous", "rows", "strided")
+#: the smallest sum of kept gates a weight is divided by
+EPS = torch.finfo(torch.float32).eps
+
+# Elements of the [BLOCK_S, BLOCK_E] tile a token-block program holds at most (the default config),
+# and per thread; the fewest token blocks the default keeps per core (the scan's rows grow with them).
+MAX_TILE = 8192
+ELEMENTS_PER_THREAD = 16
+BLOCKS_PER_CORE = 2
+# The scan's tiles: experts per program and elements per tile.
+SCAN_EXPERTS = 16
+SCAN_TILE = 4096
+
+
+@triton.jit
+def _gates(logits_ptr, tokens, experts, S, E, stride_s, stride_e):
+    """``(x, p)``: the block's logits in float32 (-inf past E) and their softmax along the experts.
+    Tokens past S read the last token again (no all -inf row: no NaN), for the caller to mask."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    rows = tl.minimum(tokens, S - 1).to(tl.int64)
+    x = tl.load(logits_ptr + rows[:, None] * stride_s + experts[None, :] * stride_e, mask=(experts < E)[None, :],
+                other=-float("inf")).to(tl.float32)
+    # A row of -inf only: exponentials 0, gates 0 / 0 = NaN as in torch.
+    m = tl.max(x, axis=1)
+    m = tl.where(m == -float("inf"), 0.0, m)
+    e = tl.exp2((x - m[:, None]) * LOG2E)
+    return x, e / tl.sum(e, axis=1)[:, None]
+
+
+@triton.jit
+def topk_gating_route_kernel(
+    logits_ptr, experts_ptr, gates_ptr, counts_ptr, gate_sums_ptr,
+    S, E, blocks, stride_s, stride_e,
+    K: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    block = tl.program_id(0)
+    tokens = block * BLOCK_S + tl.arange(0, BLOCK_S)
+    in_range = tokens < S
+    experts = tl.arange(0, BLOCK_E)
+    real = experts < E
+    x, p = _gates(logits_ptr, tokens, experts, S, E, stride_s, stride_e)
+    tl.store(gate_sums_ptr + block * E + experts, tl.sum(tl.where(in_range[:, None], p, 0.0), axis=0), mask=real)
+    free = real[None, :] & (tokens >= 0)[:, None]
+    for j in tl.static_range(K):
+        # the largest logit not yet chosen, the lowest expert among equals
+        left = tl.where(free, x, -float("inf"))
+        best = tl.max(left, axis=1)
+        choice = tl.min(tl.where(free & (left == best[:, None]), experts[None, :], BLOCK_E), axis=1)
+        # a NaN logit matches nothing: stay in range (its routing is arbitrary)
+        choice = tl.minimum(choice, E - 1)
+        picked = experts[None, :] == choice[:, None]
+        free = free & ~picked
+        tl.store(experts_ptr + j * S + tokens, choice, mask=in_range)
+        tl.store(gates_ptr + j * S + tokens, tl.sum(tl.where(picked, p, 0.0), axis=1), mask=in_range)
+        count = tl.sum((picked & in_range[:, None]).to(tl.int32), axis=0)
+        tl.store(counts_ptr + (j * blocks + block) * E + experts, count, mask=real)
+
+
+@triton.jit
+def topk_gating_scan_kernel(
+    counts_ptr, offsets_ptr, gate_sums_ptr, totals_ptr, parts_ptr, select_ptr,
+    E, C, rows, blocks, inv_tokens, inv_choices,
+    BLOCK_R: tl.constexpr, BLOCK_EC: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    group = tl.program_id(0)
+    experts = group * BLOCK_EC + tl.arange(0, BLOCK_EC)
+    real = experts < E
+    r = tl.arange(0, BLOCK_R)
+    # rows of counts in rank order (rank j, then block): their exclusive prefix sums are first slots
+    total = tl.zeros((BLOCK_EC,), tl.int32)
+    for start in range(0, rows, BLOCK_R):
+        mask = ((start + r) < rows)[:, None] & real[None, :]
+        at = (start + r)[:, None] * E + experts[None, :]
+        count = tl.load(counts_ptr + at, mask=mask, other=0)
+        tl.store(offsets_ptr + at, total[None, :] + tl.cumsum(count, axis=0) - count, mask=mask)
+        total += tl.sum(count, axis=0)
+    tl.store(totals_ptr + experts, total, mask=real)
+    sums = tl.zeros((BLOCK_EC,), tl.float32)
+    for start in range(0, blocks, BLOCK_R):
+        mask = ((start + r) < blocks)[:, None] & real[None, :]
+        sums += tl.sum(tl.load(gate_sums_ptr + (start + r)[:, None] * E + experts[None, :], mask=mask, other=0.0),
+                       axis=0)
+    tl.store(parts_ptr + group, tl.sum(sums * inv_tokens * (total.to(tl.float32) * inv_choices), axis=0))
+    # slots past each expert's last choice hold no token
+    filled = tl.where(real, tl.minimum(total, C), C)
+    slots = tl.arange(0, BLOCK_C)
+    empty = tl.full((BLOCK_EC, BLOCK_C), -1, tl.int64)
+    for start in range(tl.min(filled, axis=0) // BLOCK_C * BLOCK_C, C, BLOCK_C):
+        slot = start + slots
+        mask = (slot[None, :] >= filled[:, None]) & (slot < C)[None, :]
+        tl.store(select_ptr + experts[:, None].to(tl.int64) * C + slot[None, :], empty, mask=mask)
+
+
+@triton.jit
+def topk_gating_assign_kernel(
+    experts_ptr, gates_ptr, offsets_ptr, parts_ptr,
+    l_aux_ptr, ec_ptr, weights_ptr, select_ptr,
+    S, E, C, blocks, parts, l_aux_scale,
+    K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr,
+):
+    EPSILON: tl.constexpr = 1.1920928955078125e-07
+    block = tl.program_id(0)
+    if block == 0:
+        p = tl.arange(0, BLOCK_P)
+        share = tl.load(parts_ptr + p, mask=p < parts, other=0.0)
+        tl.store(l_aux_ptr, tl.sum(share, axis=0) * l_aux_scale)
+    tokens = block * BLOCK_S + tl.arange(0, BLOCK_S)
+    in_range = tokens < S
+    # earlier[s, s']: token s' comes before token s in the block
+    earlier = (tokens[None, :] < tokens[:, None]) & in_range[None, :]
+    ranks = tl.arange(0, K_POW2)
+    kept_gates = tl.zeros((BLOCK_S, K_POW2), tl.float32)
+    for j in tl.static_range(K):
+        choice = tl.load(experts_ptr + j * S + tokens, mask=in_range, other=0)
+        same = earlier & (choice[None, :] == choice[:, None])
+        slot = tl.load(offsets_ptr + (j * blocks + block) * E + choice, mask=in_range, other=0) \
+            + tl.sum(same.to(tl.int32), axis=1)
+        kept = in_range & (slot < C)
+        position = choice * C + slot
+        tl.store(ec_ptr + j * S + tokens, tl.where(kept, position, 0), mask=in_range)
+        tl.store(select_ptr + position.to(tl.int64), tokens.to(tl.int64), mask=kept)
+        # what the backward needs of the choice: its expert, or -1 where dropped
+        tl.store(experts_ptr + j * S + tokens, tl.where(kept, choice, -1), mask=in_range)
+        gate = tl.load(gates_ptr + j * S + tokens, mask=in_range, other=0.0)
+        kept_gates = tl.where(ranks[None, :] == j, tl.where(kept, gate, 0.0)[:, None], kept_gates)
+    denominator = tl.maximum(tl.sum(kept_gates, axis=1), EPSILON)
+    tl.store(weights_ptr + ranks[None, :] * S + tokens[:, None], kept_gates / denominator[:, None],
+             mask=in_range[:, None] & (ranks < K)[None, :])
+
+
+@triton.jit
+def topk_gating_backward_kernel(
+    d_l_aux_ptr, d_weights_ptr, logits_ptr, kept_ptr, totals_ptr, d_logits_ptr,
+    S, E, stride_s, stride_e, stride_ds, stride_de, stride_dw, l_aux_scale,
+    K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_E: tl.constexpr,
+):
+    EPSILON: tl.constexpr = 1.1920928955078125e-07
+    block = tl.program_id(0)
+    tokens = block * BLOCK_S + tl.arange(0, BLOCK_S)
+    in_range = tokens < S
+    experts = tl.arange(0, BLOCK_E)
+    real = experts < E
+    _, p = _gates(logits_ptr, tokens, experts, S, E, stride_s, stride_e)
+    # l_aux = sum_e (sum_s p[s, e]) * count_e * E / (S * S * k): dl_aux/dp[s, e] = count_e * l_aux_scale
+    count = tl.load(totals_ptr + experts, mask=real, other=0).to(tl.float32)
+    d_l_aux = tl.load(d_l_aux_ptr).to(tl.float32)
+    grad = tl.zeros((BLOCK_S, BLOCK_E), tl.float32) + (d_l_aux * l_aux_scale * count)[None, :]
+    ranks = tl.arange(0, K_POW2)
+    kept_gates = tl.zeros((BLOCK_S, K_POW2), tl.float32)
+    d_weights = tl.zeros((BLOCK_S, K_POW2), tl.float32)
+    for j in tl.static_range(K):
+        choice = tl.load(kept_ptr + j * S + tokens, mask=in_range, other=-1)
+        gate = tl.sum(tl.where(experts[None, :] == choice[:, None], p, 0.0), axis=1)
+        kept_gates = tl.where(ranks[None, :] == j, gate[:, None], kept_gates)
+        dw = tl.load(d_weights_ptr + (j * S + tokens).to(tl.int64) * stride_dw, mask=in_range, other=0.0)
+        d_weights = tl.where(ranks[None, :] == j, dw.to(tl.float32)[:, None], d_weights)
+    total = tl.sum(kept_gates, axis=1)
+    denominator = tl.maximum(total, EPSILON)
+    # through the denominator, where it is not clamped: sum_j d_w[j] * w[j]
+    through = tl.where(total >= EPSILON, tl.sum(d_weights * kept_gates, axis=1) / denominator, 0.0)
+    coefficients = (d_weights - through[:, None]) / denominator[:, None]
+    for j in tl.static_range(K):
+        choice = tl.load(kept_ptr + j * S + tokens, mask=in_range, other=-1)
+        c = tl.sum(tl.where(ranks[None, :] == j, coefficients, 0.0), axis=1)
+        grad += tl.where(experts[None, :] == choice[:, None], c[:, None], 0.0)
+    d_logits = p * (grad - tl.sum(p * grad, axis=1)[:, None])
+    rows = tokens.to(tl.int64)
+    tl.store(d_logits_ptr + rows[:, None] * stride_ds + experts[None, :] * stride_de,
+             d_logits.to(d_logits_ptr.dtype.element_ty), mask=in_range[:, None] & real[None, :])
+
+
+def capacity(tokens: int, experts: int, k: int, capacity_factor: float, min_capacity: int) -> int:
+    """``C = max(ceil(S / E * capacity_factor * k), min_capacity)``: the slots of each expert."""
+    return max(math.ceil(tokens / experts * capacity_factor * k), min_capacity)
+
+
+def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
+    return torch.promote_types(logits.dtype, torch.float32)
+
+
+def topk_gating_training_reference(logits: torch.Tensor, k: int, capacity_factor: float = 1.0,
+                                   min_capacity: int = 2) -> tuple[torch.Tensor, ...]:
+    """The four outputs (see the module doc) and what the backward keeps: each choice's expert, -1
+    where dropped (``[k * S]`` int32), and each expert's number of choices (``[E]`` int32). Gates
+    and weights in float32 (float64 for float64 logits)."""
+    compute = _compute_dtype(logits)
+    x = logits.to(compute)
+    tokens, num_experts = x.shape
+    slots_per_expert = capacity(tokens, num_experts, k, capacity_factor, min_capacity)
+    gates = torch.softmax(x, dim=1)
+    # a stable descending sort keeps equal logits in expert order: the lower index first
+    chosen = torch.sort(x, dim=1, descending=True, stable=True).indices[:, :k]
+    experts = chosen.T.reshape(-1)  # rank j * S + s
+    one_hot = torch.nn.functional.one_hot(experts, num_experts)
+    slots = (one_hot.cumsum(0) - 1).gather(1, experts[:, None]).squeeze(1)
+    kept = slots < slots_per_expert
+    counts = one_hot.sum(0)
+    me = gates.mean(0)
+    ce = counts.to(compute) / (tokens * k)
+    l_aux = (me * ce).mean() * num_experts * num_experts
+    kept_gates = torch.where(kept, gates.gather(1, chosen).T.reshape(-1), 0.0)
+    denominator = kept_gates.view(k, tokens).sum(0).clamp(min=EPS)
+    weights = kept_gates / denominator.repeat(k)
+    positions = experts * slots_per_expert + slots
+    ec_idx = torch.where(kept, positions, 0).to(torch.int32)
+    select = torch.full((num_experts * slots_per_expert,), -1, dtype=torch.int64, device=logits.device)
+    select[positions[kept]] = torch.arange(tokens, device=logits.device).repeat(k)[kept]
+    kept_experts = torch.where(kept, experts, -1).to(torch.int32)
+    return l_aux, ec_idx, weights, select, kept_experts, counts.to(torch.int32)
+
+
+def topk_gating_reference(logits: torch.Tensor, k: int, capacity_factor: float = 1.0,
+                          min_capacity: int = 2) -> tuple[torch.Tensor, ...]:
+    """``(l_aux, token_rearranged_ec_idx, token_exp_weights, expert_select_token_idx)`` in torch;
+    differentiable in ``logits`` through torch's autograd."""
+    return topk_gating_training_reference(logits, k, capacity_factor, min_capacity)[:4]
+
+
+def topk_gating_backward_reference(d_l_aux: torch.Tensor, d_weights: torch.Tensor, logits: torch.Tensor,
+                                   kept_experts: torch.Tensor, expert_counts: torch.Tensor, k: int) -> torch.Tensor:
+    """The gradient of the logits from those of ``l_aux`` and ``token_exp_weights`` (the module doc's
+    formula), in float32 (or wider), returned in the logits' dtype."""
+    compute = _compute_dtype(logits)
+    p = torch.softmax(logits.to(compute), dim=1)
+    tokens, num_experts = p.shape
+    grad = (d_l_aux.to(compute) * num_experts / (tokens * tokens * k) * expert_counts.to(compute)).expand(tokens, -1)
+    experts = kept_experts.view(k, tokens).T.long()
+    kept = experts >= 0
+    at = experts.clamp(min=0)
+    kept_gates = torch.where(kept, p.gather(1, at), 0.0)
+    total = kept_gates.sum(1)
+    denominator = total.clamp(min=EPS)
+    dw = d_weights.to(compute).reshape(k, tokens).T
+    through = torch.where(total >= EPS, (dw * kept_gates).sum(1) / denominator, 0.0)
+    coefficients = torch.where(kept, (dw - through[:, None]) / denominator[:, None], 0.0)
+    grad = grad.scatter_add(1, at, coefficients)
+    return (p * (grad - (p * grad).sum(1, keepdim=True))).to(logits.dtype)
+
+
+def _sizes(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: int) -> tuple[int, int, int]:
+    tokens, experts = logits.shape
+    return tokens, experts, capacity(tokens, experts, k, capacity_factor, min_capacity)
+
+
+def training_outputs(logits: torch.Tensor, k: int, capacity_factor: float = 1.0,
+                     min_capacity: int = 2) -> tuple[torch.Tensor, ...]:
+    """The four outputs and the two residuals, allocated (float64 for float64 logits)."""
+    tokens, experts, slots = _sizes(logits, k, capacity_factor, min_capacity)
+    compute, device = _compute_dtype(logits), logits.device
+    return (torch.empty((), dtype=compute, device=device),
+            torch.empty(k * tokens, dtype=torch.int32, device=device),
+            torch.empty(k * tokens, dtype=compute, device=device),
+            torch.empty(experts * slots, dtype=torch.int64, device=device),
+            torch.empty(k * tokens, dtype=torch.int32, device=device),
+            torch.empty(experts, dtype=torch.int32, device=device))
+
+
+def outputs(logits: torch.Tensor, k: int, capacity_factor: float = 1.0, min_capacity: int = 2) -> tuple:
+    return training_outputs(logits, k, capacity_factor, min_capacity)[:4]
+
+
+def block_tokens(config: Config, tokens: int) -> int:
+    """The config's token block, no larger than the tokens need."""
+    return min(config["BLOCK_S"], next_power_of_2(tokens))
+
+
+def training_plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
+    """The three launches (see the module doc); the result is the outputs, then the residuals."""
+    logits, k, capacity_factor, min_capacity = args
+    tokens, experts, slots = _sizes(logits, k, capacity_factor, min_capacity)
+    results = training_outputs(*args)
+    l_aux, ec_idx, weights, select, kept_experts, totals = results
+    block_s, block_e = block_tokens(config, tokens), max(next_power_of_2(experts), 16)
+    blocks, device = cdiv(tokens, block_s), logits.device
+    rows = k * blocks
+    group = min(block_e, SCAN_EXPERTS)
+    groups = cdiv(experts, group)
+    gates = torch.empty(k * tokens, dtype=torch.float32, device=device)
+    counts = torch.empty(rows * experts, dtype=torch.int32, device=device)
+    offsets = torch.empty(rows * experts, dtype=torch.int32, device=device)
+    gate_sums = torch.empty(blocks * experts, dtype=torch.float32, device=device)
+    parts = torch.empty(groups, dtype=torch.float32, device=device)
+    warps = config["num_warps"]
+    route = KernelCall(
+        topk_gating_route_kernel, (blocks,),
+        (logits, kept_experts, gates, counts, gate_sums, tokens, experts, blocks, logits.stride(0), logits.stride(1)),
+        {"K": k, "BLOCK_S": block_s, "BLOCK_E": block_e, "num_warps": warps})
+    scan = KernelCall(
+        topk_gating_scan_kernel, (groups,),
+        (counts, offsets, gate_sums, totals, parts, select, experts, slots, rows, blocks, 1.0 / tokens,
+         1.0 / (tokens * k)),
+        {"BLOCK_R": min(next_power_of_2(rows), SCAN_TILE // group), "BLOCK_EC": group,
+         "BLOCK_C": min(next_power_of_2(slots), SCAN_TILE // group), "num_warps": 4})
+    assign = KernelCall(
+        topk_gating_assign_kernel, (blocks,),
+        (kept_experts, gates, offsets, parts, l_aux, ec_idx, weights, select, tokens, experts, slots, blocks, groups,
+         float(experts)),
+        {"K": k, "K_POW2": next_power_of_2(k), "BLOCK_S": block_s, "BLOCK_P": next_power_of_2(groups),
+         "num_warps": warps})
+    return LaunchPlan(calls=[route, scan, assign], result=results,
+                      scratch=(gates, counts, offsets, gate_sums, parts))
+
+
+def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
+    """The four outputs; what the backward would keep is scratch."""
+    trained = training_plan(args, config, profile)
+    return LaunchPlan(calls=trained.calls, result=trained.result[:4], scratch=(*trained.scratch, *trained.result[4:]))
+
+
+def backward_results(d_l_aux: torch.Tensor, d_weights: torch.Tensor, logits: torch.Tensor, *_: Any) -> torch.Tensor:
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
+def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
+    """One launch per token block for ``d_logits`` from ``args = (d_l_aux, d_weights, logits,
+    kept_experts, expert_counts, k)``; the token block is the forward's."""
+    d_l_aux, d_weights, logits, kept_experts, totals, k = args
+    tokens, experts = logits.shape
+    d_logits = backward_results(*args)
+    block_s, block_e = block_tokens(config, tokens), max(next_power_of_2(experts), 16)
+    call = KernelCall(
+        topk_gating_backward_kernel, (cdiv(tokens, block_s),),
+        (d_l_aux, d_weights, logits, kept_experts, totals, d_logits, tokens, experts, logits.stride(0),
+         logits.stride(1), d_logits.stride(0), d_logits.stride(1), d_weights.stride(0),
+         experts / (tokens * tokens * k)),
+        {"K": k, "K_POW2": next_power_of_2(k), "BLOCK_S": block_s, "BLOCK_E": block_e,
+         "num_warps": config["num_warps"]})
+    return LaunchPlan(calls=[call], result=d_logits)
+
+
+def heuristic_config(tokens: int, experts: int, cores: int) -> Config:
+    """At least BLOCKS_PER_CORE token blocks per core where the tokens allow (fewer, larger blocks
+    leave cores idle; more make the scan longer), the tile at most MAX_TILE elements, about
+    ELEMENTS_PER_THREAD of them per thread."""
+    block_e = max(next_power_of_2(experts), 16)
+    want = next_power_of_2(cdiv(tokens, BLOCKS_PER_CORE * cores)) if cores else 16
+    block_s = max(min(want, MAX_TILE // block_e, next_power_of_2(tokens)), 1)
+    warps = min(max(block_s * block_e // (32 * ELEMENTS_PER_THREAD), 1), 16)
+    return {"BLOCK_S": block_s, "num_warps": warps}
+
+
+def default_config(sig: Signature, profile: DeviceProfile) -> Config:
+    tokens, experts = sig.tensor("logits").shape  # tokens rounded up to a power of two
+    return heuristic_config(tokens, experts, profile.cores if profile is not None else 0)
+
+
+def space(profile: DeviceProfile) -> SearchSpace:
+    """Tokens per block (the route, assign and backward kernels' tile is BLOCK_S x the experts) and
+    warps."""
+    return SearchSpace([PowerOfTwo("BLOCK_S", 1, 256), num_warps(1, 2, 4, 8, 16)])
+
+
+def check(op: Op, args: dict[str, Any]) -> None:
+    logits, k = args["logits"], args["k"]
+    capacity_factor, min_capacity = args["capacity_factor"], args["min_capacity"]
+    tokens, experts = logits.shape
+    if tokens == 0:
+        raise InvalidInputError(op.name, "logits", f"has shape {tuple(logits.shape)}, no tokens",
+                                "logits [S, E] with S >= 1 (l_aux is a mean over the tokens)")
+    if not 1 <= k <= experts:
+        raise InvalidInputError(op.name, "k", f"is {k} for {experts} experts", f"k from 1 to E = {experts}")
+    if not (math.isfinite(capacity_factor) and capacity_factor > 0):
+        raise InvalidInputError(op.name, "capacity_factor", f"is {capacity_factor}", "a finite capacity_factor > 0")
+    if min_capacity < 0:
+        raise InvalidInputError(op.name, "min_capacity", f"is {min_capacity}", "min_capacity >= 0")
+    slots = capacity(tokens, experts, k, capacity_factor, min_capacity)
+    if experts * slots >= 2**31:
+        raise InvalidInputError(op.name, "capacity_factor", f"gives {slots} slots for each of {experts} experts",
+                                "E * C below 2**31 (token_rearranged_ec_idx is int32)")
+
+
+def example(sizes: dict[str, int], dtype: torch.dtype, device: torch.device,
+            generator: torch.Generator) -> tuple:
+    """Router logits ``[tokens, experts]`` of a trained router's spread (standard deviation 2), top ``k``."""
+    logits = 2 * torch.randn(sizes["tokens"], sizes["experts"], generator=generator)
+    return (logits.to(device=device, dtype=dtype), sizes["topk"], 1.0, 2)
+
+
+def cost(args: tuple, mode: str = "fwd") -> tuple[int, int]:
+    """Forward: read the logits; write the weights and ec indices (4 bytes per choice each) and the
+    token of every slot (8 bytes); a softmax (about five flops per logit) and ``k`` rounds of a
+    maximum and a minimum over each row. Backward: read the logits, the weight gradients and the
+    kept experts, write the logits' gradient; the softmax again and its backward (about four
+    flops per logit)."""
+    logits, k, capacity_factor, min_capacity = args
+    tokens, experts, slots = _sizes(logits, k, capacity_factor, min_capacity)
+    logit_bytes = logits.numel() * logits.element_size()
+    if mode == "bwd":
+        return 2 * logit_bytes + 8 * k * tokens + 4 * experts, 9 * logits.numel()
+    return logit_bytes + 8 * k * tokens + 8 * experts * slots + 4, (5 + 2 * k) * logits.numel()
+
+
+OP = Op(
+    name="topk_gating",
+    args=(
+        TensorArg("logits", DTYPES, min_rank=2, max_rank=2, layouts=ANY_LAYOUT, bucket="rows"),
+        ScalarArg("k", (int,), keyed=True),
+        ScalarArg("capacity_factor", (float, int), default=1.0),
+        ScalarArg("min_capacity", (int,), default=2),
+    ),
+    reference=topk_gating_reference,
+    doc="GShard top-k gating with expert capacity over logits [S, E]: (l_aux, token_rearranged_ec_idx, "
+        "token_exp_weights, expert_select_token_idx), the choices ranked j-major",
+    check=check,
+    example=example,
+    example_sizes={"tokens": 37, "experts": 8, "topk": 2},
+    cost=cost,
+    baselines={"torch": lambda: topk_gating_reference},
+)
+
+
+def _gradients(backward, saved, grads, needs) -> dict:
+    d_l_aux, d_weights = grads[0], grads[2]
+    if d_l_aux is None:
+        d_l_aux = torch.zeros((), dtype=torch.float32, device=saved.logits.device)
+    if d_weights is None:
+        d_weights = torch.zeros(saved.kept_experts.shape, dtype=torch.float32, device=saved.logits.device)
+    return {"logits": backward(d_l_aux, d_weights, saved.logits, saved.kept_experts, saved.expert_counts, saved.k)}
+
+
+KERNEL = define_kernel(
+    OP, plan,
+    kernels=(topk_gating_route_kernel, topk_gating_scan_kernel, topk_gating_assign_kernel,
+             topk_gating_backward_kernel),
+    results=outputs,
+    outputs=("l_aux", "token_rearranged_ec_idx", "token_exp_weights", "expert_select_token_idx"),
+    default_config=default_config,
+    space=space,
+    backward=Backward(
+        _gradients, saved=("logits", "k", "kept_experts", "expert_counts"), plan=backward_plan,
+        reference=topk_gating_backward_reference, results=backward_results,
+        residuals=Residuals(("kept_experts", "expert_counts"), training_plan, training_outputs,
+                            topk_gating_training_reference)),
+    doc="three launches: softmax and top-k per token block, a scan of per-block expert counts in rank "
+        "order, slots and weights per token block; backward one launch per token block",
+)
+topk_gating = KERNEL.function
+dlcore_ops, dlcore_implementations = KERNEL.dlcore_ops, KERNEL.dlcore_implementations
