@@ -80,6 +80,9 @@ SETUPS: dict[str, dict[str, int]] = {
     "attention-b2-h16-d128-causal": {"batch": 2, "heads": 16, "kv_heads": 16, "head_dim": 128, "causal": 1},
     # issue #14's decode: one query of LLaMA-3-8B's attention (GQA 32/8, D 128) against a KV cache
     "decode-h32-kv8-d128": {"batch": 1, "tokens": 1, "heads": 32, "kv_heads": 8, "head_dim": 128},
+    # issue #18's fp8 GEMMs of DeepSeek-V3 (N = inter, K = hidden: fp8_gemm's b [N, K])
+    **{f"deepseek-fp8-n{n}-k{k}": {"inter": n, "hidden": k}
+       for n, k in ((7168, 2048), (2112, 7168), (24576, 1536), (7168, 16384), (4096, 7168))},
 }
 
 #: preset name -> models and setups; every model is a preset on its own
@@ -92,6 +95,8 @@ PRESETS: dict[str, tuple[str, ...]] = {
     # issue #14: attention (prefill) at S 2048 to 16384, causal or not; decode at Sk 1024 to 65536
     "attention": ("attention-b2-h16-d128", "attention-b2-h16-d128-causal"),
     "decode": ("decode-h32-kv8-d128",),
+    # issue #18: fp8_gemm at DeepSeek-V3's shapes, M 128, 4096 and 16384
+    "deepseek-fp8": tuple(name for name in SETUPS if name.startswith("deepseek-fp8-")),
     **{name: (name,) for name in MODELS},
 }
 DEFAULT_PRESET = "all"
@@ -100,6 +105,7 @@ PRESET_TOKENS: dict[str, tuple[int, ...]] = {
     "gemm": GEMM_TOKENS,
     "attention": (2048, 4096, 8192, 16384),
     "decode": (1024, 2048, 4096, 8192, 16384, 32768, 65536),
+    "deepseek-fp8": (128, 4096, 16384),
 }
 #: preset -> the canonical dimension its token counts go to (the others: ``tokens``)
 PRESET_AXIS: dict[str, str] = {"decode": "kv_tokens"}
