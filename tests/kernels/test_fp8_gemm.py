@@ -13,13 +13,13 @@ import dataclasses
 import math
 import re
 
-import dlcore
 import pytest
 import torch
 from dlblas_kernels import fp8_gemm, gemm, vendor
 from dlblas_kernels.kernels import fp8_gemm as F
 from dlblas_kernels.kernels.quantize_fp8 import quantize_fp8_reference
 
+import dlcore
 from dlcore.cli.inventory import run_ops
 from dlcore.declarations.signature import make_signature
 from dlcore.errors import InvalidInputError

@@ -10,15 +10,15 @@ kernels match the reference exactly."""
 
 from __future__ import annotations
 
-import dlcore
 import pytest
 import torch
+from conftest import ON_GPU
 from dlblas_kernels import quantize_fp8
 from dlblas_kernels.kernels import quantize_fp8 as Q
 
+import dlcore
 from dlcore.errors import InvalidInputError
 from dlcore.testing import randn
-from conftest import ON_GPU
 
 SUBNORMAL = 2.0**-6  # the smallest normal e4m3 magnitude; subnormals are multiples of 2^-9
 

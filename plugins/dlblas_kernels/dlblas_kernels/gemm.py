@@ -33,19 +33,29 @@ of a config that would not fit beside its epilogue.
 
 The epilogue, selected by constexprs, runs in float32 on the accumulator before the one store:
 
-    z   = acc * scale[m]  (HAS_SCALE, a per-row float32 scale)  + bias[n]  (HAS_BIAS)
+    z   = acc * scale[m]  (HAS_SCALE)  * col_scale[n]  (HAS_COL_SCALE)  + bias[n]  (HAS_BIAS)
+                                       float32 scales of any stride; stride 0: one for the tensor
     out = act(z)                       act in None, "relu", "silu", "gelu_tanh"
     out = silu(z) * z3                 SWIGLU: z3 from a second operand b3 accumulated alongside
     out = dc * act'(z)                 ACT_GRAD: the gradient through the activation (backward)
     c   = out cast to c's dtype; z (and z3) stored too when pre-activations are asked for
 
+**fp8** (``fp8_gemm``, e4m3 operands): the same two kernels and loops with ``tl.dot`` on fp8
+tiles (sm_89 and later; Hopper's ``wgmma`` takes 8-bit tiles K-major only, so the descriptor
+kernel runs fp8 only for a row-major ``a`` and ``b = w.T`` of an nn.Linear weight, the pointer
+kernel anything else). Per-tensor and per-row dequantisation scales are the epilogue's row and
+column scales (a 0-dim scale read with stride 0). Blockwise scales (DeepSeek-V3: ``a_scale [M,
+ceil(K/128)]`` per 1x128 of a row, ``b_scale [ceil(N/128), ceil(K/128)]`` per 128x128 block of
+``b``; :class:`BlockScales`) are the loop's constexpr ``BLOCK_SCALED``: each K step's product is
+summed on its own and added scaled by its block's scales (:func:`block_scaled_dot`), which needs
+``BLOCK_K`` dividing 128 (a step inside one K block) and ``BLOCK_N`` dividing 128 (one b-scale per
+tile: a scalar load per step rather than a vector of per-column ones); under split-K the slices
+are scaled before the reduce. The row scales of a tile are one load per step: an M-major
+``a_scale`` (what ``quantize_fp8`` gives) makes it coalesced. For non-fp8 calls the new
+constexprs are off and the kernels compile as before (unused scale pointers and strides).
+
 How the later GEMMs use it:
 
-- **fp8** (e4m3 / e5m2 operands): the loop is the same with ``tl.dot`` on fp8 tiles (Hopper's
-  ``wgmma`` takes them from shared memory; ``b`` must then be K-major, the nn.Linear layout);
-  per-tensor or per-row dequantisation scales are the row scale (``scale_ptr``) and a per-column
-  scale beside ``bias`` in the same epilogue; blockwise (1x128 / 128x128) scales scale each
-  K step's partial product inside the loop before it is added, a constexpr of the loop.
 - **MoE** (grouped GEMM): the rows of ``a`` come sorted by expert; a table of (expert, row
   block) pairs replaces the grouped order's ``tile -> (pid_m, pid_n)`` map, ``b`` is offset by
   the expert's weight in the loop's first descriptor / pointer, and the routing weight of each

@@ -44,8 +44,8 @@ MAX_BLOCK_K = 1024
 
 @triton.jit
 def scale_of(amax):
-    """``amax / 448``, or 1 where the group is all zeros."""
-    return tl.where(amax > 0.0, amax / 448.0, 1.0)
+    """``amax / 448`` (rounded correctly, as :func:`quantise` divides), or 1 where the group is all zeros."""
+    return tl.where(amax > 0.0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
 
 
 @triton.jit
