@@ -47,7 +47,8 @@ OP_NOTES = {
                           "the shared key head; DeepSeek models).",
     "fp8_gemm": "`fp8_gemm(a, b, a_scale, b_scale)`: float8_e4m3fn a `[tokens, hidden]` @ b `[inter, hidden]`.T with "
                 "DeepSeek-V3's block scales (1x128 of a, 128x128 of b), bf16 out, at DeepSeek-V3's shapes "
-                "(`--shapes deepseek-fp8 --vs dequant`). `dequant`: both operands dequantised to bf16, then a bf16 GEMM.",
+                "(`--shapes deepseek-fp8 --vs dequant`). `dequant`: both operands dequantised to bf16, then a "
+                "bf16 GEMM.",
     "matmul": "`matmul(a, b, bias=None, activation=None, allow_tf32=False)`: a `[tokens, hidden]` @ b, b the `w.T` "
               "view of an nn.Linear weight `w [inter, hidden]` (no copy; M = tokens, K = hidden, N = inter), no bias "
               "or activation. A model marked (down) is its MLP's down projection: `hidden` (K) is then the model's "

@@ -205,5 +205,6 @@ def test_dlcore_ops_says_sm80_cannot_run_it(capsys):
     impl = F.KERNEL.implementation
     assert impl.limit("cuda", "gemm_tma_kernel", "80") is not None
     assert impl.limit("cuda", "gemm_tma_kernel", "90") is None
-    run_ops(argparse.Namespace(op=None))
-    assert "fp8_gemm.triton: cuda:80: gemm_kernel, gemm_tma_kernel stop before ttir" in capsys.readouterr().out
+    for op in (None, "fp8_gemm"):
+        run_ops(argparse.Namespace(op=op))
+        assert "fp8_gemm.triton: cuda:80: gemm_kernel, gemm_tma_kernel stop before ttir" in capsys.readouterr().out
