@@ -22,6 +22,12 @@ must divide 128 there: a config's ``BLOCK_N`` above 128 runs as 128 under block 
 b-scale per tile and K step: a scalar load, not a vector of per-column ones). fp8 ``tl.dot`` needs
 sm_89 or later: on sm_80 the kernels do not compile (``dlcore ops`` says so).
 
+Precision: on Hopper, ``wgmma`` sums fp8 products inside the tensor cores with about 14
+significant bits before they reach the float32 accumulator (cuBLAS's "fast accumulation"; the
+reason DeepSeek-V3 promotes every 128 of K): outputs agree with the float64 product to about
+bfloat16's tolerance whatever ``out_dtype``. Tiles of fewer than 64 rows run ``mma`` and the
+interpreter ``tl.dot`` exactly in float32.
+
 Baselines: ``dequant``, what a user without an fp8 kernel runs (both operands dequantised to
 bfloat16, then a bfloat16 GEMM); the vendor candidate is ``torch._scaled_mm``
 (:mod:`dlblas_kernels.vendor`, per-tensor and per-row).

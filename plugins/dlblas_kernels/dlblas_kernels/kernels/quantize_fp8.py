@@ -208,7 +208,9 @@ def quantize_fp8_reference(x: torch.Tensor, granularity: str = "block") -> tuple
     else:
         rows, cols = {"block": (1, GROUP), "block_128x128": (GROUP, GROUP), "row": (1, max(k, 1))}[granularity]
         amax = _group_amax(x, rows, cols)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    # A tensor divisor: torch divides a CUDA tensor by a Python number as a product with its
+    # reciprocal, which is not the correctly rounded quotient the kernels compute.
+    scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))
     full = scale.expand(m, k) if scale.dim() == 0 else (
         scale.repeat_interleave(rows, 0)[:m].repeat_interleave(cols, 1)[:, :k])
     q = (x / full).clamp(-FP8_MAX, FP8_MAX).to(FP8)
