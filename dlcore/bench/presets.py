@@ -87,6 +87,9 @@ SETUPS: dict[str, dict[str, int]] = {
     "moe-mixtral-8x7b": {"experts": 8, "topk": 2, "hidden": 4096, "inter": 14336},
     # issue #18's MoE routing (topk_gating): 64 or 256 experts, top 2 or top 8
     **{f"gating-e{e}-k{k}": {"experts": e, "topk": k} for e in (64, 256) for k in (2, 8)},
+    # issue #18's fp8 GEMMs of DeepSeek-V3 (N = inter, K = hidden: fp8_gemm's b [N, K])
+    **{f"deepseek-fp8-n{n}-k{k}": {"inter": n, "hidden": k}
+       for n, k in ((7168, 2048), (2112, 7168), (24576, 1536), (7168, 16384), (4096, 7168))},
 }
 
 #: preset name -> models and setups; every model is a preset on its own
@@ -103,6 +106,8 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "moe": ("moe-mixtral-8x7b", "deepseek-v3-moe"),
     # issue #18: topk_gating at S 4096 and 16384, and at a few tokens (1 to 64)
     "gating": ("gating-e64-k2", "gating-e64-k8", "gating-e256-k2", "gating-e256-k8"),
+    # issue #18: fp8_gemm at DeepSeek-V3's shapes, M 128, 4096 and 16384
+    "deepseek-fp8": tuple(name for name in SETUPS if name.startswith("deepseek-fp8-")),
     **{name: (name,) for name in MODELS},
 }
 DEFAULT_PRESET = "all"
@@ -112,6 +117,7 @@ PRESET_TOKENS: dict[str, tuple[int, ...]] = {
     "attention": (2048, 4096, 8192, 16384),
     "decode": (1024, 2048, 4096, 8192, 16384, 32768, 65536),
     "gating": (1, 16, 64, 4096, 16384),
+    "deepseek-fp8": (128, 4096, 16384),
 }
 #: preset -> the canonical dimension its token counts go to (the others: ``tokens``)
 PRESET_AXIS: dict[str, str] = {"decode": "kv_tokens"}

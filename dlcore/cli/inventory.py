@@ -111,4 +111,8 @@ def describe_op(reg, name: str) -> str:
         described = "; ".join(f"{p.name}: {p.describe()}" for p in space.params) if space is not None else "-"
         rows.append((impl.name, impl.kind, _dtype_names(impl.dtypes or op.dtypes()), impl.plugin, described))
     lines.append(table(rows, ("name", "kind", "dtypes", "plugin", "search space")))
+    limits = [f"  {impl.qualname}: {limit.describe()}"
+              for impl in reg.implementations_of(op.name) for limit in impl.limits]
+    if limits:
+        lines += ["", "kernels a backend cannot lower (declared beside them):", *limits]
     return "\n".join(lines)

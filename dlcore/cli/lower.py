@@ -59,7 +59,7 @@ def run_lower(args: argparse.Namespace) -> int:
     dtype = DTYPES[args.dtype]
     rows, failed, said, short, known = [], False, set(), [], []
     for target in args.target or [DEFAULT_TARGET]:
-        backend_name, _ = parse_target(target)
+        backend_name, arch = parse_target(target)
         backend = reg.backends.get(backend_name)
         if backend is None:
             print(f"dlcore lower: no backend {backend_name!r} is installed (loaded: {', '.join(reg.backends)}); "
@@ -86,7 +86,7 @@ def run_lower(args: argparse.Namespace) -> int:
                 notes.extend(lowering.notes)
             enough = _enough(lowering, error, args.stage)
             kernel = source.kernel_name(launch.original)
-            declared = _declared(reg, launch, backend_name, kernel) if error is not None else None
+            declared = _declared(reg, launch, backend_name, kernel, arch) if error is not None else None
             if declared is not None:
                 notes.append(f"declared: stops before {declared.stage} on {declared.backend}: {declared.reason}")
             if not enough and declared is not None:
@@ -124,10 +124,10 @@ def run_lower(args: argparse.Namespace) -> int:
 
 
 
-def _declared(reg, launch, backend: str, kernel: str):
-    """The limit the launch's implementation declares for ``kernel`` on ``backend``, if any."""
+def _declared(reg, launch, backend: str, kernel: str, arch: str):
+    """The limit the launch's implementation declares for ``kernel`` on ``backend`` and target ``arch``, if any."""
     impl = next((i for i in reg.implementations_of(launch.op) if i.name == launch.impl), None)
-    return impl.limit(backend, kernel) if impl is not None else None
+    return impl.limit(backend, kernel, arch) if impl is not None else None
 
 
 def _command(args: argparse.Namespace) -> str:

@@ -76,15 +76,24 @@ class LoweringLimit:
     :param kernels: the ``@triton.jit`` function names concerned.
     :param stage: the first stage they do not reach (``hivm``).
     :param reason: what stops them, with the tool and version where it is the tool's limit.
+    :param archs: the target architectures concerned (``("80",)`` for ``cuda:80``: fp8 ``tl.dot``
+        needs sm_89); empty: every target of the backend.
     """
 
     backend: str
     kernels: tuple[str, ...]
     stage: str
     reason: str
+    archs: tuple[str, ...] = ()
 
     def describe(self) -> str:
-        return f"{self.backend}: {', '.join(self.kernels)} stop before {self.stage}: {self.reason}"
+        where = self.backend + (":" + ",".join(self.archs) if self.archs else "")
+        return f"{where}: {', '.join(self.kernels)} stop before {self.stage}: {self.reason}"
+
+    def concerns(self, backend: str, kernel: str, arch: str | None = None) -> bool:
+        """Whether this limit holds for ``kernel`` on ``backend`` (and target ``arch``, if given)."""
+        return (self.backend == backend and kernel in self.kernels
+                and (not self.archs or arch is None or arch in self.archs))
 
 
 class Implementation:
@@ -108,9 +117,10 @@ class Implementation:
     def qualname(self) -> str:
         return f"{self.op}.{self.name}"
 
-    def limit(self, backend: str, kernel: str) -> LoweringLimit | None:
-        """The declared limit of ``backend`` on ``kernel`` (a function name), if any."""
-        return next((x for x in self.limits if x.backend == backend and kernel in x.kernels), None)
+    def limit(self, backend: str, kernel: str, arch: str | None = None) -> LoweringLimit | None:
+        """The declared limit of ``backend`` (target ``arch``, if given) on ``kernel`` (a function
+        name), if any."""
+        return next((x for x in self.limits if x.concerns(backend, kernel, arch)), None)
 
     def supports(self, signature: Signature, profile: DeviceProfile) -> str | None:
         """``None`` if this implementation handles ``signature``, else the reason it declines."""

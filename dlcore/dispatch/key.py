@@ -56,7 +56,7 @@ def exact_key(name: str, args: tuple | list, kwargs: dict[str, Any] | None, opti
     for a in args:
         if isinstance(a, torch.Tensor):
             key.append((a.dtype, a.shape, a.stride(), a.device, a.data_ptr() % 16 == 0))
-        elif isinstance(a, (int, float, bool, str)) or a is None:
+        elif isinstance(a, (int, float, bool, str, torch.dtype)) or a is None:
             key.append((type(a), a))
         else:
             return None

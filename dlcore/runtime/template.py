@@ -162,7 +162,9 @@ def _scalar_type(arg: ScalarArg) -> tuple[str, Callable[[Any], Any]]:
     """The schema type of a scalar argument and the conversion its value takes (``None`` passes
     through where the types admit it: the schema type is then optional, ``str?``)."""
     types = tuple(t for t in arg.types if t is not type(None))
-    if types == (bool,):
+    if types == (torch.dtype,):  # an output dtype (fp8_gemm's out_dtype)
+        kind, convert = "ScalarType", lambda value: value
+    elif types == (bool,):
         kind, convert = "bool", bool
     elif types == (str,):
         kind, convert = "str", str
@@ -173,7 +175,7 @@ def _scalar_type(arg: ScalarArg) -> tuple[str, Callable[[Any], Any]]:
     else:
         raise DeclarationError(
             f"scalar argument {arg.name!r} of types {arg.types} has no custom-op type (bool, int, float, str, "
-            f"any of them or None)")
+            f"any of them or None; or torch.dtype)")
     if len(types) == len(arg.types):
         return kind, convert
     return f"{kind}?", lambda value: None if value is None else convert(value)

@@ -30,7 +30,8 @@ OWN = "dlcore"
 OP_ORDER = ("rms_norm", "add_rms_norm", "silu_and_mul", "apply_rotary_pos_emb", "partial_rotary_emb", "matmul", "ffn",
             "flash_attention_v2", "fused_rotary_and_fa", "softmax")
 MODE_ORDER = ("fwd", "bwd", "fwd+bwd")
-BASELINE_NAMES = {"torch": "eager PyTorch", "compile": "torch.compile", "liger": "Liger-Kernel"}
+BASELINE_NAMES = {"torch": "eager PyTorch", "compile": "torch.compile", "liger": "Liger-Kernel",
+                  "dequant": "dequantise to bf16, then torch.matmul"}
 #: the SDPA baselines of the attention ops: F.scaled_dot_product_attention with one backend each
 SDPA = ("sdpa_flash", "sdpa_cudnn")
 #: working sets from which the fraction of the copy bandwidth is summarized
@@ -44,6 +45,10 @@ OP_NOTES = {
                             "and k `[tokens, kv_heads, head_dim]` (GQA models).",
     "partial_rotary_emb": "`partial_rotary_emb`: MLA's rotary part (the 64 rope dimensions of each query head and of "
                           "the shared key head; DeepSeek models).",
+    "fp8_gemm": "`fp8_gemm(a, b, a_scale, b_scale)`: float8_e4m3fn a `[tokens, hidden]` @ b `[inter, hidden]`.T with "
+                "DeepSeek-V3's block scales (1x128 of a, 128x128 of b), bf16 out, at DeepSeek-V3's shapes "
+                "(`--shapes deepseek-fp8 --vs dequant`). `dequant`: both operands dequantised to bf16, then a "
+                "bf16 GEMM.",
     "matmul": "`matmul(a, b, bias=None, activation=None, allow_tf32=False)`: a `[tokens, hidden]` @ b, b the `w.T` "
               "view of an nn.Linear weight `w [inter, hidden]` (no copy; M = tokens, K = hidden, N = inter), no bias "
               "or activation. A model marked (down) is its MLP's down projection: `hidden` (K) is then the model's "

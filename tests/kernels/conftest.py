@@ -36,7 +36,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 def triton_candidates_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """These tests are about the Triton kernels: the vendor candidates (``dlblas_kernels/vendor.py``)
     are left out of get_op's selection, which on a GPU might otherwise choose cuBLAS."""
-    monkeypatch.setenv("DLCORE_DISABLE_IMPLS", "matmul:torch,ffn:torch")
+    monkeypatch.setenv("DLCORE_DISABLE_IMPLS", "matmul:torch,ffn:torch,fused_moe:torch,fp8_gemm:scaled_mm")
 
 
 @pytest.fixture

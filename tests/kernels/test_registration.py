@@ -71,6 +71,7 @@ def test_each_entry_point_provides_an_op_that_get_op_selects(entry_point, device
 VENDOR = {
     "vendor_ffn": ("ffn", "torch"),
     "vendor_fused_moe": ("fused_moe", "torch"),
+    "vendor_fp8_gemm": ("fp8_gemm", "scaled_mm"),
     "vendor_matmul": ("matmul", "torch"),
     "vendor_sdpa_cudnn": ("flash_attention_v2", "sdpa_cudnn"),
     "vendor_sdpa_flash": ("flash_attention_v2", "sdpa_flash"),

@@ -33,19 +33,29 @@ of a config that would not fit beside its epilogue.
 
 The epilogue, selected by constexprs, runs in float32 on the accumulator before the one store:
 
-    z   = acc * scale[m]  (HAS_SCALE, a per-row float32 scale)  + bias[n]  (HAS_BIAS)
+    z   = acc * scale[m]  (HAS_SCALE)  * col_scale[n]  (HAS_COL_SCALE)  + bias[n]  (HAS_BIAS)
+                                       float32 scales of any stride; stride 0: one for the tensor
     out = act(z)                       act in None, "relu", "silu", "gelu_tanh"
     out = silu(z) * z3                 SWIGLU: z3 from a second operand b3 accumulated alongside
     out = dc * act'(z)                 ACT_GRAD: the gradient through the activation (backward)
     c   = out cast to c's dtype; z (and z3) stored too when pre-activations are asked for
 
+**fp8** (``fp8_gemm``, e4m3 operands): the same two kernels and loops with ``tl.dot`` on fp8
+tiles (sm_89 and later; Hopper's ``wgmma`` takes 8-bit tiles K-major only, so the descriptor
+kernel runs fp8 only for a row-major ``a`` and ``b = w.T`` of an nn.Linear weight, the pointer
+kernel anything else). Per-tensor and per-row dequantisation scales are the epilogue's row and
+column scales (a 0-dim scale read with stride 0). Blockwise scales (DeepSeek-V3: ``a_scale [M,
+ceil(K/128)]`` per 1x128 of a row, ``b_scale [ceil(N/128), ceil(K/128)]`` per 128x128 block of
+``b``; :class:`BlockScales`) are the loop's constexpr ``BLOCK_SCALED``: each K step's product is
+summed on its own and added scaled by its block's scales (:func:`block_scaled_dot`), which needs
+``BLOCK_K`` dividing 128 (a step inside one K block) and ``BLOCK_N`` dividing 128 (one b-scale per
+tile: a scalar load per step rather than a vector of per-column ones); under split-K the slices
+are scaled before the reduce. The row scales of a tile are one load per step: an M-major
+``a_scale`` (what ``quantize_fp8`` gives) makes it coalesced. For non-fp8 calls the new
+constexprs are off and the kernels compile as before (unused scale pointers and strides).
+
 How the later GEMMs use it:
 
-- **fp8** (e4m3 / e5m2 operands): the loop is the same with ``tl.dot`` on fp8 tiles (Hopper's
-  ``wgmma`` takes them from shared memory; ``b`` must then be K-major, the nn.Linear layout);
-  per-tensor or per-row dequantisation scales are the row scale (``scale_ptr``) and a per-column
-  scale beside ``bias`` in the same epilogue; blockwise (1x128 / 128x128) scales scale each
-  K step's partial product inside the loop before it is added, a constexpr of the loop.
 - **MoE** (grouped GEMM): the rows of ``a`` come sorted by expert; a table of (expert, row
   block) pairs replaces the grouped order's ``tile -> (pid_m, pid_n)`` map, ``b`` is offset by
   the expert's weight in the loop's first descriptor / pointer, and the routing weight of each
@@ -77,6 +87,10 @@ TMA_ARCHS = ("sm_90",)
 GROUP_M = 8
 #: the copy engine's alignment of a base address and of every stride but the unit one, in bytes
 TMA_ALIGNMENT = 16
+#: the K extent (and b's N extent) one blockwise scale covers: DeepSeek-V3's 1x128 / 128x128 blocks
+SCALE_BLOCK = tl.constexpr(128)
+#: the fp8 formats ``tl.dot`` takes on the tensor cores (sm_89 and later)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 # --- device helpers ------------------------------------------------------------------------------
@@ -94,16 +108,35 @@ def grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def block_scaled_dot(acc, a, b, a_scale_ptrs, b_scale_ptr, mask_m, k, stride_sk, stride_tk):
+    """``acc + (a @ b) * a_scale[m, kb] * b_scale[kb]`` for the K step at ``k`` (in block ``kb = k //
+    128``): the step's product summed on its own, then scaled and added in float32 (DeepSeek-V3's
+    fp8 recipe: the tensor cores' partial sums are promoted every K block). ``a_scale_ptrs``: the
+    ``[BLOCK_M]`` row scales of K block 0 (``stride_sk`` apart per block); ``b_scale_ptr``: the
+    tile's column block's scale of K block 0 (``stride_tk`` apart)."""
+    kb = k // SCALE_BLOCK
+    a_scale = tl.load(a_scale_ptrs + kb * stride_sk, mask=mask_m, other=0.0)
+    b_scale = tl.load(b_scale_ptr + kb * stride_tk)
+    return acc + tl.dot(a, b) * (a_scale[:, None] * b_scale)
+
+
+@triton.jit
 def dot_range(acc, a_ptrs, b_ptrs, mask_m, mask_n, offs_k, k_start, k_end, stride_ak, stride_bk,
-              BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+              BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+              a_scale_ptrs=None, b_scale_ptr=None, stride_sk=0, stride_tk=0, BLOCK_SCALED: tl.constexpr = False):
     """``acc`` plus the product of ``a``'s K range ``[k_start, k_end)`` with ``b``'s, loaded by pointers
     (``a_ptrs``: the ``[BLOCK_M, BLOCK_K]`` tile at ``k_start``, ``b_ptrs`` the ``[BLOCK_K, BLOCK_N]``
-    one; the K strides 64-bit). Masked-off elements load as 0, so a ragged last slice adds nothing."""
+    one; the K strides 64-bit). Masked-off elements load as 0, so a ragged last slice adds nothing.
+    BLOCK_SCALED: each step's product scaled by its K block's scales (:func:`block_scaled_dot`;
+    BLOCK_K divides 128, so a step lies in one block)."""
     for k in range(k_start, k_end, BLOCK_K):
         mask_k = offs_k < k_end - k
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        if BLOCK_SCALED:
+            acc = block_scaled_dot(acc, a, b, a_scale_ptrs, b_scale_ptr, mask_m, k, stride_sk, stride_tk)
+        else:
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     return acc
@@ -157,18 +190,23 @@ def activation_grad(z, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def epilogue(acc, acc3, dc, offs_m, offs_n, M, N, bias_ptr, scale_ptr,
-             HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ACTIVATION: tl.constexpr,
+def epilogue(acc, acc3, dc, offs_m, offs_n, M, N, bias_ptr, scale_ptr, col_scale_ptr, stride_sm, stride_tn,
+             HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_COL_SCALE: tl.constexpr, ACTIVATION: tl.constexpr,
              SWIGLU: tl.constexpr, ACT_GRAD: tl.constexpr):
     """``(out, z, z3)`` of a float32 tile (see the module doc); ``acc3`` and ``dc`` are read only
-    under SWIGLU and ACT_GRAD (callers pass ``acc`` otherwise)."""
+    under SWIGLU and ACT_GRAD (callers pass ``acc`` otherwise). The row scale of row ``m`` is at
+    ``scale_ptr + m * stride_sm``, the column scale of column ``n`` at ``col_scale_ptr + n *
+    stride_tn`` (a stride of 0: one scale for the whole tensor)."""
     z = acc
     z3 = acc3
     if HAS_SCALE:
-        scale = tl.load(scale_ptr + offs_m, mask=offs_m < M, other=0.0).to(tl.float32)
+        scale = tl.load(scale_ptr + offs_m * stride_sm, mask=offs_m < M, other=0.0).to(tl.float32)
         z = z * scale[:, None]
         if SWIGLU:
             z3 = z3 * scale[:, None]
+    if HAS_COL_SCALE:
+        col_scale = tl.load(col_scale_ptr + offs_n * stride_tn, mask=offs_n < N, other=0.0).to(tl.float32)
+        z = z * col_scale[None, :]
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
         z = z + bias[None, :]
@@ -183,9 +221,9 @@ def epilogue(acc, acc3, dc, offs_m, offs_n, M, N, bias_ptr, scale_ptr,
 
 @triton.jit
 def store_tile(acc, acc3, offs_m, offs_n, M, N, c_ptr, pre_ptr, pre3_ptr, dc_ptr, stride_cm, stride_cn,
-               bias_ptr, scale_ptr,
-               HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ACTIVATION: tl.constexpr,
-               SWIGLU: tl.constexpr, ACT_GRAD: tl.constexpr, STORE_PRE: tl.constexpr):
+               bias_ptr, scale_ptr, col_scale_ptr, stride_sm, stride_tn,
+               HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_COL_SCALE: tl.constexpr,
+               ACTIVATION: tl.constexpr, SWIGLU: tl.constexpr, ACT_GRAD: tl.constexpr, STORE_PRE: tl.constexpr):
     """The epilogue of one tile and its masked stores (``c``, ``pre``, ``pre3`` and ``dc`` share
     ``c``'s strides)."""
     offsets = offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
@@ -193,8 +231,8 @@ def store_tile(acc, acc3, offs_m, offs_n, M, N, c_ptr, pre_ptr, pre3_ptr, dc_ptr
     dc = acc
     if ACT_GRAD:
         dc = tl.load(dc_ptr + offsets, mask=mask, other=0.0)
-    out, z, z3 = epilogue(acc, acc3, dc, offs_m, offs_n, M, N, bias_ptr, scale_ptr,
-                          HAS_BIAS, HAS_SCALE, ACTIVATION, SWIGLU, ACT_GRAD)
+    out, z, z3 = epilogue(acc, acc3, dc, offs_m, offs_n, M, N, bias_ptr, scale_ptr, col_scale_ptr, stride_sm,
+                          stride_tn, HAS_BIAS, HAS_SCALE, HAS_COL_SCALE, ACTIVATION, SWIGLU, ACT_GRAD)
     tl.store(c_ptr + offsets, out.to(c_ptr.dtype.element_ty), mask=mask)
     if STORE_PRE:
         tl.store(pre_ptr + offsets, z.to(pre_ptr.dtype.element_ty), mask=mask)
@@ -206,17 +244,18 @@ def store_tile(acc, acc3, offs_m, offs_n, M, N, c_ptr, pre_ptr, pre3_ptr, dc_ptr
 
 @triton.jit
 def gemm_kernel(
-    a_ptr, b_ptr, b3_ptr, c_ptr, pre_ptr, pre3_ptr, dc_ptr, bias_ptr, scale_ptr,
+    a_ptr, b_ptr, b3_ptr, c_ptr, pre_ptr, pre3_ptr, dc_ptr, bias_ptr, scale_ptr, col_scale_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_b3k, stride_b3n, stride_cm, stride_cn,
+    stride_sm, stride_sk, stride_tn, stride_tk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ACTIVATION: tl.constexpr,
-    SWIGLU: tl.constexpr, ACT_GRAD: tl.constexpr, STORE_PRE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_COL_SCALE: tl.constexpr, BLOCK_SCALED: tl.constexpr,
+    ACTIVATION: tl.constexpr, SWIGLU: tl.constexpr, ACT_GRAD: tl.constexpr, STORE_PRE: tl.constexpr,
 ):
     """One output tile per program (axis 0), one K range per program (axis 1, SPLIT_K of them).
     With SPLIT_K > 1 ``c_ptr`` is the float32 workspace ``[SPLIT_K, M, N]`` and the epilogue is
-    :func:`splitk_reduce_kernel`'s."""
+    :func:`splitk_reduce_kernel`'s. The scales: see :func:`gemm_tma_kernel`."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
     pid_k = tl.program_id(1)
     # K range of this program: whole BLOCK_K steps, the last range ragged.
@@ -244,6 +283,10 @@ def gemm_kernel(
         b3_ptrs = b3_ptr + (k_start + offs_k)[:, None] * stride_b3k + offs_n[None, :] * stride_b3n
         acc, acc3 = dot_range_pair(acc, acc3, a_ptrs, b_ptrs, b3_ptrs, mask_m, mask_n, offs_k, k_start, k_end,
                                    stride_ak, stride_bk, stride_b3k, BLOCK_K, INPUT_PRECISION)
+    elif BLOCK_SCALED:
+        acc = dot_range(acc, a_ptrs, b_ptrs, mask_m, mask_n, offs_k, k_start, k_end, stride_ak, stride_bk,
+                        BLOCK_K, INPUT_PRECISION, scale_ptr + offs_m * stride_sm,
+                        col_scale_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_tn, stride_sk, stride_tk, True)
     else:
         acc = dot_range(acc, a_ptrs, b_ptrs, mask_m, mask_n, offs_k, k_start, k_end, stride_ak, stride_bk,
                         BLOCK_K, INPUT_PRECISION)
@@ -253,15 +296,17 @@ def gemm_kernel(
         tl.store(c_ptr + offsets, acc, mask=mask_m[:, None] & mask_n[None, :])
     else:
         store_tile(acc, acc3, offs_m, offs_n, M, N, c_ptr, pre_ptr, pre3_ptr, dc_ptr, stride_cm, stride_cn,
-                   bias_ptr, scale_ptr, HAS_BIAS, HAS_SCALE, ACTIVATION, SWIGLU, ACT_GRAD, STORE_PRE)
+                   bias_ptr, scale_ptr, col_scale_ptr, stride_sm, stride_tn, HAS_BIAS, HAS_SCALE, HAS_COL_SCALE,
+                   ACTIVATION, SWIGLU, ACT_GRAD, STORE_PRE)
 
 
 @triton.jit
 def splitk_reduce_kernel(
-    ws_ptr, c_ptr, dc_ptr, bias_ptr, scale_ptr,
-    M, N, stride_cm, stride_cn,
+    ws_ptr, c_ptr, dc_ptr, bias_ptr, scale_ptr, col_scale_ptr,
+    M, N, stride_cm, stride_cn, stride_sm, stride_tn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ACTIVATION: tl.constexpr, ACT_GRAD: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_COL_SCALE: tl.constexpr, ACTIVATION: tl.constexpr,
+    ACT_GRAD: tl.constexpr,
 ):
     """The sum of the SPLIT_K float32 slices of ``ws [SPLIT_K, M, N]``, through the epilogue, into ``c``."""
     offs_m = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -274,19 +319,20 @@ def splitk_reduce_kernel(
         acc += tl.load(ws_ptrs, mask=mask, other=0.0)
         ws_ptrs += slice_size
     store_tile(acc, acc, offs_m, offs_n, M, N, c_ptr, c_ptr, c_ptr, dc_ptr, stride_cm, stride_cn,
-               bias_ptr, scale_ptr, HAS_BIAS, HAS_SCALE, ACTIVATION, False, ACT_GRAD, False)
+               bias_ptr, scale_ptr, col_scale_ptr, stride_sm, stride_tn, HAS_BIAS, HAS_SCALE, HAS_COL_SCALE,
+               ACTIVATION, False, ACT_GRAD, False)
 
 
 @triton.jit
 def gemm_tma_kernel(
-    a_ptr, b_ptr, b3_ptr, c_ptr, pre_ptr, pre3_ptr, dc_ptr, bias_ptr, scale_ptr,
+    a_ptr, b_ptr, b3_ptr, c_ptr, pre_ptr, pre3_ptr, dc_ptr, bias_ptr, scale_ptr, col_scale_ptr,
     M, N, K,
-    stride_a, stride_b, stride_b3, stride_cm,
+    stride_a, stride_b, stride_b3, stride_cm, stride_sm, stride_sk, stride_tn, stride_tk,
     A_M_MAJOR: tl.constexpr, B_K_MAJOR: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ACTIVATION: tl.constexpr,
-    SWIGLU: tl.constexpr, ACT_GRAD: tl.constexpr, STORE_PRE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_COL_SCALE: tl.constexpr, BLOCK_SCALED: tl.constexpr,
+    ACTIVATION: tl.constexpr, SWIGLU: tl.constexpr, ACT_GRAD: tl.constexpr, STORE_PRE: tl.constexpr,
 ):
     """Persistent: program ``pid`` computes work units ``pid, pid + programs, ...`` (an output
     tile, or with SPLIT_K > 1 one K range of one, summed into the float32 workspace ``c_ptr``
@@ -296,7 +342,14 @@ def gemm_tma_kernel(
     stride: what ``a^T @ dc`` of a backward takes); ``b``
     (and ``b3``) is ``[N, K]`` with unit K stride when B_K_MAJOR (an nn.Linear weight; ``stride_b``
     its N stride), else ``[K, N]`` with unit N stride (``stride_b`` its K stride); ``c`` and the
-    pre-activations ``[M, N]`` with unit N stride; ``dc`` has ``c``'s strides."""
+    pre-activations ``[M, N]`` with unit N stride; ``dc`` has ``c``'s strides.
+
+    The scales (float32): without BLOCK_SCALED, the epilogue's row scale ``scale_ptr[m *
+    stride_sm]`` (HAS_SCALE) and column scale ``col_scale_ptr[n * stride_tn]`` (HAS_COL_SCALE), a
+    stride of 0 for one scale of the whole tensor. BLOCK_SCALED: ``scale_ptr`` is ``a_scale [M,
+    ceil(K/128)]`` (strides ``stride_sm, stride_sk``), ``col_scale_ptr`` is ``b_scale [ceil(N/128),
+    ceil(K/128)]`` (``stride_tn, stride_tk``), applied to each K step in the loop; BLOCK_K divides
+    128 and BLOCK_N divides 128, so a step and a tile lie in one block of each."""
     if A_M_MAJOR:
         a_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[stride_a, 1],
                                            block_shape=[BLOCK_K, BLOCK_M])
@@ -339,6 +392,10 @@ def gemm_tma_kernel(
         off_n = pid_n * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc3 = acc
+        if BLOCK_SCALED:
+            scale_m = off_m + tl.arange(0, BLOCK_M)
+            a_scale_ptrs = scale_ptr + scale_m.to(tl.int64) * stride_sm
+            b_scale_ptr = col_scale_ptr + (off_n // SCALE_BLOCK) * stride_tn
         for ki in range(k_steps):
             off_k = (split * k_steps + ki) * BLOCK_K
             if A_M_MAJOR:
@@ -349,7 +406,10 @@ def gemm_tma_kernel(
                 b = b_desc.load([off_n, off_k]).T
             else:
                 b = b_desc.load([off_k, off_n])
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            if BLOCK_SCALED:
+                acc = block_scaled_dot(acc, a, b, a_scale_ptrs, b_scale_ptr, scale_m < M, off_k, stride_sk, stride_tk)
+            else:
+                acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
             if SWIGLU:
                 if B_K_MAJOR:
                     b3 = b3_desc.load([off_n, off_k]).T
@@ -369,8 +429,9 @@ def gemm_tma_kernel(
                 mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
                 dc = tl.load(dc_ptr + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :], mask=mask,
                              other=0.0)
-            out, z, z3 = epilogue(acc, acc3, dc, offs_m, offs_n, M, N, bias_ptr, scale_ptr,
-                                  HAS_BIAS, HAS_SCALE, ACTIVATION, SWIGLU, ACT_GRAD)
+            out, z, z3 = epilogue(acc, acc3, dc, offs_m, offs_n, M, N, bias_ptr, scale_ptr, col_scale_ptr,
+                                  stride_sm, stride_tn, HAS_BIAS, HAS_SCALE, HAS_COL_SCALE, ACTIVATION, SWIGLU,
+                                  ACT_GRAD)
             c_desc.store([off_m, off_n], out.to(c_desc.dtype))
             if STORE_PRE:
                 pre_desc.store([off_m, off_n], z.to(pre_desc.dtype))
@@ -401,9 +462,12 @@ def ensure_allocator() -> None:
 class Epilogue:
     """What :func:`gemm_calls` applies to the float32 tile before the store (see the module doc).
 
-    :param bias: ``[N]``, added after the row scale.
+    :param bias: ``[N]``, added after the scales.
     :param activation: one of :data:`ACTIVATIONS`.
-    :param row_scale: ``[M]`` float32, multiplies row ``m`` of the product (and of ``b3``'s).
+    :param row_scale: ``[M]`` float32 of any stride, multiplies row ``m`` of the product (and of
+        ``b3``'s); 0-dim: one scale for every row (a per-tensor scale).
+    :param col_scale: ``[N]`` float32 of any stride, multiplies column ``n`` (not with ``b3``); 0-dim:
+        one for every column. With ``row_scale``, the dequantisation of per-row / per-tensor fp8.
     :param act_grad: ``dc [M, N]`` with the output's strides: the output is ``dc * act'(z)``.
     :param pre: ``[M, N]`` with the output's strides: receives ``z`` (the pre-activation).
     :param pre3: with ``pre``, under SwiGLU: receives ``z3``.
@@ -412,9 +476,28 @@ class Epilogue:
     bias: torch.Tensor | None = None
     activation: str | None = None
     row_scale: torch.Tensor | None = None
+    col_scale: torch.Tensor | None = None
     act_grad: torch.Tensor | None = None
     pre: torch.Tensor | None = None
     pre3: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class BlockScales:
+    """DeepSeek-V3's blockwise dequantisation scales, float32 of any strides, applied to each K
+    step's product inside the loop (see the module doc).
+
+    :param a: ``[M, ceil(K/128)]``: one scale per 1x128 of a row of ``a``.
+    :param b: ``[ceil(N/128), ceil(K/128)]``: one per 128x128 block of ``b`` (``b``'s columns by K).
+    """
+
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+def _scale_stride(t: torch.Tensor | None) -> int:
+    """The stride of a row or column scale: its own for a vector, 0 for a 0-dim (per-tensor) one."""
+    return 0 if t is None or t.dim() == 0 else t.stride(0)
 
 
 def _aligned(t: torch.Tensor) -> bool:
@@ -436,11 +519,13 @@ def takes_tma(profile: DeviceProfile, a: torch.Tensor, b: torch.Tensor, c: torch
     """Whether the persistent tensor-descriptor kernel can run ``c = a @ b`` (and ``b3``) here:
     a Hopper profile with its core count, and operands the copy engine takes (``a``, ``b`` and
     ``b3`` either way round, ``b3`` as ``b``; ``c`` row-major; ``dc`` and the pre-activations with
-    ``c``'s strides)."""
+    ``c``'s strides; fp8 ``a`` K-major and ``b`` given as ``w.T``)."""
     if profile.arch not in TMA_ARCHS or profile.cores <= 0:
         return False
     if _transposed(a) is None or _transposed(b) is None or not _aligned(c):
         return False
+    if a.dtype in FP8_DTYPES and (_transposed(a) or not _transposed(b)):
+        return False  # wgmma takes 8-bit operands K-major only: a row-major, b = w.T
     if b3 is not None and _transposed(b3) != _transposed(b):
         return False
     outputs = (epilogue.pre, epilogue.pre3, epilogue.act_grad)
@@ -448,10 +533,11 @@ def takes_tma(profile: DeviceProfile, a: torch.Tensor, b: torch.Tensor, c: torch
 
 
 def shared_memory_bytes(config: Config, element_size: int = 2, *, second_operand: bool = False,
-                        act_grad: bool = False) -> int:
+                        act_grad: bool = False, out_element_size: int | None = None) -> int:
     """What one program of ``config`` takes of shared memory, as Triton 3.6 lays it out for sm_90
-    (read off compiled kernels): the pipelined operand tiles, and for the descriptor kernel
-    (``TMA``) the output tile staged for its store (float32 under split-K, where it also passes
+    (read off compiled kernels): the pipelined operand tiles (``element_size`` bytes an element),
+    and for the descriptor kernel (``TMA``) the output tile staged for its store
+    (``out_element_size``, default ``element_size``; float32 under split-K, where it also passes
     through shared memory) plus as much again for an ``act_grad`` tile (loaded by pointers and
     converted to the accumulator's layout; bounded from above)."""
     stages, block_m, block_n = config["num_stages"], config["BLOCK_M"], config["BLOCK_N"]
@@ -460,7 +546,7 @@ def shared_memory_bytes(config: Config, element_size: int = 2, *, second_operand
         return loads
     if config.get("SPLIT_K", 1) > 1:
         return loads + block_m * block_n * 4
-    return loads + block_m * block_n * element_size * (2 if act_grad else 1)
+    return loads + block_m * block_n * (out_element_size or element_size) * (2 if act_grad else 1)
 
 
 def fit_stages(config: Config, limit: int, footprint: Callable[[Config], int]) -> Config:
@@ -475,6 +561,7 @@ def fit_stages(config: Config, limit: int, footprint: Callable[[Config], int]) -
 
 def gemm_calls(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Config, profile: DeviceProfile,
                *, b3: torch.Tensor | None = None, epilogue: Epilogue = Epilogue(),
+               block_scales: BlockScales | None = None,
                input_precision: str = "ieee") -> tuple[list[KernelCall], tuple]:
     """The launches of ``c = epilogue(a @ b [, a @ b3])`` and the scratch tensors they use.
 
@@ -490,6 +577,8 @@ def gemm_calls(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Config
     :param profile: the device's: its architecture picks the kernel, its cores the persistent grid.
     :param b3: a second ``[K, N]`` operand (SwiGLU: ``c = silu(z) * z3``, ``z3`` from ``a @ b3``).
     :param epilogue: see :class:`Epilogue`.
+    :param block_scales: see :class:`BlockScales` (fp8 ``a`` and ``b``; not with ``b3`` or the
+        epilogue's scales): ``BLOCK_K`` and ``BLOCK_N`` must divide 128.
     :param input_precision: ``tl.dot``'s for float32 operands: ``"ieee"`` (exact) or ``"tf32"``.
     """
     (m, k), n = a.shape, b.shape[1]
@@ -501,31 +590,46 @@ def gemm_calls(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Config
     if split_k > 1 and (swiglu or e.pre is not None):
         raise ValueError("split-K takes no second operand and stores no pre-activations")
     block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    if (e.col_scale is not None or block_scales is not None) and swiglu:
+        raise ValueError("column and block scales take no second operand")
+    if block_scales is not None:
+        if e.row_scale is not None or e.col_scale is not None:
+            raise ValueError("block scales replace the epilogue's row and column scales")
+        if SCALE_BLOCK.value % block_k or SCALE_BLOCK.value % block_n:
+            raise ValueError(f"block scales need BLOCK_K and BLOCK_N dividing {SCALE_BLOCK.value} (one scale of "
+                             f"each operand per K step), not {block_k} and {block_n}")
     flags = {
-        "HAS_BIAS": e.bias is not None, "HAS_SCALE": e.row_scale is not None, "ACTIVATION": e.activation,
-        "ACT_GRAD": e.act_grad is not None,
+        "HAS_BIAS": e.bias is not None, "HAS_SCALE": e.row_scale is not None,
+        "HAS_COL_SCALE": e.col_scale is not None, "ACTIVATION": e.activation, "ACT_GRAD": e.act_grad is not None,
     }
     tile = {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": config.get("GROUP_M", GROUP_M),
             "SPLIT_K": split_k, "INPUT_PRECISION": input_precision,
             "num_warps": config["num_warps"], "num_stages": config["num_stages"]}
     # Absent tensors: any pointer the constexprs keep the kernel from reading.
-    b3_, pre, pre3, dc, bias, scale = (t if t is not None else c for t in (b3, e.pre, e.pre3, e.act_grad, e.bias,
-                                                                           e.row_scale))
+    row_scale, col_scale = (block_scales.a, block_scales.b) if block_scales is not None else (e.row_scale, e.col_scale)
+    b3_, pre, pre3, dc, bias, scale, col = (t if t is not None else c for t in (b3, e.pre, e.pre3, e.act_grad, e.bias,
+                                                                                row_scale, col_scale))
+    # The scales' strides: (row, K block) of a's and (column or column block, K block) of b's.
+    stride_sm, stride_tn = _scale_stride(row_scale), _scale_stride(col_scale)
+    stride_sk, stride_tk = (block_scales.a.stride(1), block_scales.b.stride(1)) if block_scales is not None else (0, 0)
+    scale_strides = (stride_sm, stride_sk, stride_tn, stride_tk)
     if split_k > 1:
         # The products alone into the workspace; the reduce runs the epilogue.
         target = torch.empty(split_k, m, n, dtype=torch.float32, device=c.device)
-        gemm_flags = {"HAS_BIAS": False, "HAS_SCALE": False, "ACTIVATION": None, "ACT_GRAD": False,
-                      "SWIGLU": False, "STORE_PRE": False}
+        gemm_flags = {"HAS_BIAS": False, "HAS_SCALE": False, "HAS_COL_SCALE": False, "ACTIVATION": None,
+                      "ACT_GRAD": False, "SWIGLU": False, "STORE_PRE": False}
         scratch: tuple = (target,)
     else:
         target, gemm_flags, scratch = c, {**flags, "SWIGLU": swiglu, "STORE_PRE": e.pre is not None}, ()
+    gemm_flags["BLOCK_SCALED"] = block_scales is not None
     tiles = cdiv(m, block_m) * cdiv(n, block_n)
     if config.get("TMA", 1) and takes_tma(profile, a, b, c, b3, e):
         ensure_allocator()
         # A config tuned for the plain product may not fit beside an epilogue's tiles (the
         # backward's act_grad): one pipeline stage less at a time until it does.
         def footprint(tiles: Config) -> int:
-            return shared_memory_bytes(tiles, a.element_size(), second_operand=swiglu, act_grad=e.act_grad is not None)
+            return shared_memory_bytes(tiles, a.element_size(), second_operand=swiglu, act_grad=e.act_grad is not None,
+                                       out_element_size=c.element_size())
 
         tile["num_stages"] = fit_stages({**config, **tile}, profile.shared_memory_per_program, footprint)["num_stages"]
         a_m_major, b_k_major = bool(_transposed(a)), bool(_transposed(b))
@@ -533,19 +637,20 @@ def gemm_calls(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Config
         stride_b = b.stride(1) if b_k_major else b.stride(0)
         stride_b3 = (b3_.stride(1) if b_k_major else b3_.stride(0)) if swiglu else stride_b
         gemm = KernelCall(gemm_tma_kernel, (min(tiles * split_k, profile.cores),), (
-            a, b, b3_, target, pre, pre3, dc, bias, scale, m, n, k, stride_a, stride_b, stride_b3, c.stride(0),
+            a, b, b3_, target, pre, pre3, dc, bias, scale, col, m, n, k, stride_a, stride_b, stride_b3, c.stride(0),
+            *scale_strides,
         ), {"A_M_MAJOR": a_m_major, "B_K_MAJOR": b_k_major, **tile, "FLATTEN": bool(config.get("FLATTEN", 1)),
             **gemm_flags})
     else:
         stride_cm, stride_cn = (n, 1) if split_k > 1 else (c.stride(0), c.stride(1))
         gemm = KernelCall(gemm_kernel, (tiles, split_k), (
-            a, b, b3_, target, pre, pre3, dc, bias, scale, m, n, k, a.stride(0), a.stride(1),
-            b.stride(0), b.stride(1), b3_.stride(0), b3_.stride(1), stride_cm, stride_cn,
+            a, b, b3_, target, pre, pre3, dc, bias, scale, col, m, n, k, a.stride(0), a.stride(1),
+            b.stride(0), b.stride(1), b3_.stride(0), b3_.stride(1), stride_cm, stride_cn, *scale_strides,
         ), {**tile, **gemm_flags})
     if split_k == 1:
         return [gemm], scratch
     reduce = KernelCall(splitk_reduce_kernel, (cdiv(m, block_m), cdiv(n, block_n)), (
-        target, c, dc, bias, scale, m, n, c.stride(0), c.stride(1),
+        target, c, dc, bias, scale, col, m, n, c.stride(0), c.stride(1), stride_sm, stride_tn,
     ), {"BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT_K": split_k, **flags, "num_warps": 4})
     return [gemm, reduce], scratch
 

@@ -289,3 +289,46 @@ FUSED_MOE = VendorImplementation(
     doc="the grouped-GEMM composite: sort by expert, gather, grouped GEMMs with SwiGLU, weighted index_add_",
 )
 fused_moe_plugin = VendorPlugin(FUSED_MOE)
+
+
+# --- fp8_gemm: torch._scaled_mm (cuBLASLt's fp8 GEMM) ----------------------------------------------
+
+#: the first compute capability whose tensor cores take fp8, and the first where _scaled_mm scales per row
+FP8_MIN_SM, FP8_ROWWISE_MIN_SM = 89, 90
+
+
+def fp8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+             out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """fp8_gemm by ``torch._scaled_mm``: ``b.T`` is the column-major operand it wants; per-row scales
+    go in as ``[M, 1]`` and ``[1, N]``, per-tensor as they are."""
+    scale_b = b_scale.T if b_scale.dim() == 2 else b_scale
+    return torch._scaled_mm(a, b.T, scale_a=a_scale, scale_b=scale_b, out_dtype=out_dtype)
+
+
+def _scaled_mm_declines(signature: Signature, profile: DeviceProfile) -> str | None:
+    """Why ``torch._scaled_mm`` does not take ``signature``, or None: it runs on NVIDIA GPUs from
+    sm_89, scales per tensor (any output dtype) or, from sm_90, per row (bfloat16 output only);
+    never in blocks; row-major ``a`` and ``b`` (``b.T`` column-major), N and K multiples of 16."""
+    if signature.device_type != "cuda" or profile.vendor != "nvidia" or _sm(profile) < FP8_MIN_SM:
+        return f"torch._scaled_mm runs on NVIDIA GPUs from sm_{FP8_MIN_SM} (this is {profile.arch or 'none'})"
+    a_scale, b_scale = signature.tensor("a_scale").shape, signature.tensor("b_scale").shape
+    n, k = signature.tensor("b").shape
+    if signature.tensor("a").layout != "contiguous" or signature.tensor("b").layout != "contiguous":
+        return "torch._scaled_mm takes row-major a and b"
+    if n % 16 or k % 16:
+        return f"torch._scaled_mm needs N and K multiples of 16 (N {n}, K {k})"
+    if a_scale == () and b_scale == ():
+        return None
+    if len(a_scale) == 2 and a_scale[1] == 1 and b_scale == (n, 1):
+        if _sm(profile) < FP8_ROWWISE_MIN_SM or signature.scalar("out_dtype") != torch.bfloat16:
+            return "torch._scaled_mm scales per row on sm_90 and later, with a bfloat16 output only"
+        return None
+    return "torch._scaled_mm takes per-tensor and per-row scales, not blocks"
+
+
+FP8_GEMM = VendorImplementation(
+    "fp8_gemm", "scaled_mm", fp8_gemm,
+    library="torch._scaled_mm (cuBLASLt fp8 GEMM)", supports=_scaled_mm_declines,
+    doc="cuBLASLt's fp8 GEMM through torch._scaled_mm: per-tensor and per-row scales",
+)
+fp8_gemm_plugin = VendorPlugin(FP8_GEMM)

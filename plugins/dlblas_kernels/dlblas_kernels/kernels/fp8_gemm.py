@@ -1,0 +1,311 @@
+"""fp8_gemm: ``(a * a_scale) @ (b * b_scale).T`` for float8_e4m3fn ``a [M, K]`` and ``b [N, K]``.
+
+``b`` is in nn.Linear layout (``[N, K]``, K-major: the only way round Hopper's ``wgmma`` takes fp8
+``B``); ``a`` takes any strides. The product is accumulated in float32 and returned ``[M, N]`` in
+``out_dtype`` (bfloat16, float16 or float32). The scales are float32, and their shapes choose the
+granularity (:class:`Granularity`):
+
+- **block** (DeepSeek-V3): ``a_scale [M, ceil(K/128)]``, one per 1x128 of a row of ``a``, and
+  ``b_scale [ceil(N/128), ceil(K/128)]``, one per 128x128 block of ``b``; any strides (an
+  M-major ``a_scale``, as :func:`~dlblas_kernels.kernels.quantize_fp8.quantize_fp8` gives, is read
+  in coalesced rows);
+- **row**: ``a_scale [M, 1]`` and ``b_scale [N, 1]`` (per token, per output channel);
+- **tensor**: 0-dim ``a_scale`` and ``b_scale``.
+
+M, N and K need not be multiples of 128 (the tail blocks are partial); K must be a multiple of 16
+(the copy engine's 16-byte rows, and ``torch._scaled_mm``'s rule).
+
+The GEMM is :mod:`dlblas_kernels.gemm`'s, the same tile loops as ``matmul``: per-row and per-tensor
+scales are its epilogue's row and column scales (a 0-dim scale read with stride 0); block scales
+scale each K step's product inside the loop (``BLOCK_SCALED``), so ``BLOCK_K`` and ``BLOCK_N``
+must divide 128 there: a config's ``BLOCK_N`` above 128 runs as 128 under block scales (one
+b-scale per tile and K step: a scalar load, not a vector of per-column ones). fp8 ``tl.dot`` needs
+sm_89 or later: on sm_80 the kernels do not compile (``dlcore ops`` says so).
+
+Precision: on Hopper, ``wgmma`` sums fp8 products inside the tensor cores with about 14
+significant bits before they reach the float32 accumulator (cuBLAS's "fast accumulation"; the
+reason DeepSeek-V3 promotes every 128 of K): outputs agree with the float64 product to about
+bfloat16's tolerance whatever ``out_dtype``. Tiles of fewer than 64 rows run ``mma`` and the
+interpreter ``tl.dot`` exactly in float32.
+
+Baselines: ``dequant``, what a user without an fp8 kernel runs (both operands dequantised to
+bfloat16, then a bfloat16 GEMM); the vendor candidate is ``torch._scaled_mm``
+(:mod:`dlblas_kernels.vendor`, per-tensor and per-row).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Any
+
+import torch
+
+from dlblas_kernels import gemm
+from dlblas_kernels.kernels.quantize_fp8 import quantize_fp8_reference
+from dlcore.declarations.device import DeviceProfile
+from dlcore.declarations.implementation import Config, LaunchPlan, LoweringLimit
+from dlcore.declarations.op import Op, ScalarArg, TensorArg
+from dlcore.declarations.signature import Signature, cdiv
+from dlcore.declarations.space import Choice, Constraint, PowerOfTwo, SearchSpace, num_stages, num_warps
+from dlcore.errors import InvalidInputError
+from dlcore.runtime.template import define_kernel
+
+FP8 = torch.float8_e4m3fn
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: the K (and b's N) extent of one block scale
+BLOCK = gemm.SCALE_BLOCK.value
+#: K must be a multiple of this (16-byte rows of fp8)
+K_MULTIPLE = 16
+# float32 accumulator values per thread: see matmul's
+MAX_ACC_PER_THREAD = 128
+MIN_ACC_PER_THREAD = 8
+
+
+class Granularity(enum.Enum):
+    """What one scale covers, read off the scales' shapes."""
+
+    BLOCK = "block"
+    ROW = "row"
+    TENSOR = "tensor"
+
+
+def granularity(a_scale: Any, b_scale: Any, m: int, n: int, k: int) -> Granularity | None:
+    """The granularity of scales of shapes ``a_scale.shape`` and ``b_scale.shape`` (tensors or
+    specs) for ``a [m, k]``, ``b [n, k]``; None when they fit none. Where the shapes fit both
+    (K <= 128 and N == 1) per-row and block scales mean the same product; per-row is named."""
+    sa, sb = tuple(a_scale.shape), tuple(b_scale.shape)
+    if sa == () and sb == ():
+        return Granularity.TENSOR
+    if sa == (m, 1) and sb == (n, 1):
+        return Granularity.ROW
+    if sa == (m, cdiv(k, BLOCK)) and sb == (cdiv(n, BLOCK), cdiv(k, BLOCK)):
+        return Granularity.BLOCK
+    return None
+
+
+def signature_granularity(sig: Signature) -> Granularity | None:
+    """:func:`granularity` from a signature (``a``'s rows are bucketed: the scales' own shapes tell)."""
+    sa, sb = sig.tensor("a_scale").shape, sig.tensor("b_scale").shape
+    n, k = sig.tensor("b").shape
+    if sa == () and sb == ():
+        return Granularity.TENSOR
+    if len(sa) == 2 and sa[1] == 1 and sb == (n, 1):
+        return Granularity.ROW
+    if len(sa) == 2 and sa[1] == cdiv(k, BLOCK) and sb == (cdiv(n, BLOCK), cdiv(k, BLOCK)):
+        return Granularity.BLOCK
+    return None
+
+
+def expand_scale(scale: torch.Tensor, rows: int, cols: int, block_rows: int, block_cols: int) -> torch.Tensor:
+    """``scale`` repeated over the ``block_rows x block_cols`` elements each entry covers, cut to
+    ``[rows, cols]`` (a 0-dim scale broadcast)."""
+    if scale.dim() == 0:
+        return scale.expand(rows, cols)
+    return scale.repeat_interleave(block_rows, 0)[:rows].repeat_interleave(block_cols, 1)[:, :cols]
+
+
+def dequantise(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a * a_scale, b * b_scale)`` in ``dtype``, the scales expanded by their granularity."""
+    (m, k), n = a.shape, b.shape[0]
+    found = granularity(a_scale, b_scale, m, n, k)
+    rows = BLOCK if found is Granularity.BLOCK else 1
+    cols = BLOCK if found is Granularity.BLOCK else k
+    return ((a.to(dtype) * expand_scale(a_scale.to(dtype), m, k, 1, cols)),
+            (b.to(dtype) * expand_scale(b_scale.to(dtype), n, k, rows, cols)))
+
+
+def fp8_gemm_reference(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+                       out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The dequantised product in float64, returned in ``out_dtype``."""
+    a64, b64 = dequantise(a, b, a_scale, b_scale, torch.float64)
+    return (a64 @ b64.T).to(out_dtype)
+
+
+def dequant_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+                 out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """What a user without an fp8 kernel runs: both operands dequantised to bfloat16 (in float32,
+    then rounded), a bfloat16 GEMM, the result in ``out_dtype``."""
+    a16, b16 = (t.to(torch.bfloat16) for t in dequantise(a, b, a_scale, b_scale, torch.float32))
+    return torch.matmul(a16, b16.T).to(out_dtype)
+
+
+def output(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+           out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.empty(a.shape[0], b.shape[0], dtype=out_dtype, device=a.device)
+
+
+def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
+    a, b, a_scale, b_scale, out_dtype = args
+    out = output(*args)
+    if out.numel() == 0:
+        return LaunchPlan(calls=[], result=out)
+    (m, k), n = a.shape, b.shape[0]
+    found = granularity(a_scale, b_scale, m, n, k)
+    epilogue, block_scales = gemm.Epilogue(), None
+    if found is Granularity.BLOCK:
+        block_scales = gemm.BlockScales(a_scale, b_scale)
+        config = {**config, "BLOCK_N": min(config["BLOCK_N"], BLOCK), "BLOCK_K": min(config["BLOCK_K"], BLOCK)}
+    elif found is Granularity.ROW:
+        epilogue = gemm.Epilogue(row_scale=a_scale[:, 0], col_scale=b_scale[:, 0])
+    else:
+        epilogue = gemm.Epilogue(row_scale=a_scale, col_scale=b_scale)
+    calls, scratch = gemm.gemm_calls(a, b.T, out, config, profile, epilogue=epilogue, block_scales=block_scales)
+    return LaunchPlan(calls=calls, result=out, scratch=scratch)
+
+
+def _tile(block_m: int, block_n: int, block_k: int, warps: int, stages: int, **extra: int) -> Config:
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages,
+            "SPLIT_K": 1, "TMA": 1, **extra}
+
+
+def heuristic(m: int, n: int, k: int, found: Granularity | None, profile: DeviceProfile | None) -> Config:
+    """A config for ``[m, k] @ [n, k].T`` in fp8 with scales of granularity ``found``, read off the
+    H200 sweep at the DeepSeek-V3 shapes (``python3 .ci/sweep_fp8_gemm.py``, bf16 out).
+
+    - No persistent descriptor kernel (not sm_90, or no core count): the pointer kernel's 64x64
+      tiles, K steps of 64 (what the interpreter runs quickly).
+    - Up to 128 rows: 64x128 tiles, K steps of 128, 5 stages; under block scales split in two
+      along K where the tiles fill under 1.15 waves of the multiprocessors even split and K
+      gives each half 8 steps (N 2112 and 4096 at K 7168: +38%, +35%).
+    - Block scales, more rows: 128x128 tiles (BLOCK_N of 128: one b-scale per tile and step), K
+      steps of 128, 8 warps, 4 stages (800 TFLOP/s at 4096 x 7168 x 16384; 5 stages 3% slower,
+      256x128 and 64-row tiles 15% and more).
+    - Per-row and per-tensor scales, more rows: 128x256x128 tiles, 8 warps, 3 stages; 128x128
+      where N is no multiple of 256 (N 2112: 5% faster, less of the last column tile wasted).
+    """
+    if profile is None or profile.arch not in gemm.TMA_ARCHS or profile.cores <= 0:
+        return _tile(64, 64, 64, 4, 3, TMA=0)
+    if m <= 128:
+        tiles = cdiv(m, 64) * cdiv(n, 128)
+        if found is Granularity.BLOCK and 2 * tiles <= 1.15 * profile.cores and k >= 2 * 8 * 128:
+            return _tile(64, 128, 128, 4, 4, SPLIT_K=2)
+        return _tile(64, 128, 128, 4, 5)
+    if found is Granularity.BLOCK or n % 256:
+        return _tile(128, 128, 128, 8, 4)
+    return _tile(128, 256, 128, 8, 3)
+
+
+def default_config(sig: Signature, profile: DeviceProfile) -> Config:
+    rows = sig.tensor("a").shape[0]  # rounded up to a power of two
+    n, k = sig.tensor("b").shape
+    return heuristic(rows, n, k, signature_granularity(sig), profile)
+
+
+def _shared_memory_bytes(c: Config) -> int:
+    return gemm.shared_memory_bytes(c, 1, out_element_size=2)
+
+
+def _accumulator_per_thread(c: Config) -> float:
+    return c["BLOCK_M"] * c["BLOCK_N"] / (32 * c["num_warps"])
+
+
+def space(profile: DeviceProfile) -> SearchSpace:
+    """The tiles, warps and pipelining depth of the fp8 GEMM (1-byte operands, a 16-bit output tile
+    staged), descriptor or pointer kernel, split-K; K steps of 32 to 128 (under block scales one
+    step lies in one scale block), the pipelined tiles within the profile's shared memory."""
+    shared = profile.shared_memory_per_program
+    fits = [Constraint(
+        f"the pipelined fp8 a and b tiles and the staged 16-bit output tile fit in {shared} bytes of shared memory",
+        lambda c: _shared_memory_bytes(c) <= shared,
+    )] if shared else []
+    return SearchSpace(
+        [
+            PowerOfTwo("BLOCK_M", 16, 256),
+            PowerOfTwo("BLOCK_N", 32, 256),
+            PowerOfTwo("BLOCK_K", 32, 128),
+            num_warps(4, 8),
+            num_stages(3, 4, 5, 6),
+            Choice("SPLIT_K", (1, 2, 4)),
+            Choice("TMA", (0, 1)),
+        ],
+        [
+            *fits,
+            Constraint(f"BLOCK_M * BLOCK_N / (32 * num_warps) <= {MAX_ACC_PER_THREAD} (the accumulator fits in "
+                       f"registers)", lambda c: _accumulator_per_thread(c) <= MAX_ACC_PER_THREAD),
+            Constraint(f"BLOCK_M * BLOCK_N / (32 * num_warps) >= {MIN_ACC_PER_THREAD} (every warp has enough of "
+                       f"the tile)", lambda c: _accumulator_per_thread(c) >= MIN_ACC_PER_THREAD),
+            Constraint("SPLIT_K == 1 or BLOCK_M <= 128 (split-K is for few rows)",
+                       lambda c: c["SPLIT_K"] == 1 or c["BLOCK_M"] <= 128),
+            Constraint("TMA == 0 or BLOCK_M >= 64 (the descriptor kernel's wgmma takes 64 rows a warpgroup)",
+                       lambda c: c["TMA"] == 0 or c["BLOCK_M"] >= 64),
+        ],
+    )
+
+
+def _expected_scales(m: int, n: int, k: int) -> str:
+    kb, nb = cdiv(k, BLOCK), cdiv(n, BLOCK)
+    return (f"a_scale and b_scale of shapes ({m}, {kb}) and ({nb}, {kb}) (block: 1x128 of a, 128x128 of b), "
+            f"({m}, 1) and ({n}, 1) (per row and channel), or () and () (per tensor)")
+
+
+def check(op: Op, args: dict[str, Any]) -> None:
+    a, b, a_scale, b_scale = args["a"], args["b"], args["a_scale"], args["b_scale"]
+    (m, k), n = a.shape, b.shape[0]
+    op.expect_shape("b", b, (n, k), "[N, K], K being a's last dimension (the nn.Linear layout)")
+    if k % K_MULTIPLE or k == 0:
+        raise InvalidInputError(op.name, "a", f"has K = {k} (shape {tuple(a.shape)})",
+                                f"a K that is a positive multiple of {K_MULTIPLE} (16-byte fp8 rows)",
+                                "Pad K with zeros (in a and b) to a multiple of 16.")
+    if granularity(a_scale, b_scale, m, n, k) is None:
+        named = "a_scale" if tuple(a_scale.shape) not in ((), (m, 1), (m, cdiv(k, BLOCK))) else "b_scale"
+        raise InvalidInputError(op.name, named, f"has shape {tuple(args[named].shape)} (a_scale "
+                                f"{tuple(a_scale.shape)}, b_scale {tuple(b_scale.shape)})", _expected_scales(m, n, k))
+
+
+def example(sizes: dict[str, int], dtype: torch.dtype, device: torch.device,
+            generator: torch.Generator) -> tuple:
+    """Random ``a [tokens, hidden]`` and an nn.Linear weight ``b [inter, hidden]`` (variance
+    1/hidden), quantised with DeepSeek-V3's block scales (1x128 of a, 128x128 of b); the output in
+    ``dtype`` (bfloat16 where ``dtype`` is no output dtype)."""
+    tokens, hidden, inter = sizes["tokens"], sizes["hidden"], sizes["inter"]
+    x = torch.randn(tokens, hidden, generator=generator).to(device)
+    w = (torch.randn(inter, hidden, generator=generator) / math.sqrt(hidden)).to(device)
+    a, a_scale = quantize_fp8_reference(x, "block")
+    b, b_scale = quantize_fp8_reference(w, "block_128x128")
+    return a, b, a_scale, b_scale, dtype if dtype in OUT_DTYPES else torch.bfloat16
+
+
+def cost(args: tuple) -> tuple[int, int]:
+    """a, b and the scales read once, the output written once; a multiply and an add per term."""
+    a, b, a_scale, b_scale, out_dtype = args
+    (m, k), n = a.shape, b.shape[0]
+    nbytes = a.numel() + b.numel() + 4 * (a_scale.numel() + b_scale.numel()) + m * n * out_dtype.itemsize
+    return nbytes, 2 * m * n * k
+
+
+OP = Op(
+    name="fp8_gemm",
+    args=(
+        TensorArg("a", (FP8,), min_rank=2, max_rank=2, bucket="rows", differentiable=False),
+        TensorArg("b", (FP8,), min_rank=2, max_rank=2, same_dtype_as="a", differentiable=False),
+        TensorArg("a_scale", (torch.float32,), min_rank=0, max_rank=2, bucket="rows", differentiable=False,
+                  layouts=("contiguous", "rows", "strided")),
+        TensorArg("b_scale", (torch.float32,), min_rank=0, max_rank=2, differentiable=False,
+                  layouts=("contiguous", "rows", "strided")),
+        ScalarArg("out_dtype", (torch.dtype,), default=torch.bfloat16, keyed=True, choices=OUT_DTYPES),
+    ),
+    reference=fp8_gemm_reference,
+    doc="(a * a_scale) @ (b * b_scale).T for float8_e4m3fn a [M, K], b [N, K]; block (1x128, 128x128), per-row or "
+        "per-tensor float32 scales; float32 accumulation, bf16/fp16/fp32 out",
+    check=check,
+    example=example,
+    example_sizes={"tokens": 37, "hidden": 272, "inter": 160},
+    cost=cost,
+    baselines={"dequant": lambda: dequant_gemm},
+)
+
+KERNEL = define_kernel(
+    OP, plan,
+    kernels=gemm.KERNELS,
+    results=output,
+    default_config=default_config,
+    space=space,
+    doc="the GEMM block on fp8 tiles: block scales in the K loop, per-row / per-tensor scales in the epilogue",
+    limits=(LoweringLimit(
+        "cuda", ("gemm_kernel", "gemm_tma_kernel"), "ttir",
+        "fp8 (e4m3) tl.dot needs sm_89 or later: Triton 3.6 rejects float8e4nv on sm_80", archs=("80",)),),
+)
+fp8_gemm = KERNEL.function
+dlcore_ops, dlcore_implementations = KERNEL.dlcore_ops, KERNEL.dlcore_implementations

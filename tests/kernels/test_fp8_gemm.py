@@ -1,0 +1,223 @@
+"""fp8_gemm against the float64 product of its dequantised operands: every granularity on every
+launch path of the GEMM block, odd shapes (M, N, K no multiples of 128), non-contiguous ``a``,
+scales in either layout, each output dtype; every bad input named; the heuristic, the
+torch._scaled_mm candidate's declines, and the sm_80 limit ``dlcore ops`` shows.
+
+On a CPU the kernels run in the interpreter (its fp8 ``tl.dot`` is exact; bfloat16 only reaches
+the store's cast, which it gets right); the descriptor kernel under a profile claiming sm_90."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import re
+
+import pytest
+import torch
+from conftest import ON_GPU
+from dlblas_kernels import fp8_gemm, gemm, vendor
+from dlblas_kernels.kernels import fp8_gemm as F
+from dlblas_kernels.kernels.quantize_fp8 import quantize_fp8_reference
+
+import dlcore
+from dlcore.cli.inventory import run_ops
+from dlcore.declarations.signature import make_signature
+from dlcore.errors import InvalidInputError
+from dlcore.testing import assert_close, poison, tolerance
+
+# Interpreter-sized tiles; the descriptor kernel's persistent programs walk several tiles each.
+SMALL = dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=64, GROUP_M=2, num_warps=4, num_stages=2)
+QUANT = {"block": ("block", "block_128x128"), "row": ("row", "row"), "tensor": ("tensor", "tensor")}
+M, N, K = 37, 152, 272  # 152 bf16 / fp32 columns: 16-byte rows for the copy engine; K: 3 K blocks, the last of 16
+
+
+def operands(gen, granularity, m=M, n=N, k=K, device="cpu"):
+    x = torch.randn(m, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) / math.sqrt(k)
+    a, a_scale = quantize_fp8_reference(x, QUANT[granularity][0])
+    b, b_scale = quantize_fp8_reference(w, QUANT[granularity][1])
+    return tuple(t.to(device) for t in (a, b, a_scale, b_scale))
+
+
+def reference(a, b, a_scale, b_scale):
+    return F.fp8_gemm_reference(a, b, a_scale, b_scale, torch.float64)
+
+
+def assert_product(out, expected, k):
+    """``out`` against the float64 product within its dtype's tolerance; on a GPU within bfloat16's
+    for any output dtype: Hopper's wgmma sums fp8 products with about 14 significant bits (what
+    cuBLAS calls fast accumulation)."""
+    if not ON_GPU:
+        assert_close(out, expected, out.dtype, reduce_dim=k)
+        return
+    assert not torch.isnan(out).any(), "output holds NaN: an element was never written"
+    atol, rtol = tolerance(torch.bfloat16, k)
+    torch.testing.assert_close(out.double().cpu(), expected.double().cpu(), atol=atol, rtol=rtol)
+
+
+@pytest.fixture(params=["pointers", "descriptors", "split-k pointers", "split-k descriptors"])
+def path(request, profile, device):
+    descriptors = request.param.endswith("descriptors")
+    if descriptors:
+        profile = dataclasses.replace(profile, arch="sm_90", cores=3 if device == "cpu" else profile.cores)
+    extra = {"TMA": int(descriptors), "SPLIT_K": 2 if request.param.startswith("split-k") else 1}
+    return profile, extra, "gemm_tma_kernel" if descriptors else "gemm_kernel"
+
+
+def run_plan(args, config, profile):
+    plan = F.plan(args, config, profile)
+    poison(plan.result)
+    return plan, plan.run()
+
+
+@pytest.mark.parametrize("granularity", ["block", "row", "tensor"])
+def test_granularity_on_every_path(granularity, path, device, gen):
+    profile, extra, kernel = path
+    a, b, a_scale, b_scale = operands(gen, granularity, device=device)
+    plan, out = run_plan((a, b, a_scale, b_scale, torch.float32), {**SMALL, **extra}, profile)
+    assert plan.calls[0].kernel.__name__ == kernel
+    assert plan.calls[0].kwargs["BLOCK_SCALED"] == (granularity == "block")
+    assert_product(out, reference(a, b, a_scale, b_scale), K)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("granularity", ["block", "tensor"])
+def test_output_dtypes(out_dtype, granularity, device, gen):
+    """Through the public function (the heuristic config for the device)."""
+    args = operands(gen, granularity, device=device)
+    out = fp8_gemm(*args, out_dtype=out_dtype)
+    assert out.dtype == out_dtype and out.shape == (M, N)
+    assert_product(out, reference(*args), K)
+
+
+@pytest.mark.parametrize("layout", ["padded rows", "transposed"])
+def test_non_contiguous_a_and_m_major_scales(layout, profile, device, gen):
+    """``a`` in a wider buffer, or stored M-major (the descriptor kernel takes fp8 only K-major: the
+    pointer kernel runs it); ``a_scale`` M-major, as quantize_fp8 lays it out."""
+    a, b, a_scale, b_scale = operands(gen, "block", device=device)
+    if layout == "padded rows":
+        wide = torch.zeros(M, K + 32, dtype=a.dtype, device=device)
+        wide[:, :K] = a
+        a = wide[:, :K]
+    else:
+        a = a.T.contiguous().T
+    a_scale = a_scale.T.contiguous().T
+    hopper = dataclasses.replace(profile, arch="sm_90", cores=3 if device == "cpu" else profile.cores)
+    plan, out = run_plan((a, b, a_scale, b_scale, torch.float32), SMALL, hopper)
+    assert plan.calls[0].kernel.__name__ == ("gemm_tma_kernel" if layout == "padded rows" else "gemm_kernel")
+    assert_product(out, reference(a, b, a_scale, b_scale), K)
+
+
+def test_get_op_and_ragged_shapes(device, gen):
+    """Through ``get_op``; N = 1 and a K of one block (per-row and block then mean the same), and a
+    tile wider than N."""
+    for m, n, k in ((5, 1, 16), (3, 130, 48)):
+        args = operands(gen, "block", m=m, n=n, k=k, device=device)
+        out = dlcore.get_op("fp8_gemm", (*args, torch.float32))(*args, torch.float32)
+        assert_product(out, reference(*args), k)
+
+
+def test_empty(device):
+    a = torch.empty(0, 32, dtype=F.FP8, device=device)
+    b = torch.empty(4, 32, dtype=F.FP8, device=device)
+    out = fp8_gemm(a, b, torch.ones((), device=device), torch.ones((), device=device))
+    assert out.shape == (0, 4) and out.dtype == torch.bfloat16
+
+
+def test_block_scales_clamp_wide_tiles(profile, gen):
+    """Under block scales a config's BLOCK_N above 128 runs as 128; the GEMM block refuses tiles
+    that straddle scale blocks."""
+    args = operands(gen, "block")
+    plan = F.plan((*args, torch.float32), {**SMALL, "BLOCK_N": 256, "TMA": 0}, profile)
+    assert plan.calls[0].kwargs["BLOCK_N"] == 128
+    a, b, a_scale, b_scale = args
+    c = torch.empty(M, N)
+    with pytest.raises(ValueError, match="BLOCK_K and BLOCK_N dividing 128"):
+        gemm.gemm_calls(a, b.T, c, {**SMALL, "BLOCK_K": 96}, profile, block_scales=gemm.BlockScales(a_scale, b_scale))
+    with pytest.raises(ValueError, match="replace the epilogue"):
+        gemm.gemm_calls(a, b.T, c, SMALL, profile, block_scales=gemm.BlockScales(a_scale, b_scale),
+                        epilogue=gemm.Epilogue(row_scale=a_scale[:, 0]))
+
+
+def _bad(gen):
+    a, b, a_scale, b_scale = operands(gen, "block", m=8, n=40, k=256)
+    row = operands(gen, "row", m=8, n=40, k=256)
+    yield "a", (a.to(torch.float8_e5m2), b.to(torch.float8_e5m2), a_scale, b_scale), "float8_e5m2"
+    yield "b", (a, b.to(torch.float8_e5m2), a_scale, b_scale), "float8_e5m2"
+    yield "a", (a[:, :200], b[:, :200], a_scale, b_scale), "multiple of 16"
+    yield "b", (a, b[:, :128], a_scale, b_scale), "shape"
+    yield "a_scale", (a, b, torch.ones(8, 3), b_scale), re.escape("a_scale and b_scale of shapes (8, 2) and (1, 2)")
+    yield "b_scale", (a, b, a_scale, b_scale[:, :1]), re.escape("(1, 2)")
+    yield "b_scale", (a, b, row[2], torch.ones(())), "per row"
+    yield "a_scale", (a, b, a_scale.half(), b_scale), "float16"
+    yield "a", (a[None], b, a_scale, b_scale), "dimensions"
+
+
+def test_bad_inputs_are_named(gen):
+    for arg, args, text in _bad(gen):
+        with pytest.raises(InvalidInputError, match=text) as found:
+            fp8_gemm(*args)
+        assert found.value.arg == arg, (arg, found.value)
+    a, b, a_scale, b_scale = operands(gen, "tensor", m=8, n=40, k=64)
+    with pytest.raises(InvalidInputError) as found:
+        fp8_gemm(a, b, a_scale, b_scale, out_dtype=torch.float64)
+    assert found.value.arg == "out_dtype"
+
+
+def test_heuristic(profile):
+    hopper = dataclasses.replace(profile, arch="sm_90", cores=132)
+    tile = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "TMA")
+
+    def chosen(m, n, k, granularity, where=hopper):
+        return tuple(F.heuristic(m, n, k, granularity, where)[key] for key in tile)
+
+    assert chosen(4096, 7168, 16384, F.Granularity.BLOCK) == (128, 128, 128, 1, 1)
+    assert chosen(4096, 7168, 16384, F.Granularity.TENSOR) == (128, 256, 128, 1, 1)
+    assert chosen(4096, 2112, 7168, F.Granularity.ROW) == (128, 128, 128, 1, 1)
+    assert chosen(128, 2112, 7168, F.Granularity.BLOCK) == (64, 128, 128, 2, 1)
+    assert chosen(128, 7168, 16384, F.Granularity.BLOCK) == (64, 128, 128, 1, 1)
+    assert chosen(4096, 7168, 16384, F.Granularity.BLOCK, dataclasses.replace(hopper, arch="sm_80"))[-1] == 0
+    shared = hopper.shared_memory_per_program or 232448
+    for m in (128, 4096):
+        for granularity in F.Granularity:
+            assert F.space(hopper).is_valid(F.heuristic(m, 7168, 7168, granularity, hopper)) is None
+            assert gemm.shared_memory_bytes(F.heuristic(m, 7168, 7168, granularity, hopper), 1, out_element_size=2
+                                            ) <= shared
+
+
+def test_scaled_mm_candidate_declines(profile, gen):
+    hopper = dataclasses.replace(profile, backend="cuda", vendor="nvidia", arch="sm_90", cores=132)
+    ampere = dataclasses.replace(hopper, arch="sm_80")
+
+    def declines(granularity, out_dtype=torch.bfloat16, where=hopper, m=8, n=48, k=256):
+        args = (*operands(gen, granularity, m=m, n=n, k=k), out_dtype)
+        sig = dataclasses.replace(make_signature(F.OP, args, torch.device("cpu")), device_type="cuda")
+        return vendor.FP8_GEMM.supports(sig, where)
+
+    assert declines("tensor") is None and declines("tensor", torch.float32) is None and declines("row") is None
+    assert "blocks" in declines("block")
+    assert "bfloat16" in declines("row", torch.float16)
+    assert "sm_89" in declines("tensor", where=ampere)
+    assert "multiples of 16" in declines("tensor", n=40)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch._scaled_mm needs a GPU from sm_89")
+@pytest.mark.parametrize("granularity", ["row", "tensor"])
+def test_scaled_mm_candidate(granularity, gen):
+    args = operands(gen, granularity, m=64, n=256, k=512, device="cuda")
+    assert_close(vendor.fp8_gemm(*args), reference(*args).to(torch.bfloat16), torch.bfloat16, reduce_dim=512)
+
+
+def test_dequantise_baseline(gen):
+    args = operands(gen, "block", m=9, n=130, k=160)
+    assert_close(F.dequant_gemm(*args), reference(*args), torch.bfloat16, reduce_dim=160)
+
+
+def test_dlcore_ops_says_sm80_cannot_run_it(capsys):
+    impl = F.KERNEL.implementation
+    assert impl.limit("cuda", "gemm_tma_kernel", "80") is not None
+    assert impl.limit("cuda", "gemm_tma_kernel", "90") is None
+    for op in (None, "fp8_gemm"):
+        run_ops(argparse.Namespace(op=op))
+        assert "fp8_gemm.triton: cuda:80: gemm_kernel, gemm_tma_kernel stop before ttir" in capsys.readouterr().out
