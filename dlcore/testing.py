@@ -44,8 +44,14 @@ def upcast(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
 
 
 def poison(t: torch.Tensor) -> torch.Tensor:
-    """Fill ``t`` with NaN so that an element a kernel forgot to write shows."""
-    return t.fill_(POISON)
+    """Fill ``t`` so that an element a kernel forgot to write shows: NaN, or for integers the dtype's
+    least value (no index or count a kernel writes, -1 included; the greatest for unsigned ones)."""
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        return t.fill_(POISON)
+    if t.dtype == torch.bool:
+        return t.fill_(True)
+    info = torch.iinfo(t.dtype)
+    return t.fill_(info.min if t.dtype.is_signed else info.max)
 
 
 def randn(*shape: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
