@@ -117,3 +117,22 @@ def test_direct_functions_on_meta_tensors_give_shapes_like_torch():
     out = rms_norm(x, w)
     assert out.device.type == "meta" and out.shape == (5, 16)
     assert matmul(x, torch.randn(16, 3, device="meta")).shape == (5, 3)
+
+
+def test_compiled_kernels_called_on_cpu_tensors_name_the_argument_and_the_interpreter():
+    """Without the interpreter a public function on CPU tensors would hand host pointers to a compiled
+    kernel (Triton's own error, or a crash): it names the argument and says what runs on the CPU."""
+    from isolated import run_json
+
+    found = run_json(
+        "import json, torch, dlblas_kernels\n"
+        "from dlcore.errors import InvalidInputError\n"
+        "try:\n"
+        "    dlblas_kernels.rms_norm(torch.randn(3, 8), torch.ones(8))\n"
+        "    print(json.dumps({'raised': None}))\n"
+        "except InvalidInputError as e:\n"
+        "    print(json.dumps({'raised': str(e), 'arg': e.arg}))\n",
+        TRITON_INTERPRET="0",
+    )
+    assert found["arg"] == "x", found
+    assert "on the CPU" in found["raised"] and "TRITON_INTERPRET=1" in found["raised"]

@@ -62,7 +62,7 @@ from dlcore.declarations.implementation import Config, LaunchPlan, LoweringLimit
 from dlcore.declarations.op import REQUIRED, Op, ScalarArg, TensorArg
 from dlcore.declarations.signature import Signature, make_signature
 from dlcore.declarations.space import SearchSpace
-from dlcore.errors import BackendUnavailableError, DeclarationError
+from dlcore.errors import BackendUnavailableError, DeclarationError, InvalidInputError
 from dlcore.plugins.hookspecs import hookimpl
 from dlcore.plugins.registry import registry
 from dlcore.runtime.torch_ops import CustomOpTritonImplementation, Launches, run_backward
@@ -509,6 +509,14 @@ def _backward_plan(op: Op, backward: Backward, backward_op: _BackwardOp, results
     return backward_plan
 
 
+def _on_the_cpu(op: Op, bound: tuple) -> InvalidInputError:
+    """The error of a public function called on CPU tensors whose kernels are compiled for a device."""
+    name = next(a.name for a, value in zip(op.args, bound) if isinstance(value, torch.Tensor))
+    return InvalidInputError(op.name, name, "is on the CPU, where compiled Triton kernels cannot read it",
+                             "tensors on the device its kernels are compiled for (e.g. cuda)",
+                             "TRITON_INTERPRET=1, set before triton is first imported, runs them on the CPU")
+
+
 def _public_function(op: Op, implementation: CustomOpTritonImplementation,
                      call_custom_op: Callable[[tuple, Config | None], Any], module: str,
                      differentiable: bool) -> Callable[..., Any]:
@@ -518,6 +526,9 @@ def _public_function(op: Op, implementation: CustomOpTritonImplementation,
     if not all(n.isidentifier() for n in (op.name, *(a.name for a in op.args))):
         raise DeclarationError(f"{op.usage()}: the op and its arguments need Python identifiers as names")
     validate, default_config, run = op.validate, implementation.default_config, implementation.run
+    # Compiled kernels cannot read host memory; the interpreter (TRITON_INTERPRET=1 when triton was
+    # first imported) runs them on the CPU. Fixed for the process when the kernels are made.
+    on_cpu = implementation.interpreted
 
     def call(bound: tuple) -> Any:
         if torch.compiler.is_compiling():
@@ -526,6 +537,8 @@ def _public_function(op: Op, implementation: CustomOpTritonImplementation,
         if device.type == "meta":
             # no data to run a kernel on: the custom op's fake gives the outputs' shapes, as torch's ops do
             return call_custom_op(bound, None)
+        if device.type == "cpu" and not on_cpu:
+            raise _on_the_cpu(op, bound)
         return run(bound, default_config(make_signature(op, bound, device), device_profile(device)))
 
     # Python's rule: a parameter keeps its default only if every later one has one too (ffn's optional
