@@ -335,11 +335,32 @@ def test_scan_tile_within_the_npu_unified_buffer():
         select = plan.result[3]
         assert select.untyped_storage().nbytes() == (select.numel() + 1) * select.element_size()
         kwargs = plan.calls[1].kwargs
-        return kwargs["BLOCK_R"] * kwargs["BLOCK_EC"], kwargs["BLOCK_C"] * kwargs["BLOCK_EC"]
+        return (kwargs["BLOCK_R"] * kwargs["BLOCK_EC"], kwargs["BLOCK_C"] * kwargs["BLOCK_EC"],
+                plan.calls[2].kwargs["DUMP_DROPPED"])
 
     # 1024 rows of counts (8 ranks x 128 token blocks), 128 slots per expert
-    assert scan("cuda:90") == (topk_gating_module.SCAN_TILE, 128 * 16)
-    assert scan("npu:Ascend910B2") == (1024, 1024)
+    assert scan("cuda:90") == (topk_gating_module.SCAN_TILE, 128 * 16, 0)
+    assert scan("npu:Ascend910B2") == (1024, 1024, 1)
+
+
+@pytest.mark.parametrize("tokens, experts, k, capacity_factor", [(45, 20, 3, 0.7), (37, 8, 2, 1.0)])
+def test_npu_assign_writes_dropped_choices_to_the_dump_slot(tokens, experts, k, capacity_factor, device, gen):
+    """The assign kernel's npu form (DUMP_DROPPED) gives the same outputs; the slot past the E * C
+    holds the token of a dropped choice."""
+    logits = randn(tokens, experts, device=device, generator=gen, scale=2.0)
+    args = (logits, k, capacity_factor, 2)
+    config = TRITON.default_config(make_signature(OP, args, logits.device), device_profile(logits.device))
+    plan = TRITON.plan(args, config)
+    plan.calls[2].kwargs["DUMP_DROPPED"] = 1
+    select = plan.result[3]
+    with_dump = select.as_strided((select.numel() + 1,), (1,))
+    with_dump.fill_(UNWRITTEN)
+    for t in plan.result[:3]:
+        poison(t) if t.is_floating_point() else t.fill_(UNWRITTEN)
+    assert_matches_reference(plan.run(), logits, k, capacity_factor)
+    kept_experts = topk_gating_training_reference(logits.double(), k, capacity_factor, 2)[4].cpu()
+    dropped = {s % tokens for s in (kept_experts == -1).nonzero().flatten().tolist()}
+    assert dropped and int(with_dump[-1]) in dropped
 
 
 @pytest.mark.parametrize("case", ["k 0", "k above E", "k a float", "1-D logits", "3-D logits", "float64 logits",

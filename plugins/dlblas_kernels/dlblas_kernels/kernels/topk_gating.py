@@ -34,8 +34,12 @@ Forward, three launches, deterministic (no atomics):
    expert's total (its ``ce``), its share of ``l_aux``, and -1 in the slots past its last choice.
 3. **assign**, a program per token block again: a choice's slot is its (rank, block)'s first slot
    plus the choices of the same expert and rank by earlier tokens of the block; then the kept
-   choices' indices and tokens (a dropped choice's token to a dump slot past the ``E * C``), and the
-   weights normalised over each token's kept gates. Program 0 sums the scan's shares of ``l_aux``.
+   choices' indices and tokens, and the weights normalised over each token's kept gates. Program 0
+   sums the scan's shares of ``l_aux``. On npu (``DUMP_DROPPED``) a dropped choice's token goes to a
+   dump slot past the ``E * C``: triton-ascend 3.2's adapter turns a scatter masked by loaded data
+   into a load, a select and a store through one gathered pointer, which its triton-to-linalg then
+   rejects ("tt.addptr has multiple users"); on GPUs the masked scatter stays (no stores of all
+   dropped choices to one address).
 
 Backward, one launch per token block: the softmax recomputed from the logits, and with ``p`` the
 gates, ``g`` the output gradients, ``D_s`` token ``s``'s clamped sum of kept gates::
@@ -168,6 +172,7 @@ def topk_gating_assign_kernel(
     l_aux_ptr, ec_ptr, weights_ptr, select_ptr,
     S, E, C, blocks, parts, l_aux_scale,
     K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr,
+    DUMP_DROPPED: tl.constexpr,
 ):
     EPSILON: tl.constexpr = 1.1920928955078125e-07
     block = tl.program_id(0)
@@ -189,11 +194,10 @@ def topk_gating_assign_kernel(
         kept = in_range & (slot < C)
         position = choice * C + slot
         tl.store(ec_ptr + j * S + tokens, tl.where(kept, position, 0), mask=in_range)
-        # a dropped choice writes its token to the dump slot E * C past the experts' slots: a store
-        # masked by loaded data is one that triton-ascend 3.2's adapter turns into a load, a select and
-        # a store through one gathered pointer, which its triton-to-linalg rejects ("tt.addptr has
-        # multiple users"); the mask of the tokens in range it takes as a plain mask
-        tl.store(select_ptr + tl.where(kept, position, E * C).to(tl.int64), tokens.to(tl.int64), mask=in_range)
+        if DUMP_DROPPED:  # to the dump slot E * C, masked by the tokens in range only (see the module doc)
+            tl.store(select_ptr + tl.where(kept, position, E * C).to(tl.int64), tokens.to(tl.int64), mask=in_range)
+        else:
+            tl.store(select_ptr + position.to(tl.int64), tokens.to(tl.int64), mask=kept)
         # what the backward needs of the choice: its expert, or -1 where dropped
         tl.store(experts_ptr + j * S + tokens, tl.where(kept, choice, -1), mask=in_range)
         gate = tl.load(gates_ptr + j * S + tokens, mask=in_range, other=0.0)
@@ -321,7 +325,7 @@ def training_outputs(logits: torch.Tensor, k: int, capacity_factor: float = 1.0,
                      min_capacity: int = 2) -> tuple[torch.Tensor, ...]:
     """The four outputs and the two residuals, allocated (float64 for float64 logits);
     ``expert_select_token_idx`` is the first ``E * C`` elements of ``E * C + 1``, the last the slot
-    the assign kernel writes dropped choices to."""
+    the assign kernel writes dropped choices to on npu (``DUMP_DROPPED``)."""
     tokens, experts, slots = _sizes(logits, k, capacity_factor, min_capacity)
     compute, device = _compute_dtype(logits), logits.device
     return (torch.empty((), dtype=compute, device=device),
@@ -341,9 +345,13 @@ def block_tokens(config: Config, tokens: int) -> int:
     return min(config["BLOCK_S"], next_power_of_2(tokens))
 
 
+def on_npu(profile: DeviceProfile | None) -> bool:
+    return profile is not None and profile.backend == "npu"
+
+
 def scan_tile(profile: DeviceProfile | None) -> int:
     """The elements of a scan tile: :data:`SCAN_TILE`, on npu no more than its unified buffer holds."""
-    if profile is None or profile.backend != "npu" or not profile.shared_memory_per_program:
+    if not on_npu(profile) or not profile.shared_memory_per_program:
         return SCAN_TILE
     fits = profile.shared_memory_per_program // UB_BYTES_PER_SCAN_ELEMENT
     return min(SCAN_TILE, 1 << (fits.bit_length() - 1))
@@ -382,7 +390,7 @@ def training_plan(args: tuple, config: Config, profile: DeviceProfile) -> Launch
         (kept_experts, gates, offsets, parts, l_aux, ec_idx, weights, select, tokens, experts, slots, blocks, groups,
          float(experts)),
         {"K": k, "K_POW2": next_power_of_2(k), "BLOCK_S": block_s, "BLOCK_P": next_power_of_2(groups),
-         "num_warps": warps})
+         "DUMP_DROPPED": int(on_npu(profile)), "num_warps": warps})
     return LaunchPlan(calls=[route, scan, assign], result=results,
                       scratch=(gates, counts, offsets, gate_sums, parts))
 
