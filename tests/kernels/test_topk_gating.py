@@ -19,6 +19,7 @@ from dlblas_kernels.kernels.topk_gating import (
 from gradients import leaves
 
 from dlcore import InvalidInputError
+from dlcore.declarations.device import planning_for
 from dlcore.declarations.signature import make_signature
 from dlcore.runtime.template import UNKNOWN_DEVICE, device_profile
 from dlcore.testing import assert_close, poison, randn
@@ -316,6 +317,50 @@ def test_default_configs():
     assert config(4096, 64) == {"BLOCK_S": 16, "num_warps": 2}  # 256 blocks: two per core
     assert config(1, 64) == {"BLOCK_S": 1, "num_warps": 1}
     assert config(1 << 20, 4096) == {"BLOCK_S": 2, "num_warps": 16}
+
+
+def test_scan_tile_within_the_npu_unified_buffer():
+    """On npu the scan's tiles are at most 1024 elements: bishengir-compile 1.2 overflowed the Ascend
+    910B's 192 KiB unified buffer at 2048; CUDA keeps SCAN_TILE. The select output has the dump slot
+    of the dropped choices past its E * C elements."""
+    from dlcore.compiler.lowering import target_profile
+
+    logits = torch.empty(4096, 256, device="meta")
+
+    def scan(target):
+        profile = target_profile(target)
+        config = TRITON.default_config(make_signature(OP, (logits, 8, 1.0, 2), torch.device("meta")), profile)
+        with planning_for(profile):
+            plan = TRITON.plan((logits, 8, 1.0, 2), config)
+        select = plan.result[3]
+        assert select.untyped_storage().nbytes() == (select.numel() + 1) * select.element_size()
+        kwargs = plan.calls[1].kwargs
+        return (kwargs["BLOCK_R"] * kwargs["BLOCK_EC"], kwargs["BLOCK_C"] * kwargs["BLOCK_EC"],
+                plan.calls[2].kwargs["DUMP_DROPPED"])
+
+    # 1024 rows of counts (8 ranks x 128 token blocks), 128 slots per expert
+    assert scan("cuda:90") == (topk_gating_module.SCAN_TILE, 128 * 16, 0)
+    assert scan("npu:Ascend910B2") == (1024, 1024, 1)
+
+
+@pytest.mark.parametrize("tokens, experts, k, capacity_factor", [(45, 20, 3, 0.7), (37, 8, 2, 1.0)])
+def test_npu_assign_writes_dropped_choices_to_the_dump_slot(tokens, experts, k, capacity_factor, device, gen):
+    """The assign kernel's npu form (DUMP_DROPPED) gives the same outputs; the slot past the E * C
+    holds the token of a dropped choice."""
+    logits = randn(tokens, experts, device=device, generator=gen, scale=2.0)
+    args = (logits, k, capacity_factor, 2)
+    config = TRITON.default_config(make_signature(OP, args, logits.device), device_profile(logits.device))
+    plan = TRITON.plan(args, config)
+    plan.calls[2].kwargs["DUMP_DROPPED"] = 1
+    select = plan.result[3]
+    with_dump = select.as_strided((select.numel() + 1,), (1,))
+    with_dump.fill_(UNWRITTEN)
+    for t in plan.result[:3]:
+        poison(t) if t.is_floating_point() else t.fill_(UNWRITTEN)
+    assert_matches_reference(plan.run(), logits, k, capacity_factor)
+    kept_experts = topk_gating_training_reference(logits.double(), k, capacity_factor, 2)[4].cpu()
+    dropped = {s % tokens for s in (kept_experts == -1).nonzero().flatten().tolist()}
+    assert dropped and int(with_dump[-1]) in dropped
 
 
 @pytest.mark.parametrize("case", ["k 0", "k above E", "k a float", "1-D logits", "3-D logits", "float64 logits",

@@ -76,8 +76,12 @@ def expert_histogram_kernel(ids_ptr, hist_ptr, n_slots, topk, experts, stride_it
     chunk = tl.program_id(0)
     slots = chunk.to(tl.int64) * CHUNK + tl.arange(0, CHUNK)
     ids, routed = _slot_experts(ids_ptr, slots, n_slots, topk, experts, stride_it, stride_ij)
-    counts = tl.histogram(ids, EXPERTS_POW2, mask=routed)
-    tl.store(hist_ptr + chunk * EXPERTS_POW2 + tl.arange(0, EXPERTS_POW2), counts)
+    # unmasked (triton-ascend 3.2's adapter cannot parse a masked tt.histogram): the unrouted slots,
+    # counted in bin 0 (their ids are 0), taken off it again
+    bins = tl.arange(0, EXPERTS_POW2)
+    unrouted = CHUNK - tl.sum(routed.to(tl.int32), axis=0)
+    counts = tl.histogram(ids, EXPERTS_POW2) - tl.where(bins == 0, unrouted, 0)
+    tl.store(hist_ptr + chunk * EXPERTS_POW2 + bins, counts)
 
 
 @triton.jit

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from dlcore.declarations.device import DeviceProfile
-from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
+from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan, LoweringLimit
 from dlcore.declarations.op import Op, ScalarArg, TensorArg
 from dlcore.declarations.signature import Signature, cdiv, next_power_of_2
 from dlcore.runtime.template import define_kernel
@@ -252,6 +252,10 @@ KERNEL = define_kernel(
     outputs=("x_fp8", "scale"),
     default_config=default_config,
     doc="one pass per 1x128 / 128x128 group or row; per tensor a maxima pass, then the quantising pass",
+    limits=(LoweringLimit(
+        "npu", ("block_quantize_kernel", "row_quantize_kernel"), "ttir",
+        "they store float8_e4m3fn, which the Ascend 910B has no type for: upstream Triton 3.6, making the npu "
+        "pipeline's ttir at its sm_80 target, rejects it ('type fp8e4nv not supported in this architecture')"),),
 )
 quantize_fp8 = KERNEL.function
 dlcore_ops, dlcore_implementations = KERNEL.dlcore_ops, KERNEL.dlcore_implementations

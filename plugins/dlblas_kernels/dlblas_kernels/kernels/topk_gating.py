@@ -35,7 +35,11 @@ Forward, three launches, deterministic (no atomics):
 3. **assign**, a program per token block again: a choice's slot is its (rank, block)'s first slot
    plus the choices of the same expert and rank by earlier tokens of the block; then the kept
    choices' indices and tokens, and the weights normalised over each token's kept gates. Program 0
-   sums the scan's shares of ``l_aux``.
+   sums the scan's shares of ``l_aux``. On npu (``DUMP_DROPPED``) a dropped choice's token goes to a
+   dump slot past the ``E * C``: triton-ascend 3.2's adapter turns a scatter masked by loaded data
+   into a load, a select and a store through one gathered pointer, which its triton-to-linalg then
+   rejects ("tt.addptr has multiple users"); on GPUs the masked scatter stays (no stores of all
+   dropped choices to one address).
 
 Backward, one launch per token block: the softmax recomputed from the logits, and with ``p`` the
 gates, ``g`` the output gradients, ``D_s`` token ``s``'s clamped sum of kept gates::
@@ -77,6 +81,10 @@ BLOCKS_PER_CORE = 2
 # The scan's tiles: experts per program and elements per tile.
 SCAN_EXPERTS = 16
 SCAN_TILE = 4096
+# On npu the tiles live in the AI core's unified buffer: bishengir-compile 1.2 asks about 97 bytes of
+# it per element of the scan's tile (1589248 bits for 2048 elements, over the 192 KiB of an Ascend
+# 910B); the budget per element leaves headroom.
+UB_BYTES_PER_SCAN_ELEMENT = 128
 
 
 @triton.jit
@@ -164,6 +172,7 @@ def topk_gating_assign_kernel(
     l_aux_ptr, ec_ptr, weights_ptr, select_ptr,
     S, E, C, blocks, parts, l_aux_scale,
     K: tl.constexpr, K_POW2: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr,
+    DUMP_DROPPED: tl.constexpr,
 ):
     EPSILON: tl.constexpr = 1.1920928955078125e-07
     block = tl.program_id(0)
@@ -185,7 +194,10 @@ def topk_gating_assign_kernel(
         kept = in_range & (slot < C)
         position = choice * C + slot
         tl.store(ec_ptr + j * S + tokens, tl.where(kept, position, 0), mask=in_range)
-        tl.store(select_ptr + position.to(tl.int64), tokens.to(tl.int64), mask=kept)
+        if DUMP_DROPPED:  # to the dump slot E * C, masked by the tokens in range only (see the module doc)
+            tl.store(select_ptr + tl.where(kept, position, E * C).to(tl.int64), tokens.to(tl.int64), mask=in_range)
+        else:
+            tl.store(select_ptr + position.to(tl.int64), tokens.to(tl.int64), mask=kept)
         # what the backward needs of the choice: its expert, or -1 where dropped
         tl.store(experts_ptr + j * S + tokens, tl.where(kept, choice, -1), mask=in_range)
         gate = tl.load(gates_ptr + j * S + tokens, mask=in_range, other=0.0)
@@ -311,13 +323,15 @@ def _sizes(logits: torch.Tensor, k: int, capacity_factor: float, min_capacity: i
 
 def training_outputs(logits: torch.Tensor, k: int, capacity_factor: float = 1.0,
                      min_capacity: int = 2) -> tuple[torch.Tensor, ...]:
-    """The four outputs and the two residuals, allocated (float64 for float64 logits)."""
+    """The four outputs and the two residuals, allocated (float64 for float64 logits);
+    ``expert_select_token_idx`` is the first ``E * C`` elements of ``E * C + 1``, the last the slot
+    the assign kernel writes dropped choices to on npu (``DUMP_DROPPED``)."""
     tokens, experts, slots = _sizes(logits, k, capacity_factor, min_capacity)
     compute, device = _compute_dtype(logits), logits.device
     return (torch.empty((), dtype=compute, device=device),
             torch.empty(k * tokens, dtype=torch.int32, device=device),
             torch.empty(k * tokens, dtype=compute, device=device),
-            torch.empty(experts * slots, dtype=torch.int64, device=device),
+            torch.empty(experts * slots + 1, dtype=torch.int64, device=device)[:experts * slots],
             torch.empty(k * tokens, dtype=torch.int32, device=device),
             torch.empty(experts, dtype=torch.int32, device=device))
 
@@ -331,6 +345,18 @@ def block_tokens(config: Config, tokens: int) -> int:
     return min(config["BLOCK_S"], next_power_of_2(tokens))
 
 
+def on_npu(profile: DeviceProfile | None) -> bool:
+    return profile is not None and profile.backend == "npu"
+
+
+def scan_tile(profile: DeviceProfile | None) -> int:
+    """The elements of a scan tile: :data:`SCAN_TILE`, on npu no more than its unified buffer holds."""
+    if not on_npu(profile) or not profile.shared_memory_per_program:
+        return SCAN_TILE
+    fits = profile.shared_memory_per_program // UB_BYTES_PER_SCAN_ELEMENT
+    return min(SCAN_TILE, 1 << (fits.bit_length() - 1))
+
+
 def training_plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     """The three launches (see the module doc); the result is the outputs, then the residuals."""
     logits, k, capacity_factor, min_capacity = args
@@ -342,6 +368,7 @@ def training_plan(args: tuple, config: Config, profile: DeviceProfile) -> Launch
     rows = k * blocks
     group = min(block_e, SCAN_EXPERTS)
     groups = cdiv(experts, group)
+    tile = scan_tile(profile)
     gates = torch.empty(k * tokens, dtype=torch.float32, device=device)
     counts = torch.empty(rows * experts, dtype=torch.int32, device=device)
     offsets = torch.empty(rows * experts, dtype=torch.int32, device=device)
@@ -356,14 +383,14 @@ def training_plan(args: tuple, config: Config, profile: DeviceProfile) -> Launch
         topk_gating_scan_kernel, (groups,),
         (counts, offsets, gate_sums, totals, parts, select, experts, slots, rows, blocks, 1.0 / tokens,
          1.0 / (tokens * k)),
-        {"BLOCK_R": min(next_power_of_2(rows), SCAN_TILE // group), "BLOCK_EC": group,
-         "BLOCK_C": min(next_power_of_2(slots), SCAN_TILE // group), "num_warps": 4})
+        {"BLOCK_R": min(next_power_of_2(rows), tile // group), "BLOCK_EC": group,
+         "BLOCK_C": min(next_power_of_2(slots), tile // group), "num_warps": 4})
     assign = KernelCall(
         topk_gating_assign_kernel, (blocks,),
         (kept_experts, gates, offsets, parts, l_aux, ec_idx, weights, select, tokens, experts, slots, blocks, groups,
          float(experts)),
         {"K": k, "K_POW2": next_power_of_2(k), "BLOCK_S": block_s, "BLOCK_P": next_power_of_2(groups),
-         "num_warps": warps})
+         "DUMP_DROPPED": int(on_npu(profile)), "num_warps": warps})
     return LaunchPlan(calls=[route, scan, assign], result=results,
                       scratch=(gates, counts, offsets, gate_sums, parts))
 
