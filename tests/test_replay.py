@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from dlcore.declarations.implementation import KernelCall, LaunchPlan, TritonImplementation
-from dlcore.runtime import launch
-from dlcore.runtime.runner import runner
+from dlcore.runtime import launch, runner
 
 
 class Param(SimpleNamespace):
@@ -302,10 +301,10 @@ def test_only_compiled_replayable_implementations_replay():
                                     default_config=lambda s, p: {}, replayable=replayable)
 
     kernel = JITFunction()
-    assert isinstance(runner(make(True, kernel), {"scale": 1.0}), launch.Replay)
-    assert not isinstance(runner(make(False, kernel), {"scale": 1.0}), launch.Replay)
+    assert isinstance(runner.launches(make(True, kernel), {"scale": 1.0}, None), launch.Replay)
+    assert not isinstance(runner.launches(make(False, kernel), {"scale": 1.0}, None), launch.Replay)
     Interpreted = type("InterpretedFunction", (JITFunction,), {})
-    assert not isinstance(runner(make(True, Interpreted()), {"scale": 1.0}), launch.Replay)
+    assert not isinstance(runner.launches(make(True, Interpreted()), {"scale": 1.0}, None), launch.Replay)
 
 
 def test_an_unhashable_argument_takes_the_plan_path(triton_runtime, replayed):

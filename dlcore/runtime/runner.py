@@ -33,7 +33,7 @@ def runner(impl: Implementation, config: Config, transform: PlanTransform | None
     launch plan (the ``ast`` and ``launch`` compiler passes)."""
     if not isinstance(impl, TritonImplementation):
         return lambda args: impl.run(args, config)
-    launch = _launches(impl, config, transform)
+    launch = launches(impl, config, transform)
     if not isinstance(impl, CustomOpTritonImplementation):
         # Built without the template: no custom op and no backward, so forward only by construction.
         def plain(args: tuple) -> Any:
@@ -58,7 +58,9 @@ def runner(impl: Implementation, config: Config, transform: PlanTransform | None
     return forward_only
 
 
-def _launches(impl: TritonImplementation, config: Config, transform: PlanTransform | None) -> Runner:
+def launches(impl: TritonImplementation, config: Config, transform: PlanTransform | None) -> Runner:
+    """``impl``'s launches with ``config``, autograd aside: recorded once per exact input and
+    replayed where the implementation is replayable and compiled, else planned on every call."""
     if impl.replayable and not impl.interpreted:
         return Replay(impl.plan, config, transform)
     plan = impl.plan
