@@ -95,7 +95,8 @@ def moe_sum_kernel(y_ptr, ids_ptr, out_ptr, dw_ptr, experts, H, stride_ym, strid
     for j in tl.static_range(TOPK):
         e = tl.load(ids_ptr + t * stride_it + j * stride_ij)
         routed = (e >= 0) & (e < experts)
-        y = tl.load(y_ptr + (t * TOPK + j) * stride_ym + cols, mask=mask & routed, other=0.0)
+        # where, not mask & routed: Triton 3.9's interpreter rejects a vector mask and-ed with a loaded scalar
+        y = tl.load(y_ptr + (t * TOPK + j) * stride_ym + cols, mask=tl.where(routed, mask, False), other=0.0)
         acc += y.to(tl.float32)
         if ZERO_DROPPED:
             tl.store(dw_ptr + t * TOPK + j, 0.0, mask=((e < 0) | (e >= experts)) & (tl.program_id(1) == 0))
