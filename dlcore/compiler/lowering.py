@@ -28,7 +28,7 @@ import torch
 
 from dlcore.declarations.device import DeviceProfile, planning_for
 from dlcore.declarations.implementation import KernelCall
-from dlcore.errors import LoweringError, ToolchainMissingError
+from dlcore.errors import DlcoreError, LoweringError, ToolchainMissingError
 
 if TYPE_CHECKING:
     from dlcore.compiler.passes import Pipeline
@@ -294,7 +294,7 @@ def lower_with_triton(call: KernelCall, gpu_target: Any, target: str, passes: Pi
     _require_compilable(call)
     src, sig = _ast_source(call, gpu_target, specialize)
     python = stages.StageOutput("python", source.source_of(call.kernel), 0.0)
-    compiled = None
+    compiled, failure = None, None
     with knobs.compilation.scope(), stages.capturing(passes, stop_after) as capture:
         knobs.compilation.always_compile = True  # a cache hit would skip every stage
         start = time.perf_counter()
@@ -302,10 +302,18 @@ def lower_with_triton(call: KernelCall, gpu_target: Any, target: str, passes: Pi
             compiled = triton.compile(src, target=gpu_target, options=sig.options)
         except stages.StopCompile:
             pass
+        except DlcoreError:
+            raise
+        except Exception as exc:  # Triton's own: CompilationError (a type the target lacks), MLIR pass failures
+            failure = exc
         seconds = time.perf_counter() - start
     ir_passes = tuple(p.name for p in passes.passes if p.is_ir)
     lowering = Lowering(sig.name, target, [python, *capture.outputs], capture.planned, seconds, ir_passes,
                         compiled=compiled)
+    if failure is not None:
+        first = str(failure).strip().splitlines()[-1] if str(failure).strip() else ""
+        raise LoweringError(f"Triton {triton.__version__} could not compile {sig.name} for {target}: "
+                            f"{type(failure).__name__}: {first}", partial=lowering) from failure
     if compiled is not None:
         lowering.resources.shared = getattr(compiled.metadata, "shared", None)
     return lowering

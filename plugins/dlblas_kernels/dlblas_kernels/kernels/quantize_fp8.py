@@ -245,6 +245,9 @@ OP = Op(
     cost=cost,
 )
 
+#: the kernels that store float8_e4m3fn (the per-tensor maxima pass stores float32 only)
+FP8_STORES = ("block_quantize_kernel", "row_quantize_kernel")
+
 KERNEL = define_kernel(
     OP, plan,
     kernels=(block_quantize_kernel, amax_kernel, row_quantize_kernel),
@@ -252,10 +255,15 @@ KERNEL = define_kernel(
     outputs=("x_fp8", "scale"),
     default_config=default_config,
     doc="one pass per 1x128 / 128x128 group or row; per tensor a maxima pass, then the quantising pass",
-    limits=(LoweringLimit(
-        "npu", ("block_quantize_kernel", "row_quantize_kernel"), "ttir",
-        "they store float8_e4m3fn, which the Ascend 910B has no type for: upstream Triton 3.6, making the npu "
-        "pipeline's ttir at its sm_80 target, rejects it ('type fp8e4nv not supported in this architecture')"),),
+    limits=(
+        LoweringLimit("npu", FP8_STORES, "ttir",
+                      "they store float8_e4m3fn, which the Ascend 910B has no type for: upstream Triton 3.6, making "
+                      "the npu pipeline's ttir at its sm_80 target, rejects it ('type fp8e4nv not supported in this "
+                      "architecture')"),
+        LoweringLimit("cuda", FP8_STORES, "ttir",
+                      "they store float8_e4m3fn, which needs sm_89 or later: Triton 3.6 rejects fp8e4nv on sm_80",
+                      archs=("80",)),
+    ),
 )
 quantize_fp8 = KERNEL.function
 dlcore_ops, dlcore_implementations = KERNEL.dlcore_ops, KERNEL.dlcore_implementations
