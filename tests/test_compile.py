@@ -32,6 +32,8 @@ for name, op in sorted(reg.ops.items()):
             plan = impl.plan(args, config)
             for call in plan.calls:
                 for capability in (80, 90):
+                    if impl.limit("cuda", call.kernel.__name__, str(capability)) is not None:
+                        continue  # declared beside the kernel (fp8 needs sm_89): dlcore ops says why
                     kernel = compile_call(call, GPUTarget("cuda", capability, 32))
                     key = f"{name}.{impl.name}/{call.kernel.__name__}/{str(dtype)[6:]}/sm_{capability}"
                     found[key] = {"stages": sorted(kernel.asm), "cubin": len(kernel.asm.get("cubin", b"")),

@@ -15,8 +15,10 @@ group's largest magnitude; 1 for a group of zeros, whose elements quantise to 0)
   each block of rows into a workspace, then every program reduces the workspace and quantises its
   rows.
 
-The last groups of a row or column are partial where K or M is no multiple of 128. Infinities and
-NaNs are not handled (their groups' scales are not finite).
+The last groups of a row or column are partial where K or M is no multiple of 128. A NaN is left
+out of its group's largest magnitude, as the GPU's ``max`` leaves it (IEEE maxNum), so the rest of
+the group keeps its scale; the NaN's own fp8 value is not specified (the clamp to [-448, 448] on a
+GPU makes it -448). An infinity makes its group's scale infinite.
 """
 
 from __future__ import annotations
@@ -194,7 +196,7 @@ def _group_amax(x: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """The largest magnitude of each ``rows x cols`` group of ``x [M, K]`` (partial at the ends)."""
     m, k = x.shape
     padded = torch.zeros(cdiv(m, rows) * rows, cdiv(k, cols) * cols, dtype=x.dtype, device=x.device)
-    padded[:m, :k] = x.abs()
+    padded[:m, :k] = x.abs().nan_to_num(0.0, posinf=float("inf"))  # NaN left out, as the kernels' max does
     return padded.view(cdiv(m, rows), rows, cdiv(k, cols), cols).amax(dim=(1, 3))
 
 
@@ -203,7 +205,7 @@ def quantize_fp8_reference(x: torch.Tensor, granularity: str = "block") -> tuple
     x = x.float()
     m, k = x.shape
     if granularity == "tensor":
-        amax = x.abs().amax() if x.numel() else torch.zeros((), device=x.device)
+        amax = x.abs().nan_to_num(0.0, posinf=float("inf")).amax() if x.numel() else torch.zeros((), device=x.device)
         rows, cols = m, k
     else:
         rows, cols = {"block": (1, GROUP), "block_128x128": (GROUP, GROUP), "row": (1, max(k, 1))}[granularity]
