@@ -24,6 +24,9 @@
 #              in dlcore[triton]; fused_rotary_and_fa forward and backward against apply_rotary_pos_emb + the
 #              best SDPA; softmax forward and backward at rows of 4096 to 131072 against torch and
 #              torch.compile. docs/results/*.json as bench; not part of bench (not measured whole yet)
+#   bench-moe  issues #18 and #19: fp8_gemm (deepseek-fp8 preset, vs the dequantise path), topk_gating
+#              forward + backward (gating preset, vs its torch reference), fused_moe forward (moe preset,
+#              vs the grouped_mm composite, the Triton kernel alone beside get_op's choice): about 2 minutes
 #   first-call the first call in new processes with Triton's cache warm: docs/results/first_call.json
 #   compiler   grid folding measurements and the `dlcore lower --all --report` table
 # e.g. bash .ci/gpu.sh tests overhead. Results land under $OUT.
@@ -81,7 +84,7 @@ for stage in "$@"; do
         python3 -m dlcore.bench.landscape record partial_rotary_emb --shape $shape --dtype bfloat16 --workers 15 \
             --seconds "${ROTARY_SECONDS:-60}" --out "$OUT/partial_${shape//[=,]/_}.json" 2>&1 | tail -1
       done ;;
-    bench|bench-ops|bench-gemm|bench-gemm-bwd|bench-attention)
+    bench|bench-ops|bench-gemm|bench-gemm-bwd|bench-attention|bench-moe)
       # Every op's docs/results JSON (docs/performance.md is rendered from them):
       # OP:MODE:SHAPES:TOKENS:VS[:IMPLS] specs, one `dlcore bench` each, bf16, do_bench, 2 rounds;
       # results.tgz is rewritten after each, so what is done survives a time-out. BENCH_SPECS replaces the list.
@@ -100,11 +103,16 @@ for stage in "$@"; do
                  flash_attention_v2:bwd:attention::sdpa_flash,sdpa_cudnn:triton
                  fused_rotary_and_fa:fwd:attention::composite fused_rotary_and_fa:bwd:attention::composite
                  softmax:fwd:$rows::torch,compile softmax:bwd:$rows::torch,compile)
+      # issues #18 and #19: fp8_gemm on DeepSeek-V3's shapes against the dequantise-then-bf16 path,
+      # topk_gating forward + backward against its torch reference, fused_moe against the grouped_mm composite
+      moe=(fp8_gemm:fwd:deepseek-fp8::dequant topk_gating:fwd+bwd:gating::torch
+           fused_moe:fwd:moe:1,64,4096,16384:torch:triton)
       case $stage in
         bench) specs=("${ops[@]}" "${gemm[@]}") ;;
         bench-ops) specs=("${ops[@]}") ;;
         bench-gemm) specs=("${gemm[@]}") ;;
         bench-attention) specs=("${attention[@]}") ;;
+        bench-moe) specs=("${moe[@]}") ;;
         *) specs=(ffn:bwd:gemm::torch,compile:triton,vendor) ;;
       esac
       [ -n "$BENCH_SPECS" ] && read -r -a specs <<< "$BENCH_SPECS"
