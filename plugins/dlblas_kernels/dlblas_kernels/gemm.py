@@ -78,6 +78,7 @@ import triton.language as tl
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
 from dlcore.declarations.signature import cdiv
+from dlcore.declarations.space import Constraint
 
 #: what ``activation`` may be
 ACTIVATIONS = (None, "relu", "silu", "gelu_tanh")
@@ -547,6 +548,39 @@ def shared_memory_bytes(config: Config, element_size: int = 2, *, second_operand
     if config.get("SPLIT_K", 1) > 1:
         return loads + block_m * block_n * 4
     return loads + block_m * block_n * (out_element_size or element_size) * (2 if act_grad else 1)
+
+
+#: float32 accumulator values per thread a tile may take: above 128 the accumulator alone takes half
+#: of a thread's 255 registers and the kernel spills; below 8 a warp has too little of the tile to work on
+MAX_ACC_PER_THREAD = 128
+MIN_ACC_PER_THREAD = 8
+
+
+def accumulator_per_thread(config: Config) -> float:
+    """The float32 accumulator values each thread of a ``config`` program holds."""
+    return config["BLOCK_M"] * config["BLOCK_N"] / (32 * config["num_warps"])
+
+
+def accumulator_constraints() -> list[Constraint]:
+    """A GEMM space's bounds on :func:`accumulator_per_thread`."""
+    return [
+        Constraint(f"BLOCK_M * BLOCK_N / (32 * num_warps) <= {MAX_ACC_PER_THREAD} "
+                   f"(the float32 accumulator fits in registers)",
+                   lambda c: accumulator_per_thread(c) <= MAX_ACC_PER_THREAD),
+        Constraint(f"BLOCK_M * BLOCK_N / (32 * num_warps) >= {MIN_ACC_PER_THREAD} "
+                   f"(every warp has enough of the tile to work on)",
+                   lambda c: accumulator_per_thread(c) >= MIN_ACC_PER_THREAD),
+    ]
+
+
+def kernel_constraints() -> list[Constraint]:
+    """A GEMM space's rules for ``SPLIT_K`` and ``TMA`` (the kernel a config picks)."""
+    return [
+        Constraint("SPLIT_K == 1 or BLOCK_M <= 128 (split-K is for few rows)",
+                   lambda c: c["SPLIT_K"] == 1 or c["BLOCK_M"] <= 128),
+        Constraint("TMA == 0 or BLOCK_M >= 64 (the descriptor kernel's wgmma takes 64 rows a warpgroup)",
+                   lambda c: c["TMA"] == 0 or c["BLOCK_M"] >= 64),
+    ]
 
 
 def fit_stages(config: Config, limit: int, footprint: Callable[[Config], int]) -> Config:

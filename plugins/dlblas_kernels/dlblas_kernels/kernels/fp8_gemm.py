@@ -57,9 +57,6 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BLOCK = gemm.SCALE_BLOCK.value
 #: K must be a multiple of this (16-byte rows of fp8)
 K_MULTIPLE = 16
-# float32 accumulator values per thread: see matmul's
-MAX_ACC_PER_THREAD = 128
-MIN_ACC_PER_THREAD = 8
 
 
 class Granularity(enum.Enum):
@@ -197,10 +194,6 @@ def _shared_memory_bytes(c: Config) -> int:
     return gemm.shared_memory_bytes(c, 1, out_element_size=2)
 
 
-def _accumulator_per_thread(c: Config) -> float:
-    return c["BLOCK_M"] * c["BLOCK_N"] / (32 * c["num_warps"])
-
-
 def space(profile: DeviceProfile) -> SearchSpace:
     """The tiles, warps and pipelining depth of the fp8 GEMM (1-byte operands, a 16-bit output tile
     staged), descriptor or pointer kernel, split-K; K steps of 32 to 128 (under block scales one
@@ -222,14 +215,8 @@ def space(profile: DeviceProfile) -> SearchSpace:
         ],
         [
             *fits,
-            Constraint(f"BLOCK_M * BLOCK_N / (32 * num_warps) <= {MAX_ACC_PER_THREAD} (the accumulator fits in "
-                       f"registers)", lambda c: _accumulator_per_thread(c) <= MAX_ACC_PER_THREAD),
-            Constraint(f"BLOCK_M * BLOCK_N / (32 * num_warps) >= {MIN_ACC_PER_THREAD} (every warp has enough of "
-                       f"the tile)", lambda c: _accumulator_per_thread(c) >= MIN_ACC_PER_THREAD),
-            Constraint("SPLIT_K == 1 or BLOCK_M <= 128 (split-K is for few rows)",
-                       lambda c: c["SPLIT_K"] == 1 or c["BLOCK_M"] <= 128),
-            Constraint("TMA == 0 or BLOCK_M >= 64 (the descriptor kernel's wgmma takes 64 rows a warpgroup)",
-                       lambda c: c["TMA"] == 0 or c["BLOCK_M"] >= 64),
+            *gemm.accumulator_constraints(),
+            *gemm.kernel_constraints(),
         ],
     )
 

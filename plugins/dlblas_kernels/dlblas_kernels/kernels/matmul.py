@@ -47,10 +47,6 @@ ACTIVATIONS = gemm.ACTIVATIONS
 # The space is declared for 16-bit inputs (what GEMMs are tuned for); a float32 config that
 # overflows shared memory fails to compile and the tuner records it as failed.
 SPACE_ELEMENT_BYTES = 2
-# float32 accumulator values per thread: above 128 the accumulator alone takes half of a thread's
-# 255 registers and the kernel spills; below 8 a warp has too little of the tile to work on.
-MAX_ACC_PER_THREAD = 128
-MIN_ACC_PER_THREAD = 8
 #: rows up to which a call counts as decoding: thin row blocks, weight streaming, split-K
 DECODE_ROWS = 64
 
@@ -297,10 +293,6 @@ def _shared_memory_bytes(c: Config) -> int:
     return gemm.shared_memory_bytes(c, SPACE_ELEMENT_BYTES)
 
 
-def _accumulator_per_thread(c: Config) -> float:
-    return c["BLOCK_M"] * c["BLOCK_N"] / (32 * c["num_warps"])
-
-
 def space(profile: DeviceProfile) -> SearchSpace:
     """The tile shapes, warps and pipelining depth of the GEMM (the grouped program order fixed at
     groups of 8 row blocks, :data:`dlblas_kernels.gemm.GROUP_M`), the persistent
@@ -326,22 +318,10 @@ def space(profile: DeviceProfile) -> SearchSpace:
         ],
         [
             *fits,
-            Constraint(
-                f"BLOCK_M * BLOCK_N / (32 * num_warps) <= {MAX_ACC_PER_THREAD} "
-                f"(the float32 accumulator fits in registers)",
-                lambda c: _accumulator_per_thread(c) <= MAX_ACC_PER_THREAD,
-            ),
-            Constraint(
-                f"BLOCK_M * BLOCK_N / (32 * num_warps) >= {MIN_ACC_PER_THREAD} "
-                f"(every warp has enough of the tile to work on)",
-                lambda c: _accumulator_per_thread(c) >= MIN_ACC_PER_THREAD,
-            ),
+            *gemm.accumulator_constraints(),
             Constraint("BLOCK_K <= 128 or BLOCK_M <= 32 (K steps of 256 only for the thin tiles of decoding)",
                        lambda c: c["BLOCK_K"] <= 128 or c["BLOCK_M"] <= 32),
-            Constraint("SPLIT_K == 1 or BLOCK_M <= 128 (split-K is for few rows)",
-                       lambda c: c["SPLIT_K"] == 1 or c["BLOCK_M"] <= 128),
-            Constraint("TMA == 0 or BLOCK_M >= 64 (the descriptor kernel's wgmma takes 64 rows a warpgroup)",
-                       lambda c: c["TMA"] == 0 or c["BLOCK_M"] >= 64),
+            *gemm.kernel_constraints(),
         ],
     )
 
