@@ -63,8 +63,6 @@ TILE = 2048
 MIN_PROGRAMS = 1024
 # Elements per thread the default config gives a row kept whole (16 warps at most).
 ELEMENTS_PER_THREAD = 16
-# Rows split over programs (splits_rows): each program's chunk of the row, and its warps.
-SPLIT_CHUNK, SPLIT_WARPS = 16384, 16
 # The backward holds two tiles (y and dy): its tile is at most this many elements, rows beyond loop.
 MAX_BACKWARD_TILE = 8192
 
@@ -137,60 +135,6 @@ def softmax_kernel(
             y = tl.exp2(x - m_safe[:, None]) * scale
             tl.store(out_rows + (start + cols)[None, :] * stride_out_col, y.to(out_ptr.dtype.element_ty),
                      mask=row_mask & (start + cols < N)[None, :])
-
-
-@triton.jit
-def softmax_split_row_kernel(
-    x_ptr, out_ptr, part_ptr, arrived_ptr,
-    rows, N,
-    stride_x_row, stride_x_col, stride_out_row, stride_out_col,
-    CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    # CHUNKS programs share each row, program p holding chunk p % CHUNKS (BLOCK_N elements) in
-    # registers; the grid (a multiple of CHUNKS, at most the programs the device runs at once) walks
-    # the rows, groups of CHUNKS programs a row at a time. Each program publishes its chunk's
-    # maximum and sum of exponentials into part [rows, CHUNKS, 2], counts itself into arrived[row]
-    # (release), waits until the row's CHUNKS programs have (acquire), merges the partials and
-    # writes its chunk: x read once, out written once.
-    LOG2E: tl.constexpr = 1.4426950408889634
-    pid = tl.program_id(0)
-    chunk = pid % CHUNKS
-    groups = tl.num_programs(0) // CHUNKS
-    cols = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    parts = tl.arange(0, CHUNKS)
-    first = pid // CHUNKS
-    # the next row's chunk is loaded before this row's wait, so that the wait overlaps a load
-    x_next = tl.load(x_ptr + tl.minimum(first, rows - 1).to(tl.int64) * stride_x_row + cols * stride_x_col,
-                     mask=tl.where(first < rows, col_mask, False), other=-float("inf"))
-    for row in range(first, rows, groups):
-        r = tl.cast(row, tl.int64)
-        x = x_next.to(tl.float32) * LOG2E
-        following = row + groups
-        x_next = tl.load(x_ptr + tl.minimum(following, rows - 1).to(tl.int64) * stride_x_row + cols * stride_x_col,
-                         mask=tl.where(following < rows, col_mask, False), other=-float("inf"))
-        m = tl.max(x, axis=0)
-        m_safe = tl.where(m == -float("inf"), 0.0, m)
-        total = tl.sum(tl.exp2(x - m_safe), axis=0)
-        slot = part_ptr + (r * CHUNKS + chunk) * 2
-        tl.store(slot, m)
-        tl.store(slot + 1, total)
-        # every thread's stores before the one release that counts this program in
-        tl.debug_barrier()
-        tl.atomic_add(arrived_ptr + r, 1, sem="release", scope="gpu")
-        while tl.atomic_add(arrived_ptr + r, 0, sem="acquire", scope="gpu") < CHUNKS:
-            pass
-        tl.debug_barrier()
-        row_parts = part_ptr + (r * CHUNKS + parts) * 2
-        pm = tl.load(row_parts, volatile=True)
-        ps = tl.load(row_parts + 1, volatile=True)
-        row_max = tl.max(pm, axis=0)
-        # a row of -inf only: its sum is 0 and its output NaN, as in the other kernels and torch
-        row_max = tl.where(row_max == -float("inf"), 0.0, row_max)
-        scale = 1.0 / tl.sum(ps * tl.exp2(pm - row_max), axis=0)
-        y = tl.exp2(x - row_max) * scale
-        tl.store(out_ptr + r * stride_out_row + cols * stride_out_col, y.to(out_ptr.dtype.element_ty),
-                 mask=col_mask)
 
 
 @triton.jit
@@ -269,48 +213,14 @@ def _call(kernel, tensors: tuple[torch.Tensor, ...], block: tuple[int, int, int]
     )
 
 
-def splits_rows(profile: DeviceProfile | None) -> bool:
-    """Whether rows longer than a block are split over programs that wait for each other
-    (:func:`split_row_call`): on NVIDIA GPUs, whose programs of one launch all run at once when the
-    grid is no larger than the multiprocessors. Not under Triton's interpreter (CPU tensors), which
-    runs programs one after another, nor on devices whose scheduling is not known to be so."""
-    return profile is not None and profile.vendor == "nvidia" and profile.cores > 0
-
-
-def split_row_call(x2: torch.Tensor, out2: torch.Tensor, block_n: int, warps: int,
-                   profile: DeviceProfile) -> KernelCall | None:
-    """The launch of :func:`softmax_split_row_kernel` for the rows of ``x2`` ``[rows, N]``: chunks of
-    ``block_n`` elements (their count rounded up to a power of two), as many rows at once as fill
-    the multiprocessors with one program each; None where one row's chunks outnumber them."""
-    rows, n = x2.shape
-    chunks = next_power_of_2(cdiv(n, block_n))
-    if chunks > profile.cores:
-        return None
-    groups = max(1, min(rows, profile.cores // chunks))
-    part = torch.empty((rows, chunks, 2), dtype=torch.float32, device=x2.device)
-    arrived = torch.zeros((rows,), dtype=torch.int32, device=x2.device)
-    return KernelCall(
-        softmax_split_row_kernel, (groups * chunks,),
-        (x2, out2, part, arrived, rows, n, x2.stride(0), x2.stride(1), out2.stride(0), out2.stride(1)),
-        {"CHUNKS": chunks, "BLOCK_N": block_n, "num_warps": warps},
-    )
-
-
 def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
-    """One launch: rows held whole (several to a program when short); rows longer than the block
-    split over programs (:func:`split_row_call`) where the device allows, else looped twice."""
     x, dim = args
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return LaunchPlan(calls=[], result=out)
     d = dim % x.dim()
     x3, out3 = as_rows3(x, d), as_rows3(out, d)
-    block = launch_tile(config, x.shape[d])
-    call = None
-    if x3.shape[2] == 1 and x.shape[d] > block[1] and splits_rows(profile):
-        call = split_row_call(x3[:, :, 0], out3[:, :, 0], block[1], block[2], profile)
-    if call is None:
-        call = _call(softmax_kernel, (x3, out3), block)
+    call = _call(softmax_kernel, (x3, out3), launch_tile(config, x.shape[d]))
     return LaunchPlan(calls=[call], result=out)
 
 
@@ -384,8 +294,6 @@ def default_config(sig: Signature, profile: DeviceProfile) -> Config:
     if sig.scalar("dim") != -1:
         return {"BLOCK_M": 1, "BLOCK_N": MAX_ONE_BLOCK, "num_warps": 16}
     rows, n = sig.tensor("x").shape
-    if n > MAX_ONE_BLOCK and splits_rows(profile):
-        return {"BLOCK_M": 1, "BLOCK_N": SPLIT_CHUNK, "num_warps": SPLIT_WARPS}
     return heuristic_config(rows, n, profile.cores if profile is not None else 0)
 
 
@@ -458,7 +366,7 @@ def _gradients(backward, saved, grads, needs) -> dict:
 
 KERNEL = define_kernel(
     OP, plan,
-    kernels=(softmax_kernel, softmax_split_row_kernel, softmax_backward_kernel),
+    kernels=(softmax_kernel, softmax_backward_kernel),
     results=lambda x, dim: torch.empty(x.shape, dtype=x.dtype, device=x.device),
     default_config=default_config,
     space=space,
