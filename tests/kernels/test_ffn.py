@@ -11,6 +11,7 @@ from dlblas_kernels.kernels.ffn import (
     KERNEL,
     OP,
     backward_plan,
+    decode_splits,
     ffn,
     ffn_reference,
     ffn_training_reference,
@@ -74,6 +75,39 @@ def test_both_paths(path, lead, k, n, dtype, device, gen, run, launches):
     check(run(OP, TRITON, (*args, 1e-6, None), DECODE if path == "decode" else PREFILL), *args)
     expected = ["ffn_decode_kernel"] if path == "decode" else ["rms_scale_kernel", "gemm_kernel"]
     assert [name for name, _ in launches] == expected
+
+
+@pytest.mark.parametrize("splits, k, n", [(2, 100, 19), (3, 200, 33), (4, 70, 8)])
+def test_decode_split_over_k(splits, k, n, dtype, device, gen, launch, launches):
+    """The streaming kernel over K slices, their partial sums added by the finishing kernel: the
+    output, and in the training plan the pre-activations, all poisoned first; odd K (a short
+    last slice); both weight forms."""
+    x, w1, w3, rms_w = inputs((5,), k, n, dtype, device, gen)
+    config = {**DECODE, "SPLIT_K": splits}
+    for weights in ((w1, w3, None), (None, None, torch.cat([w1, w3]))):
+        args = (x, weights[0], weights[1], rms_w, 1e-6, weights[2])
+        check(launch(TRITON.plan(args, config)), x, w1, w3, rms_w)
+        got = launch(training_plan(args, config, UNKNOWN_DEVICE))
+        for result, expected in zip(got, ffn_training_reference(*upcast(x, w1, w3, rms_w))):
+            assert_close(result, expected, dtype, reduce_dim=k)
+    names = [name for name, _ in launches]
+    assert names == ["ffn_decode_kernel", "ffn_decode_finish_kernel"] * 4
+    used = launches[0][1]["SPLIT_K"]
+    assert 2 <= used <= splits
+
+
+def test_decode_splits_fill_the_device():
+    """On the H200 (132 SMs), 128 columns a program: DeepSeek-V3's shared expert (N 2048: 16 column
+    blocks) streams in 8 K slices, LLaMA-3-8B's 14336 columns (112 blocks) in one; more than 16 rows
+    or no core count: one slice."""
+    config = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=4)
+    assert decode_splits(1, 2048, 7168, config, H200) == 8
+    assert decode_splits(16, 2048, 7168, config, H200) == 8
+    assert decode_splits(17, 2048, 7168, config, H200) == 1
+    assert decode_splits(1, 14336, 4096, config, H200) == 1
+    assert decode_splits(1, 2048, 512, config, H200) == 2  # slices of at least 4 K steps
+    assert decode_splits(1, 2048, 7168, config, UNKNOWN_DEVICE) == 1
+    assert decode_splits(1, 2048, 7168, {**config, "SPLIT_K": 3}, UNKNOWN_DEVICE) == 3
 
 
 @pytest.mark.parametrize("path", ["decode", "prefill"])
@@ -224,7 +258,7 @@ def test_plan_on_meta_tensors_reads_no_data():
     assert gemm.kwargs["num_stages"] == 3 and gemm.kwargs["BLOCK_K"] == 64
     # 240 rows in one row block: one weight-streaming launch over the columns, the rows padded to 256
     (stream,) = TRITON.plan((x, w, w, torch.empty(256, device="meta"), 1e-6, None), {**config, "BLOCK_M": 256}).calls
-    assert stream.kernel.__name__ == "ffn_decode_kernel" and stream.grid == (8,) and stream.kwargs["BLOCK_M"] == 256
+    assert stream.kernel.__name__ == "ffn_decode_kernel" and stream.grid == (8, 1) and stream.kwargs["BLOCK_M"] == 256
 
 
 H200 = DeviceProfile(backend="cuda", vendor="NVIDIA", name="NVIDIA H200", arch="sm_90", cores=132,
@@ -314,6 +348,8 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
     plans = {"decode": ffn.plan((x, w, w, g, 1e-6, None), {**small, "BLOCK_M": 64}, profile),
              "prefill": ffn.plan((x, None, None, g, 1e-6, w13), small, profile),
              "decode_training": ffn.training_plan((x, w, w, g, 1e-6, None), {**small, "BLOCK_M": 64}, profile),
+             "decode_split": ffn.training_plan((x, w, w, g, 1e-6, None), {**small, "BLOCK_M": 64, "SPLIT_K": 2},
+                                               profile),
              "prefill_training": ffn.training_plan((x, None, None, g, 1e-6, w13), small, profile),
              "backward": ffn.backward_plan((dout, x, w, w, g, 1e-6, None, gate, up), small, profile),
              "backward13": ffn.backward_plan((dout, x, None, None, g, 1e-6, w13, gate, up), small, profile)}
@@ -332,7 +368,9 @@ def test_every_kernel_compiles_to_cubin():
     compiled = run_json(CUBIN_SCRIPT, None, TRITON_INTERPRET="0")
     norm = ["rms_norm_backward_kernel", "column_sum_kernel"]
     kernels = {"decode": ["ffn_decode_kernel"], "prefill": ["rms_scale_kernel", "gemm_kernel"],
-               "decode_training": ["ffn_decode_kernel"], "prefill_training": ["rms_scale_kernel", "gemm_kernel"],
+               "decode_training": ["ffn_decode_kernel"],
+               "decode_split": ["ffn_decode_kernel", "ffn_decode_finish_kernel"],
+               "prefill_training": ["rms_scale_kernel", "gemm_kernel"],
                "backward": ["rms_scale_kernel", "swiglu_backward_kernel", "ffn_input_grad_kernel", "gemm_kernel",
                             *norm],
                "backward13": ["rms_scale_kernel", "swiglu_backward_kernel", "gemm_kernel", *norm]}

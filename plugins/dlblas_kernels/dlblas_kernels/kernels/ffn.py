@@ -80,6 +80,11 @@ MIN_DOT_ROWS = 16
 MAX_ROW_BLOCK = 4096
 # Most rows the heuristic default streams the weights for (decoding); more take the prefill GEMM.
 DECODE_ROWS = 64
+# The streaming kernel's K slices (decode_splits): at most this many, each at least this many K
+# steps long, and only up to this many rows (the slices' float32 partial sums are scratch).
+MAX_DECODE_SPLITS, MIN_SLICE_STEPS, MAX_SPLIT_ROWS = 8, 4, 16
+# Elements of one program's tile in the kernel adding up the slices.
+FINISH_TILE = 2048
 # Widest row slice of the SwiGLU backward's programs.
 SWIGLU_BLOCK = 2048
 
@@ -117,37 +122,44 @@ def rms_scale_kernel(
 
 @triton.jit
 def ffn_decode_kernel(
-    x_ptr, rms_w_ptr, w1_ptr, w3_ptr, out_ptr, gate_ptr, up_ptr,
-    M, N, K, eps, w3_offset,
+    x_ptr, rms_w_ptr, w1_ptr, w3_ptr, out_ptr, gate_ptr, up_ptr, part_ptr, sum_sq_ptr,
+    M, N, K, eps, w3_offset, k_per_split,
     stride_xm, stride_xk,
     stride_rms_w,
     stride_w1n, stride_w1k,
     stride_w3n, stride_w3k,
     stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STORE_PRE: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     # Every row (M <= BLOCK_M) against BLOCK_N columns of w1 and w3 (w3's rows from w3_offset
-    # elements on: w13's second half): each weight element is read once by one program. x is
-    # small and shared by all programs (L2); the weights stream through. STORE_PRE: the
-    # pre-activations gate and up stored too (out's strides), for the backward.
+    # elements on: w13's second half), over K slice program_id(1) of k_per_split elements: each
+    # weight element is read once by one program. x is small and shared by all programs (L2); the
+    # weights stream through. STORE_PRE: the pre-activations gate and up stored too (out's
+    # strides), for the backward. With SPLIT_K > 1 the slice's float32 sums go to part
+    # [SPLIT_K, 2, M, N] and its rows' sums of squares to sum_sq [SPLIT_K, M] (written by the
+    # first column block), which ffn_decode_finish_kernel adds up.
     pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M).to(tl.int64)
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
 
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :] * stride_xk
-    rms_w_ptrs = rms_w_ptr + offs_k * stride_rms_w
+    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :] * stride_xk
+    rms_w_ptrs = rms_w_ptr + (k_start + offs_k) * stride_rms_w
     # The w tiles in their own layout, [BLOCK_N, BLOCK_K]: contiguous along K for nn.Linear weights.
-    w1_ptrs = w1_ptr + offs_n[:, None] * stride_w1n + offs_k[None, :] * stride_w1k
-    w3_ptrs = w3_ptr + w3_offset + offs_n[:, None] * stride_w3n + offs_k[None, :] * stride_w3k
+    w1_ptrs = w1_ptr + offs_n[:, None] * stride_w1n + (k_start + offs_k)[None, :] * stride_w1k
+    w3_ptrs = w3_ptr + w3_offset + offs_n[:, None] * stride_w3n + (k_start + offs_k)[None, :] * stride_w3k
 
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        mask_k = offs_k < K - k
+    for k in range(k_start, k_end, BLOCK_K):
+        mask_k = offs_k < k_end - k
         w1 = tl.load(w1_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")
         w3 = tl.load(w3_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")
         x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
@@ -162,15 +174,54 @@ def ffn_decode_kernel(
         w1_ptrs += BLOCK_K * stride_w1k
         w3_ptrs += BLOCK_K * stride_w3k
 
+    mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K == 1:
+        _swiglu_store(acc1, acc3, sum_sq, offs_m, offs_n, mask, K, eps, out_ptr, gate_ptr, up_ptr,
+                      stride_om, stride_on, STORE_PRE)
+    else:
+        part = part_ptr + (pid_k * 2 * M + offs_m[:, None]) * N + offs_n[None, :]
+        tl.store(part, acc1, mask=mask)
+        tl.store(part + M * N, acc3, mask=mask)
+        tl.store(sum_sq_ptr + pid_k * M + offs_m, sum_sq, mask=tl.where(pid_n == 0, mask_m, False))
+
+
+@triton.jit
+def _swiglu_store(acc1, acc3, sum_sq, offs_m, offs_n, mask, K, eps, out_ptr, gate_ptr, up_ptr,
+                  stride_om, stride_on, STORE_PRE: tl.constexpr):
+    # The rows' rstd from their sums of squares, the pre-activations scaled by it, SwiGLU, stored.
     rstd = tl.rsqrt(sum_sq / K + eps)
     gate = acc1 * rstd[:, None]
     up = acc3 * rstd[:, None]
     offsets = offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    mask = mask_m[:, None] & mask_n[None, :]
     tl.store(out_ptr + offsets, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=mask)
     if STORE_PRE:
         tl.store(gate_ptr + offsets, gate.to(gate_ptr.dtype.element_ty), mask=mask)
         tl.store(up_ptr + offsets, up.to(up_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def ffn_decode_finish_kernel(
+    part_ptr, sum_sq_ptr, out_ptr, gate_ptr, up_ptr,
+    M, N, K, eps,
+    stride_om, stride_on,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STORE_PRE: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    # The split-K streaming kernel's slices added up in slice order (deterministic), then its epilogue.
+    pid_n = tl.program_id(0)
+    offs_m = tl.arange(0, BLOCK_M).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask_m = offs_m < M
+    mask = mask_m[:, None] & (offs_n < N)[None, :]
+    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        part = part_ptr + (split * 2 * M + offs_m[:, None]) * N + offs_n[None, :]
+        acc1 += tl.load(part, mask=mask, other=0.0)
+        acc3 += tl.load(part + M * N, mask=mask, other=0.0)
+        sum_sq += tl.load(sum_sq_ptr + split * M + offs_m, mask=mask_m, other=0.0)
+    _swiglu_store(acc1, acc3, sum_sq, offs_m, offs_n, mask, K, eps, out_ptr, gate_ptr, up_ptr,
+                  stride_om, stride_on, STORE_PRE)
 
 
 @triton.jit
@@ -261,26 +312,63 @@ def rms_scale_call(x2: torch.Tensor, rms_w: torch.Tensor, xs: torch.Tensor, rstd
     )
 
 
-def decode_call(x2: torch.Tensor, rms_w: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None,
-                w13: torch.Tensor | None, out2: torch.Tensor, eps: float, config: Config,
-                gate: torch.Tensor | None = None, up: torch.Tensor | None = None) -> KernelCall:
-    """The weight-streaming launch: a program per ``BLOCK_N`` columns, every row in it. ``w13`` is
-    passed whole, w3 being its rows from N on (an argument at offset zero: the launch replays).
-    ``gate`` and ``up`` (``out2``'s strides), when given, receive the pre-activations."""
+def decode_splits(m: int, n: int, k: int, config: Config, profile: DeviceProfile | None) -> int:
+    """K slices of the streaming kernel: one where the column blocks alone fill the device;
+    otherwise enough to fill it (at most MAX_DECODE_SPLITS), each slice at least
+    MIN_SLICE_STEPS K steps long. ``config['SPLIT_K']`` (when set) decides instead."""
+    if config.get("SPLIT_K"):
+        return max(1, min(config["SPLIT_K"], cdiv(k, config["BLOCK_K"])))
+    programs = cdiv(n, config["BLOCK_N"])
+    cores = profile.cores if profile is not None else 0
+    if not cores or programs >= cores or m > MAX_SPLIT_ROWS:
+        return 1
+    return max(1, min(cores // programs, MAX_DECODE_SPLITS, k // (MIN_SLICE_STEPS * config["BLOCK_K"])))
+
+
+def decode_calls(x2: torch.Tensor, rms_w: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None,
+                 w13: torch.Tensor | None, out2: torch.Tensor, eps: float, config: Config,
+                 profile: DeviceProfile | None, gate: torch.Tensor | None = None,
+                 up: torch.Tensor | None = None) -> tuple[list[KernelCall], tuple]:
+    """The weight-streaming launches: a program per ``BLOCK_N`` columns and K slice
+    (:func:`decode_splits`), every row in it; with several slices, their float32 partial sums
+    (scratch, returned) added up by :func:`ffn_decode_finish_kernel`. ``w13`` is passed whole, w3
+    being its rows from N on (an argument at offset zero: the launch replays). ``gate`` and ``up``
+    (``out2``'s strides), when given, receive the pre-activations."""
     m, k = x2.shape
     n = out2.shape[1]
     if w13 is not None:
         w1 = w3 = w13
     w3_offset = n * w13.stride(0) if w13 is not None else 0
-    return KernelCall(
-        ffn_decode_kernel, (cdiv(n, config["BLOCK_N"]),),
-        (x2, rms_w, w1, w3, out2, out2 if gate is None else gate, out2 if up is None else up, m, n, k, float(eps),
-         w3_offset, x2.stride(0), x2.stride(1), rms_w.stride(0),
+    splits = decode_splits(m, n, k, config, profile)
+    k_per_split = cdiv(cdiv(k, splits), config["BLOCK_K"]) * config["BLOCK_K"]
+    splits = cdiv(k, k_per_split)
+    scratch: tuple = ()
+    part = sum_sq = out2
+    if splits > 1:
+        part = torch.empty((splits, 2, m, n), dtype=torch.float32, device=x2.device)
+        sum_sq = torch.empty((splits, m), dtype=torch.float32, device=x2.device)
+        scratch = (part, sum_sq)
+    gate_out = out2 if gate is None else gate
+    up_out = out2 if up is None else up
+    calls = [KernelCall(
+        ffn_decode_kernel, (cdiv(n, config["BLOCK_N"]), splits),
+        (x2, rms_w, w1, w3, out2, gate_out, up_out, part, sum_sq, m, n, k, float(eps), w3_offset, k_per_split,
+         x2.stride(0), x2.stride(1), rms_w.stride(0),
          w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1), out2.stride(0), out2.stride(1)),
         {"BLOCK_M": max(next_power_of_2(m), MIN_DOT_ROWS), "BLOCK_N": config["BLOCK_N"],
-         "BLOCK_K": config["BLOCK_K"], "STORE_PRE": gate is not None,
+         "BLOCK_K": config["BLOCK_K"], "STORE_PRE": gate is not None, "SPLIT_K": splits,
          "num_warps": config["num_warps"], "num_stages": config["num_stages"]},
-    )
+    )]
+    if splits > 1:
+        block_m = next_power_of_2(m)
+        block_n = max(min(FINISH_TILE // block_m, next_power_of_2(n)), 16)
+        calls.append(KernelCall(
+            ffn_decode_finish_kernel, (cdiv(n, block_n),),
+            (part, sum_sq, out2, gate_out, up_out, m, n, k, float(eps), out2.stride(0), out2.stride(1)),
+            {"BLOCK_M": block_m, "BLOCK_N": block_n, "STORE_PRE": gate is not None, "SPLIT_K": splits,
+             "num_warps": 4},
+        ))
+    return calls, scratch
 
 
 def _forward(args: tuple, config: Config, profile: DeviceProfile, out: torch.Tensor,
@@ -291,7 +379,7 @@ def _forward(args: tuple, config: Config, profile: DeviceProfile, out: torch.Ten
     gate2, up2 = (None, None) if gate is None else (as_rows(gate), as_rows(up))
     m, k = x2.shape
     if m <= config["BLOCK_M"]:
-        return [decode_call(x2, rms_w, w1, w3, w13, out2, eps, config, gate2, up2)], ()
+        return decode_calls(x2, rms_w, w1, w3, w13, out2, eps, config, profile, gate2, up2)
     xs = torch.empty((m, k), dtype=x.dtype, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     calls = [rms_scale_call(x2, rms_w, xs, rstd, eps, normalise=False),
@@ -616,7 +704,8 @@ def _gradients(backward, saved, grads, needs) -> dict:
 
 KERNEL = define_kernel(
     OP, plan,
-    kernels=(ffn_decode_kernel, rms_scale_kernel, swiglu_backward_kernel, ffn_input_grad_kernel, *gemm_block.KERNELS,
+    kernels=(ffn_decode_kernel, ffn_decode_finish_kernel, rms_scale_kernel, swiglu_backward_kernel,
+             ffn_input_grad_kernel, *gemm_block.KERNELS,
              rms_norm.rms_norm_backward_kernel, rms_norm.column_sum_kernel),
     results=output,
     default_config=default_config,
