@@ -100,6 +100,11 @@ class WrongResultError(DlcoreError):
     """A config computed a result that does not match the op's reference."""
 
 
+class NoBackwardError(DlcoreError):
+    """A training call (inputs that require grad) met an implementation whose outputs carry no
+    gradient: it computes the forward only."""
+
+
 class PassError(DlcoreError):
     """A compiler pass is malformed, unknown, or failed while running."""
 

@@ -1,5 +1,7 @@
 """get_op end to end: signature -> candidates -> cache -> selection -> bound op."""
 
+import time
+
 import dlblas_kernels
 import pytest
 import torch
@@ -173,6 +175,50 @@ def test_selection_measures_on_clones_and_skips_failures(monkeypatch, gen):
     assert set(op.selection.measured) == {"mutating"}
     assert "RuntimeError: out of resources" in op.selection.failed["broken"]
     assert "failed    broken" in op.explain()
+
+
+class SlowBackward(torch.autograd.Function):
+    """x * 2 whose backward takes 20 ms."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.02)
+        return grad * 2
+
+
+def test_a_training_call_is_chosen_by_forward_and_backward(monkeypatch, gen):
+    """Inputs that require grad (grad mode on): the candidates are timed forward and backward, so
+    the fast forward with the slow backward loses; a forward-only candidate fails (its outputs
+    carry no gradient). The same inputs without grad: the fast forward wins. The two choices are
+    kept apart."""
+
+    def slow_forward(x):
+        time.sleep(0.004)
+        return x * 2
+
+    impls = [TorchImplementation("double", "fast_forward", lambda x: SlowBackward.apply(x)),
+             TorchImplementation("double", "slow_forward", slow_forward),
+             TorchImplementation("double", "forward_only", lambda x: x.detach() * 2)]
+    with_plugins(monkeypatch, OpsPlugin([double_op()], impls))
+    (x,) = inputs(gen, (16,))
+    inference = dlcore.get_op("double", (x,))
+    assert inference.impl.name in ("fast_forward", "forward_only") and not inference.signature.training
+    leaf = x.clone().requires_grad_()
+    training = dlcore.get_op("double", (leaf,))
+    assert training.signature.training and training.signature.key().endswith(" training")
+    assert training.impl.name == "slow_forward", training.explain()
+    assert set(training.selection.measured) == {"fast_forward", "slow_forward"}
+    assert "NoBackwardError" in training.selection.failed["forward_only"]
+    assert "(forward and backward: a training call)" in training.explain()
+    (grad,) = torch.autograd.grad(training(leaf), leaf, torch.ones(16))
+    assert torch.equal(grad, torch.full((16,), 2.0))
+    with torch.no_grad():
+        assert not dlcore.get_op("double", (leaf,)).signature.training
+    assert dlcore.get_op("double", (x,)) is inference
 
 
 def test_all_candidates_failing_is_a_no_kernel_error(monkeypatch, gen):

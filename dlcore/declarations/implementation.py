@@ -168,7 +168,10 @@ def source_modules(*objects: Any) -> list[Any]:
         found[name] = module
         package = name.partition(".")[0]
         for value in vars(module).values():
-            origin = value.__name__ if inspect.ismodule(value) else getattr(value, "__module__", None)
+            try:
+                origin = value.__name__ if inspect.ismodule(value) else getattr(value, "__module__", None)
+            except Exception:  # noqa: BLE001 - objects whose attribute lookup raises (torch.classes) name no module
+                continue
             if isinstance(origin, str) and origin.partition(".")[0] == package and origin not in found:
                 pending.append(origin)
     return [found[n] for n in sorted(found)]

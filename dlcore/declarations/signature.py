@@ -38,6 +38,9 @@ class Signature:
     scalars: tuple[tuple[str, Any], ...]
     #: the optional tensor arguments left out (None)
     absent: tuple[str, ...] = ()
+    #: a training call: grad mode on and a differentiable argument that requires grad (its choice is
+    #: timed forward and backward: :func:`dlcore.tuning.selection.step`)
+    training: bool = False
 
     def tensor(self, name: str) -> TensorSpec:
         for n, spec in self.tensors:
@@ -65,7 +68,8 @@ class Signature:
         parts = [f"{n}={s.describe()}" for n, s in self.tensors]
         parts += [f"{n}=None" for n in self.absent]
         parts += [f"{n}={v!r}" for n, v in self.scalars]
-        return f"{self.op}[{self.device_type}]({'; '.join(parts)})"
+        training = " training" if self.training else ""
+        return f"{self.op}[{self.device_type}]({'; '.join(parts)}){training}"
 
     def describe(self) -> str:
         return self.key()
@@ -113,6 +117,8 @@ def make_signature(op: Op, bound: tuple, device: torch.device) -> Signature:
     tensors = []
     scalars = []
     absent = []
+    grad = torch.is_grad_enabled()
+    training = False
     for spec, value in zip(op.args, bound):
         if isinstance(spec, TensorArg) and value is None:
             absent.append(spec.name)
@@ -123,6 +129,7 @@ def make_signature(op: Op, bound: tuple, device: torch.device) -> Signature:
                 layout=layout_of(value),
                 aligned=_aligned(value),
             )))
+            training = training or (grad and spec.differentiable and value.requires_grad)
         else:
             scalars.append((spec.name, _scalar_key(spec, value)))
-    return Signature(op.name, device.type, tuple(tensors), tuple(scalars), tuple(absent))
+    return Signature(op.name, device.type, tuple(tensors), tuple(scalars), tuple(absent), training)

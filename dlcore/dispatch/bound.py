@@ -52,7 +52,8 @@ class BoundOp:
             f"device:    {self.profile.describe()} via backend {self.profile.backend!r}",
             f"chosen:    {self.impl.name} ({self.impl.describe()}, from plugin {self.impl.plugin}) "
             f"with config {self.config}",
-            f"because:   {s.describe()}" + (f", {s.time_ms:.4f} ms" if s.time_ms is not None else ""),
+            f"because:   {s.describe()}" + (f", {s.time_ms:.4f} ms" if s.time_ms is not None else "")
+            + (" (forward and backward: a training call)" if self.signature.training and s.measured else ""),
         ]
         for name, t in sorted(s.measured.items(), key=lambda kv: kv[1]):
             kind = f" ({self.kinds[name]})" if name in self.kinds else ""

@@ -49,13 +49,14 @@ environment = _environment_reader()
 def exact_key(name: str, args: tuple | list, kwargs: dict[str, Any] | None, options: tuple) -> tuple | None:
     """A key for a hit without validation, cheap to compute: the op, the options, the environment,
     and each argument exactly (a tensor's dtype, shape, strides, device and alignment; a scalar's
-    value). None when an argument cannot be part of a key (kwargs, lists, ...)."""
+    value; whether it requires grad, and whether grad mode is on: a training call is chosen apart).
+    None when an argument cannot be part of a key (kwargs, lists, ...)."""
     if kwargs:
         return None
-    key: list[Any] = [name, options, environment()]
+    key: list[Any] = [name, options, environment(), torch.is_grad_enabled()]
     for a in args:
         if isinstance(a, torch.Tensor):
-            key.append((a.dtype, a.shape, a.stride(), a.device, a.data_ptr() % 16 == 0))
+            key.append((a.dtype, a.shape, a.stride(), a.device, a.data_ptr() % 16 == 0, a.requires_grad))
         elif isinstance(a, (int, float, bool, str, torch.dtype)) or a is None:
             key.append((type(a), a))
         else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import enum
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -12,7 +13,7 @@ import torch
 
 from dlcore.declarations.call import Call
 from dlcore.declarations.implementation import Implementation
-from dlcore.errors import NoKernelError
+from dlcore.errors import NoBackwardError, NoKernelError
 from dlcore.runtime.runner import runner
 
 
@@ -80,13 +81,38 @@ def now() -> str:
 
 
 def clone_args(bound: tuple) -> tuple:
-    """Copies of the tensor arguments with the same shapes, strides and values."""
+    """Copies of the tensor arguments with the same shapes, strides and values; leaves that require
+    grad where the originals do."""
     return tuple(_clone(a) if isinstance(a, torch.Tensor) else a for a in bound)
 
 
 def _clone(t: torch.Tensor) -> torch.Tensor:
     copy = torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device=t.device)
-    return copy.copy_(t)
+    with torch.no_grad():
+        copy.copy_(t)
+    return copy.requires_grad_(t.requires_grad)
+
+
+def step(run: Callable[[tuple], Any], inputs: tuple, training: bool) -> Callable[[], object]:
+    """What a candidate is timed by: ``run(inputs)``; for a training call (:attr:`Signature.training`)
+    also the backward, ``torch.autograd.grad`` of every output for a fixed gradient of ones with
+    respect to the inputs that require grad, so that the choice is the fastest training step and
+    not the fastest forward. An implementation whose outputs carry no gradient raises
+    :class:`NoBackwardError` (it would train nothing)."""
+    if not training:
+        return lambda: run(inputs)
+    wanted = [a for a in inputs if isinstance(a, torch.Tensor) and a.requires_grad]
+
+    def forward_and_backward() -> object:
+        result = run(inputs)
+        outputs = [t for t in (result if isinstance(result, (tuple, list)) else (result,))
+                   if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not outputs:
+            raise NoBackwardError("its outputs carry no gradient: a forward-only implementation, in a call "
+                                  "whose inputs require grad")
+        return torch.autograd.grad(outputs, wanted, [torch.ones_like(t) for t in outputs], allow_unused=True)
+
+    return forward_and_backward
 
 
 def without_measuring(call: Call, impl: Implementation, how: How) -> Selection:
@@ -96,7 +122,8 @@ def without_measuring(call: Call, impl: Implementation, how: How) -> Selection:
 
 
 def select(call: Call) -> Selection:
-    """Time each candidate of ``call`` with its default config on cloned inputs; the fastest wins.
+    """Time each candidate of ``call`` with its default config on cloned inputs (forward and backward
+    for a training call: :func:`step`); the fastest wins.
 
     A candidate that raises is skipped, its reason kept. If all fail, :class:`NoKernelError`.
     """
@@ -107,8 +134,8 @@ def select(call: Call) -> Selection:
         config = configs[impl.name] = impl.default_config(call.signature, call.profile)
         inputs = clone_args(call.args)
         try:
-            run = runner(impl, config, call.transform)
-            elapsed = call.backend.timer(lambda r=run, a=inputs: r(a), call.device)
+            run = step(runner(impl, config, call.transform), inputs, call.signature.training)
+            elapsed = call.backend.timer(run, call.device)
         except Exception as exc:  # noqa: BLE001 - any failure disqualifies only this candidate
             failed[impl.name] = f"{type(exc).__name__}: {exc}".splitlines()[0]
             continue
