@@ -598,9 +598,14 @@ class Bench:
 
     def implementations(self, args: tuple, result: ShapeResult) -> dict[str, Callable[..., Any]]:
         """The op through ``get_op``, each implementation alone, and the baselines, for these inputs
-        (``compile`` built afresh, ``prepare`` done)."""
+        (``compile`` built afresh, ``prepare`` done). In ``bwd`` modes ``get_op`` is asked with the
+        differentiable inputs requiring grad: a training call, chosen by forward and backward."""
         from dlcore.dispatch.dispatcher import get_op
 
+        if self.mode != "fwd":  # a training call: get_op chooses by forward and backward
+            wrt = [i for i in self.op.differentiable()
+                   if isinstance(args[i], torch.Tensor) and args[i].is_floating_point()]
+            args = _with_grad(args, wrt)
         bound = get_op(self.op.name, args)
         result.chosen = f"{bound.impl.name} {bound.config}"
         result.impl = bound.impl.name
