@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dlblas_kernels.moe import ExpertLoadRecorder, Placement, balance, imbalance, rank_loads, routed_rank_loads
-from dlblas_kernels.moe.eplb import pack, replicate
+from dlblas_kernels.moe.eplb import pack, pack_groups, replicate
 
 from dlcore import InvalidInputError
 
@@ -108,3 +108,38 @@ def test_recorder_counts_and_resets():
 def test_bad_balance_arguments_are_named(load, ranks, slots, arg):
     with pytest.raises(InvalidInputError, match=arg):
         balance(load, ranks, slots)
+
+
+def test_hierarchical_keeps_each_group_on_one_node_and_balances():
+    """DeepSeek-V3-like: 256 experts in 8 groups on 2 nodes of 4 ranks, 32 spare slots, Zipf routing:
+    every group's experts (and their replicas) on one node, four groups a node, every expert placed,
+    the imbalance within 10%; one node is the flat placement."""
+    ids = zipf_routing(256, 8192, 8, 1.0, seed=3)
+    load = torch.bincount(ids.reshape(-1), minlength=256)
+    placement = balance(load, 8, 288, num_nodes=2, num_groups=8)
+    assert sorted(set(placement.slot_experts)) == list(range(256))
+    node_of = {}
+    for rank in range(8):
+        for e in placement.rank_experts(rank):
+            assert node_of.setdefault(e // 32, rank // 4) == rank // 4  # group e // 32 on one node
+    assert sorted(node_of.values()) == [0] * 4 + [1] * 4
+    before = imbalance(rank_loads(Placement.contiguous(256, 8), load))
+    after = imbalance(rank_loads(placement, load))
+    assert after <= 1.1 < before
+    assert balance(load, 8, 288, num_nodes=1) == balance(load, 8, 288)
+
+
+def test_pack_groups_heaviest_first_to_the_lightest_node():
+    assert pack_groups([10.0, 1.0, 7.0, 4.0], 2) == [[0, 1], [2, 3]]
+    assert pack_groups([1.0, 1.0, 1.0, 1.0], 4) == [[0], [1], [2], [3]]
+
+
+@pytest.mark.parametrize("nodes, groups, slots, arg", [
+    (3, None, 16, "num_nodes"),  # 8 ranks on 3 nodes
+    (2, 3, 16, "num_groups"),  # 3 groups on 2 nodes
+    (2, 6, 16, "num_groups"),  # 16 experts in 6 groups
+    (2, 4, 8, "num_slots"),  # 4 slots a node for 8 experts a node
+])
+def test_bad_hierarchical_arguments_are_named(nodes, groups, slots, arg):
+    with pytest.raises(InvalidInputError, match=arg):
+        balance(torch.arange(16), 8 if arg != "num_slots" else 4, slots, num_nodes=nodes, num_groups=groups)

@@ -10,8 +10,13 @@ The design is DeepSeek's published EPLB (expert-parallel load balancer), in two 
    the same number of slots.
 
 The imbalance of a placement is the heaviest rank's load over the mean rank load (1 is perfect).
-DeepSeek's hierarchical variant (expert groups packed onto nodes first) is not here: on one host every
-rank is as near as any other.
+
+Over several nodes (:func:`balance` with ``num_nodes`` and ``num_groups``), DeepSeek's hierarchical
+variant: the experts come in ``num_groups`` groups of consecutive ids (DeepSeek-V3's routing picks a
+few groups per token, then experts within them), and the groups are packed onto the nodes first,
+the same number on each, heaviest first to the lightest node, so that a token's experts sit on few
+nodes and the traffic between nodes stays low; then each node replicates its own experts onto its
+slots and packs them onto its ranks as above. Node ``n`` holds ranks ``[n*W/N, (n+1)*W/N)``.
 """
 
 from __future__ import annotations
@@ -98,22 +103,66 @@ def pack(slot_loads: list[float], slot_experts: list[int], num_ranks: int) -> li
     return ranks
 
 
-def balance(load: torch.Tensor, num_ranks: int, num_slots: int) -> Placement:
+def _flat(loads: list[float], experts: list[int], num_ranks: int, num_slots: int) -> list[int]:
+    """The logical expert of each slot, rank after rank, for ``experts`` (their ``loads``) replicated
+    onto ``num_slots`` slots and packed onto ``num_ranks`` ranks."""
+    counts = replicate(torch.tensor(loads, dtype=torch.float64), num_slots)
+    slot_experts = [e for e, c in zip(experts, counts) for _ in range(c)]
+    per_expert = dict(zip(experts, counts))
+    slot_loads = [loads[experts.index(e)] / per_expert[e] for e in slot_experts]
+    ranks = pack(slot_loads, slot_experts, num_ranks)
+    # within a rank, slots in expert order: a rank's local expert ids then follow the logical ones
+    return [e for slots in ranks for e in sorted(slot_experts[s] for s in slots)]
+
+
+def pack_groups(group_loads: list[float], num_nodes: int) -> list[list[int]]:
+    """The groups of each node, ``len(group_loads) / num_nodes`` each: heaviest first, to the
+    lightest node with room (ties to the lower node); each node's groups in increasing order."""
+    per_node = len(group_loads) // num_nodes
+    nodes: list[list[int]] = [[] for _ in range(num_nodes)]
+    node_load = [0.0] * num_nodes
+    for group in sorted(range(len(group_loads)), key=lambda g: (-group_loads[g], g)):
+        node = min((n for n in range(num_nodes) if len(nodes[n]) < per_node), key=lambda n: (node_load[n], n))
+        nodes[node].append(group)
+        node_load[node] += group_loads[group]
+    return [sorted(groups) for groups in nodes]
+
+
+def balance(load: torch.Tensor, num_ranks: int, num_slots: int, *, num_nodes: int = 1,
+            num_groups: int | None = None) -> Placement:
     """A placement of ``load.numel()`` experts onto ``num_slots`` slots over ``num_ranks`` ranks, the
-    hottest experts replicated and the ranks' loads evened (``load``: tokens per logical expert)."""
+    hottest experts replicated and the ranks' loads evened (``load``: tokens per logical expert).
+
+    With ``num_nodes > 1`` (the ranks ``num_ranks / num_nodes`` to a node), hierarchically: the
+    ``num_groups`` expert groups (consecutive ids; default one group per node) packed onto the nodes
+    first, then each node's experts replicated onto its slots and packed onto its ranks."""
     if load.dim() != 1:
         raise InvalidInputError("eplb", "load", f"has shape {tuple(load.shape)}", "a vector [num_experts]")
     if num_ranks < 1 or num_slots % num_ranks:
         raise InvalidInputError("eplb", "num_slots", f"is {num_slots} over {num_ranks} ranks",
                                 "a slot count divisible by the number of ranks")
-    counts = replicate(load, num_slots)
+    experts = load.numel()
+    groups = num_nodes if num_groups is None else num_groups
+    if num_nodes < 1 or num_ranks % num_nodes:
+        raise InvalidInputError("eplb", "num_nodes", f"is {num_nodes} for {num_ranks} ranks",
+                                "a node count dividing the number of ranks")
+    if groups < 1 or groups % num_nodes or experts % groups:
+        raise InvalidInputError("eplb", "num_groups", f"is {groups} for {experts} experts on {num_nodes} nodes",
+                                "a group count dividing the experts and divisible by the number of nodes")
     loads = [float(x) for x in load.tolist()]
-    slot_experts = [e for e, c in enumerate(counts) for _ in range(c)]
-    slot_loads = [loads[e] / counts[e] for e in slot_experts]
-    ranks = pack(slot_loads, slot_experts, num_ranks)
-    # within a rank, slots in expert order: a rank's local expert ids then follow the logical ones
-    ordered = [e for slots in ranks for e in sorted(slot_experts[s] for s in slots)]
-    return Placement(tuple(ordered), load.numel(), num_ranks)
+    if num_nodes == 1:
+        return Placement(tuple(_flat(loads, list(range(experts)), num_ranks, num_slots)), experts, num_ranks)
+    size = experts // groups
+    slots_per_node = num_slots // num_nodes
+    if slots_per_node < experts // num_nodes:
+        raise InvalidInputError("eplb", "num_slots", f"is {num_slots} for {experts} experts on {num_nodes} nodes",
+                                f"at least {experts // num_nodes} slots a node (its experts)")
+    group_loads = [sum(loads[g * size:(g + 1) * size]) for g in range(groups)]
+    ordered: list[int] = []
+    for node_groups in pack_groups(group_loads, num_nodes):
+        node_experts = [e for g in node_groups for e in range(g * size, (g + 1) * size)]
+        ordered += _flat([loads[e] for e in node_experts], node_experts, num_ranks // num_nodes, slots_per_node)
+    return Placement(tuple(ordered), experts, num_ranks)
 
 
 def rank_loads(placement: Placement, load: torch.Tensor) -> torch.Tensor:
