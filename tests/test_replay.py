@@ -161,6 +161,7 @@ def test_another_shape_stride_or_alignment_is_another_template(triton_runtime):
     assert launch.exact_key((base[:15], 1.0)) != launch.exact_key((base[:15], 2.0))
 
 
+@pytest.mark.filterwarnings("ignore::dlcore.runtime.launch.NotReplayedWarning")
 @pytest.mark.parametrize("what", ["scratch", "offset"])
 def test_launches_that_cannot_be_traced_keep_the_plan_path(triton_runtime, replayed, what):
     kernel = JITFunction()
@@ -220,6 +221,7 @@ def pair_plan(kernel):
     return plan
 
 
+@pytest.mark.filterwarnings("ignore::dlcore.runtime.launch.NotReplayedWarning")
 def test_inputs_at_one_address_are_not_recorded(triton_runtime, replayed):
     """Recorded with the same tensor twice, a replay could not tell the two inputs apart later."""
     kernel = JITFunction()

@@ -603,6 +603,27 @@ def _traced(compiled: Any, values: list[Any], pointers: dict[int, tuple[int, int
     return slots
 
 
+def why_not_replayable(args: tuple, plan: LaunchPlan) -> str | None:
+    """Why :class:`Replay` would not record ``plan`` for ``args`` (so that every call of a bound op
+    would run the plan again, on the host), as far as is known without compiling: its result's
+    form, inputs or results sharing memory, or a launch's tensor argument (a tensor descriptor's
+    base included) that is neither an input, a result nor a declared scratch tensor at offset zero.
+    None: nothing found. For tests and ``dlcore`` checks; needs no GPU."""
+    try:
+        results, _ = _flat_results(plan.result)
+        sources = _sources(args, results, plan.scratch)
+    except NotReplayable as exc:
+        return str(exc)
+    for n, call in enumerate(plan.calls):
+        for position, value in enumerate((*call.args, *call.kwargs.values())):
+            tensor = getattr(value, "base", None) if not isinstance(value, torch.Tensor) else value
+            if isinstance(tensor, torch.Tensor) and tensor.data_ptr() not in sources.pointers:
+                name = getattr(call.kernel, "__name__", str(call.kernel))
+                return (f"launch {n} ({name}), argument {position}: a tensor {tuple(tensor.shape)} that is "
+                        f"neither an input, a result nor a declared scratch tensor at offset zero")
+    return None
+
+
 def record(args: tuple, plan: LaunchPlan) -> tuple[Any, Template | None]:
     """Run ``plan`` (each launch through its kernel's entry, so that the first call of a new process
     takes the shelf), and record it when it can be replayed; returns the plan's result (computed
@@ -646,6 +667,30 @@ def record(args: tuple, plan: LaunchPlan) -> tuple[Any, Template | None]:
                                  hook)
 
 
+class NotReplayedWarning(UserWarning):
+    """A replayable implementation's plan whose launches cannot be recorded (a launch argument that is
+    neither an input, a result nor declared scratch, say): every call of its bound op plans again on
+    the host. Once per plan; a fault of the plan's declaration, for its author."""
+
+
+_not_replayed: set[str] = set()
+
+
+def _warn_not_replayed(plan_fn: Callable[..., Any], args: tuple, plan: LaunchPlan) -> None:
+    if any(type(call.kernel).__name__ == "InterpretedFunction" for call in plan.calls):
+        return
+    why = why_not_replayable(args, plan)
+    if why is None:  # no compiled kernel or warm path (warned where found), or results filled on the host
+        return
+    name = f"{getattr(plan_fn, '__module__', '?')}.{getattr(plan_fn, '__qualname__', plan_fn)}"
+    if name in _not_replayed:
+        return
+    _not_replayed.add(name)
+    hint = " (a tensor the plan allocates belongs in LaunchPlan.scratch)" if "declared scratch" in why else ""
+    warnings.warn(f"dlcore: {name}'s launches are not replayed, so each call plans again: {why}{hint}",
+                  NotReplayedWarning, stacklevel=3)
+
+
 class Replay:
     """The run function of a bound op whose implementation is replayable, and of a custom op's body
     (:class:`dlcore.runtime.torch_ops.Launches`): ``plan(args, config)`` is called only to record,
@@ -687,7 +732,10 @@ class Replay:
             return run_plan(self._planned(args))
         if template is not _MISSING and template.hook is _internals.runtime.add_stages_inspection_hook:
             return template.run(args)
-        result, template = record(args, self._planned(args))
+        plan = self._planned(args)
+        result, template = record(args, plan)
+        if template is None and plan.calls:
+            _warn_not_replayed(self.plan, args, plan)
         templates = self.templates
         templates.pop(key, None)
         if len(templates) >= LIMIT:

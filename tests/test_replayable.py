@@ -1,0 +1,89 @@
+"""Every kernel's launch plan can be recorded and replayed by a bound op (dlcore/runtime/launch.py):
+each tensor a launch takes is an input, a result or declared scratch. A plan that allocates a tensor
+without declaring it still computes the right result, but every call of its bound op plans again on
+the host (tens of microseconds: a decode step's whole budget), so these are checked here, without a
+GPU, on the paths each plan takes for an NVIDIA H200 and for this CPU."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from dlcore.compiler.lowering import target_profile
+from dlcore.declarations.implementation import KernelCall, LaunchPlan
+from dlcore.declarations.signature import make_signature
+from dlcore.plugins.registry import registry
+from dlcore.runtime import launch, template
+
+CPU = torch.device("cpu")
+# per op, sizes that take each of its paths (split-K, weight streaming, decode, TMA, looped rows)
+CASES = [
+    ("matmul", {"tokens": 1, "hidden": 8192, "inter": 256}),
+    ("matmul", {"tokens": 300, "hidden": 256, "inter": 512}),
+    ("ffn", {"tokens": 1, "hidden": 2048, "inter": 512}),
+    ("ffn", {"tokens": 300, "hidden": 256, "inter": 512}),
+    ("fused_moe", {"tokens": 1, "hidden": 256, "inter": 128, "experts": 8, "topk": 2}),
+    ("fused_moe", {"tokens": 300, "hidden": 256, "inter": 128, "experts": 8, "topk": 2}),
+    ("topk_gating", {"tokens": 300, "experts": 64, "topk": 2}),
+    ("fp8_gemm", {"tokens": 1, "hidden": 4096, "inter": 256}),
+    ("fp8_gemm", {"tokens": 300, "hidden": 512, "inter": 256}),
+    ("quantize_fp8", {"tokens": 300, "hidden": 512}),
+    ("softmax", {"tokens": 4, "vocab": 40000}),
+    ("softmax", {"tokens": 300, "vocab": 1000}),
+    ("flash_attention_v2", {"seq": 1, "kv_seq": 4096, "heads": 32, "kv_heads": 8}),
+    ("flash_attention_v2", {"seq": 300, "kv_seq": 0}),
+    ("fused_rotary_and_fa", {"seq": 300}),
+    ("rms_norm", {"tokens": 300}),
+    ("add_rms_norm", {"tokens": 300}),
+    ("silu_and_mul", {"tokens": 300}),
+    ("apply_rotary_pos_emb", {"tokens": 300}),
+    ("partial_rotary_emb", {"tokens": 300}),
+]
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda:90"])
+@pytest.mark.parametrize("name, sizes", CASES, ids=[f"{n}-{'-'.join(map(str, s.values()))}" for n, s in CASES])
+def test_every_plan_is_replayable(name, sizes, target, monkeypatch):
+    reg = registry()
+    op = reg.ops[name]
+    profile = template.device_profile(CPU) if target == "cpu" else target_profile(target)
+    # plans on these CPU tensors see the target's profile: the paths it takes, real addresses
+    monkeypatch.setitem(template._profiles, CPU, profile)
+    dtype = torch.bfloat16 if name == "fp8_gemm" else torch.float16
+    args = op.bind(op.example_inputs(sizes, dtype, CPU, seed=0), None)
+    impls = [i for i in reg.implementations_of(name) if getattr(i, "replayable", False)]
+    assert impls
+    for impl in impls:
+        plan = impl.plan(args, impl.default_config(make_signature(op, args, CPU), profile))
+        assert plan.calls
+        assert launch.why_not_replayable(args, plan) is None
+
+
+def _kernel(*args):  # stands for a compiled kernel: anything but Triton's InterpretedFunction
+    pass
+
+
+def test_why_not_replayable_names_an_undeclared_tensor():
+    x = torch.ones(4)
+    out, scratch, stray = torch.empty(4), torch.empty(8), torch.empty(8)
+    declared = LaunchPlan(calls=[KernelCall(_kernel, (1,), (x, scratch, out), {})], result=out, scratch=(scratch,))
+    assert launch.why_not_replayable((x,), declared) is None
+    undeclared = LaunchPlan(calls=[KernelCall(_kernel, (1,), (x, stray, out), {})], result=out)
+    assert "launch 0 (_kernel), argument 1: a tensor (8,)" in launch.why_not_replayable((x,), undeclared)
+    view = LaunchPlan(calls=[KernelCall(_kernel, (1,), (x[1:], out), {})], result=out)
+    assert "argument 0" in launch.why_not_replayable((x,), view)  # a view at an offset is no input
+    shared = LaunchPlan(calls=[KernelCall(_kernel, (1,), (x,), {})], result=x[:2])
+    assert "shares memory" in launch.why_not_replayable((x,), shared)
+
+
+def test_an_unreplayed_plan_warns_once(monkeypatch):
+    monkeypatch.setattr(launch, "_not_replayed", set())
+    x, out, stray = torch.ones(4), torch.empty(4), torch.empty(8)
+    plan = LaunchPlan(calls=[KernelCall(_kernel, (1,), (x, stray, out), {})], result=out)
+    with pytest.warns(launch.NotReplayedWarning, match="each call plans again: launch 0"):
+        launch._warn_not_replayed(_kernel, (x,), plan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        launch._warn_not_replayed(_kernel, (x,), plan)
