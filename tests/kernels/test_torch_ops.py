@@ -9,6 +9,7 @@ from gradients import check_backward, leaves
 
 import dlcore
 import dlcore.dispatch.dispatcher
+import dlcore.runtime.template
 from dlcore import InvalidInputError
 from dlcore.plugins.registry import registry
 from dlcore.testing import randn
@@ -218,3 +219,42 @@ def test_eager_backward_launches_directly_and_tracers_see_the_backward_op(name, 
     assert through_op
     for a, b in zip(first, second):
         torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
+
+
+class PassThrough(torch.utils._python_dispatch.TorchDispatchMode):
+    """A dispatch mode that runs every op as is, counting the dlblas ones it sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "dlblas" in str(func):
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", ["rms_norm", "softmax", "matmul"])
+def test_eager_forward_skips_the_dispatcher_and_tracers_see_the_custom_op(name, device, gen, monkeypatch):
+    """In plain eager autograd the forward runs as a torch.autograd.Function made of the custom op's
+    body and formula (without the dispatcher's tens of microseconds a call); under a dispatch mode
+    the custom op runs, as it does for torch.compile and functorch; the outputs and gradients are
+    the same bit for bit."""
+    args = example(name, torch.float32, device, gen)
+    wrt = [i for i in registry().op(name).differentiable() if isinstance(args[i], torch.Tensor)]
+
+    def run():
+        inputs = leaves(args, wrt)
+        out = getattr(dlblas_kernels, name)(*inputs)
+        return out, torch.autograd.grad(out, [inputs[i] for i in wrt], torch.ones_like(out))
+
+    out, grads = run()
+    assert type(out.grad_fn).__name__ == f"{name}_eagerBackward"
+    with PassThrough() as mode:
+        traced, traced_grads = run()
+    assert f"dlblas.{name}.default" in mode.seen and type(traced.grad_fn).__name__ != f"{name}_eagerBackward"
+    monkeypatch.setattr(dlcore.runtime.template, "plain_eager_forward", lambda values: False)
+    dispatched, dispatched_grads = run()
+    assert type(dispatched.grad_fn).__name__ != f"{name}_eagerBackward"
+    for a, b, c in zip((out, *grads), (traced, *traced_grads), (dispatched, *dispatched_grads)):
+        assert torch.equal(a, b) and torch.equal(a, c)
