@@ -247,10 +247,16 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
 
 def decode_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
                  causal: bool, scale: float, profile: DeviceProfile, rotary: tuple | None = None,
-                 config: Config | None = None) -> list[KernelCall]:
+                 config: Config | None = None) -> tuple[list[KernelCall], tuple[torch.Tensor, ...]]:
     """The launches that write ``out`` ``[B, Sq, Hq, D]`` (q's dtype) and ``lse`` ``[B, Hq, Sq]``
-    (float32, natural log) of ``softmax(scale * q k^T) v`` (see the module doc): the split kernel,
-    then the combine kernel when there are several splits (their float32 scratch allocated here).
+    (float32, natural log) of ``softmax(scale * q k^T) v`` (see the module doc), and the scratch
+    tensors they use: the split kernel, then the combine kernel when there are several splits, with
+    their float32 partial outputs and lse allocated here and returned as scratch (none for one split).
+
+    The plan that takes these calls must declare that scratch (``LaunchPlan(scratch=...)``): a launch
+    handed a tensor that is neither an input, a result nor declared scratch is not recorded, so every
+    call of the bound op would plan and launch through the slow path again (about 100 us of host time
+    on the H200's host, more than the kernels' own time below Sk 16384).
     ``config`` (keys of :func:`default_config`) replaces the heuristic one. ``rotary`` is not
     implemented here (the plan takes the prefill kernel for it)."""
     if rotary is not None:
@@ -268,9 +274,11 @@ def decode_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
         o, part_lse = out, lse
         o_strides = (out.stride(0), out.stride(1), out.stride(2), 0, out.stride(3))
         l_strides = (lse.stride(0), lse.stride(1), lse.stride(2), 0)
+        scratch: tuple[torch.Tensor, ...] = ()
     else:
         o = torch.empty((batch, hq, sq, splits, d), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((batch, hq, sq, splits), dtype=torch.float32, device=q.device)
+        scratch = (o, part_lse)
         o_strides = (o.stride(0), o.stride(2), o.stride(1), o.stride(3), o.stride(4))
         l_strides = (part_lse.stride(0), part_lse.stride(1), part_lse.stride(2), part_lse.stride(3))
     calls = [KernelCall(
@@ -288,5 +296,5 @@ def decode_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
             {"HEAD_DIM": d, "CHUNK": min(next_power_of_2(splits), max(1, COMBINE_CHUNK_ELEMENTS // block_d)),
              "BLOCK_D": block_d, "num_warps": 4},
         ))
-    return calls
+    return calls, scratch
 
