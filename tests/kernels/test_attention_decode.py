@@ -47,8 +47,9 @@ def outputs(q):
 def attend(q, k, v, causal, profile, config=None, scale=None):
     """Plan and launch; return ``(out, lse, names of the kernels launched)``."""
     out, lse = outputs(q)
-    calls = decode.decode_calls(q, k, v, out, lse, causal=causal, scale=scale or q.shape[-1] ** -0.5,
-                                profile=profile, config=config)
+    calls, scratch = decode.decode_calls(q, k, v, out, lse, causal=causal, scale=scale or q.shape[-1] ** -0.5,
+                                         profile=profile, config=config)
+    assert len(scratch) == 2 * (len(calls) > 1), "the split partials are handed back as scratch"
     for call in calls:
         call.launch()
     return out, lse, [c.kernel.__name__ for c in calls]
@@ -132,11 +133,81 @@ def test_splits_fill_the_device(batch, sk, expected):
     assert config["num_stages"] * 2 * config["BLOCK_N"] * 128 * 2 <= H200.shared_memory_per_program
 
 
+@pytest.mark.parametrize("arch, backend, expected", [("sm_90", "cuda", True), ("sm_100", "cuda", True),
+                                                     ("sm_80", "cuda", False), ("sm_90", "cpu", False),
+                                                     ("Ascend910B", "npu", False)])
+def test_combine_is_a_dependent_launch_from_hopper_on(arch, backend, expected):
+    """Several splits on sm_90 and later: the split kernel lets the combine launch early (PDL) and
+    the combine, launched with ``launch_pdl``, waits for it; never under the interpreter (the cpu
+    backend, even with an sm_90 arch claimed), on Ampere or off NVIDIA; never for a lone split."""
+    profile = dataclasses.replace(H200, arch=arch, backend=backend)
+    assert decode.dependent_launch(profile) is expected
+    q, k = meta(1, 1, 4096, 32, 8, 128)
+    lse = torch.empty(1, 32, 1, device="meta")
+    split, combine = decode.decode_calls(q, k, k, torch.empty_like(q), lse, causal=False, scale=1.0, profile=profile)[0]
+    assert split.kwargs.get("PDL", False) is expected and "launch_pdl" not in split.kwargs
+    assert combine.kwargs.get("PDL", False) is expected and combine.kwargs.get("launch_pdl", False) is expected
+    (alone,), _ = decode.decode_calls(q, k, k, torch.empty_like(q), lse, causal=False, scale=1.0, profile=profile,
+                                      config={"SPLITS": 1})
+    assert "PDL" not in alone.kwargs and "launch_pdl" not in alone.kwargs
+
+
 @pytest.mark.parametrize("sq, hq, hk, expected", [(1, 32, 8, True), (16, 32, 8, True), (17, 32, 8, False),
                                                   (64, 16, 16, True), (128, 16, 16, False)])
 def test_use_decode(sq, hq, hk, expected):
     q, k = meta(2, sq, 4096, hq, hk, 128)
     assert decode.use_decode(q, k, H200) is expected
+
+
+def launched_tensors(plan):
+    return [a for call in plan.calls for a in call.args if isinstance(a, torch.Tensor)]
+
+
+@pytest.mark.parametrize("sk, return_lse", [(4096, False), (4096, True), (64, False)], ids=["splits", "splits-lse",
+                                                                                           "one-split"])
+def test_op_plans_declare_the_split_scratch(sk, return_lse):
+    """flash_attention_v2's plans (the bound op's and the custom op's) hand their launches only
+    inputs, results and declared scratch: what a bound op needs to replay its recorded launches
+    (dlcore.runtime.launch.Replay) rather than plan again on every call. Undeclared, the split
+    partials kept every decode call on the planning path (about 100 us of host time)."""
+    from dlblas_kernels.kernels.flash_attention_v2 import plan, training_plan
+
+    q = torch.zeros(1, 1, 32, 128)
+    k, v = torch.zeros(1, sk, 8, 128), torch.zeros(1, sk, 8, 128)
+    args = (q, k, v, False, None, return_lse)
+    for make in (plan, training_plan):
+        found = make(args, {}, H200)
+        results = found.result if isinstance(found.result, tuple) else (found.result,)
+        known = {id(t) for t in (q, k, v, *results, *found.scratch)}
+        assert all(id(t) in known for t in launched_tensors(found)), make.__name__
+        combine = ["decode_combine_kernel"] if sk > 64 else []
+        assert [c.kernel.__name__ for c in found.calls] == ["decode_split_kernel", *combine]
+        assert len(found.scratch) == (2 if sk > 64 else 0) + (make is plan and not return_lse)
+        assert all(t.storage_offset() == 0 for t in found.scratch)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not ON_GPU, reason="launches are recorded for compiled kernels only")
+def test_bound_op_replays_decode(gen):
+    """On a GPU the bound op's first decode call records its two launches and later calls replay
+    them (fresh outputs and scratch each time), with the same result."""
+    from dlblas_kernels.kernels.flash_attention_v2 import KERNEL
+
+    from dlcore.runtime.runner import launches
+
+    q, k, v = qkv(1, 1, 4096, 32, 8, 128, torch.bfloat16, "cuda", gen)
+    run = launches(KERNEL.implementation, {}, None)
+    args = (q, k, v, False, None, False)
+    first = run(args).clone()
+    templates = list(run.templates.values())
+    assert len(templates) == 1 and templates[0] is not None, "the decode launches were not recorded"
+    assert len(templates[0].launches) == 2 and len(templates[0].scratch) == 3
+    poison(first.new_empty(4 << 20))  # the caching allocator's next blocks hold garbage, not the last results
+    again = run(args)
+    assert torch.equal(again, first)
+    ref_out, _ = reference(q.float(), k.float(), v.float(), False, 128 ** -0.5)
+    atol, rtol = tolerance(torch.bfloat16)
+    torch.testing.assert_close(again.float(), ref_out, atol=atol, rtol=rtol)
 
 
 BAD = {
@@ -177,12 +248,14 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
     for name, (sq, d, splits) in {"one split": (1, 128, 1), "split": (2, 96, 8), "wide": (1, 256, 4)}.items():
         q, k = e(1, sq, 32, d, dtype=dtype), e(1, 4096, 8, d, dtype=dtype)
         out, lse = e(1, sq, 32, d, dtype=dtype), e(1, 32, sq, dtype=torch.float32)
-        for call in decode.decode_calls(q, k, k, out, lse, causal=sq > 1, scale=0.1, profile=target_profile("cuda:90"),
-                                        config={"SPLITS": splits}):
-            for capability in (80, 90, 100):
+        for capability in (80, 90, 100):
+            calls, _ = decode.decode_calls(q, k, k, out, lse, causal=sq > 1, scale=0.1,
+                                           profile=target_profile(f"cuda:{capability}"), config={"SPLITS": splits})
+            for call in calls:
                 kernel = compile_call(call, GPUTarget("cuda", capability, 32))
                 key = f"{name}/{call.kernel.__name__}/{str(dtype)[6:]}/sm_{capability}"
-                found[key] = len(kernel.asm.get("cubin", b""))
+                found[key] = [len(kernel.asm.get("cubin", b"")), "griddepcontrol" in kernel.asm.get("ptx", ""),
+                              bool(call.kwargs.get("launch_pdl"))]
 print(json.dumps(found))
 """
 
@@ -195,7 +268,13 @@ def test_every_kernel_compiles_to_cubin():
     expected = {f"{name}/{kernel}/{dtype}/sm_{capability}" for name, names in kernels.items() for kernel in names
                 for dtype in ("bfloat16", "float16", "float32") for capability in (80, 90, 100)}
     assert set(compiled) == expected
-    assert all(size > 0 for size in compiled.values()), compiled
+    assert all(size > 0 for size, _, _ in compiled.values()), compiled
+    # the combine of several splits is a programmatic dependent launch from sm_90 on, and only there
+    for key, (_, griddep, pdl) in compiled.items():
+        name, kernel, _, arch = key.split("/")
+        dependent = name != "one split" and arch != "sm_80"
+        assert griddep is dependent, key
+        assert pdl is (dependent and kernel == "decode_combine_kernel"), key
 
 
 @pytest.mark.gpu

@@ -103,28 +103,33 @@ def scale_of(q: torch.Tensor, softmax_scale: float | None) -> float:
     return q.shape[-1] ** -0.5 if softmax_scale is None else float(softmax_scale)
 
 
-def _calls(args: tuple, config: Config, profile: DeviceProfile, out: torch.Tensor, lse: torch.Tensor) -> list:
+def _calls(args: tuple, config: Config, profile: DeviceProfile, out: torch.Tensor,
+           lse: torch.Tensor) -> tuple[list, tuple]:
+    """The launches and the scratch tensors they use (the decode block's split partials)."""
     q, k, v, causal, softmax_scale, _ = args
     scale = scale_of(q, softmax_scale)
     if attention_decode.use_decode(q, k, profile):
         return attention_decode.decode_calls(q, k, v, out, lse, causal=causal, scale=scale, profile=profile)
-    return forward_calls(q, k, v, out, lse, causal=causal, scale=scale, config=config, profile=profile)
+    return forward_calls(q, k, v, out, lse, causal=causal, scale=scale, config=config, profile=profile), ()
 
 
 def training_plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     """``(out, lse)``: what the custom op runs (autograd saves lse for the backward)."""
     out, lse = training_outputs(*args)
-    return LaunchPlan(calls=_calls(args, config, profile, out, lse), result=(out, lse))
+    calls, scratch = _calls(args, config, profile, out, lse)
+    return LaunchPlan(calls=calls, result=(out, lse), scratch=scratch)
 
 
 def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     """``out``, or ``(out, lse)`` with ``return_lse``; otherwise lse is scratch (the kernel writes it
-    either way: ``B * Hq * Sq`` floats, a 1/(2D) part of out's bytes in 16-bit)."""
+    either way: ``B * Hq * Sq`` floats, a 1/(2D) part of out's bytes in 16-bit). Every tensor a launch
+    is handed is an input, a result or declared scratch, so that a bound op's calls replay their
+    recorded launches (:class:`dlcore.runtime.launch.Replay`) instead of planning again."""
     out, lse = training_outputs(*args)
-    calls = _calls(args, config, profile, out, lse)
+    calls, scratch = _calls(args, config, profile, out, lse)
     if args[5]:
-        return LaunchPlan(calls=calls, result=(out, lse))
-    return LaunchPlan(calls=calls, result=out, scratch=(lse,))
+        return LaunchPlan(calls=calls, result=(out, lse), scratch=scratch)
+    return LaunchPlan(calls=calls, result=out, scratch=(lse, *scratch))
 
 
 # --- config --------------------------------------------------------------------------------------
