@@ -6,7 +6,7 @@
 #   launch     the warm launch path (dlcore/runtime/launch.py) against real compiled kernels, once per
 #              Triton version the host has: the installed one, then each site folder named in
 #              TRITON_SITES (pip install --target DIR triton==X). The GPU host has only triton 3.6.0.
-#   overhead   dlcore's own per-call costs (warm launch, in-process hit, cold disk hit)
+#   overhead   dlcore's own per-call costs (warm launch, training step, in-process hit, cold disk hit)
 #   landscape-matmul, landscape-ffn
 #              every config of a space timed (ffn: a random sample within LANDSCAPE_SECONDS)
 #   bench      dlcore bench of every op against torch, torch.compile and Liger: docs/results/*.json
@@ -62,7 +62,7 @@ for stage in "$@"; do
       done 2>&1 | tee "$OUT/launch.log" ;;
     overhead)
       # docs/results/overhead.json: python3 docs/results/render.py import-overhead overhead.txt
-      python3 -m dlcore.bench.overhead warm hot cold first 2>&1 | tee "$OUT/overhead.txt" ;;
+      python3 -m dlcore.bench.overhead warm train hot cold first 2>&1 | tee "$OUT/overhead.txt" ;;
     landscape-matmul)
       # the GEMM block's space has 1417 configs on an H200: a seeded sample of LANDSCAPE_LIMIT, compiled and timed
       python3 -m dlcore.bench.landscape record matmul --shape tokens=4096,hidden=4096,inter=4096 \

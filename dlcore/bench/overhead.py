@@ -2,6 +2,8 @@
 
 - ``warm`` (GPU): a tiny launch through the bound op against ``kernel[grid](...)`` of the same
   compiled kernel, microseconds of host time per call, median of 10^4 calls.
+- ``train``: a training step (forward and backward) of one tiny call: the bound op's eager path,
+  the same through the custom op's dispatcher, and eager torch.
 - ``hot``: ``get_op`` on an in-process cache hit (the signature is computed, the bound op found).
 - ``cold``: ``get_op`` in a new process on a disk-cache hit, plugin discovery included (torch and
   triton are imported first: a process that runs kernels has them anyway).
@@ -76,6 +78,37 @@ def warm(device: str = "cuda") -> dict[str, float]:
         "dlblas_kernels.silu_and_mul (validates each call)": per_call_us(lambda: silu_module(x)),
     }
     torch.cuda.synchronize()
+    return results
+
+
+def train(device: str = "cuda") -> dict[str, float]:
+    """silu_and_mul forward and backward (``torch.autograd.grad``) on one row of 256 that requires
+    grad: the bound op's eager path (a ``torch.autograd.Function``), the same through the custom op
+    (the dispatcher, as ``torch.compile`` and dispatch modes see it), and eager torch."""
+    import dlcore
+    import dlcore.runtime.template as template
+
+    x = torch.randn(1, 512, device=device, dtype=torch.float16, requires_grad=True)
+    grad = torch.ones(1, 256, device=device, dtype=torch.float16)
+    bound = dlcore.get_op("silu_and_mul", (x,))
+
+    def step(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], object]:
+        return lambda: torch.autograd.grad(fn(x), x, grad)
+
+    def composite(t: torch.Tensor) -> torch.Tensor:
+        gate, up = t.chunk(2, -1)
+        return torch.nn.functional.silu(gate) * up
+
+    eager = template.plain_eager_forward
+    results = {"training step, bound op (eager: autograd.Function)": per_call_us(step(bound), 2000)}
+    template.plain_eager_forward = lambda values: False
+    try:
+        results["training step, bound op through the custom op (dispatcher)"] = per_call_us(step(bound), 2000)
+    finally:
+        template.plain_eager_forward = eager
+    results["training step, eager torch (silu(gate) * up)"] = per_call_us(step(composite), 2000)
+    if device == "cuda":
+        torch.cuda.synchronize()
     return results
 
 
@@ -178,12 +211,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         first_process(argv[1])
         return 0
     parser = argparse.ArgumentParser(prog="python -m dlcore.bench.overhead")
-    parser.add_argument("what", nargs="+", choices=("warm", "hot", "cold", "first"))
+    parser.add_argument("what", nargs="+", choices=("warm", "train", "hot", "cold", "first"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     results: dict[str, float] = {}
     for what in args.what:
-        measure = {"warm": warm, "hot": hot, "cold": cold, "first": lambda device: first()}[what]
+        measure = {"warm": warm, "train": train, "hot": hot, "cold": cold, "first": lambda device: first()}[what]
         results.update(measure(args.device))
     for name, value in results.items():
         unit = "" if name.endswith("ms") else " us"
