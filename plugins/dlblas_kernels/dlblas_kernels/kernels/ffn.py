@@ -295,8 +295,21 @@ def _forward(args: tuple, config: Config, profile: DeviceProfile, out: torch.Ten
     xs = torch.empty((m, k), dtype=x.dtype, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     calls = [rms_scale_call(x2, rms_w, xs, rstd, eps, normalise=False),
-             *swiglu_calls(xs, w1, w3, rstd, out2, config, profile, w13=w13, gate=gate2, up=up2)]
+             *prefill_calls(xs, w1, w3, rstd, out2, config, profile, w13, gate2, up2)]
     return calls, (xs, rstd)
+
+
+def prefill_calls(xs: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None, rstd: torch.Tensor,
+                  out2: torch.Tensor, config: Config, profile: DeviceProfile, w13: torch.Tensor | None,
+                  gate2: torch.Tensor | None, up2: torch.Tensor | None) -> list[KernelCall]:
+    """The prefill GEMM: with ``JOINT`` (the default) where the copy engine takes the operands, the
+    pair-tile kernel (:func:`dlblas_kernels.gemm.swiglu_pair_calls`: one ``[BLOCK_M, 2 * BLOCK_N]``
+    product over w1's and w3's tiles side by side, the matmul's loop); else the GEMM block's
+    two-accumulator SwiGLU GEMM (:func:`dlblas_kernels.gemm.swiglu_calls`)."""
+    v1, v3 = weights(w1, w3, w13)
+    if config.get("JOINT", 1) and gemm_block.takes_swiglu_pair(profile, xs, v1, v3, out2, gate2, up2):
+        return gemm_block.swiglu_pair_calls(xs, w1, w3, rstd, out2, config, profile, w13=w13, gate=gate2, up=up2)
+    return swiglu_calls(xs, w1, w3, rstd, out2, config, profile, w13=w13, gate=gate2, up=up2)
 
 
 def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
@@ -430,6 +443,11 @@ def ffn_backward_reference(dout: torch.Tensor, x: torch.Tensor, w1: torch.Tensor
     return dx.to(x.dtype), dw13.to(w1.dtype), drms_w.to(rms_w.dtype)
 
 
+#: the prefill tile above 128 rows: BLOCK_N columns of each weight, so a [128, 256] product per
+#: tile for the pair-tile kernel (JOINT), the matmul's 128 x 256 tile (H200 sweep: .ci/sweep_ffn.py)
+PREFILL_TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, JOINT=1, num_warps=8, num_stages=4)
+
+
 def default_config(sig: Signature, profile: DeviceProfile) -> Config:
     """By the row count (rounded up to a power of two), as measured on the H200 at LLaMA-3-8B's
     shape (K 4096, N 14336, bfloat16):
@@ -439,17 +457,22 @@ def default_config(sig: Signature, profile: DeviceProfile) -> Config:
       rate), 64-wide K slices four stages deep: 86-87% of the copy bandwidth at 1 and 16 rows;
     - up to 128: the GEMM with 64-row tiles (128-row tiles, or streaming with 128 rows, leave
       multiprocessors idle or spill);
-    - more: 128 x 128 tiles of each weight (a 128 x 256 output tile), 8 warps, 3 stages.
+    - more: :data:`PREFILL_TILE`, 128 x 128 tiles of each weight (a 128 x 256 output tile).
 
-    Pipelining stages are dropped while the tiles overflow the device's shared memory (the profile's
-    bound; none where it knows none)."""
+    The GEMM takes the pair-tile kernel (``JOINT``) where the copy engine takes the operands;
+    float32 inputs take K slices half as wide. Pipelining stages are dropped while the tiles
+    overflow the device's shared memory (the profile's bound; none where it knows none)."""
     m = sig.tensor("x").shape[0]
     if m <= DECODE_ROWS:
-        config = {"BLOCK_M": DECODE_ROWS, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
+        config = {"BLOCK_M": DECODE_ROWS, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 4,
+                  "JOINT": 1}
     elif m <= 128:
-        config = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
+        config = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4,
+                  "JOINT": 1}
     else:
-        config = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+        config = dict(PREFILL_TILE)
+    if sig.dtype.itemsize > 2 and m > DECODE_ROWS:
+        config["BLOCK_K"] = 32
     return fit_stages(config, profile, sig.dtype.itemsize)
 
 
@@ -492,6 +515,7 @@ def space(profile: DeviceProfile) -> SearchSpace:
             PowerOfTwo("BLOCK_N", 16, 256),
             PowerOfTwo("BLOCK_K", 32, 256),
             Choice("GROUP_M", (1, 8)),
+            Choice("JOINT", (0, 1)),
             num_warps(4, 8),
             num_stages(2, 3, 4, 5),
         ],
@@ -617,7 +641,7 @@ def _gradients(backward, saved, grads, needs) -> dict:
 KERNEL = define_kernel(
     OP, plan,
     kernels=(ffn_decode_kernel, rms_scale_kernel, swiglu_backward_kernel, ffn_input_grad_kernel, *gemm_block.KERNELS,
-             rms_norm.rms_norm_backward_kernel, rms_norm.column_sum_kernel),
+             *gemm_block.SWIGLU_KERNELS, rms_norm.rms_norm_backward_kernel, rms_norm.column_sum_kernel),
     results=output,
     default_config=default_config,
     space=space,
