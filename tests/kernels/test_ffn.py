@@ -324,6 +324,22 @@ def test_default_config_lies_in_the_space(tokens, path, profile):
     assert (tokens <= config["BLOCK_M"]) == (path == "decode")
 
 
+@pytest.mark.parametrize("tokens, hidden, inter, block_n, block_k", [
+    (128, 4096, 14336, 128, 64),  # 224 tiles of 128 columns fill the 132 multiprocessors
+    (128, 7168, 2048, 32, 128),  # DeepSeek-V3's shared expert: 32 tiles of 128, 64 of 64, 128 of 32
+    (100, 7168, 8192, 64, 128),
+])
+def test_few_rows_take_tiles_that_fill_the_device(tokens, hidden, inter, block_n, block_k):
+    x = torch.empty(tokens, hidden, device="meta", dtype=torch.bfloat16)
+    w = torch.empty(inter, hidden, device="meta", dtype=torch.bfloat16)
+    args = (x, w, w, torch.empty(hidden, device="meta", dtype=torch.bfloat16), 1e-6, None)
+    config = TRITON.default_config(make_signature(OP, args, x.device), H200)
+    assert (config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]) == (64, block_n, block_k)
+    assert TRITON.space(H200).is_valid(config) is None
+    # a profile that knows no cores: the widest tile
+    assert TRITON.default_config(make_signature(OP, args, x.device), UNKNOWN_DEVICE)["BLOCK_N"] == 128
+
+
 BAD = {"int32 x": "x", "w1 dtype": "w1", "w3 dtype": "w3", "int32 rms_w": "rms_w", "rank-0 x": "x", "3-D w1": "w1",
        "w1 columns": "w1", "w3 shape": "w3", "rms_w size": "rms_w", "empty features": "x", "interleaved rows": "x",
        "no w1": "w1", "no w3": "w3", "w13 and w1": "w1", "w13 and w3": "w3", "w13 odd rows": "w13",
