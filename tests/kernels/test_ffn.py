@@ -7,6 +7,7 @@ import dlblas_kernels
 import pytest
 import torch
 from conftest import ON_GPU
+from dlblas_kernels import gemm
 from dlblas_kernels.kernels.ffn import (
     KERNEL,
     OP,
@@ -17,6 +18,7 @@ from dlblas_kernels.kernels.ffn import (
     ffn_training_reference,
     training_plan,
 )
+from dlblas_kernels.kernels.ffn import plan as forward_plan
 from gradients import check_backward
 from isolated import run_json
 
@@ -52,8 +54,8 @@ def check(out, x, w1, w3, rms_w, eps=1e-6):
 
 
 # One row block (BLOCK_M >= rows): weight streaming; more rows: the row kernel and the GEMM.
-DECODE = dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=2)
-PREFILL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=2)
+DECODE = dict(BLOCK_M=64, BLOCK_N=16, BLOCK_K=32, GROUP_M=1, JOINT=1, num_warps=4, num_stages=2)
+PREFILL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=2, JOINT=1, num_warps=4, num_stages=2)
 
 
 @pytest.mark.parametrize("lead, k, n", [
@@ -232,6 +234,83 @@ def test_configs(config, dtype, device, gen, run):
     check(run(OP, TRITON, (*args, 1e-6, None), config), *args)
 
 
+def hopper(profile, device):
+    """The device's profile claiming sm_90 (the copy engine's kernels; on a CPU they run in the
+    interpreter, three cores so each persistent program walks several tiles)."""
+    return dataclasses.replace(profile, arch="sm_90", cores=3 if device == "cpu" else profile.cores)
+
+
+def pair_weights(order, n, k, dtype, device, gen):
+    """``(w1, w3, w13)``: one ``[2N + 8, K]`` buffer's rows as ``w13`` (``order`` "w13"), as w1 then
+    w3 a few rows apart ("w1 < w3"), the other way round ("w3 < w1": the descriptor's planes swap),
+    or as copies anywhere in memory ("copies")."""
+    buf = randn(2 * n + 8, k, dtype=dtype, device=device, generator=gen, scale=1 / math.sqrt(k))
+    if order == "w13":
+        return None, None, buf[:2 * n]
+    if order == "w1 < w3":
+        return buf[:n], buf[n + 8:], None
+    if order == "w3 < w1":
+        return buf[n + 8:], buf[:n], None
+    return buf[:n].clone(), buf[n:2 * n].clone(), None
+
+
+PAIR_ORDERS = ["w13", "w1 < w3", "w3 < w1", "copies"]
+
+
+@pytest.mark.parametrize("reach", ["one descriptor", "too far apart"])
+@pytest.mark.parametrize("order", PAIR_ORDERS)
+def test_pair_tile_kernel(order, reach, dtype, device, gen, profile, launch, launches, monkeypatch):
+    """The prefill GEMM on sm_90: the pair-tile kernel (one product over w1's and w3's tiles read as
+    the two planes of one descriptor), with every weight form and order, ragged tiles in M, N and K;
+    weights the descriptor cannot span (here: any, with the limit lowered) take its two-accumulator
+    loop. The forward and the training forward (pre-activations stored), all outputs poisoned."""
+    if reach == "too far apart":
+        monkeypatch.setattr(gemm, "PAIR_STRIDE_LIMIT", 16)
+    m, k, n = 37, 72, 40  # 16-byte rows for the copy engine in float32 and float16
+    x = randn(m, k, dtype=dtype, device=device, generator=gen)
+    rms_w = (1 + randn(k, device=device, generator=gen, scale=0.2)).to(dtype)
+    w1, w3, w13 = pair_weights(order, n, k, dtype, device, gen)
+    r1, r3 = (w1, w3) if w13 is None else (w13[:n], w13[n:])
+    args = (x, w1, w3, rms_w, 1e-6, w13)
+    h = hopper(profile, device)
+    check(launch(forward_plan(args, PREFILL, h)), x, r1, r3, rms_w)
+    got = launch(training_plan(args, PREFILL, h))
+    for result, expected in zip(got, ffn_training_reference(*upcast(x, r1, r3, rms_w))):
+        assert_close(result, expected, dtype, reduce_dim=k)
+    assert [name for name, _ in launches] == ["rms_scale_kernel", "swiglu_pair_tma_kernel"] * 2
+    # JOINT=0: the GEMM block's two-accumulator descriptor kernel, the same values
+    check(launch(forward_plan(args, {**PREFILL, "JOINT": 0}, h)), x, r1, r3, rms_w)
+    assert launches[-1][0] == "gemm_tma_kernel"
+
+
+def test_pair_tile_backward(device, gen, profile, launch):
+    """Gradients from the pair-tile kernel's saved pre-activations (the training forward on sm_90)
+    against autograd through the float64 composite."""
+    m, k, n = 21, 40, 24
+    x, w1, w3, rms_w = inputs((m,), k, n, torch.float32, device, gen)
+    h = hopper(profile, device)
+    args = (x, w1, w3, rms_w, 1e-6, None)
+    out, gate, up = launch(training_plan(args, PREFILL, h))
+    dout = randn(m, n, device=device, generator=gen)
+    dx, dw13, drms_w = launch(backward_plan((dout, *args, gate, up), PREFILL, h))
+    leaves = [t.double().requires_grad_() for t in (x, w1, w3, rms_w)]
+    expected = composite(*leaves)
+    assert_close(out, expected, torch.float32, reduce_dim=k)
+    grads = torch.autograd.grad(expected, leaves, dout.double())
+    for got, want in zip((dx, dw13[:n], dw13[n:], drms_w), grads):
+        assert_close(got, want, torch.float32, reduce_dim=max(k, m))
+
+
+def test_pair_tile_only_where_the_copy_engine_can_go(device, gen, profile, launches, run):
+    """Weights stored transposed, or x's rows strided, keep the pointer kernel on sm_90."""
+    x, w1, w3, rms_w = inputs((19,), 40, 24, torch.float32, device, gen)
+    h = hopper(profile, device)
+    w1_t, w3_t = strided_like(w1, "transpose"), strided_like(w3, "transpose")
+    for args in ((x, w1_t, w3_t, rms_w, 1e-6, None), (x, w1, w3_t, rms_w, 1e-6, None)):
+        check(forward_plan(args, PREFILL, h).run(), x, w1, w3, rms_w)
+        assert launches[-1][0] != "swiglu_pair_tma_kernel"
+
+
 def test_public_function_runs_the_plan(device, gen, run):
     args = inputs((3, 5), 100, 24, torch.float16, device, gen)
     assert dlblas_kernels.ffn is ffn
@@ -277,6 +356,22 @@ def test_default_config_lies_in_the_space(tokens, path, profile):
     config = TRITON.default_config(make_signature(OP, args, x.device), profile)
     assert KERNEL.implementation.space(profile).is_valid(config) is None, config
     assert (tokens <= config["BLOCK_M"]) == (path == "decode")
+
+
+@pytest.mark.parametrize("tokens, hidden, inter, block_n, block_k", [
+    (128, 4096, 14336, 128, 64),  # 224 tiles of 128 columns fill the 132 multiprocessors
+    (128, 7168, 2048, 32, 128),  # DeepSeek-V3's shared expert: 32 tiles of 128, 64 of 64, 128 of 32
+    (100, 7168, 8192, 64, 128),
+])
+def test_few_rows_take_tiles_that_fill_the_device(tokens, hidden, inter, block_n, block_k):
+    x = torch.empty(tokens, hidden, device="meta", dtype=torch.bfloat16)
+    w = torch.empty(inter, hidden, device="meta", dtype=torch.bfloat16)
+    args = (x, w, w, torch.empty(hidden, device="meta", dtype=torch.bfloat16), 1e-6, None)
+    config = TRITON.default_config(make_signature(OP, args, x.device), H200)
+    assert (config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]) == (64, block_n, block_k)
+    assert TRITON.space(H200).is_valid(config) is None
+    # a profile that knows no cores: the widest tile
+    assert TRITON.default_config(make_signature(OP, args, x.device), UNKNOWN_DEVICE)["BLOCK_N"] == 128
 
 
 BAD = {"int32 x": "x", "w1 dtype": "w1", "w3 dtype": "w3", "int32 rms_w": "rms_w", "rank-0 x": "x", "3-D w1": "w1",
@@ -333,13 +428,14 @@ def test_bad_inputs_raise_before_launch(case, device, no_launch):
 CUBIN_SCRIPT = """
 import json, torch
 from triton.backends.compiler import GPUTarget
-from dlcore.compiler.lowering import compile_call
+from dlcore.compiler.lowering import compile_call, target_profile
 from dlcore.runtime.template import UNKNOWN_DEVICE as profile
 from dlblas_kernels.kernels import ffn
 
 def e(*shape, dtype):
     return torch.empty(*shape, device="meta", dtype=dtype)
 
+hopper = target_profile("cuda:90")
 found = {}
 for dtype in (torch.bfloat16, torch.float16, torch.float32):
     x, w, w13, g = e(37, 256, dtype=dtype), e(96, 256, dtype=dtype), e(192, 256, dtype=dtype), e(256, dtype=dtype)
@@ -352,7 +448,10 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
                                                profile),
              "prefill_training": ffn.training_plan((x, None, None, g, 1e-6, w13), small, profile),
              "backward": ffn.backward_plan((dout, x, w, w, g, 1e-6, None, gate, up), small, profile),
-             "backward13": ffn.backward_plan((dout, x, None, None, g, 1e-6, w13, gate, up), small, profile)}
+             "backward13": ffn.backward_plan((dout, x, None, None, g, 1e-6, w13, gate, up), small, profile),
+             # the pair-tile kernel, planned for sm_90 (where it runs), compiled for every target
+             "prefill_pair": ffn.plan((x, w, w, g, 1e-6, None), small, hopper),
+             "prefill_pair_training": ffn.training_plan((x, None, None, g, 1e-6, w13), small, hopper)}
     for name, plan in plans.items():
         for call in plan.calls:
             for capability in (80, 90, 100):
@@ -373,7 +472,9 @@ def test_every_kernel_compiles_to_cubin():
                "prefill_training": ["rms_scale_kernel", "gemm_kernel"],
                "backward": ["rms_scale_kernel", "swiglu_backward_kernel", "ffn_input_grad_kernel", "gemm_kernel",
                             *norm],
-               "backward13": ["rms_scale_kernel", "swiglu_backward_kernel", "gemm_kernel", *norm]}
+               "backward13": ["rms_scale_kernel", "swiglu_backward_kernel", "gemm_kernel", *norm],
+               "prefill_pair": ["rms_scale_kernel", "swiglu_pair_tma_kernel"],
+               "prefill_pair_training": ["rms_scale_kernel", "swiglu_pair_tma_kernel"]}
     expected = {f"{plan}/{kernel}/{dtype}/sm_{capability}" for plan, names in kernels.items() for kernel in names
                 for dtype in ("bfloat16", "float16", "float32") for capability in (80, 90, 100)}
     assert set(compiled) == expected

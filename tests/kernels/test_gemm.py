@@ -159,3 +159,39 @@ def test_descriptor_kernel_drops_stages_to_fit_its_epilogue():
     assert (plain[0].kwargs["num_stages"], backward[0].kwargs["num_stages"]) == (3, 2)
     pointers, _ = gemm.gemm_calls(a, w.T, c, {**config, "TMA": 0}, hopper, epilogue=gemm.Epilogue(act_grad=c))
     assert pointers[0].kwargs["num_stages"] == 3
+
+
+@pytest.mark.parametrize("order", ["w13", "w1 < w3", "w3 < w1"])
+def test_swiglu_pair_tile(order, dtype, device, gen, profile):
+    """:func:`gemm.swiglu_pair_calls`: the pair of weight tiles as one descriptor's two planes, one
+    product per K step; the output and both pre-activations poisoned first, ragged in M, N and K."""
+    hopper = dataclasses.replace(profile, arch="sm_90", cores=3 if device == "cpu" else profile.cores)
+    m, n, k = 37, 24, 56
+    a = randn(m, k, dtype=dtype, device=device, generator=gen)
+    buf = randn(2 * n + 8, k, dtype=dtype, device=device, generator=gen, scale=1 / math.sqrt(k))
+    pairs = {"w13": (buf[:n], buf[n:2 * n]), "w1 < w3": (buf[:n], buf[n + 8:]), "w3 < w1": (buf[n + 8:], buf[:n])}
+    w1, w3 = pairs[order]
+    rstd = randn(m, device=device, generator=gen).abs() + 0.5
+    out, gate, up = (poison(torch.empty(m, n, dtype=dtype, device=device)) for _ in range(3))
+    assert gemm.takes_swiglu_pair(hopper, a, w1, w3, out, gate, up)
+    weights = dict(w13=buf[:2 * n]) if order == "w13" else dict(w1=w1, w3=w3)
+    calls = gemm.swiglu_pair_calls(a, weights.get("w1"), weights.get("w3"), rstd, out, SMALL, hopper,
+                                   w13=weights.get("w13"), gate=gate, up=up)
+    assert [c.kernel.__name__ for c in calls] == ["swiglu_pair_tma_kernel"]
+    run(calls)
+    ref_gate, ref_up = rows_scaled(a, w1.T, rstd), rows_scaled(a, w3.T, rstd)
+    assert_close(gate, ref_gate, dtype, reduce_dim=k)
+    assert_close(up, ref_up, dtype, reduce_dim=k)
+    assert_close(out, F.silu(ref_gate) * ref_up, dtype, reduce_dim=k)
+
+
+def test_swiglu_pair_tile_only_where_the_copy_engine_can_go(profile, device):
+    hopper = dataclasses.replace(profile, arch="sm_90", cores=4)
+    a, w = torch.empty(32, 64, device=device), torch.empty(48, 64, device=device)
+    out = torch.empty(32, 48, device=device)
+    assert gemm.takes_swiglu_pair(hopper, a, w, w.clone(), out)
+    assert not gemm.takes_swiglu_pair(dataclasses.replace(hopper, arch="sm_80"), a, w, w, out)
+    assert not gemm.takes_swiglu_pair(hopper, a.T.contiguous().T, w, w, out)  # a column-major
+    assert not gemm.takes_swiglu_pair(hopper, a, w.T.contiguous().T, w.T.contiguous().T, out)  # weights N-major
+    assert not gemm.takes_swiglu_pair(hopper, a, w, torch.empty(48, 72, device=device)[:, :64], out)  # strides differ
+    assert not gemm.takes_swiglu_pair(hopper, a, w, w, out, gate=out.T.contiguous().T, up=out)  # gate's strides

@@ -729,3 +729,140 @@ def swiglu(a: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None, rs
     LaunchPlan(calls=swiglu_calls(a, w1, w3, rstd, out, config, profile, w13=w13, gate=gate, up=up),
                result=out).run()
     return (out, gate, up) if preactivations else out
+
+
+# --- the prefill ffn's pair tile: one product over w1's and w3's tiles side by side ---------------
+
+#: the copy engine's strides stay below 2**40 bytes: w1 and w3 farther apart than that (or at one
+#: address) cannot be one descriptor's two planes, and :func:`swiglu_pair_tma_kernel` takes its
+#: two-accumulator loop instead
+PAIR_STRIDE_LIMIT = 2**40
+
+
+@triton.jit
+def swiglu_pair_tma_kernel(
+    a_ptr, w1_ptr, w3_ptr, c_ptr, gate_ptr, up_ptr, scale_ptr,
+    M, N, K, w3_offset, stride_a, stride_w, stride_cm, stride_sm,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr, STORE_PRE: tl.constexpr, PAIR_LIMIT: tl.constexpr,
+):
+    """Persistent SwiGLU GEMM: ``c = silu(scale * (a @ w1.T)) * (scale * (a @ w3.T))``, ``a [M, K]``
+    and the weights ``[N, K]`` (w3 from ``w3_offset`` elements past ``w3_ptr``) with unit K
+    strides, ``c`` (and the pre-activations ``gate``, ``up`` under STORE_PRE) ``[M, N]`` row-major.
+
+    The two weights are read as the two planes of one ``[2, N, K]`` tensor descriptor (plane
+    stride: the distance from w1 to w3, taken on the device, so a replayed launch with other
+    tensors stays right; w3 below w1 swaps the planes): each K step loads one ``[2, BLOCK_N,
+    BLOCK_K]`` tile, seen as ``[2 * BLOCK_N, BLOCK_K]``, and runs ONE ``[BLOCK_M, 2 * BLOCK_N]``
+    product, the matmul's loop (one wgmma per step, fed from the copy's buffer); the epilogue
+    splits the accumulator's halves (in registers: each thread holds a gate column and its up
+    column) and applies the row scale and SwiGLU. Weights the descriptor cannot span (at one
+    address, or PAIR_LIMIT bytes apart or more) take the two-accumulator loop of
+    :func:`gemm_tma_kernel`."""
+    elem: tl.constexpr = w1_ptr.dtype.element_ty.primitive_bitwidth // 8
+    w3_ptr = w3_ptr + w3_offset
+    apart = w3_ptr.to(tl.int64) - w1_ptr.to(tl.int64)  # bytes
+    swapped = apart < 0
+    span = tl.where(swapped, -apart, apart)
+    joint = (span > 0) & (span < PAIR_LIMIT) & (span % 16 == 0)
+
+    a_desc = tl.make_tensor_descriptor(a_ptr, shape=[M, K], strides=[stride_a, 1], block_shape=[BLOCK_M, BLOCK_K])
+    c_desc = tl.make_tensor_descriptor(c_ptr, shape=[M, N], strides=[stride_cm, 1], block_shape=[BLOCK_M, BLOCK_N])
+    if STORE_PRE:
+        gate_desc = tl.make_tensor_descriptor(gate_ptr, shape=[M, N], strides=[stride_cm, 1],
+                                              block_shape=[BLOCK_M, BLOCK_N])
+        up_desc = tl.make_tensor_descriptor(up_ptr, shape=[M, N], strides=[stride_cm, 1],
+                                            block_shape=[BLOCK_M, BLOCK_N])
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    if joint:
+        # plane 0 at the lower address
+        base = tl.where(swapped, w3_ptr, w1_ptr)
+        w_desc = tl.make_tensor_descriptor(base, shape=[2, N, K], strides=[span // elem, stride_w, 1],
+                                           block_shape=[2, BLOCK_N, BLOCK_K])
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=FLATTEN):
+            pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+            off_m = pid_m * BLOCK_M
+            off_n = pid_n * BLOCK_N
+            acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+            for ki in range(k_steps):
+                a = a_desc.load([off_m, ki * BLOCK_K])
+                w = w_desc.load([0, off_n, ki * BLOCK_K]).reshape(2 * BLOCK_N, BLOCK_K)
+                acc = tl.dot(a, w.T, acc, input_precision=INPUT_PRECISION)
+            low, high = acc.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1).split()
+            offs_m = off_m + tl.arange(0, BLOCK_M)
+            offs_n = off_n + tl.arange(0, BLOCK_N)
+            out, z, z3 = epilogue(tl.where(swapped, high, low), tl.where(swapped, low, high), low, offs_m, offs_n,
+                                  M, N, scale_ptr, scale_ptr, scale_ptr, stride_sm, 0, False, True, False, None,
+                                  True, False)
+            c_desc.store([off_m, off_n], out.to(c_desc.dtype))
+            if STORE_PRE:
+                gate_desc.store([off_m, off_n], z.to(gate_desc.dtype))
+                up_desc.store([off_m, off_n], z3.to(up_desc.dtype))
+    else:
+        w1_desc = tl.make_tensor_descriptor(w1_ptr, shape=[N, K], strides=[stride_w, 1],
+                                            block_shape=[BLOCK_N, BLOCK_K])
+        w3_desc = tl.make_tensor_descriptor(w3_ptr, shape=[N, K], strides=[stride_w, 1],
+                                            block_shape=[BLOCK_N, BLOCK_K])
+        for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0), flatten=False):
+            pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+            off_m = pid_m * BLOCK_M
+            off_n = pid_n * BLOCK_N
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for ki in tl.range(k_steps, num_stages=2):
+                a = a_desc.load([off_m, ki * BLOCK_K])
+                acc = tl.dot(a, w1_desc.load([off_n, ki * BLOCK_K]).T, acc, input_precision=INPUT_PRECISION)
+                acc3 = tl.dot(a, w3_desc.load([off_n, ki * BLOCK_K]).T, acc3, input_precision=INPUT_PRECISION)
+            offs_m = off_m + tl.arange(0, BLOCK_M)
+            offs_n = off_n + tl.arange(0, BLOCK_N)
+            out, z, z3 = epilogue(acc, acc3, acc, offs_m, offs_n, M, N, scale_ptr, scale_ptr, scale_ptr, stride_sm, 0,
+                                  False, True, False, None, True, False)
+            c_desc.store([off_m, off_n], out.to(c_desc.dtype))
+            if STORE_PRE:
+                gate_desc.store([off_m, off_n], z.to(gate_desc.dtype))
+                up_desc.store([off_m, off_n], z3.to(up_desc.dtype))
+
+
+SWIGLU_KERNELS = (swiglu_pair_tma_kernel,)
+
+
+def takes_swiglu_pair(profile: DeviceProfile, a: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, out: torch.Tensor,
+                      gate: torch.Tensor | None = None, up: torch.Tensor | None = None) -> bool:
+    """Whether :func:`swiglu_pair_calls` can run here: :func:`takes_tma` for ``a`` row-major, ``w1``
+    and ``w3`` in nn.Linear layout (unit K stride) with one stride, the pre-activations as ``out``."""
+    return (takes_tma(profile, a, w1.T, out, w3.T, Epilogue(pre=gate, pre3=up)) and _transposed(a) is False
+            and a.stride(1) == 1 and w1.stride() == w3.stride() and w1.stride(1) == 1)
+
+
+def swiglu_pair_calls(a: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None, rstd: torch.Tensor,
+                      out: torch.Tensor, config: Config, profile: DeviceProfile, *, w13: torch.Tensor | None = None,
+                      gate: torch.Tensor | None = None, up: torch.Tensor | None = None) -> list[KernelCall]:
+    """:func:`swiglu_calls` through :func:`swiglu_pair_tma_kernel` (where :func:`takes_swiglu_pair`):
+    ``config``'s ``BLOCK_N`` columns of each weight per tile, one ``[BLOCK_M, 2 * BLOCK_N]``
+    product; ``BLOCK_M``, ``BLOCK_K``, ``GROUP_M``, ``num_warps``, ``num_stages`` (dropped to fit
+    beside the staged output tile), ``FLATTEN`` as :func:`gemm_calls`. ``w13`` is passed whole, w3
+    as its rows from N on (an argument at offset zero: the launch replays)."""
+    n = out.shape[1]
+    if w13 is not None:
+        w1 = w3 = w13
+        w3_offset = n * w13.stride(0)
+    else:
+        w3_offset = 0
+    if (gate is None) != (up is None):
+        raise ValueError("gate and up are stored together or not at all")
+    m, k = a.shape
+    block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
+    ensure_allocator()
+
+    def footprint(c: Config) -> int:
+        return shared_memory_bytes(c, a.element_size(), second_operand=True, out_element_size=out.element_size())
+
+    stages = fit_stages({**config, "TMA": 1, "SPLIT_K": 1}, profile.shared_memory_per_program, footprint)["num_stages"]
+    pre, pre3 = (out, out) if gate is None else (gate, up)
+    return [KernelCall(swiglu_pair_tma_kernel, (min(cdiv(m, block_m) * cdiv(n, block_n), profile.cores),), (
+        a, w1, w3, out, pre, pre3, rstd, m, n, k, w3_offset, a.stride(0), w1.stride(0), out.stride(0), rstd.stride(0),
+    ), {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": config["BLOCK_K"], "GROUP_M": config.get("GROUP_M", GROUP_M),
+        "INPUT_PRECISION": "ieee", "FLATTEN": bool(config.get("FLATTEN", 1)), "STORE_PRE": gate is not None,
+        "PAIR_LIMIT": PAIR_STRIDE_LIMIT, "num_warps": config["num_warps"], "num_stages": stages})]

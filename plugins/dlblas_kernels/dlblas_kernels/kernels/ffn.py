@@ -20,11 +20,14 @@ regimes, chosen by the config: when one row block holds every row (``rows <= BLO
 otherwise
 
 - **prefill** (many tokens): a row kernel writes ``xs = x * rms_w`` (input dtype) and ``rstd``
-  (float32), then the GEMM block's SwiGLU GEMM (:func:`dlblas_kernels.gemm.swiglu_calls`: on sm_90
-  persistent, through tensor descriptors) computes ``xs @ w1.T`` and ``xs @ w3.T`` in the same
-  program (two float32 accumulators over the same ``xs`` tile), scales both by ``rstd`` and applies
-  SwiGLU in its epilogue: the ``[M, 2N]`` pre-activations never reach memory, and the GEMM's loop
-  feeds the tensor cores straight from the loaded tiles.
+  (float32), then one GEMM computes ``xs @ w1.T`` and ``xs @ w3.T`` in the same program, scales both
+  by ``rstd`` and applies SwiGLU in its epilogue: the ``[M, 2N]`` pre-activations never reach
+  memory. On sm_90 (``JOINT``, where the copy engine takes the operands) it is the pair-tile kernel
+  (:func:`dlblas_kernels.gemm.swiglu_pair_calls`): persistent, w1's and w3's tiles loaded as the two
+  planes of one tensor descriptor, so each K step is ONE ``[BLOCK_M, 2 * BLOCK_N]`` product, the
+  matmul's loop (H200, LLaMA-3-8B, 4096 tokens: 751 TFLOP/s, against 480 for two accumulators fed
+  from the same ``xs`` tile, the GEMM block's :func:`dlblas_kernels.gemm.swiglu_calls`, which runs
+  everywhere else).
 
 The ``tl.dot`` inputs keep the input dtype (float16 / bfloat16 tensor cores, exact float32 for
 float32 inputs), accumulating in float32.
@@ -383,8 +386,21 @@ def _forward(args: tuple, config: Config, profile: DeviceProfile, out: torch.Ten
     xs = torch.empty((m, k), dtype=x.dtype, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     calls = [rms_scale_call(x2, rms_w, xs, rstd, eps, normalise=False),
-             *swiglu_calls(xs, w1, w3, rstd, out2, config, profile, w13=w13, gate=gate2, up=up2)]
+             *prefill_calls(xs, w1, w3, rstd, out2, config, profile, w13, gate2, up2)]
     return calls, (xs, rstd)
+
+
+def prefill_calls(xs: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None, rstd: torch.Tensor,
+                  out2: torch.Tensor, config: Config, profile: DeviceProfile, w13: torch.Tensor | None,
+                  gate2: torch.Tensor | None, up2: torch.Tensor | None) -> list[KernelCall]:
+    """The prefill GEMM: with ``JOINT`` (the default) where the copy engine takes the operands, the
+    pair-tile kernel (:func:`dlblas_kernels.gemm.swiglu_pair_calls`: one ``[BLOCK_M, 2 * BLOCK_N]``
+    product over w1's and w3's tiles side by side, the matmul's loop); else the GEMM block's
+    two-accumulator SwiGLU GEMM (:func:`dlblas_kernels.gemm.swiglu_calls`)."""
+    v1, v3 = weights(w1, w3, w13)
+    if config.get("JOINT", 1) and gemm_block.takes_swiglu_pair(profile, xs, v1, v3, out2, gate2, up2):
+        return gemm_block.swiglu_pair_calls(xs, w1, w3, rstd, out2, config, profile, w13=w13, gate=gate2, up=up2)
+    return swiglu_calls(xs, w1, w3, rstd, out2, config, profile, w13=w13, gate=gate2, up=up2)
 
 
 def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
@@ -518,6 +534,29 @@ def ffn_backward_reference(dout: torch.Tensor, x: torch.Tensor, w1: torch.Tensor
     return dx.to(x.dtype), dw13.to(w1.dtype), drms_w.to(rms_w.dtype)
 
 
+#: the prefill tile above 128 rows: BLOCK_N columns of each weight, so a [128, 256] product per
+#: tile for the pair-tile kernel (JOINT), the matmul's 128 x 256 tile (H200 sweep: .ci/sweep_ffn.py)
+PREFILL_TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, JOINT=1, num_warps=8, num_stages=4)
+
+
+def _columns(sig: Signature) -> int:
+    """N, the columns of each weight."""
+    w1 = sig.optional("w1")
+    return w1.shape[0] if w1 is not None else sig.tensor("w13").shape[0] // 2
+
+
+def few_rows_block_n(m: int, n: int, cores: int) -> int:
+    """The columns of each weight per 64-row tile for 65 to 128 rows: 128 where those tiles fill the
+    multiprocessors once, else the widest of 64 and 32 that does (32 at the least). H200, 128 rows,
+    bf16 (.ci/sweep_ffn.py): LLaMA-3-8B's 4096 -> 14336, 224 tiles of 128, 88.5 us (64: 88.9, 32:
+    103.7); DeepSeek-V3's shared expert 7168 -> 2048, 32 tiles of 128, 60.9 us, 64 tiles of 64,
+    42.4, 128 tiles of 32, 41.3 (cuBLAS 53.5)."""
+    for block_n in (128, 64):
+        if not cores or cdiv(m, 64) * cdiv(n, block_n) >= cores:
+            return block_n
+    return 32
+
+
 def default_config(sig: Signature, profile: DeviceProfile) -> Config:
     """By the row count (rounded up to a power of two), as measured on the H200 at LLaMA-3-8B's
     shape (K 4096, N 14336, bfloat16):
@@ -526,18 +565,25 @@ def default_config(sig: Signature, profile: DeviceProfile) -> Config:
       one per multiprocessor, none waiting; 32 columns, 448 programs in waves, streamed at half the
       rate), 64-wide K slices four stages deep: 86-87% of the copy bandwidth at 1 and 16 rows;
     - up to 128: the GEMM with 64-row tiles (128-row tiles, or streaming with 128 rows, leave
-      multiprocessors idle or spill);
-    - more: 128 x 128 tiles of each weight (a 128 x 256 output tile), 8 warps, 3 stages.
+      multiprocessors idle or spill), as many columns as fill the multiprocessors
+      (:func:`few_rows_block_n`; narrower tiles take K slices of 128);
+    - more: :data:`PREFILL_TILE`, 128 x 128 tiles of each weight (a 128 x 256 output tile).
 
-    Pipelining stages are dropped while the tiles overflow the device's shared memory (the profile's
-    bound; none where it knows none)."""
+    The GEMM takes the pair-tile kernel (``JOINT``) where the copy engine takes the operands;
+    float32 inputs take K slices half as wide. Pipelining stages are dropped while the tiles
+    overflow the device's shared memory (the profile's bound; none where it knows none)."""
     m = sig.tensor("x").shape[0]
     if m <= DECODE_ROWS:
-        config = {"BLOCK_M": DECODE_ROWS, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 4}
+        config = {"BLOCK_M": DECODE_ROWS, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 1, "num_warps": 4, "num_stages": 4,
+                  "JOINT": 1}
     elif m <= 128:
-        config = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 4, "num_stages": 4}
+        block_n = few_rows_block_n(m, _columns(sig), profile.cores if profile is not None else 0)
+        config = {"BLOCK_M": 64, "BLOCK_N": block_n, "BLOCK_K": 64 if block_n == 128 else 128, "GROUP_M": 8,
+                  "num_warps": 4, "num_stages": 4, "JOINT": 1}
     else:
-        config = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8, "num_stages": 3}
+        config = dict(PREFILL_TILE)
+    if sig.dtype.itemsize > 2 and m > DECODE_ROWS:
+        config["BLOCK_K"] = 32
     return fit_stages(config, profile, sig.dtype.itemsize)
 
 
@@ -565,9 +611,11 @@ def _accumulators_per_thread(c: Config) -> float:
 
 
 def space(profile: DeviceProfile) -> SearchSpace:
-    """Tile shapes, program order, warps and pipelining depth of both paths; the pipelined tiles
-    within the shared memory a program may use on the device (no bound where the profile knows
-    none). BLOCK_M at or above the row count selects weight streaming (see the module docstring)."""
+    """Tile shapes, program order, warps and pipelining depth of both paths, and the prefill GEMM's
+    kernel (``JOINT``: 1 the pair-tile kernel where the copy engine takes the operands, 0 the GEMM
+    block's two accumulators); the pipelined tiles within the shared memory a program may use on
+    the device (no bound where the profile knows none). BLOCK_M at or above the row count selects
+    weight streaming (see the module docstring)."""
     shared = profile.shared_memory_per_program
     fits = [Constraint(
         f"num_stages * (BLOCK_M + 2 * BLOCK_N) * BLOCK_K * {SPACE_ELEMENT_BYTES} bytes <= {shared} "
@@ -580,6 +628,7 @@ def space(profile: DeviceProfile) -> SearchSpace:
             PowerOfTwo("BLOCK_N", 16, 256),
             PowerOfTwo("BLOCK_K", 32, 256),
             Choice("GROUP_M", (1, 8)),
+            Choice("JOINT", (0, 1)),
             num_warps(4, 8),
             num_stages(2, 3, 4, 5),
         ],
@@ -705,7 +754,7 @@ def _gradients(backward, saved, grads, needs) -> dict:
 KERNEL = define_kernel(
     OP, plan,
     kernels=(ffn_decode_kernel, ffn_decode_finish_kernel, rms_scale_kernel, swiglu_backward_kernel,
-             ffn_input_grad_kernel, *gemm_block.KERNELS,
+             ffn_input_grad_kernel, *gemm_block.KERNELS, *gemm_block.SWIGLU_KERNELS,
              rms_norm.rms_norm_backward_kernel, rms_norm.column_sum_kernel),
     results=output,
     default_config=default_config,
@@ -713,9 +762,9 @@ KERNEL = define_kernel(
     backward=Backward(_gradients, saved=("x", "w1", "w3", "rms_w", "eps", "w13", "gate", "up"), plan=backward_plan,
                       reference=ffn_backward_reference, results=backward_outputs,
                       residuals=Residuals(("gate", "up"), training_plan, training_outputs, ffn_training_reference)),
-    doc="weight streaming for a few rows; else x * rms_w and rstd, then one GEMM with two accumulators, "
-        "rstd and SwiGLU in its epilogue; backward: dh from the saved pre-activations, the input and "
-        "weight GEMMs, rms_norm's backward",
+    doc="weight streaming for a few rows; else x * rms_w and rstd, then one GEMM over both weights (on sm_90 "
+        "their tiles side by side in one product), rstd and SwiGLU in its epilogue; backward: dh from the saved "
+        "pre-activations, the input and weight GEMMs, rms_norm's backward",
 )
 ffn = KERNEL.function
 dlcore_ops, dlcore_implementations = KERNEL.dlcore_ops, KERNEL.dlcore_implementations
