@@ -10,6 +10,7 @@ import dlcore
 import dlcore.dispatch.dispatcher
 import dlcore.plugins.registry
 import dlcore.runtime.launch
+import dlcore.tuning.selection
 from dlcore.declarations.implementation import TorchImplementation
 from dlcore.declarations.op import Op, TensorArg
 from dlcore.errors import BackendUnavailableError, NoKernelError, UnknownImplementationError, UnknownOpError
@@ -219,6 +220,29 @@ def test_a_training_call_is_chosen_by_forward_and_backward(monkeypatch, gen):
     with torch.no_grad():
         assert not dlcore.get_op("double", (leaf,)).signature.training
     assert dlcore.get_op("double", (x,)) is inference
+
+
+def test_selection_takes_each_candidate_s_best_round(monkeypatch, gen):
+    """Candidates are timed in rounds of alternating order and keep their best round: one slowed
+    through the first round (a clock ramping up, a neighbour's work) still wins when it is faster."""
+    calls = []
+
+    def slow_at_first(x):
+        calls.append(1)
+        time.sleep(0.02 if len(calls) <= 6 else 0.0)  # the CPU timer: one warm-up and five timed calls
+        return x * 2
+
+    def steady(x):
+        time.sleep(0.004)
+        return x * 2
+
+    impls = [TorchImplementation("double", "slow_at_first", slow_at_first),
+             TorchImplementation("double", "steady", steady)]
+    with_plugins(monkeypatch, OpsPlugin([double_op()], impls))
+    op = dlcore.get_op("double", inputs(gen, (16,)))
+    assert op.impl.name == "slow_at_first", op.explain()
+    assert len(calls) == 6 * dlcore.tuning.selection.ROUNDS
+    assert op.selection.measured["slow_at_first"] < op.selection.measured["steady"]
 
 
 def test_all_candidates_failing_is_a_no_kernel_error(monkeypatch, gen):

@@ -76,6 +76,10 @@ class Selection:
         return cls(**data)
 
 
+#: rounds :func:`select` times the candidates in
+ROUNDS = 2
+
+
 def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
@@ -123,26 +127,38 @@ def without_measuring(call: Call, impl: Implementation, how: How) -> Selection:
 
 def select(call: Call) -> Selection:
     """Time each candidate of ``call`` with its default config on cloned inputs (forward and backward
-    for a training call: :func:`step`); the fastest wins.
+    for a training call: :func:`step`), in :data:`ROUNDS` rounds that alternate the order; a
+    candidate's time is its best round (a round slowed by the device's clocks or a neighbour counts
+    less), and the fastest wins.
 
     A candidate that raises is skipped, its reason kept. If all fail, :class:`NoKernelError`.
     """
-    measured: dict[str, float] = {}
     failed: dict[str, str] = {}
     configs = {}
+    runs = {}
     for impl in call.candidates:
         config = configs[impl.name] = impl.default_config(call.signature, call.profile)
-        inputs = clone_args(call.args)
         try:
-            run = step(runner(impl, config, call.transform), inputs, call.signature.training)
-            elapsed = call.backend.timer(run, call.device)
+            runs[impl.name] = step(runner(impl, config, call.transform), clone_args(call.args),
+                                   call.signature.training)
         except Exception as exc:  # noqa: BLE001 - any failure disqualifies only this candidate
             failed[impl.name] = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            continue
-        if math.isfinite(elapsed):
-            measured[impl.name] = elapsed
-        else:
-            failed[impl.name] = f"timer returned {elapsed}"
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for round_ in range(ROUNDS):
+        order = list(runs) if round_ % 2 == 0 else list(reversed(runs))
+        for name in order:
+            if name in failed:
+                continue
+            try:
+                elapsed = call.backend.timer(runs[name], call.device)
+            except Exception as exc:  # noqa: BLE001 - any failure disqualifies only this candidate
+                failed[name] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                continue
+            if math.isfinite(elapsed):
+                times[name].append(elapsed)
+            else:
+                failed[name] = f"timer returned {elapsed}"
+    measured = {name: min(t) for name, t in times.items() if t and name not in failed}
     if not measured:
         raise NoKernelError(call.signature.op, call.signature.describe(), {**call.declined, **failed})
     best = min(measured, key=measured.__getitem__)
