@@ -322,6 +322,15 @@ def test_fp8_bad_inputs_are_named(gen, no_launch):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="bfloat16 at a model's shape needs a GPU")
+@pytest.mark.parametrize("tokens", [3, 300])
+def test_fp8_model_width_on_gpu(tokens, gen):
+    """H 4096, I 1024 (Mixtral's width, fewer intermediate features): decoding's 16-row blocks, and
+    75 rows per expert's 128-row blocks."""
+    args = fp8_inputs(torch.bfloat16, "cuda", gen, tokens=tokens, hidden=4096, inter=1024, experts=8, topk=2)
+    check_fp8(fused_moe(*args), args)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="bfloat16 at a model's shape needs a GPU")
 def test_deepseek_decode_shape_on_gpu(gen):
     args = inputs(torch.bfloat16, "cuda", gen, tokens=3, hidden=7168, inter=2048, experts=256, topk=8)
     check(fused_moe(*args), args)
@@ -338,25 +347,63 @@ hopper = target_profile("cuda:90")
 def e(*shape, dtype=torch.bfloat16):
     return torch.empty(*shape, device="meta", dtype=dtype)
 
+def routing(tokens):
+    return e(tokens, 2, dtype=torch.float32), e(tokens, 2, dtype=torch.int32)
+
+def plans():
+    for tokens in (3, 4096):
+        args = (e(tokens, 256), e(8, 384, 256), e(8, 256, 192), *routing(tokens), None, None)
+        config = moe.heuristic(tokens, 8, 2, 2, hopper)
+        out, gate, up = moe.training_outputs(*args)
+        yield f"{tokens}", (80, 90), [moe.training_plan(args, config, hopper),
+                                      moe.backward_plan((out, *args[:5], gate, up), config, hopper)]
+        # fp8: I = 256 (the SwiGLU output quantised in the epilogue), I = 208 (quantised by its own launch)
+        for inter in (256, 208):
+            fp8 = (e(tokens, 256), e(8, 2 * inter, 256, dtype=moe.FP8), e(8, 256, inter, dtype=moe.FP8),
+                   *routing(tokens), e(8, -(-2 * inter // 128), 2, dtype=torch.float32),
+                   e(8, 2, -(-inter // 128), dtype=torch.float32))
+            yield f"{tokens} fp8 I {inter}", (80, 90, 100), [
+                moe.plan(fp8, moe.heuristic(tokens, 8, 2, 1, hopper, fp8=True), hopper)]
+
 found = {}
-for tokens in (3, 4096):
-    args = (e(tokens, 256), e(8, 384, 256), e(8, 256, 192), e(tokens, 2, dtype=torch.float32),
-            e(tokens, 2, dtype=torch.int32), None, None)
-    config = moe.heuristic(tokens, 8, 2, 2, hopper)
-    out, gate, up = moe.training_outputs(*args)
-    plans = [moe.training_plan(args, config, hopper),
-             moe.backward_plan((out, *args[:5], gate, up), config, hopper)]
-    for plan in plans:
+for name, capabilities, made in plans():
+    for plan in made:
         for call in plan.calls:
-            kernel = compile_call(call, GPUTarget("cuda", 90, 32))
-            found[f"{tokens}/{call.kernel.__name__}"] = len(kernel.asm.get("cubin", b""))
+            for capability in capabilities:
+                try:
+                    size = len(compile_call(call, GPUTarget("cuda", capability, 32)).asm.get("cubin", b""))
+                except Exception:
+                    size = -1
+                found[f"{name}/{call.kernel.__name__}/sm_{capability}"] = size
 print(json.dumps(found))
 """
 
 
+@pytest.fixture(scope="module")
+def compiled():
+    return run_json(CUBIN, None, TRITON_INTERPRET="0")
+
+
 @pytest.mark.slow
-def test_every_launch_compiles_for_sm90():
-    found = run_json(CUBIN, None, TRITON_INTERPRET="0")
-    kernels = {name.split("/")[1] for name in found}
-    assert kernels == {k.__name__ for k in KERNEL.implementation.kernels}, sorted(found)
-    assert all(size > 0 for size in found.values()), found
+def test_every_launch_compiles_for_sm90(compiled):
+    kernels = {name.split("/")[1] for name in compiled}
+    assert kernels == {k.__name__ for k in KERNEL.implementation.kernels}, sorted(compiled)
+    hopper = {name: size for name, size in compiled.items() if name.endswith("/sm_90")}
+    assert all(size > 0 for size in hopper.values()), hopper
+
+
+@pytest.mark.slow
+def test_fp8_launches_compile_for_sm100_and_declare_sm80(compiled):
+    fp8 = {name: size for name, size in compiled.items() if " fp8 " in name}
+    blackwell = {name: size for name, size in fp8.items() if name.endswith("/sm_100")}
+    assert blackwell and all(size > 0 for size in blackwell.values()), blackwell
+    ampere = {name: size for name, size in fp8.items() if name.endswith("/sm_80")}
+    for name, size in ampere.items():
+        kernel = name.split("/")[1]
+        declared = TRITON.limit("cuda", kernel, "80") is not None
+        assert (size < 0) == declared, (name, size, declared)
+    assert TRITON.limit("cuda", "grouped_fp8_gemm_kernel", "90") is None
+    assert TRITON.limit("npu", "grouped_fp8_gemm_kernel") is not None
+    assert TRITON.limit("cuda", "grouped_gemm_kernel", "80") is None
+    bf16_ampere = {name: size for name, size in compiled.items() if name.endswith("/sm_80") and " fp8 " not in name}
+    assert bf16_ampere and all(size > 0 for size in bf16_ampere.values()), bf16_ampere

@@ -284,12 +284,17 @@ def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     return LaunchPlan(calls=calls, result=out, scratch=scratch)
 
 
+def _forward_only(w13: torch.Tensor) -> None:
+    """fp8 weights take no backward (nor the forward that saves its pre-activations)."""
+    if w13.dtype == FP8:
+        raise InvalidInputError("fused_moe", "w13", "is float8_e4m3fn and a gradient is asked for",
+                                "bfloat16, float16 or float32 weights: with fp8 weights fused_moe is forward only")
+
+
 def training_plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     """:func:`plan`, the pre-activations stored too (the custom op's body: autograd saves them)."""
     out, gate, up = training_outputs(*args)
-    if args[1].dtype == FP8:
-        raise InvalidInputError("fused_moe", "w13", "is float8_e4m3fn and a gradient is asked for",
-                                "bfloat16, float16 or float32 weights: with fp8 weights fused_moe is forward only")
+    _forward_only(args[1])
     if _empty(args):
         return LaunchPlan(calls=_zeros_call(out, args[4]), result=(out, gate, up))
     calls, scratch = _forward(args, config, out, gate, up)
@@ -314,6 +319,7 @@ def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> Launch
     """Launches for ``(d hidden, d w13, d w2, d topk_weights)`` from ``args = (dout, hidden, w13,
     w2, topk_weights, topk_ids, gate, up)`` (the module doc); ``config`` is the forward's."""
     dout, hidden, w13, w2, topk_weights, topk_ids, gate, up = args
+    _forward_only(w13)
     dh, dw13, dw2, dtw = backward_outputs(*args)
     if _empty(args[1:]):
         return LaunchPlan(calls=[], result=(dh.zero_(), dw13.zero_(), dw2.zero_(), dtw.zero_()))
@@ -603,7 +609,7 @@ def _check_fp8(op: Op, args: dict[str, Any]) -> None:
                     "[E, ceil(2I/128), ceil(H/128)]: one scale per 128x128 block of w13 [E, 2I, H]")
     op.expect_shape("w2_scale", args["w2_scale"], (experts, cdiv(h, SCALE_BLOCK), cdiv(two_i // 2, SCALE_BLOCK)),
                     "[E, ceil(H/128), ceil(I/128)]: one scale per 128x128 block of w2 [E, H, I]")
-    for name in ("hidden", "topk_weights"):
+    for name in ("hidden", "w13", "w2", "topk_weights"):
         if args[name].requires_grad:
             raise InvalidInputError(op.name, name, "requires a gradient, and the weights are float8_e4m3fn",
                                     "inputs that require no gradient: with fp8 weights fused_moe is forward only "
