@@ -5,9 +5,7 @@
 
 ``hidden [T, H]``; ``topk_weights [T, k]`` (float32, or the hidden dtype) and ``topk_ids [T, k]``
 (int32 or int64; -1 drops a choice, which then contributes nothing). Every tensor may have any
-strides. fp8 weights with block scales (``w13_scale``, ``w2_scale``) are declared but not supported
-by this version: giving a scale, or fp8 weights, raises :class:`~dlcore.InvalidInputError`.
-Validation reads the range of ``topk_ids`` (one read back from the device: the public function
+strides. Validation reads the range of ``topk_ids`` (one read back from the device: the public function
 pays it per call, ``get_op``'s bound ops only when bound); the kernels treat ids outside
 ``[0, E)`` as dropped all the same.
 
@@ -24,6 +22,23 @@ The forward, six launches, none of them waiting on the host:
    routing weight as the epilogue's row scale, ``y [T * k, H]`` by slot;
 4. :func:`moe_sum_kernel`: ``out[t] = sum_j y[t * k + j]`` over the routed choices, in float32
    (deterministic: no atomics).
+
+**fp8 weights** (DeepSeek-V3's checkpoints; forward only): ``w13`` and ``w2`` float8_e4m3fn with
+float32 ``w13_scale [E, ceil(2I/128), ceil(H/128)]`` and ``w2_scale [E, ceil(H/128), ceil(I/128)]``,
+each 128x128 block of a weight times its scale being the real weight (H and I multiples of 16).
+The activations are quantised on the fly as DeepSeek-V3 does, one float32 scale ``amax / 448`` per
+token and 128 columns (``quantize_fp8(x, 'block')``'s rule): ``hidden`` by a launch of
+``quantize_fp8``'s kernel before the gate/up GEMM, the SwiGLU output (float32) in the gate/up GEMM's
+epilogue where its column tile covers the 128-column group (I a multiple of 128: each tile *is*
+one group, so its rows' maxima are local), else stored in float32 and quantised by a launch of its
+own. Both GEMMs then run on fp8 tiles (:func:`~dlblas_kernels.grouped.grouped_fp8_gemm_kernel`,
+the GEMM block's ``BLOCK_SCALED`` loops): each 128-deep K step's product is summed alone and added
+scaled by its row's and its weight block's scales. The output is in ``hidden``'s dtype. The
+tiles are fitted to the blocks (:func:`fp8_tiles`): K steps and column tiles within 128, and the
+gate/up column tile dividing I (the up half's rows start at row I of w13, which need not be a block
+boundary). fp8 ``tl.dot`` needs sm_89 or later (the cuda:80 limit is declared); a gradient asked
+of a call with fp8 weights raises :class:`~dlcore.InvalidInputError` (the backward takes 16- and
+32-bit weights). The composite candidate dequantises the weights to ``hidden``'s dtype first.
 
 Decoding (a few tokens) reads each activated expert's weights once: thin row blocks (16 rows) and
 narrow column tiles, so the weights stream through many programs.
