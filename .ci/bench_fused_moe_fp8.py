@@ -109,11 +109,11 @@ def main() -> None:
                 row["fp8_TFLOPs_best"] = row["flops"] / min(f["us"] for f in ok) / 1e6
             rows.append(row)
             print(json.dumps(row), flush=True)
+            with open(out_path, "w") as f:  # after every shape: a run cut short keeps what it measured
+                json.dump({"device": torch.cuda.get_device_name(), "shapes": rows}, f, indent=1)
             del x, weights, ids, bf16, fp8, refs
         del w13, w2, q13, q2, s13, s2
         torch.cuda.empty_cache()
-    with open(out_path, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "shapes": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
