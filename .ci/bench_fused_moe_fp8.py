@@ -29,10 +29,9 @@ MODELS = {"mixtral-8x7b": (8, 2, 4096, 14336), "deepseek-v3": (256, 8, 7168, 204
 #: fp8 alternatives per row block of the heuristic: (BLOCK_M, (up BLOCK_N, BLOCK_K, warps, stages), (down ...))
 #: (64-column gate/up tiles: the SwiGLU output stored in float32 and quantised by a launch of its own)
 ALTERNATIVES = {
-    16: [(16, (64, 128, 4, 4), (64, 128, 4, 4))],
-    64: [(64, (64, 128, 4, 4), (128, 128, 4, 4))],
-    128: [(64, (128, 128, 8, 4), (128, 128, 8, 4)), (128, (64, 128, 8, 4), (128, 128, 8, 4)),
-          (128, (128, 128, 8, 3), (128, 128, 8, 3))],
+    16: [],
+    64: [],
+    128: [(64, (128, 128, 8, 4), (128, 128, 8, 4)), (128, (64, 128, 8, 4), (128, 128, 8, 4))],
 }
 
 
