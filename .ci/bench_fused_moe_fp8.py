@@ -9,7 +9,8 @@ bf16 heuristic config, the fp8 heuristic config and the fp8 alternatives below, 
 triton.testing.do_bench (median) through the replaying runner a bound op uses; each output's error
 (norm of the difference over the norm) against a float32 loop over the experts on the weights the
 call was given (the fp8 ones dequantised, the activations unquantised), and the fp8 output's
-against the float64 loop that quantises the activations as the kernels do.
+against the float64 loop that quantises the activations as the kernels do. The H200's numbers:
+docs/results/fp8_moe/fused_moe_fp8_vs_bf16.json.
 """
 
 from __future__ import annotations
