@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from dlblas_kernels.kernels.fused_moe import dequantise_weight, quantise_weight
 from dlblas_kernels.moe import (
     AllToAllExchange,
     DeepEPExchange,
@@ -129,6 +130,30 @@ def case_the_fused_moe_kernel_computes_each_ranks_experts(rank: int, world: int)
     out = EPMoE.from_experts(w13, w2)(hidden, weights, ids)
     assert_close(out, oracle(hidden.double(), w13.double(), w2.double(), weights, ids), dtype=torch.float32,
                  reduce_dim=HIDDEN)
+
+
+def fp8_oracle(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale) -> torch.Tensor:
+    """:func:`oracle` on fp8 weights dequantised by their block scales."""
+    w13, w2 = dequantise_weight(w13, w13_scale, torch.float64), dequantise_weight(w2, w2_scale, torch.float64)
+    return oracle(hidden, w13, w2, topk_weights, topk_ids)
+
+
+def case_fp8_weights_carry_their_scales(rank: int, world: int) -> None:
+    # fp8 weights: each rank's shard of the scales reaches the computation, and moves with the weights
+    w13, w2, ranks = problem([9, 6, 8][:world], seed=15, dtype=torch.float32)
+    (q13, s13), (q2, s2) = quantise_weight(w13), quantise_weight(w2)
+    s13 = s13 * torch.arange(1, EXPERTS + 1).view(-1, 1, 1)  # a scale on the wrong expert shows
+    hidden, weights, ids = ranks[rank]
+    layer = EPMoE.from_experts(q13, q2, w13_scale=s13, w2_scale=s2, compute=fp8_oracle,
+                               recorder=ExpertLoadRecorder(EXPERTS))
+    expected = fp8_oracle(hidden, q13, q2, weights, ids, s13, s2)
+    assert_close(layer(hidden, weights, ids), expected, dtype=torch.float32, reduce_dim=HIDDEN)
+    placement = layer.rebalance(num_slots=EXPERTS + world)
+    for slot, expert in zip(placement.rank_slots(rank), placement.rank_experts(rank)):
+        local = slot - rank * placement.slots_per_rank
+        assert torch.equal(layer.w13[local].view(torch.uint8), q13[expert].view(torch.uint8)), (slot, expert)
+        assert torch.equal(layer.w13_scale[local], s13[expert]) and torch.equal(layer.w2_scale[local], s2[expert])
+    assert_close(layer(hidden, weights, ids), expected, dtype=torch.float32, reduce_dim=HIDDEN)
 
 
 def case_gradients_reach_the_tokens_the_weights_and_the_experts(rank: int, world: int) -> None:
@@ -447,6 +472,17 @@ def test_the_default_computation_is_fused_moe_looked_up_at_call_time(monkeypatch
 def test_bad_weights_are_named(w13_shape, w2_shape, arg):
     with pytest.raises(InvalidInputError, match=arg) as error:
         EPMoE(torch.randn(w13_shape), torch.randn(w2_shape))
+    assert error.value.arg == arg
+
+
+@pytest.mark.parametrize("w13_scale, w2_scale, arg", [
+    (torch.ones(2, 1, 1), None, "w2_scale"),       # one scale without the other
+    (torch.ones(3, 1, 1), torch.ones(2, 1, 1), "w13_scale"),  # not one row per local expert
+    (torch.ones(2, 1, 1), torch.ones(2, 1), "w2_scale"),      # not 3-D
+])
+def test_bad_scales_are_named(w13_scale, w2_scale, arg):
+    with pytest.raises(InvalidInputError, match=arg) as error:
+        EPMoE(torch.randn(2, 8, 8), torch.randn(2, 8, 4), w13_scale=w13_scale, w2_scale=w2_scale)
     assert error.value.arg == arg
 
 

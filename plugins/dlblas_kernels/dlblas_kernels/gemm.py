@@ -145,16 +145,29 @@ def dot_range(acc, a_ptrs, b_ptrs, mask_m, mask_n, offs_k, k_start, k_end, strid
 
 @triton.jit
 def dot_range_pair(acc, acc3, a_ptrs, b_ptrs, b3_ptrs, mask_m, mask_n, offs_k, k_start, k_end, stride_ak, stride_bk,
-                   stride_b3k, BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                   stride_b3k, BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                   a_scale_ptrs=None, b_scale_ptr=None, b3_scale_ptr=None, stride_sk=0, stride_tk=0,
+                   BLOCK_SCALED: tl.constexpr = False):
     """:func:`dot_range` of two products sharing ``a`` (SwiGLU's gate and up): ``(acc + a @ b,
-    acc3 + a @ b3)`` over ``[k_start, k_end)``, each ``a`` tile loaded once for both."""
+    acc3 + a @ b3)`` over ``[k_start, k_end)``, each ``a`` tile loaded once for both.
+    BLOCK_SCALED: each step's products scaled by their K block's scales, as :func:`dot_range`
+    does, the row scales loaded once for both; ``b_scale_ptr`` and ``b3_scale_ptr`` the scales of
+    ``b``'s and ``b3``'s column blocks at K block 0 (``stride_tk`` apart), each tile of ``b`` and
+    of ``b3`` lying in one column block."""
     for k in range(k_start, k_end, BLOCK_K):
         mask_k = offs_k < k_end - k
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        b3 = tl.load(b3_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        acc3 = tl.dot(a, b3, acc3, input_precision=INPUT_PRECISION)
+        if BLOCK_SCALED:
+            kb = k // SCALE_BLOCK
+            a_scale = tl.load(a_scale_ptrs + kb * stride_sk, mask=mask_m, other=0.0)[:, None]
+            acc += tl.dot(a, b) * (a_scale * tl.load(b_scale_ptr + kb * stride_tk))
+            b3 = tl.load(b3_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            acc3 += tl.dot(a, b3) * (a_scale * tl.load(b3_scale_ptr + kb * stride_tk))
+        else:
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            b3 = tl.load(b3_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            acc3 = tl.dot(a, b3, acc3, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
         b3_ptrs += BLOCK_K * stride_b3k

@@ -30,6 +30,9 @@ The GEMMs take their K loops and epilogues from :mod:`dlblas_kernels.gemm` (``do
   the slot itself) or read in sorted order, ``c``'s rows scattered to the slots or written in
   sorted order; SwiGLU's gate and up from one pass over ``a`` (w13's halves), the routing weight
   as the row scale.
+  With fp8 weights (DeepSeek-V3's 128x128 block scales) and 1x128-quantised rows of ``a``, each
+  K step's product is scaled by its blocks' scales (``BLOCK_SCALED``); the gate/up GEMM can
+  quantise its SwiGLU output per 1x128 in the epilogue (``QUANT_C``) for the down GEMM.
 - :func:`expert_gemm_kernel`: ``c[e] = a[rows of e]^T @ b[rows of e]``, the reduction over the
   rows of one expert in sorted order (the weights' gradients).
 - :func:`gather_rows_kernel`: a matrix's rows in sorted order (zeros for padding), for the
@@ -44,7 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dlblas_kernels.gemm import dot_range, dot_range_pair, grouped_tile, store_tile
+from dlblas_kernels.gemm import SCALE_BLOCK, dot_range, dot_range_pair, epilogue, grouped_tile, store_tile
+from dlblas_kernels.kernels.quantize_fp8 import quantise, scale_of
 from dlcore.declarations.implementation import Config, KernelCall
 from dlcore.declarations.signature import cdiv, next_power_of_2
 
@@ -139,21 +143,33 @@ def expert_scatter_kernel(ids_ptr, weights_ptr, cursor_ptr, sorted_ptr, flat_wei
 # --- the GEMMs ---------------------------------------------------------------------------------------
 
 @triton.jit
-def grouped_gemm_kernel(
+def grouped_gemm_tile(
     a_ptr, b_ptr, c_ptr, pre_ptr, pre3_ptr, scale_ptr, sorted_ptr, block_expert_ptr,
+    a_scale_ptr, b_scale_ptr, c_scale_ptr,
     n_slots, a_div, c_rows, N, K, num_blocks, b3_offset,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
+    stride_sm, stride_sk, stride_te, stride_tn, stride_tk, stride_qm, stride_qk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr,
     HAS_SCALE: tl.constexpr, SWIGLU: tl.constexpr, STORE_PRE: tl.constexpr,
+    BLOCK_SCALED: tl.constexpr, QUANT_C: tl.constexpr,
 ):
-    """One (row block, column block) tile per program, in the grouped order: the rows of one
+    """The program of :func:`grouped_gemm_kernel` and :func:`grouped_fp8_gemm_kernel`: one (row
+    block, column block) tile per program, in the grouped order: the rows of one
     expert's block against ``b[e]`` (``[K, N]`` by its strides, ``b3`` ``b3_offset`` elements on).
 
     GATHER_A: ``a``'s row of each place is ``sorted_id // a_div`` (padding rows masked), else the
     place itself (``a`` in sorted order, padding rows zero). SCATTER_C: ``c``'s row is the slot
     (``c_rows`` = ``n_slots``: padding rows, holding the sentinel, fall past the store mask; the
-    row scale indexed by slot), else the place (``c_rows`` rows)."""
+    row scale indexed by slot), else the place (``c_rows`` rows).
+
+    BLOCK_SCALED (fp8 ``a`` and ``b``, DeepSeek-V3's block scales): ``a_scale[row, kb]`` (strides
+    ``stride_sm, stride_sk``) per 1x128 of ``a``'s rows, ``b_scale[e, nb, kb]`` (``stride_te,
+    stride_tn, stride_tk``) per 128x128 block of ``b[e]``'s ``[N, K]`` rows (under SWIGLU ``b3``'s
+    rows follow ``b``'s: the up half's blocks start at row ``N``); BLOCK_K and BLOCK_N divide 128
+    and, under SWIGLU, N (a tile of each half lies in one block). QUANT_C: the output quantised
+    to float8_e4m3fn in the epilogue, one scale per row and 128 columns (BLOCK_N = 128: the tile
+    is the group) into ``c_scale[row, pid_n]`` (``stride_qm, stride_qk``)."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert >= 0:
@@ -178,15 +194,74 @@ def grouped_gemm_kernel(
         a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * step_a
         b_ptrs = b_ptr + expert.to(tl.int64) * stride_be + offs_k[:, None] * step_b + offs_n[None, :] * stride_bn
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        if SWIGLU:
+        if BLOCK_SCALED:
+            a_scale_ptrs = a_scale_ptr + a_rows * stride_sm
+            b_scales = b_scale_ptr + expert.to(tl.int64) * stride_te
+            tile_scale = b_scales + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_tn
+            if SWIGLU:
+                up_scale = b_scales + ((N + pid_n * BLOCK_N) // SCALE_BLOCK) * stride_tn
+                acc, acc3 = dot_range_pair(acc, acc, a_ptrs, b_ptrs, b_ptrs + b3_offset, mask_m, mask_n, offs_k, 0,
+                                           K, step_a, step_b, step_b, BLOCK_K, INPUT_PRECISION, a_scale_ptrs,
+                                           tile_scale, up_scale, stride_sk, stride_tk, True)
+            else:
+                acc = dot_range(acc, a_ptrs, b_ptrs, mask_m, mask_n, offs_k, 0, K, step_a, step_b, BLOCK_K,
+                                INPUT_PRECISION, a_scale_ptrs, tile_scale, stride_sk, stride_tk, True)
+                acc3 = acc
+        elif SWIGLU:
             acc, acc3 = dot_range_pair(acc, acc, a_ptrs, b_ptrs, b_ptrs + b3_offset, mask_m, mask_n, offs_k, 0, K,
                                        step_a, step_b, step_b, BLOCK_K, INPUT_PRECISION)
         else:
             acc = dot_range(acc, a_ptrs, b_ptrs, mask_m, mask_n, offs_k, 0, K, step_a, step_b,
                             BLOCK_K, INPUT_PRECISION)
             acc3 = acc
-        store_tile(acc, acc3, out_rows, offs_n, c_rows, N, c_ptr, pre_ptr, pre3_ptr, c_ptr, stride_cm, stride_cn,
-                   scale_ptr, scale_ptr, scale_ptr, 1, 0, False, HAS_SCALE, False, None, SWIGLU, False, STORE_PRE)
+        if QUANT_C:
+            out, _, _ = epilogue(acc, acc3, acc, out_rows, offs_n, c_rows, N, scale_ptr, scale_ptr, scale_ptr, 1, 0,
+                                 False, HAS_SCALE, False, None, SWIGLU, False)
+            mask_c = out_rows < c_rows
+            mask = mask_c[:, None] & mask_n[None, :]
+            row_scale = scale_of(tl.max(tl.where(mask, tl.abs(out), 0.0), axis=1))
+            tl.store(c_ptr + out_rows[:, None] * stride_cm + offs_n[None, :] * stride_cn,
+                     quantise(out, row_scale[:, None]), mask=mask)
+            tl.store(c_scale_ptr + out_rows * stride_qm + pid_n * stride_qk, row_scale, mask=mask_c)
+        else:
+            store_tile(acc, acc3, out_rows, offs_n, c_rows, N, c_ptr, pre_ptr, pre3_ptr, c_ptr, stride_cm,
+                       stride_cn, scale_ptr, scale_ptr, scale_ptr, 1, 0, False, HAS_SCALE, False, None, SWIGLU, False,
+                       STORE_PRE)
+
+
+@triton.jit
+def grouped_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, pre_ptr, pre3_ptr, scale_ptr, sorted_ptr, block_expert_ptr,
+    n_slots, a_div, c_rows, N, K, num_blocks, b3_offset,
+    stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr,
+    HAS_SCALE: tl.constexpr, SWIGLU: tl.constexpr, STORE_PRE: tl.constexpr,
+):
+    """``c[row] = epilogue(a[row] @ b[e])`` in 16- or 32-bit operands (:func:`grouped_gemm_tile`)."""
+    grouped_gemm_tile(a_ptr, b_ptr, c_ptr, pre_ptr, pre3_ptr, scale_ptr, sorted_ptr, block_expert_ptr, None, None,
+                      None, n_slots, a_div, c_rows, N, K, num_blocks, b3_offset, stride_am, stride_ak, stride_be,
+                      stride_bk, stride_bn, stride_cm, stride_cn, 0, 0, 0, 0, 0, 0, 0, BLOCK_M, BLOCK_N, BLOCK_K,
+                      GROUP_M, INPUT_PRECISION, GATHER_A, SCATTER_C, HAS_SCALE, SWIGLU, STORE_PRE, False, False)
+
+
+@triton.jit
+def grouped_fp8_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, scale_ptr, sorted_ptr, block_expert_ptr, a_scale_ptr, b_scale_ptr, c_scale_ptr,
+    n_slots, a_div, c_rows, N, K, num_blocks, b3_offset,
+    stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
+    stride_sm, stride_sk, stride_te, stride_tn, stride_tk, stride_qm, stride_qk,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, HAS_SCALE: tl.constexpr, SWIGLU: tl.constexpr,
+    QUANT_C: tl.constexpr,
+):
+    """``c[row] = epilogue(a[row] @ b[e])`` on float8_e4m3fn ``a`` and ``b`` with block scales,
+    the output optionally quantised (:func:`grouped_gemm_tile`'s BLOCK_SCALED and QUANT_C)."""
+    grouped_gemm_tile(a_ptr, b_ptr, c_ptr, c_ptr, c_ptr, scale_ptr, sorted_ptr, block_expert_ptr, a_scale_ptr,
+                      b_scale_ptr, c_scale_ptr, n_slots, a_div, c_rows, N, K, num_blocks, b3_offset, stride_am,
+                      stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn, stride_sm, stride_sk,
+                      stride_te, stride_tn, stride_tk, stride_qm, stride_qk, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                      "ieee", GATHER_A, SCATTER_C, HAS_SCALE, SWIGLU, False, True, QUANT_C)
 
 
 @triton.jit
@@ -240,6 +315,8 @@ def gather_rows_kernel(x_ptr, out_ptr, sorted_ptr, starts_ptr, n_slots, a_div, e
 
 KERNELS = (expert_histogram_kernel, expert_offsets_kernel, expert_scatter_kernel, grouped_gemm_kernel,
            expert_gemm_kernel, gather_rows_kernel)
+#: the kernels of fp8 weights (fp8 ``tl.dot``: sm_89 and later)
+FP8_KERNELS = (grouped_fp8_gemm_kernel,)
 
 
 # --- host side -----------------------------------------------------------------------------------------
@@ -318,7 +395,8 @@ def align_calls(topk_ids: torch.Tensor, topk_weights: torch.Tensor, experts: int
 def grouped_call(align: Alignment, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Config, *,
                  gather: bool, scatter: bool, a_div: int = 1, swiglu: bool = False, scale: bool = False,
                  pre: torch.Tensor | None = None, pre3: torch.Tensor | None = None,
-                 input_precision: str = "ieee") -> KernelCall:
+                 input_precision: str = "ieee", block_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 c_scale: torch.Tensor | None = None) -> KernelCall:
     """``c[row] = epilogue(a[row] @ b[e])`` over the row blocks of ``align``
     (:func:`grouped_gemm_kernel`).
 
@@ -330,18 +408,43 @@ def grouped_call(align: Alignment, a: torch.Tensor, b: torch.Tensor, c: torch.Te
         (``BLOCK_M`` is the alignment's).
     :param scale: the routing weight of each slot as the row scale (with ``scatter``).
     :param pre, pre3: with ``swiglu``: the gate and up pre-activations, ``c``'s strides.
+    :param block_scales: ``(a_scale [rows, ceil(K/128)], b_scale [E, ceil(N/128), ceil(K/128)])``
+        (``ceil(2N/128)`` blocks with ``swiglu``) for fp8 ``a`` and ``b`` (:func:`grouped_fp8_gemm_kernel`,
+        no pre-activations): ``BLOCK_N`` and ``BLOCK_K`` must divide 128, and with ``swiglu`` ``BLOCK_N``
+        must divide N.
+    :param c_scale: ``[rows of c, ceil(N/128)]`` float32: ``c`` (float8_e4m3fn) quantised per 1x128
+        in the epilogue (``BLOCK_N`` = 128), its scales here; with ``block_scales``.
     """
     n, k = c.shape[1], a.shape[1]
+    block_n, block_k = config["BLOCK_N"], config["BLOCK_K"]
+    if block_scales is not None and (SCALE_BLOCK.value % block_n or SCALE_BLOCK.value % block_k
+                                     or (swiglu and n % block_n)):
+        raise ValueError(f"block scales need BLOCK_N and BLOCK_K dividing {SCALE_BLOCK.value} (and BLOCK_N dividing "
+                         f"N = {n} under SwiGLU), not {block_n} and {block_k}")
+    if c_scale is not None and (block_n != SCALE_BLOCK.value or block_scales is None):
+        raise ValueError(f"quantising c in the epilogue needs block scales and BLOCK_N = {SCALE_BLOCK.value}, "
+                         f"not {block_n}")
     c_rows = align.n_slots if scatter else c.shape[0]
-    tiles = align.max_blocks * cdiv(n, config["BLOCK_N"])
-    return KernelCall(grouped_gemm_kernel, (tiles,), (
-        a, b, c, c if pre is None else pre, c if pre3 is None else pre3, align.weights, align.sorted_ids,
-        align.block_expert, align.n_slots, a_div, c_rows, n, k, align.max_blocks, n * b.stride(1) if swiglu else 0,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(2), b.stride(1), c.stride(0), c.stride(1),
-    ), {"BLOCK_M": align.block_m, "BLOCK_N": config["BLOCK_N"], "BLOCK_K": config["BLOCK_K"],
-        "GROUP_M": config.get("GROUP_M", 8), "INPUT_PRECISION": input_precision, "GATHER_A": gather,
-        "SCATTER_C": scatter, "HAS_SCALE": scale, "SWIGLU": swiglu, "STORE_PRE": pre is not None,
-        "num_warps": config["num_warps"], "num_stages": config["num_stages"]})
+    tiles = align.max_blocks * cdiv(n, block_n)
+    b3_offset = n * b.stride(1) if swiglu else 0
+    tile = {"BLOCK_M": align.block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "GROUP_M": config.get("GROUP_M", 8),
+            "GATHER_A": gather, "SCATTER_C": scatter, "HAS_SCALE": scale, "SWIGLU": swiglu,
+            "num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    strides = (a.stride(0), a.stride(1), b.stride(0), b.stride(2), b.stride(1), c.stride(0), c.stride(1))
+    if block_scales is None:
+        return KernelCall(grouped_gemm_kernel, (tiles,), (
+            a, b, c, c if pre is None else pre, c if pre3 is None else pre3, align.weights, align.sorted_ids,
+            align.block_expert, align.n_slots, a_div, c_rows, n, k, align.max_blocks, b3_offset, *strides,
+        ), {**tile, "INPUT_PRECISION": input_precision, "STORE_PRE": pre is not None})
+    if pre is not None:
+        raise ValueError("the fp8 GEMM stores no pre-activations")
+    a_scale, b_scale = block_scales
+    q_scale = c if c_scale is None else c_scale
+    return KernelCall(grouped_fp8_gemm_kernel, (tiles,), (
+        a, b, c, align.weights, align.sorted_ids, align.block_expert, a_scale, b_scale, q_scale, align.n_slots, a_div,
+        c_rows, n, k, align.max_blocks, b3_offset, *strides, a_scale.stride(0), a_scale.stride(1), *b_scale.stride(),
+        q_scale.stride(0), q_scale.stride(1),
+    ), {**tile, "QUANT_C": c_scale is not None})
 
 
 def expert_gemm_call(align: Alignment, a_t: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Config,

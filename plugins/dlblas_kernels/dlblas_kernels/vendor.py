@@ -241,10 +241,14 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     """The grouped-GEMM composite: the (token, choice) slots sorted by expert, each expert's rows
     padded to :data:`GROUPED_MM_ROWS`, the tokens gathered, ``torch._grouped_mm`` for w13 (where this
     torch and device take it; else a loop over the experts with ``torch.matmul``), SwiGLU, the
-    same for w2, then the weighted rows summed into their tokens with ``index_add_`` (float32)."""
+    same for w2, then the weighted rows summed into their tokens with ``index_add_`` (float32).
+    fp8 weights: dequantised to ``hidden``'s dtype first (each 128x128 block times its scale),
+    what a user without an fp8 kernel runs; the activations stay unquantised."""
     if w13_scale is not None or w2_scale is not None:
-        raise InvalidInputError("fused_moe", "w13_scale" if w13_scale is not None else "w2_scale",
-                                "is given (fp8 block-scaled weights)", "bfloat16, float16 or float32 weights")
+        from dlblas_kernels.kernels.fused_moe import dequantise_weight  # the scales' layout lives with the op
+
+        w13 = dequantise_weight(w13, w13_scale, torch.float32).to(hidden.dtype)
+        w2 = dequantise_weight(w2, w2_scale, torch.float32).to(hidden.dtype)
     experts, two_i, _ = w13.shape
     topk = topk_ids.shape[1]
     flat = topk_ids.reshape(-1).long()
@@ -275,18 +279,12 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     return out.to(hidden.dtype)
 
 
-def _fused_moe_declines(signature: Signature, profile: DeviceProfile) -> str | None:
-    """Why the composite does not take ``signature``: fp8 scales it cannot apply."""
-    if signature.optional("w13_scale") is not None or signature.optional("w2_scale") is not None:
-        return "block-scaled fp8 weights (w13_scale, w2_scale) are not supported by the composite"
-    return None
-
-
 FUSED_MOE = VendorImplementation(
     "fused_moe", "torch", fused_moe,
     library="argsort, index gathers, torch._grouped_mm on sm_90 (else torch.matmul per expert), index_add_",
-    dtypes=(torch.float16, torch.bfloat16, torch.float32), supports=_fused_moe_declines,
-    doc="the grouped-GEMM composite: sort by expert, gather, grouped GEMMs with SwiGLU, weighted index_add_",
+    dtypes=(torch.float16, torch.bfloat16, torch.float32),
+    doc="the grouped-GEMM composite: sort by expert, gather, grouped GEMMs with SwiGLU, weighted index_add_; fp8 "
+        "weights dequantised first",
 )
 fused_moe_plugin = VendorPlugin(FUSED_MOE)
 

@@ -12,7 +12,9 @@ of the ``W`` ranks) and calls it with its own tokens and their global expert ids
 4. the exchange sends the results back, where each token's partial sums are added.
 
 The output equals ``fused_moe(hidden, w13_all, w2_all, topk_weights, topk_ids)`` on one device with
-all experts, up to the order of the floating-point additions.
+all experts, up to the order of the floating-point additions. fp8 weights (float8_e4m3fn with
+DeepSeek-V3's 128x128 block scales) come with their scales, sharded like the weights and passed on
+to the computation: ``compute(..., w13_scale, w2_scale)``.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ from dlblas_kernels.moe.exchange import AllToAllExchange, Exchange, ExchangeKind
 from dlblas_kernels.moe.placement import Placement
 from dlcore import InvalidInputError
 
-#: ``compute(hidden [N, H], w13 [L, 2I, H], w2 [L, H, I], topk_weights [N, k], topk_ids [N, k]) -> [N, H]``
-Compute = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+#: ``compute(hidden [N, H], w13 [L, 2I, H], w2 [L, H, I], topk_weights [N, k], topk_ids [N, k]) -> [N, H]``,
+#: and ``w13_scale [L, ceil(2I/128), ceil(H/128)], w2_scale [L, ceil(H/128), ceil(I/128)]`` after them
+#: when the layer holds fp8 weights
+Compute = Callable[..., torch.Tensor]
 
 
 def make_exchange(kind: ExchangeKind | str, group: dist.ProcessGroup | None,
@@ -58,15 +62,19 @@ class EPMoE(nn.Module):
     ``exchange``: an :class:`ExchangeKind` (or its value) or an :class:`Exchange`; ``compute``: the
     single-device MoE computation (default ``dlblas_kernels.fused_moe``, looked up at each call);
     ``recorder``: an :class:`~dlblas_kernels.moe.eplb.ExpertLoadRecorder` that every call feeds with
-    its routing (for :meth:`rebalance`). Building the layer is a collective (the ranks check that their
-    shards agree).
+    its routing (for :meth:`rebalance`); ``w13_scale``, ``w2_scale``: the block scales of fp8
+    weights (this rank's shard, one row per local expert), moved with the weights by
+    :meth:`apply_placement`. Building the layer is a collective (the ranks check that their shards
+    agree).
     """
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor, group: dist.ProcessGroup | None = None, *,
                  exchange: ExchangeKind | str | Exchange = ExchangeKind.AUTO, compute: Compute | None = None,
-                 recorder: ExpertLoadRecorder | None = None):
+                 recorder: ExpertLoadRecorder | None = None, w13_scale: torch.Tensor | None = None,
+                 w2_scale: torch.Tensor | None = None):
         super().__init__()
         check_shard(w13, w2)
+        check_scales(w13, w13_scale, w2_scale)
         self.group = group
         self.rank, self.world_size = rank_and_size(group)
         local, two_inter, hidden = w13.shape
@@ -80,23 +88,30 @@ class EPMoE(nn.Module):
         self.hidden_size = hidden
         self.w13 = nn.Parameter(w13, requires_grad=w13.requires_grad)
         self.w2 = nn.Parameter(w2, requires_grad=w2.requires_grad)
-        self.exchange = exchange if isinstance(exchange, Exchange) else make_exchange(exchange, group, w13.dtype)
+        self.register_buffer("w13_scale", w13_scale)
+        self.register_buffer("w2_scale", w2_scale)
+        # the tokens' dtype: the weights', bfloat16 beside fp8 weights (what DeepEP sends)
+        tokens = torch.bfloat16 if w13_scale is not None else w13.dtype
+        self.exchange = exchange if isinstance(exchange, Exchange) else make_exchange(exchange, group, tokens)
         self.compute = compute
         self.recorder = recorder
         self._set_placement(Placement.contiguous(self.num_experts, self.world_size))
 
     @classmethod
     def from_experts(cls, w13: torch.Tensor, w2: torch.Tensor, group: dist.ProcessGroup | None = None,
+                     w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
                      **options: object) -> EPMoE:
-        """The layer over all ``E`` experts' weights ``w13 [E, 2I, H]`` and ``w2 [E, H, I]``, every rank
-        keeping its own shard of them."""
+        """The layer over all ``E`` experts' weights ``w13 [E, 2I, H]`` and ``w2 [E, H, I]`` (and the
+        block scales of fp8 ones), every rank keeping its own shard of them."""
         rank, world = rank_and_size(group)
         if w13.shape[0] % world:
             raise InvalidInputError("EPMoE", "w13", f"holds {w13.shape[0]} experts for {world} ranks",
                                     "a number of experts divisible by the number of ranks")
         local = w13.shape[0] // world
         shard = slice(rank * local, (rank + 1) * local)
-        return cls(w13[shard].clone(), w2[shard].clone(), group, **options)
+        scales = {name: None if scale is None else scale[shard].clone()
+                  for name, scale in (("w13_scale", w13_scale), ("w2_scale", w2_scale))}
+        return cls(w13[shard].clone(), w2[shard].clone(), group, **scales, **options)
 
     @property
     def placement(self) -> Placement:
@@ -127,7 +142,10 @@ class EPMoE(nn.Module):
             # autograd this rank's backward runs the exchange's collectives as every other rank's does
             return received.hidden * 0
         compute = self.compute or dlblas_kernels.fused_moe
-        return compute(received.hidden, self.w13, self.w2, received.topk_weights, received.topk_ids)
+        args = (received.hidden, self.w13, self.w2, received.topk_weights, received.topk_ids)
+        if self.w13_scale is not None:
+            return compute(*args, self.w13_scale, self.w2_scale)
+        return compute(*args)
 
     def apply_placement(self, placement: Placement) -> None:
         """Move the experts' weights to ``placement`` (a collective): each rank ends with the weights of
@@ -138,9 +156,11 @@ class EPMoE(nn.Module):
                 "EPMoE.apply_placement", "placement",
                 f"places {placement.num_experts} experts over {placement.num_ranks} ranks",
                 f"the layer's {self.num_experts} experts over its {self.world_size} ranks")
-        w13, w2 = self._migrate(placement)
+        w13, w2 = self._migrate(placement, self.w13.detach(), self.w2.detach())
         self.w13 = nn.Parameter(w13, requires_grad=self.w13.requires_grad)
         self.w2 = nn.Parameter(w2, requires_grad=self.w2.requires_grad)
+        if self.w13_scale is not None:
+            self.w13_scale, self.w2_scale = self._migrate(placement, self.w13_scale, self.w2_scale)
         self._set_placement(placement)
 
     def rebalance(self, num_slots: int | None = None) -> Placement:
@@ -161,14 +181,17 @@ class EPMoE(nn.Module):
         self.register_buffer("_replica_slots", slots.to(device), persistent=False)
         self.register_buffer("_replica_counts", counts.to(device), persistent=False)
 
-    def _migrate(self, new: Placement) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's weights under ``new``: the new slots of expert ``e`` copy it from this rank's old
-        slot when there is one, else from one of its old replicas elsewhere (spread by slot index), all
-        transfers in one ``all_to_all_single`` of ``[slots, 2IH + HI]`` rows."""
+    def _migrate(self, new: Placement, first: torch.Tensor, second: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's ``first [slots, ...]`` and ``second [slots, ...]`` (the weights w13 and w2, or
+        their scales) under ``new``: the new slots of expert ``e`` copy it from this rank's old slot
+        when there is one, else from one of its old replicas elsewhere (spread by slot index), all
+        transfers in one ``all_to_all_single`` of rows holding both (as bytes where fp8)."""
         old = self._placement
-        local, two_inter, hidden = self.w13.shape
-        inter = two_inter // 2
-        flat = torch.cat([self.w13.detach().reshape(local, -1), self.w2.detach().reshape(local, -1)], dim=1)
+        local = first.shape[0]
+        fp8 = first.dtype.itemsize == 1 and first.is_floating_point()
+        as_rows = lambda t: (t.contiguous().view(torch.uint8) if fp8 else t).reshape(local, -1)  # noqa: E731
+        flat = torch.cat([as_rows(first), as_rows(second)], dim=1)
+        split = first[0].numel()
         world, rank = self.world_size, self.rank
         sends: list[list[int]] = [[] for _ in range(world)]  # old local slots this rank sends to each rank
         recv_from: list[list[int]] = [[] for _ in range(world)]  # new local slots it fills from each rank
@@ -196,9 +219,12 @@ class EPMoE(nn.Module):
                                    input_split_sizes=[len(s) for s in sends], group=self.group)
             out[[s for src in recv_from for s in src]] = recv_rows
         slots = new.slots_per_rank
-        w13 = out[:, : two_inter * hidden].reshape(slots, two_inter, hidden).contiguous()
-        w2 = out[:, two_inter * hidden:].reshape(slots, hidden, inter).contiguous()
-        return w13, w2
+
+        def back(rows: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+            rows = rows.contiguous().view(like.dtype) if fp8 else rows.contiguous()
+            return rows.reshape(slots, *like.shape[1:])
+
+        return back(out[:, :split], first), back(out[:, split:], second)
 
     def _gather_shapes(self, shape: torch.Tensor) -> list[tuple[int, ...]]:
         if self.world_size == 1:
@@ -211,9 +237,12 @@ class EPMoE(nn.Module):
         if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
             raise InvalidInputError("EPMoE", "hidden", f"has shape {list(hidden.shape)}",
                                     f"[T, {self.hidden_size}] (the experts' hidden size)")
-        if hidden.dtype != self.w13.dtype or hidden.device != self.w13.device:
+        fp8 = self.w13_scale is not None
+        if (hidden.dtype != self.w13.dtype and not (fp8 and hidden.is_floating_point())
+                or hidden.device != self.w13.device):
             raise InvalidInputError("EPMoE", "hidden", f"is {hidden.dtype} on {hidden.device}",
-                                    f"the experts' {self.w13.dtype} on {self.w13.device}")
+                                    f"the experts' {'activation dtype' if fp8 else self.w13.dtype} on "
+                                    f"{self.w13.device}")
         if topk_ids.device != hidden.device or topk_weights.device != hidden.device:
             raise InvalidInputError("EPMoE", "topk_ids", f"is on {topk_ids.device}, topk_weights on "
                                     f"{topk_weights.device}", f"hidden's device {hidden.device}")
@@ -231,6 +260,20 @@ class EPMoE(nn.Module):
             if low < -1 or high >= self.num_experts:
                 raise InvalidInputError("EPMoE", "topk_ids", f"holds ids from {low} to {high}",
                                         f"global expert ids in [0, {self.num_experts}), or -1 for a dropped choice")
+
+
+def check_scales(w13: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None) -> None:
+    """The block scales of fp8 weights come both or not at all, one row per local expert, on the
+    weights' device (their shapes are checked by the computation)."""
+    if (w13_scale is None) != (w2_scale is None):
+        named = "w2_scale" if w2_scale is None else "w13_scale"
+        raise InvalidInputError("EPMoE", named, "is None while the other scale is given",
+                                "w13_scale and w2_scale together (fp8 weights) or neither")
+    for name, scale in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+        if scale is not None and (scale.dim() != 3 or scale.shape[0] != w13.shape[0] or scale.device != w13.device):
+            raise InvalidInputError("EPMoE", name, f"has shape {list(scale.shape)} on {scale.device}",
+                                    f"[{w13.shape[0]}, ., .] on {w13.device}: one row of block scales per local "
+                                    f"expert, on the weights' device")
 
 
 def check_shard(w13: torch.Tensor, w2: torch.Tensor) -> None:
