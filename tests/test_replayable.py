@@ -26,6 +26,8 @@ CASES = [
     ("ffn", {"tokens": 300, "hidden": 256, "inter": 512}),
     ("fused_moe", {"tokens": 1, "hidden": 256, "inter": 128, "experts": 8, "topk": 2}),
     ("fused_moe", {"tokens": 300, "hidden": 256, "inter": 128, "experts": 8, "topk": 2}),
+    ("fused_moe", {"tokens": 300, "hidden": 256, "inter": 128, "experts": 8, "topk": 2, "fp8": 1}),
+    ("fused_moe", {"tokens": 5, "hidden": 256, "inter": 144, "experts": 8, "topk": 2, "fp8": 1}),
     ("topk_gating", {"tokens": 300, "experts": 64, "topk": 2}),
     ("fp8_gemm", {"tokens": 1, "hidden": 4096, "inter": 256}),
     ("fp8_gemm", {"tokens": 300, "hidden": 512, "inter": 256}),
