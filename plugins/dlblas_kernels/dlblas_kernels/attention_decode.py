@@ -21,14 +21,7 @@ programs to keep the GPU busy and, under GQA, each K and V element read ``Hq / H
       lse = log(sum_s exp(lse_s)),   out = sum_s exp(lse_s - lse) * o_s
 
   A lone split (``B * Hk`` alone fills the device, or a short ``Sk``) writes ``out`` and ``lse``
-  directly: same kernel, the output's strides in place of the scratch's, no combine;
-- on Hopper and later (:func:`dependent_launch`) the combine is a programmatic dependent launch:
-  each split program signals at its start that the combine may launch (``griddepcontrol
-  .launch_dependents``), and the combine's programs wait for the whole split grid and its writes
-  (``griddepcontrol.wait``) before reading a partial. The combine's launch and start-up then overlap
-  the split kernel instead of following it. Without it a decode call on the H200 took the split
-  kernel's time plus 6 to 7 us (Sk 4096: 15.6 us against 9.5 us; Sk 65536: 79.5 against 72.8; L2
-  flushed before each call), the combine kernel 2.1 to 2.5 us of that and the rest launches.
+  directly: same kernel, the output's strides in place of the scratch's, no combine.
 
 Masks: keys ``j >= Sk`` and, causal, the bottom-right mask (query ``i`` sees keys
 ``j <= i + Sk - Sq``). A row with no visible key in a split gets ``o_s = 0``, ``lse_s = -inf``; a
@@ -42,16 +35,10 @@ a mask on ``d`` (96, 192).
 from __future__ import annotations
 
 import math
-import re
 
 import torch
 import triton
 import triton.language as tl
-
-try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except (ImportError, AttributeError):  # a Triton without NVIDIA's extras (triton-ascend): no PDL there
-    gdc_launch_dependents = gdc_wait = None
 
 from dlblas_kernels.attention import block_d as tile_width
 from dlcore import InvalidInputError
@@ -72,8 +59,6 @@ SPLIT_BALANCE = 16
 PROGRAMS_PER_CORE = 2
 #: float32 elements of one combine program's [splits, D] chunk
 COMBINE_CHUNK_ELEMENTS = 8192
-#: the first NVIDIA compute capability with programmatic dependent launch (griddepcontrol)
-PDL_SM = 90
 LOG2E = 1.4426950408889634
 
 
@@ -87,15 +72,12 @@ def decode_split_kernel(
     stride_ob, stride_os, stride_oh, stride_osplit, stride_od,
     stride_lb, stride_lh, stride_ls, stride_lsplit,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # Program (split, kv head hk, batch b): the GROUP * Sq query rows of kv head hk (row r: query
     # r % Sq of head hk * GROUP + r // Sq) against keys [split * keys_per_split, ...). o and lse:
     # the split's normalised partial output and natural-log lse at (b, query i, head h, split) by
-    # the strides given (the scratch's, or out's and lse's with a zero split stride). PDL: the
-    # combine, launched as a programmatic dependent, may start now (it waits for this grid's end).
-    if PDL:
-        gdc_launch_dependents()
+    # the strides given (the scratch's, or out's and lse's with a zero split stride).
     split = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -160,15 +142,12 @@ def decode_combine_kernel(
     Hq, Sq, splits,
     stride_ob, stride_os, stride_oh, stride_od,
     stride_lb, stride_lh, stride_ls,
-    HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
+    HEAD_DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # One program per output row r = (b * Hq + h) * Sq + i: the scratch is contiguous,
     # o_part [B, Hq, Sq, splits, D] (float32, normalised per split) and lse_part [B, Hq, Sq, splits].
     # CHUNK splits at a time, merged online (m the running maximum lse): with CHUNK >= splits the
-    # lse and o loads go out together, one trip to memory. PDL (a programmatic dependent launch):
-    # nothing is read or written before the split grid has finished and its writes are visible.
-    if PDL:
-        gdc_wait()
+    # lse and o loads go out together, one trip to memory.
     r = tl.program_id(0).to(tl.int64)
     qi = r % Sq
     h = (r // Sq) % Hq
@@ -206,15 +185,6 @@ DECODE_KERNELS = (decode_split_kernel, decode_combine_kernel)
 def _rows(q: torch.Tensor, k: torch.Tensor) -> int:
     """Query rows of one kv head's group: ``Sq * Hq / Hk``."""
     return q.shape[1] * (q.shape[2] // k.shape[2])
-
-
-def dependent_launch(profile: DeviceProfile) -> bool:
-    """Whether the combine is launched as a programmatic dependent of the split kernel: NVIDIA
-    GPUs of compute capability :data:`PDL_SM` and later, compiled (not the interpreter, whose
-    profile is the ``cpu`` backend's even where a test claims an sm_90 arch)."""
-    digits = re.sub(r"\D", "", profile.arch)
-    return (profile.backend == "cuda" and gdc_wait is not None and digits != ""
-            and int(digits) >= PDL_SM)
 
 
 def use_decode(q: torch.Tensor, k: torch.Tensor, profile: DeviceProfile) -> bool:
@@ -311,21 +281,20 @@ def decode_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
         scratch = (o, part_lse)
         o_strides = (o.stride(0), o.stride(2), o.stride(1), o.stride(3), o.stride(4))
         l_strides = (part_lse.stride(0), part_lse.stride(1), part_lse.stride(2), part_lse.stride(3))
-    pdl = splits > 1 and dependent_launch(profile)
     calls = [KernelCall(
         decode_split_kernel, (splits, hk, batch),
         (q, k, v, o, part_lse, sq, sk, keys_per_split, float(scale) * LOG2E,
          *q.stride(), *k.stride(), *v.stride(), *o_strides, *l_strides),
         {"GROUP": hq // hk, "HEAD_DIM": d, "CAUSAL": bool(causal),
          "BLOCK_M": max(next_power_of_2(_rows(q, k)), MIN_DOT_ROWS), "BLOCK_N": block_n, "BLOCK_D": block_d,
-         "num_warps": config["num_warps"], "num_stages": config["num_stages"], **({"PDL": True} if pdl else {})},
+         "num_warps": config["num_warps"], "num_stages": config["num_stages"]},
     )]
     if splits > 1:
         calls.append(KernelCall(
             decode_combine_kernel, (batch * hq * sq,),
             (o, part_lse, out, lse, hq, sq, splits, *out.stride(), *lse.stride()),
             {"HEAD_DIM": d, "CHUNK": min(next_power_of_2(splits), max(1, COMBINE_CHUNK_ELEMENTS // block_d)),
-             "BLOCK_D": block_d, "num_warps": 4, **({"PDL": True, "launch_pdl": True} if pdl else {})},
+             "BLOCK_D": block_d, "num_warps": 4},
         ))
     return calls, scratch
 
