@@ -338,3 +338,13 @@ def test_plans_lowered_for_a_target_are_sized_by_its_profile():
     cores = {t: target_profile(t).cores for t in grids}
     assert grids["cuda:90"] // cores["cuda:90"] == grids["cuda:80"] // cores["cuda:80"] >= 1
     assert grids["cuda:90"] % cores["cuda:90"] == grids["cuda:80"] % cores["cuda:80"] == 0
+
+
+def test_a_forward_only_form_lowers_its_forward_and_says_why_not_its_backward():
+    """fused_moe with fp8 weights has no backward (its backward plan refuses them): the forward's
+    launches are lowered, the backward is skipped with the reason."""
+    found, skipped = launches(registry(), "fused_moe", torch.float16, {"tokens": 300, "fp8": 1},
+                              target_profile("cuda:90"), pipeline("cuda"))
+    assert found and not any(launch.backward for launch in found)
+    assert "grouped_fp8_gemm_kernel" in {launch.call.kernel.__name__ for launch in found}
+    assert any(note.startswith("fused_moe.triton backward:") and "forward only" in note for note in skipped)
