@@ -65,8 +65,17 @@ def inputs(dtype, device, gen, tokens=T, hidden=H, inter=INTER, experts=E, topk=
     return (x, w13, w2, *routing(tokens, experts, topk, device, gen))
 
 
+def only_used_experts(args):
+    """``args`` with w13 and w2 cut to the experts some token chose, the ids renumbered: the same
+    result, and a float64 reference at a model's shape (256 experts) within a GPU's memory."""
+    hidden, w13, w2, weights, ids, *rest = args
+    used = torch.unique(ids[ids >= 0])
+    compact = torch.where(ids >= 0, torch.searchsorted(used, ids.clamp(min=0)), -1).to(ids.dtype)
+    return (hidden, w13[used], w2[used], weights, compact, *rest)
+
+
 def check(out, args):
-    expected = fused_moe_reference(*upcast(*args))
+    expected = fused_moe_reference(*upcast(*only_used_experts(args)))
     assert_close(out, expected, args[0].dtype, reduce_dim=args[0].shape[1])
 
 
