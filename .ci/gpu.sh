@@ -22,8 +22,8 @@
 #              16384, causal and not) and the decode preset (Sq 1 against Sk 1024 to 65536, GQA 32/8), its
 #              backward on the attention preset, each beside SDPA flash and cuDNN with the Triton kernel alone
 #              in dlcore[triton]; fused_rotary_and_fa forward and backward against apply_rotary_pos_emb + the
-#              best SDPA; softmax forward and backward at rows of 4096 to 131072 against torch and
-#              torch.compile. docs/results/*.json as bench; not part of bench (not measured whole yet)
+#              best SDPA (the Triton kernel alone in dlcore[triton]); softmax forward and backward at rows of
+#              4096 to 131072 against torch and torch.compile. docs/results/*.json as bench; not part of bench (not measured whole yet)
 #   bench-moe  issues #18 and #19: fp8_gemm (deepseek-fp8 preset, vs the dequantise path), topk_gating
 #              forward + backward (gating preset, vs its torch reference), fused_moe forward (moe preset,
 #              vs the grouped_mm composite, the Triton kernel alone beside get_op's choice): about 2 minutes
@@ -101,7 +101,7 @@ for stage in "$@"; do
       rows=4096x4096,2048x16384,1024x32768,256x131072
       attention=(flash_attention_v2:fwd:attention,decode::sdpa_flash,sdpa_cudnn:triton
                  flash_attention_v2:bwd:attention::sdpa_flash,sdpa_cudnn:triton
-                 fused_rotary_and_fa:fwd:attention::composite fused_rotary_and_fa:bwd:attention::composite
+                 fused_rotary_and_fa:fwd:attention::composite:triton fused_rotary_and_fa:bwd:attention::composite:triton
                  softmax:fwd:$rows::torch,compile softmax:bwd:$rows::torch,compile)
       # issues #18 and #19: fp8_gemm on DeepSeek-V3's shapes against the dequantise-then-bf16 path,
       # topk_gating forward + backward against its torch reference, fused_moe against the grouped_mm composite

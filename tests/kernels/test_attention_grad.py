@@ -160,6 +160,25 @@ def test_rotary_gradients_match_autograd(sq, sk, hq, hk, d, causal, interleaved,
     case.check(case.run(profile))
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("sq, sk, causal, element, descriptors", [
+    (29, 45, True, torch.float32, True),    # halves of 12 in tiles of 16, ragged blocks, Sq < Sk
+    (40, 61, False, torch.float32, True),   # no mask but the ragged last key block
+    (37, 37, False, torch.float16, False),  # fp16 halves of 12 start off 16 bytes: pointers (rotate-half)
+], ids=["q29-k45-causal", "q40-k61", "q37-k37-fp16"])
+def test_rotary_descriptor_loads(sq, sk, causal, element, descriptors, interleaved, device, gen, profile):
+    """The streamed q (dkdv) and k (dq) tiles and their table rows through tensor descriptors, as
+    pair halves (rotate-half) or whole rows split (interleaved), against autograd."""
+    config = {**ag.backward_config(torch.empty(1, 1, 1, 24), causal, profile), "DKDV_TMA": 1, "DQ_TMA": 1}
+    case = Case(1, sq, sk, 4, 2, 24, causal, element, device, gen, tables=(), interleaved=interleaved)
+    rotary = (*case.tables, interleaved)
+    calls = ag.backward_calls(case.dout, case.q, case.k, case.v, case.out, case.lse, None, *map(torch.empty_like,
+                              (case.q, case.k, case.v)), causal=causal, scale=case.scale, profile=profile,
+                              rotary=rotary, config=config)
+    assert [c.kwargs["TMA"] for c in calls[1:]] == [descriptors or interleaved] * 2
+    case.check(case.run(profile, config))
+
+
 # -- what the op modules call: the torch references, results and plans ------------------------------------
 
 

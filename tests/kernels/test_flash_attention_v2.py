@@ -212,7 +212,8 @@ def test_rotary_tiles(case, interleaved, dtype, device, gen, profile):
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["rotate-half", "interleaved"])
 def test_rotary_tiles_beside_descriptors(interleaved, device, gen, profile):
-    """On Hopper the rotated q and k take pointer loads, v and out the descriptors."""
+    """On Hopper the k tiles and their cos and sin rows take descriptors (a pair of halves, or whole
+    interleaved rows split), as v and out do; the q tile, rotated once, pointer loads."""
     hopper = dataclasses.replace(profile, arch="sm_90")
     check_rotary(ROTARY_CASES[0], interleaved, torch.float16, device, gen, hopper)
 
@@ -278,9 +279,9 @@ def test_default_config_fits_the_device():
             if d <= 128 and dtype == torch.bfloat16:
                 assert space(hopper).is_valid(config) is None, config
             assert attention.fit(config, d, q.element_size(), hopper) == config
-    # the rotary tiles pipeline cos and sin beside k: 128 x 128 blocks fit 3 stages, rotated 64-key blocks
+    # the rotary tiles pipeline cos and sin beside k, and hold the rotated k: 128 x 128 blocks fit 2 stages
     config = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
-    assert attention.fit(config, 128, 2, hopper, rotary=True) == {**config, "BLOCK_N": 64, "num_stages": 2}
+    assert attention.fit(config, 128, 2, hopper, rotary=True) == {**config, "num_stages": 2}
 
 
 # --- compiled ------------------------------------------------------------------------------------

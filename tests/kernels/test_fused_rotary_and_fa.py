@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+import dataclasses
 import math
+import os
 
 import dlblas_kernels
 import pytest
 import torch
 from conftest import ON_GPU
+from dlblas_kernels import attention, vendor
 from dlblas_kernels.kernels.apply_rotary_pos_emb import apply_rotary_pos_emb_reference
 from dlblas_kernels.kernels.fused_rotary_and_fa import (
     KERNEL,
@@ -18,13 +21,26 @@ from dlblas_kernels.kernels.fused_rotary_and_fa import (
 )
 from gradients import check_backward
 
-from dlcore import InvalidInputError
-from dlcore.declarations.signature import make_signature
+import dlcore
+from dlcore import InvalidInputError, NoKernelError
+from dlcore.declarations.device import DeviceProfile
+from dlcore.declarations.implementation import LaunchPlan, VendorImplementation
+from dlcore.declarations.signature import Signature, TensorSpec, make_signature
+from dlcore.plugins.registry import registry
 from dlcore.runtime.template import device_profile
-from dlcore.testing import assert_close, randn, tolerance, upcast
+from dlcore.testing import assert_close, poison, randn, tolerance, upcast
 
 TRITON = KERNEL.implementation
 INTERLEAVED = [False, True]
+COMPOSITE = vendor.FUSED_ROTARY_AND_FA
+
+
+@pytest.fixture(autouse=True)
+def triton_kernel_only(monkeypatch, triton_candidates_only):
+    """These tests are about the Triton kernel: the composite vendor candidate is left out of
+    get_op's selection (on a GPU it may rightly be faster), as the other vendor candidates are."""
+    left_out = os.environ.get("DLCORE_DISABLE_IMPLS", "")
+    monkeypatch.setenv("DLCORE_DISABLE_IMPLS", ",".join(filter(None, (left_out, "fused_rotary_and_fa:composite"))))
 
 
 def inputs(b, sq, sk, hq, hk, d, dtype, device, gen, table_batch=False):
@@ -220,6 +236,146 @@ def test_composite_baseline_matches_reference(sq, sk, device, gen):
     for causal in (False, True):
         args = (*inputs(2, sq, sk, 4, 2, 8, torch.float32, device, gen), causal, None, causal)
         assert_close(composite(*args), fused_rotary_and_fa_reference(*upcast(*args)), torch.float32)
+
+
+# -- the descriptor path (Hopper), in the interpreter ---------------------------------------------
+
+
+def rotary_forward(args, profile, config):
+    q, k, v, cos, sin, causal, scale, interleaved = args
+    out = poison(torch.empty(q.shape, dtype=q.dtype, device=q.device))
+    lse = poison(torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device))
+    calls = attention.forward_calls(q, k, v, out, lse, causal=causal, scale=scale or q.shape[-1] ** -0.5,
+                                    config=config, profile=profile, rotary=(cos, sin, interleaved))
+    LaunchPlan(calls, (out, lse)).run()
+    return calls[0].kwargs["TMA"], out
+
+
+# (B, Sq, Sk, Hq, Hk, D, tables [B, Sk, D]), causal, dtype, descriptors taken: D 24 has halves of 12
+# (tiles of 16, the rest zero-filled), which fp16 rows cannot start on 16 bytes (pointer loads);
+# interleaved D 16 would split pair tiles narrower than tl.dot takes (pointer loads).
+DESCRIPTOR_CASES = [
+    ((1, 11, 37, 3, 1, 24, True), False, torch.float32, (True, True)),
+    ((2, 19, 19, 4, 2, 24, False), True, torch.float32, (True, True)),
+    ((1, 13, 29, 2, 2, 24, False), True, torch.float16, (False, True)),
+    ((2, 21, 21, 2, 1, 16, False), True, torch.float16, (True, False)),
+]
+
+
+@pytest.mark.parametrize("interleaved", INTERLEAVED, ids=["half", "interleaved"])
+@pytest.mark.parametrize("shape, causal, element, descriptors", DESCRIPTOR_CASES, ids=str)
+def test_descriptor_path_matches_reference(shape, causal, element, descriptors, interleaved, device, gen, profile):
+    """The k tiles and their cos and sin rows through tensor descriptors, as on Hopper (a profile
+    claiming sm_90; the interpreter runs the descriptors too): ragged key blocks, halves narrower
+    than their tiles; where the descriptors cannot take the tables, the pointer loads."""
+    args = (*inputs(*shape[:6], element, device, gen, shape[6]), causal, None, interleaved)
+    hopper = dataclasses.replace(profile, arch="sm_90")
+    config = {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 4, "num_stages": 2}
+    tma, out = rotary_forward(args, hopper, config)
+    assert tma == descriptors[interleaved]
+    assert_close(out, fused_rotary_and_fa_reference(*upcast(*args)), element, reduce_dim=shape[2])
+
+
+def test_default_config_fits_the_rotary_tiles():
+    """128 x 128 blocks of 8 warps with 2 stages at D 128 in 16-bit (k, cos, sin and v per stage and
+    the rotated k: 229 408 bytes measured of the H200's 232 448); float32 halves the key block twice."""
+    from dlcore.compiler.lowering import target_profile
+
+    hopper = target_profile("cuda:90")
+    for dtype, expected in ((torch.bfloat16, (128, 128, 8, 2)), (torch.float32, (128, 32, 8, 2))):
+        q = torch.empty(2, 8192, 16, 128, dtype=dtype, device="meta")
+        cos = torch.empty(8192, 128, dtype=dtype, device="meta")
+        sig = make_signature(OP, (q, q, q, cos, cos, True, None, False), q.device)
+        config = TRITON.default_config(sig, hopper)
+        assert (config["BLOCK_M"], config["BLOCK_N"], config["num_warps"], config["num_stages"]) == expected
+        assert attention.shared_memory_bytes(config, 128, q.element_size(), rotary=True) <= \
+            hopper.shared_memory_per_program
+
+
+# -- the composite as a vendor candidate ---------------------------------------------------------
+
+H200 = DeviceProfile(backend="cuda", vendor="nvidia", name="NVIDIA H200", arch="sm_90", cores=132)
+
+
+def rotary_signature(dtype=torch.bfloat16, d=128, sq=8192, sk=8192, causal=False, device="cuda") -> Signature:
+    """A fused_rotary_and_fa signature as make_signature gives it (B and S rounded up to powers of two)."""
+    def spec(*shape):
+        return TensorSpec(dtype, shape, "contiguous", True)
+
+    return Signature("fused_rotary_and_fa", device,
+                     (("q", spec(2, sq, 16, d)), ("k", spec(2, sk, 8, d)), ("v", spec(2, sk, 8, d)),
+                      ("cos", spec(sk, d)), ("sin", spec(sk, d))),
+                     (("causal", causal), ("softmax_scale", "NoneType"), ("interleaved", False)))
+
+
+def test_composite_is_a_vendor_candidate_of_its_own_entry_point():
+    assert isinstance(COMPOSITE, VendorImplementation)
+    assert (COMPOSITE.op, COMPOSITE.name, COMPOSITE.kind) == ("fused_rotary_and_fa", "composite", "vendor")
+    assert "apply_rotary_pos_emb" in COMPOSITE.library and "scaled_dot_product_attention" in COMPOSITE.library
+    assert vendor.fused_rotary_and_fa_plugin.dlcore_implementations() == [COMPOSITE]
+    impls = {i.name: i for i in registry().implementations_of("fused_rotary_and_fa")}
+    assert {"triton", "composite"} <= set(impls)
+    assert impls["composite"].plugin == "dlcore.kernels:vendor_fused_rotary_and_fa"
+    assert OP.reference is not vendor.fused_rotary_and_fa
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("element", [torch.float16, torch.bfloat16], ids=str)
+def test_composite_takes_what_sdpa_runs(d, element):
+    for causal in (False, True):
+        for sq in (8192, 1024):
+            assert COMPOSITE.supports(rotary_signature(element, d, sq=sq, causal=causal), H200) is None
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("float32", "dtype float32"),
+    ("head dim 100", "multiples of 8"),
+    ("head dim 512", "up to 256"),
+    ("cpu", "NVIDIA GPUs from sm_80"),
+    ("sm_75", "NVIDIA GPUs from sm_80"),
+    ("amd", "NVIDIA GPUs"),
+])
+def test_composite_declines_what_sdpa_does_not_run_fast(case, reason):
+    sig, profile = rotary_signature(), H200
+    if case == "float32":
+        sig = rotary_signature(torch.float32)
+    elif case.startswith("head dim"):
+        sig = rotary_signature(d=int(case.split()[-1]))
+    elif case == "cpu":
+        sig, profile = rotary_signature(device="cpu"), dataclasses.replace(H200, backend="cpu", vendor="cpu", arch="")
+    elif case == "sm_75":
+        profile = dataclasses.replace(H200, arch="sm_75")
+    else:
+        profile = dataclasses.replace(H200, vendor="amd", arch="gfx942")
+    declined = COMPOSITE.supports(sig, profile)
+    assert declined is not None and reason in declined, declined
+
+
+@pytest.mark.skipif(ON_GPU, reason="the cpu backend's selection")
+def test_the_cpu_backend_declines_the_composite(monkeypatch, gen):
+    monkeypatch.delenv("DLCORE_DISABLE_IMPLS")
+    args = (*inputs(1, 6, 6, 2, 1, 8, torch.float16, "cpu", gen), True, None, False)
+    bound = dlcore.get_op("fused_rotary_and_fa", args)
+    assert bound.impl.name == "triton"
+    assert "cpu backend does not run vendor libraries" in bound.selection.declined["composite"]
+    with pytest.raises(NoKernelError, match="does not run vendor libraries"):
+        dlcore.get_op("fused_rotary_and_fa", args, impl="composite")
+
+
+@pytest.mark.parametrize("sq, sk", [(7, 7), (4, 9), (9, 4), (3, 0)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_composite_candidate_matches_reference(sq, sk, causal, device, gen):
+    """What the candidate computes (SDPA's math backend standing in on the CPU): causal with more
+    queries than keys gives zeros for the queries that see none, as the kernel does."""
+    if sq > sk and not causal:
+        return  # refused by the op's check
+    args = (*inputs(2, sq, sk, 4, 2, 8, torch.float32, device, gen), causal, 0.4, causal)
+    out = vendor.fused_rotary_and_fa(*args)
+    assert out.shape == args[0].shape and not out.isnan().any()
+    if sk == 0:  # no key at all (the reference's tables have no row to take)
+        assert not out.any()
+        return
+    assert_close(out, fused_rotary_and_fa_reference(*upcast(*args)), torch.float32)
 
 
 # -- validation ------------------------------------------------------------------------------------

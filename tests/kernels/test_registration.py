@@ -72,6 +72,7 @@ VENDOR = {
     "vendor_ffn": ("ffn", "torch"),
     "vendor_fused_moe": ("fused_moe", "torch"),
     "vendor_fp8_gemm": ("fp8_gemm", "scaled_mm"),
+    "vendor_fused_rotary_and_fa": ("fused_rotary_and_fa", "composite"),
     "vendor_matmul": ("matmul", "torch"),
     "vendor_sdpa_cudnn": ("flash_attention_v2", "sdpa_cudnn"),
     "vendor_sdpa_flash": ("flash_attention_v2", "sdpa_flash"),

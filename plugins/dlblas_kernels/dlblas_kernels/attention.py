@@ -36,7 +36,12 @@ interleaved pairs ``(2i, 2i + 1)``), query row ``i`` at position ``Sk - Sq + i``
 ``j`` of the ``cos`` and ``sin`` tables (``[Sk, D]`` or ``[B, Sk, D]``, any strides). The tiles are
 then held as their two pair halves ``(a, b)``, each ``D/2`` wide, and ``q . k = q_a . k_a + q_b . k_b``
 is two products: the rotation needs no shuffle across the tile. The rotated tiles are rounded to
-the input dtype before the products, as the unfused rotary kernel's output is.
+the input dtype before the products, as the unfused rotary kernel's output is. The q tile is
+rotated once per program (pointer loads); the k tiles and their cos and sin rows come through
+descriptors on Hopper as the plain kernel's do (a descriptor per pair half, or whole interleaved
+rows split into their even and odd lanes), and are pipelined with v: each stage holds a k, cos,
+sin and v tile, so the rotary kernel takes 2 stages of 128 x 128 blocks where the plain one takes 3
+(:func:`shared_memory_bytes`).
 
 Precision: float16 / bfloat16 products on the tensor cores with float32 accumulation; float32
 inputs exact (``input_precision="ieee"``), the path the interpreter tests take.
@@ -97,25 +102,78 @@ def _rotated_pairs(base, rows, row_mask, positions, cos_base, sin_base, p,
 
 
 @triton.jit
+def _pair_sources(base, n_rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Tensor descriptors of the rotary pair halves of ``[n_rows, HEAD_DIM]`` rows (unit column
+    stride) at ``base``: rotate-half, one per half (columns ``[0, D/2)`` and ``[D/2, D)``, each a
+    ``[BLOCK_R, BLOCK_P]`` block, zero past the half); interleaved, the whole row twice (the halves
+    are split after the load)."""
+    if INTERLEAVED:
+        whole = tl.make_tensor_descriptor(base, shape=[n_rows, HEAD_DIM], strides=[stride_row, 1],
+                                          block_shape=[BLOCK_R, BLOCK_D])
+        return whole, whole
+    else:
+        first = tl.make_tensor_descriptor(base, shape=[n_rows, HEAD_DIM // 2], strides=[stride_row, 1],
+                                          block_shape=[BLOCK_R, BLOCK_P])
+        second = tl.make_tensor_descriptor(base + HEAD_DIM // 2, shape=[n_rows, HEAD_DIM // 2],
+                                           strides=[stride_row, 1], block_shape=[BLOCK_R, BLOCK_P])
+        return first, second
+
+
+@triton.jit
+def _tile_pairs(first, second, row, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The pair halves ``(a, b)`` of rows ``row ... row + BLOCK_R`` from :func:`_pair_sources`'s
+    descriptors (zero past the end of the rows): two loads, or one whole-row load split into its
+    even and odd lanes."""
+    if INTERLEAVED:
+        whole = first.load([row, 0])
+        a, b = tl.split(tl.reshape(whole, [BLOCK_R, BLOCK_P, 2]))
+    else:
+        a = first.load([row, 0])
+        b = second.load([row, 0])
+    return a, b
+
+
+@triton.jit
+def _rotated_tiles(x_first, x_second, cos_first, cos_second, sin_first, sin_second, row, position,
+                   BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """:func:`_rotated_pairs` through descriptors: the pair halves of rows ``row ...`` rotated by the
+    table rows ``position ...`` (not negative), in the input dtype (rows past the end are 0)."""
+    a, b = _tile_pairs(x_first, x_second, row, BLOCK_R, BLOCK_P, INTERLEAVED)
+    cos_a, cos_b = _tile_pairs(cos_first, cos_second, position, BLOCK_R, BLOCK_P, INTERLEAVED)
+    sin_a, sin_b = _tile_pairs(sin_first, sin_second, position, BLOCK_R, BLOCK_P, INTERLEAVED)
+    out_a, out_b = rotate_pairs(a.to(tl.float32), b.to(tl.float32), cos_a.to(tl.float32), cos_b.to(tl.float32),
+                                sin_a.to(tl.float32), sin_b.to(tl.float32), False)
+    return out_a.to(a.dtype), out_b.to(a.dtype)
+
+
+@triton.jit
 def _attend(acc, l_i, m_i, q, q_b, start, end,
-            k_src, v_src, cos_base, sin_base, offs_m, offs_n, offs_d, p,
+            k_src, k_src2, v_src, cos_src, cos_src2, sin_src, sin_src2, offs_m, offs_n, offs_d, p,
             SK, diagonal, qk_scale,
             stride_ks, stride_kd, stride_vs, stride_vd,
             stride_cos_s, stride_cos_d, stride_sin_s, stride_sin_d,
-            HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+            HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
             MASKED: tl.constexpr, CAUSAL: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
             TMA: tl.constexpr, INPUT_PRECISION: tl.constexpr):
     """The online softmax over key blocks ``start, start + BLOCK_N, ... < end``: ``(acc, l, m)``
     updated, ``m`` in base 2. MASKED: scores of keys past SK, and with CAUSAL of keys past the
-    diagonal (key ``j`` > row ``i + diagonal``), are -inf; otherwise every score counts."""
+    diagonal (key ``j`` > row ``i + diagonal``), are -inf; otherwise every score counts. With TMA
+    the ``*_src`` are tensor descriptors (:func:`_pair_sources` for the rotary ones: ``k_src2``,
+    ``cos_src2``, ``sin_src2`` the second pair halves), otherwise base pointers."""
     d_mask = offs_d < HEAD_DIM
     for n in range(start, end, BLOCK_N):
         n = tl.multiple_of(n, BLOCK_N)
         keys = n + offs_n
         key_mask = keys < SK
         if ROTARY:
-            k_a, k_b = _rotated_pairs(k_src, keys, key_mask, keys, cos_base, sin_base, p, stride_ks, stride_kd,
-                                      stride_cos_s, stride_cos_d, stride_sin_s, stride_sin_d, HEAD_DIM, INTERLEAVED)
+            if TMA:
+                k_a, k_b = _rotated_tiles(k_src, k_src2, cos_src, cos_src2, sin_src, sin_src2, n, n,
+                                          BLOCK_N, BLOCK_P, INTERLEAVED)
+            else:
+                k_a, k_b = _rotated_pairs(k_src, keys, key_mask, keys, cos_src, sin_src, p, stride_ks, stride_kd,
+                                          stride_cos_s, stride_cos_d, stride_sin_s, stride_sin_d, HEAD_DIM,
+                                          INTERLEAVED)
             s = tl.dot(q, tl.trans(k_a), input_precision=INPUT_PRECISION)
             s = tl.dot(q_b, tl.trans(k_b), s, input_precision=INPUT_PRECISION)
         else:
@@ -210,14 +268,22 @@ def attention_forward_kernel(
         else:
             q = _load_rows(q_base, offs_m, row_mask, offs_d, offs_d < HEAD_DIM, stride_qs, stride_qd)
     if TMA:
-        k_src = k_base
-        if not ROTARY:
+        if ROTARY:
+            k_src, k_src2 = _pair_sources(k_base, SK, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_P, INTERLEAVED)
+            cos_src, cos_src2 = _pair_sources(cos_base, SK, stride_cos_s, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_P,
+                                              INTERLEAVED)
+            sin_src, sin_src2 = _pair_sources(sin_base, SK, stride_sin_s, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_P,
+                                              INTERLEAVED)
+        else:
             k_src = tl.make_tensor_descriptor(k_base, shape=[SK, HEAD_DIM], strides=[stride_ks, 1],
                                               block_shape=[BLOCK_N, BLOCK_D])
+            k_src2 = k_src
+            cos_src, cos_src2, sin_src, sin_src2 = cos_base, cos_base, sin_base, sin_base
         v_src = tl.make_tensor_descriptor(v_base, shape=[SK, HEAD_DIM], strides=[stride_vs, 1],
                                           block_shape=[BLOCK_N, BLOCK_D])
     else:
-        k_src = k_base
+        k_src, k_src2 = k_base, k_base
+        cos_src, cos_src2, sin_src, sin_src2 = cos_base, cos_base, sin_base, sin_base
         v_src = v_base
 
     # Keys [0, full) are seen whole by every row of the block; [full, end) are cut by the causal
@@ -232,14 +298,18 @@ def attention_forward_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_b, 0, full, k_src, v_src, cos_base, sin_base, offs_m, offs_n,
-                            offs_d, p, SK, diagonal, qk_scale, stride_ks, stride_kd, stride_vs, stride_vd,
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_b, 0, full, k_src, k_src2, v_src, cos_src, cos_src2, sin_src,
+                            sin_src2, offs_m, offs_n, offs_d, p, SK, diagonal, qk_scale,
+                            stride_ks, stride_kd, stride_vs, stride_vd,
                             stride_cos_s, stride_cos_d, stride_sin_s, stride_sin_d,
-                            HEAD_DIM, BLOCK_N, BLOCK_D, False, CAUSAL, ROTARY, INTERLEAVED, TMA, INPUT_PRECISION)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_b, full, end, k_src, v_src, cos_base, sin_base, offs_m, offs_n,
-                            offs_d, p, SK, diagonal, qk_scale, stride_ks, stride_kd, stride_vs, stride_vd,
+                            HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_P, False, CAUSAL, ROTARY, INTERLEAVED, TMA,
+                            INPUT_PRECISION)
+    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_b, full, end, k_src, k_src2, v_src, cos_src, cos_src2, sin_src,
+                            sin_src2, offs_m, offs_n, offs_d, p, SK, diagonal, qk_scale,
+                            stride_ks, stride_kd, stride_vs, stride_vd,
                             stride_cos_s, stride_cos_d, stride_sin_s, stride_sin_d,
-                            HEAD_DIM, BLOCK_N, BLOCK_D, True, CAUSAL, ROTARY, INTERLEAVED, TMA, INPUT_PRECISION)
+                            HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_P, True, CAUSAL, ROTARY, INTERLEAVED, TMA,
+                            INPUT_PRECISION)
 
     # Rows that saw no key: l = 0, acc = 0 -> out 0, lse -inf.
     seen = l_i > 0.0
@@ -274,6 +344,22 @@ def takes_tma(profile: DeviceProfile, *tensors: torch.Tensor) -> bool:
     return profile.arch in TMA_ARCHS and all(_descriptor_ready(t) for t in tensors)
 
 
+def tables_take_tma(cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, *rotated: torch.Tensor) -> bool:
+    """Whether the rotary path's descriptors serve these tables and the ``rotated`` tensors (q, k,
+    already found descriptor-ready): the tables of unit D stride, 16-byte aligned base and strides;
+    rotate-half, each second half's start 16-byte aligned too (its own descriptor); interleaved, the
+    whole-row tile split into pair halves as wide as the pointer path's (``block_d(D) / 2`` the pair
+    tile's width)."""
+    head_dim = cos.shape[-1]
+    if interleaved:
+        halves = block_d(head_dim) // 2 == max(next_power_of_2(head_dim // 2), MIN_DOT_K)
+    else:
+        halves = all(head_dim // 2 * t.element_size() % TMA_ALIGNMENT == 0 for t in (cos, sin, *rotated))
+    return halves and all(
+        t.stride(-1) == 1 and t.data_ptr() % TMA_ALIGNMENT == 0
+        and all((s * t.element_size()) % TMA_ALIGNMENT == 0 for s in table_strides(t)[:2]) for t in (cos, sin))
+
+
 def table_strides(t: torch.Tensor) -> tuple[int, int, int]:
     """A rotary table's ``[B, S, D]`` strides, ``[S, D]`` broadcast over the batch (stride 0)."""
     return (0, *t.stride()) if t.dim() == 2 else tuple(t.stride())
@@ -286,11 +372,16 @@ def block_d(head_dim: int) -> int:
 
 def shared_memory_bytes(config: Config, head_dim: int, element_size: int, rotary: bool = False) -> int:
     """What one program takes of shared memory, as Triton 3.6 lays it out for sm_90 (read off
-    compiled kernels, to within the 1 KiB of barriers): the q tile, and per pipeline stage a k and
-    a v tile, each ``block_d(D)`` wide; with ``rotary`` the k tile's cos and sin too (which the
-    rotated q, kept in registers, spares: the count is then an upper bound by the q tile)."""
-    per_stage = 4 if rotary else 2
-    block = config["BLOCK_M"] + per_stage * config["num_stages"] * config["BLOCK_N"]
+    compiled kernels, to within the 1 KiB of barriers), tiles ``block_d(D)`` wide: the q tile, and
+    per pipeline stage a k and a v tile. With ``rotary``: the rotated q tile, a k, cos, sin and v
+    tile per stage but the last (the loop's loads are consumed in registers, one stage less
+    buffered), and two k tiles for the rotated k the products read (BLOCK_M 128, D 128, bfloat16:
+    BLOCK_N 128 with 2 stages 229 408 bytes, BLOCK_N 64 with 3 stages 196 656, pointer loads or
+    descriptors alike)."""
+    if rotary:
+        block = config["BLOCK_M"] + (4 * max(config["num_stages"] - 1, 1) + 2) * config["BLOCK_N"]
+    else:
+        block = config["BLOCK_M"] + 2 * config["num_stages"] * config["BLOCK_N"]
     return block * block_d(head_dim) * element_size
 
 
@@ -339,6 +430,8 @@ def forward_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
         cos, sin, interleaved = rotary
         cos_strides, sin_strides = table_strides(cos), table_strides(sin)
     tma = bool(config.get("TMA", 1)) and takes_tma(profile, q, k, v, out)
+    if rotary is not None:
+        tma = tma and tables_take_tma(cos, sin, interleaved, q, k)
     if tma:
         ensure_allocator()
     precision = "ieee"

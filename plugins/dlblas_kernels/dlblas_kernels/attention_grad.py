@@ -35,11 +35,13 @@ padded to the next one and masked. float32 inputs take exact (``ieee``) products
 Rotary (``rotary=(cos, sin, interleaved)``, fused_rotary_and_fa): q and k passed are the inputs
 before the rotation of :mod:`~dlblas_kernels.kernels.apply_rotary_pos_emb`; every q and k tile is
 rotated after its load (``x cos + rotate(x) sin``, query ``i`` with table row ``Sk - Sq + i``, key
-``j`` with row ``j``; cos, sin ``[Sk, D]`` or ``[B, Sk, D]``), and ``dq``, ``dk`` are taken back
-through the transposed rotation (``g cos - rotate(g sin)``) before the store. ``rotate`` pairs lane
-``d`` with a partner lane: ``rotate(x)[d] = sign_d x[partner_d]`` (rotate-half: ``d +- D/2``,
-sign -1 on the first half; interleaved: ``d xor 1``, sign -1 on even lanes), a gather along the
-head dimension in registers.
+``j`` with row ``j``; cos, sin ``[Sk, D]`` or ``[B, Sk, D]``) and held, as in the forward, as its two
+pair halves ``(a, b)`` (rotate-half ``(d, d + D/2)``, interleaved ``(2d, 2d + 1)``): ``S = q_a k_a^T +
+q_b k_b^T``, and the gradients of the rotated q' and k' are accumulated as halves too (``dS k_a``,
+``dS k_b``), so no lane crosses the tile. Before the store they are taken back through the
+transposed rotation (``g_a cos_a + g_b sin_b``, ``g_b cos_b - g_a sin_a``). The streamed tiles (q in
+the dkdv kernel, k in the dq kernel) and their table rows come through descriptors with TMA (a pair
+half each, or whole interleaved rows split); the resident ones are rotated once, from pointer loads.
 
 The tile sizes come from :func:`backward_config`, a table per head dimension and mask measured
 on the H200 (see :data:`HOPPER_TILES`). There, bfloat16 B 2, H 16, S 8192, D 128, the block takes
@@ -58,10 +60,19 @@ import triton
 import triton.language as tl
 
 from dlblas_kernels import gemm
+from dlblas_kernels.attention import (
+    MIN_DOT_K,
+    _load_pairs,
+    _pair_sources,
+    _rotated_pairs,
+    _rotated_tiles,
+    tables_take_tma,
+)
 from dlblas_kernels.attention import block_d as tile_width
+from dlblas_kernels.kernels.apply_rotary_pos_emb import rotate_pairs
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
-from dlcore.declarations.signature import cdiv
+from dlcore.declarations.signature import cdiv, next_power_of_2
 
 LOG2E = 1.4426950408889634
 #: rows of the preprocess kernel's programs
@@ -88,48 +99,6 @@ INTERPRETER_TILES = ((32, 16, 4, 1), (32, 16, 4, 1))
 
 
 # --- device helpers ------------------------------------------------------------------------------
-
-@triton.jit
-def _rotation(offs_d, HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """``(partner, sign)`` per lane ``d``: ``rotate(x)[d] = sign[d] * x[partner[d]]``; padded lanes
-    (``d >= HEAD_DIM``) are their own partners."""
-    if INTERLEAVED:
-        partner = offs_d ^ 1
-        sign = tl.where(offs_d % 2 == 0, -1.0, 1.0)
-    else:
-        partner = tl.where(offs_d < HEAD_DIM // 2, offs_d + HEAD_DIM // 2, offs_d - HEAD_DIM // 2)
-        sign = tl.where(offs_d < HEAD_DIM // 2, -1.0, 1.0)
-    return tl.where(offs_d < HEAD_DIM, partner, offs_d), sign
-
-
-@triton.jit
-def _rotate(x, cos, sin, partner, sign, TRANSPOSE: tl.constexpr):
-    """Rows ``x [R, BLOCK_D]`` (float32) rotated, ``x cos + rotate(x) sin``; with TRANSPOSE the
-    transposed rotation ``x cos - rotate(x sin)`` (the gradient through the rotation)."""
-    index = tl.broadcast_to(partner[None, :], x.shape)
-    if TRANSPOSE:
-        return x * cos - sign[None, :] * tl.gather(x * sin, index, 1)
-    return x * cos + sign[None, :] * tl.gather(x, index, 1) * sin
-
-
-@triton.jit
-def _load_tables(cos_ptr, sin_ptr, pos, n_pos, offs_d, mask_d,
-                 stride_cs, stride_cd, stride_ss, stride_sd):
-    """The cos and sin rows ``pos`` (float32 ``[R, BLOCK_D]``; 0 where ``pos`` is outside the table)."""
-    mask = ((pos >= 0) & (pos < n_pos))[:, None] & mask_d[None, :]
-    cos = tl.load(cos_ptr + pos[:, None] * stride_cs + offs_d[None, :] * stride_cd, mask=mask, other=0.0)
-    sin = tl.load(sin_ptr + pos[:, None] * stride_ss + offs_d[None, :] * stride_sd, mask=mask, other=0.0)
-    return cos.to(tl.float32), sin.to(tl.float32)
-
-
-@triton.jit
-def _rotated(x, cos_ptr, sin_ptr, pos, n_pos, offs_d, mask_d, stride_cs, stride_cd, stride_ss, stride_sd,
-             HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr, TRANSPOSE: tl.constexpr):
-    """Rows ``x`` rotated by the table rows ``pos`` (see :func:`_rotate`), in float32."""
-    partner, sign = _rotation(offs_d, HEAD_DIM, INTERLEAVED)
-    cos, sin = _load_tables(cos_ptr, sin_ptr, pos, n_pos, offs_d, mask_d, stride_cs, stride_cd, stride_ss, stride_sd)
-    return _rotate(x.to(tl.float32), cos, sin, partner, sign, TRANSPOSE)
-
 
 # --- the kernels ---------------------------------------------------------------------------------
 
@@ -199,11 +168,10 @@ def _load_rows(source, row, n_rows, offs_r, offs_d, mask_d, stride_s, stride_d, 
 
 @triton.jit
 def _dkdv_steps(
-    dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr, cos_ptr, sin_ptr,
+    dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr,
     start, steps, SQ, SK, qk_scale, offs_n, offs_d, mask_d,
-    stride_qs, stride_qd, stride_dos, stride_dod, stride_cs, stride_cd, stride_ss, stride_sd,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MASK: tl.constexpr, ROTARY: tl.constexpr,
-    INTERLEAVED: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    stride_qs, stride_qd, stride_dos, stride_dod,
+    BLOCK_M: tl.constexpr, MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
     """``steps`` query blocks of one head from row ``start``, added into ``dk`` and ``dv`` (unscaled
     ``dS^T q`` and ``P^T dout``); MASK applies the causal mask. ``q_src``, ``do_src``: the head's
@@ -216,9 +184,6 @@ def _dkdv_steps(
         q = _load_rows(q_src, row, SQ, offs_r, offs_d, mask_d, stride_qs, stride_qd, TMA)
         # Rows past the end (and rows without keys) have lse2 = +inf: P = 0 there.
         lse2 = tl.load(lse2_ptr + offs_m, mask=offs_m < SQ, other=float("inf"))
-        if ROTARY:
-            q = _rotated(q, cos_ptr, sin_ptr, offs_m + off, SK, offs_d, mask_d, stride_cs, stride_cd, stride_ss,
-                         stride_sd, HEAD_DIM, INTERLEAVED, False).to(k.dtype)
         s_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)
         p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
         if MASK:
@@ -230,6 +195,114 @@ def _dkdv_steps(
         ds_t = p_t * (dp_t - delta[None, :])
         dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
     return dk, dv
+
+
+@triton.jit
+def _store_pairs(base, rows, row_mask, p, stride_row, stride_col, a, b, HEAD_DIM: tl.constexpr,
+                 INTERLEAVED: tl.constexpr):
+    """Stores the pair halves ``(a, b)`` of rows ``rows`` at their columns (see
+    :func:`~dlblas_kernels.attention._load_pairs`), in the pointed-to dtype."""
+    mask = row_mask[:, None] & (p < HEAD_DIM // 2)[None, :]
+    ptrs = base + rows.to(tl.int64)[:, None] * stride_row
+    if INTERLEAVED:
+        first, second = 2 * p, 2 * p + 1
+    else:
+        first, second = p, p + HEAD_DIM // 2
+    tl.store(ptrs + first[None, :] * stride_col, a.to(base.dtype.element_ty), mask=mask)
+    tl.store(ptrs + second[None, :] * stride_col, b.to(base.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_unrotated(base, rows, row_mask, positions, cos_ptr, sin_ptr, p, stride_row, stride_col,
+                     stride_cs, stride_cd, stride_ss, stride_sd, g_a, g_b,
+                     HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The gradient pair halves ``(g_a, g_b)`` of rotated rows taken back through the transposed
+    rotation by the table rows ``positions`` (float32), then stored (:func:`_store_pairs`)."""
+    table_mask = row_mask & (positions >= 0)
+    cos_a, cos_b = _load_pairs(cos_ptr, positions, table_mask, p, stride_cs, stride_cd, HEAD_DIM, INTERLEAVED)
+    sin_a, sin_b = _load_pairs(sin_ptr, positions, table_mask, p, stride_ss, stride_sd, HEAD_DIM, INTERLEAVED)
+    a, b = rotate_pairs(g_a, g_b, cos_a.to(tl.float32), cos_b.to(tl.float32), sin_a.to(tl.float32),
+                        sin_b.to(tl.float32), True)
+    _store_pairs(base, rows, row_mask, p, stride_row, stride_col, a, b, HEAD_DIM, INTERLEAVED)
+
+
+@triton.jit
+def _dkdv_rotary_steps(
+    dk_a, dk_b, dv, k_a, k_b, v, q_base, q_first, q_second, do_src, lse2_ptr, delta_ptr,
+    cos_ptr, sin_ptr, cos_first, cos_second, sin_first, sin_second,
+    start, steps, SQ, SK, qk_scale, offs_n, offs_d, mask_d, p,
+    stride_qs, stride_qd, stride_dos, stride_dod, stride_cs, stride_cd, stride_ss, stride_sd,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, MASK: tl.constexpr,
+    INTERLEAVED: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+):
+    """:func:`_dkdv_steps` with the rotation: each q tile rotated after its load, held as its two
+    pair halves (``q_first``, ``q_second``, ``cos_*``, ``sin_*``: descriptors of the halves with TMA,
+    else ``q_base`` and the tables' pointers), ``S^T = k_a q_a^T + k_b q_b^T`` and ``dk`` kept as
+    halves (``dS^T q_a``, ``dS^T q_b``): no lane crosses the tile."""
+    offs_r = tl.arange(0, BLOCK_M)
+    off = SK - SQ
+    for i in range(steps):
+        row = start + i * BLOCK_M
+        offs_m = row + offs_r
+        if TMA:
+            # The visited rows see keys: their table rows row + off are not negative.
+            q_a, q_b = _rotated_tiles(q_first, q_second, cos_first, cos_second, sin_first, sin_second, row, row + off,
+                                      BLOCK_M, BLOCK_P, INTERLEAVED)
+        else:
+            q_a, q_b = _rotated_pairs(q_base, offs_m, offs_m < SQ, offs_m + off, cos_ptr, sin_ptr, p, stride_qs,
+                                      stride_qd, stride_cs, stride_cd, stride_ss, stride_sd, HEAD_DIM, INTERLEAVED)
+        lse2 = tl.load(lse2_ptr + offs_m, mask=offs_m < SQ, other=float("inf"))
+        s_t = tl.dot(k_a, tl.trans(q_a), input_precision=INPUT_PRECISION)
+        s_t = tl.dot(k_b, tl.trans(q_b), s_t, input_precision=INPUT_PRECISION)
+        p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
+        if MASK:
+            p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + off, p_t, 0.0)
+        do = _load_rows(do_src, row, SQ, offs_r, offs_d, mask_d, stride_dos, stride_dod, TMA)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
+        delta = tl.load(delta_ptr + offs_m, mask=offs_m < SQ, other=0.0)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q_a.dtype)
+        dk_a = tl.dot(ds_t, q_a, dk_a, input_precision=INPUT_PRECISION)
+        dk_b = tl.dot(ds_t, q_b, dk_b, input_precision=INPUT_PRECISION)
+    return dk_a, dk_b, dv
+
+
+@triton.jit
+def _dq_rotary_steps(
+    dq_a, dq_b, q_a, q_b, do, lse2, delta, k_base, k_first, k_second, v_src,
+    cos_ptr, sin_ptr, cos_first, cos_second, sin_first, sin_second,
+    start, steps, SQ, SK, qk_scale, offs_m, offs_d, mask_d, p,
+    stride_ks, stride_kd, stride_vs, stride_vd, stride_cs, stride_cd, stride_ss, stride_sd,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, MASK: tl.constexpr,
+    CAUSAL: tl.constexpr, INTERLEAVED: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+):
+    """:func:`_dq_steps` with the rotation: each k tile rotated after its load into its pair halves,
+    ``S = q_a k_a^T + q_b k_b^T`` and ``dq`` kept as halves (``dS k_a``, ``dS k_b``)."""
+    offs_r = tl.arange(0, BLOCK_N)
+    off = SK - SQ
+    for i in range(steps):
+        col = start + i * BLOCK_N
+        offs_n = col + offs_r
+        if TMA:
+            k_a, k_b = _rotated_tiles(k_first, k_second, cos_first, cos_second, sin_first, sin_second, col, col,
+                                      BLOCK_N, BLOCK_P, INTERLEAVED)
+        else:
+            k_a, k_b = _rotated_pairs(k_base, offs_n, offs_n < SK, offs_n, cos_ptr, sin_ptr, p, stride_ks, stride_kd,
+                                      stride_cs, stride_cd, stride_ss, stride_sd, HEAD_DIM, INTERLEAVED)
+        v = _load_rows(v_src, col, SK, offs_r, offs_d, mask_d, stride_vs, stride_vd, TMA)
+        s = tl.dot(q_a, tl.trans(k_a), input_precision=INPUT_PRECISION)
+        s = tl.dot(q_b, tl.trans(k_b), s, input_precision=INPUT_PRECISION)
+        p_ = tl.math.exp2(s * qk_scale - lse2[:, None])
+        if MASK:
+            if CAUSAL:
+                p_ = tl.where(offs_n[None, :] <= offs_m[:, None] + off, p_, 0.0)
+            else:
+                p_ = tl.where((offs_n < SK)[None, :], p_, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+        ds = (p_ * (dp - delta[:, None])).to(k_a.dtype)
+        dq_a = tl.dot(ds, k_a, dq_a, input_precision=INPUT_PRECISION)
+        dq_b = tl.dot(ds, k_b, dq_b, input_precision=INPUT_PRECISION)
+    return dq_a, dq_b
 
 
 @triton.jit
@@ -245,7 +318,7 @@ def attention_dkdv_kernel(
     stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """``dk`` and ``dv`` of keys ``BLOCK_N * program_id(0) ...`` of kv head ``program_id(1) % HK``
     of batch ``program_id(1) // HK``, over every query head of the group (``qk_scale`` is
@@ -259,13 +332,11 @@ def attention_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
     offs_r = tl.arange(0, BLOCK_N)
-    k = _load_rows(k_ptr + b * stride_kb + hk * stride_kh, n0, SK, offs_r, offs_d, mask_d, stride_ks, stride_kd, False)
+    k_base = k_ptr + b * stride_kb + hk * stride_kh
     v = _load_rows(v_ptr + b * stride_vb + hk * stride_vh, n0, SK, offs_r, offs_d, mask_d, stride_vs, stride_vd, False)
     cos_ptr += b * stride_cb
     sin_ptr += b * stride_sb
-    if ROTARY:
-        k = _rotated(k, cos_ptr, sin_ptr, offs_n, SK, offs_d, mask_d, stride_cs, stride_cd, stride_ss, stride_sd,
-                     HEAD_DIM, INTERLEAVED, False).to(v.dtype)
+    p = tl.arange(0, BLOCK_P)
 
     # Causal: query i sees key j when j <= i + SK - SQ. The queries from m_lo see part of the
     # block; from m_mid = m_lo + masked * BLOCK_M on they see all of it.
@@ -279,43 +350,84 @@ def attention_dkdv_kernel(
     m_mid = m_lo + masked * BLOCK_M
     unmasked = tl.cdiv(tl.maximum(SQ - m_mid, 0), BLOCK_M)
 
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    for g in range(group):
-        h = hk * group + g
-        q_src = _rows_source(q_ptr + b * stride_qb + h * stride_qh, SQ, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
-        do_src = _rows_source(do_ptr + b * stride_dob + h * stride_doh, SQ, stride_dos, HEAD_DIM, BLOCK_M, BLOCK_D,
-                              TMA)
-        lse2_ptr = stats_ptr + (b * HQ + h) * SQ
-        if CAUSAL:
-            dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, lse2_ptr, lse2_ptr + STATS, cos_ptr, sin_ptr,
-                                 m_lo, masked, SQ, SK, qk_scale, offs_n, offs_d, mask_d,
-                                 stride_qs, stride_qd, stride_dos, stride_dod, stride_cs, stride_cd, stride_ss,
-                                 stride_sd, HEAD_DIM, BLOCK_M, True, ROTARY, INTERLEAVED, INPUT_PRECISION, TMA)
-        dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, lse2_ptr, lse2_ptr + STATS, cos_ptr, sin_ptr,
-                             m_mid, unmasked, SQ, SK, qk_scale, offs_n, offs_d, mask_d,
-                             stride_qs, stride_qd, stride_dos, stride_dod, stride_cs, stride_cd, stride_ss,
-                             stride_sd, HEAD_DIM, BLOCK_M, False, ROTARY, INTERLEAVED, INPUT_PRECISION, TMA)
-
-    dk *= scale
     if ROTARY:
-        dk = _rotated(dk, cos_ptr, sin_ptr, offs_n, SK, offs_d, mask_d, stride_cs, stride_cd, stride_ss, stride_sd,
-                      HEAD_DIM, INTERLEAVED, True)
-    rows = offs_n.to(tl.int64)[:, None]
-    mask_n = (offs_n < SK)[:, None] & mask_d[None, :]
-    tl.store(dk_ptr + b * stride_dkb + hk * stride_dkh + rows * stride_dks + offs_d[None, :] * stride_dkd,
-             dk.to(dk_ptr.dtype.element_ty), mask=mask_n)
-    tl.store(dv_ptr + b * stride_dvb + hk * stride_dvh + rows * stride_dvs + offs_d[None, :] * stride_dvd,
-             dv.to(dv_ptr.dtype.element_ty), mask=mask_n)
+        # k rotated once into its pair halves; q tiles rotated as they stream (_dkdv_rotary_steps).
+        k_a, k_b = _rotated_pairs(k_base, offs_n, offs_n < SK, offs_n, cos_ptr, sin_ptr, p, stride_ks, stride_kd,
+                                  stride_cs, stride_cd, stride_ss, stride_sd, HEAD_DIM, INTERLEAVED)
+        if TMA:
+            cos_first, cos_second = _pair_sources(cos_ptr, SK, stride_cs, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_P,
+                                                  INTERLEAVED)
+            sin_first, sin_second = _pair_sources(sin_ptr, SK, stride_ss, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_P,
+                                                  INTERLEAVED)
+        else:
+            cos_first, cos_second, sin_first, sin_second = cos_ptr, cos_ptr, sin_ptr, sin_ptr
+        dk_a = tl.zeros([BLOCK_N, BLOCK_P], dtype=tl.float32)
+        dk_b = tl.zeros([BLOCK_N, BLOCK_P], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        for g in range(group):
+            h = hk * group + g
+            q_base = q_ptr + b * stride_qb + h * stride_qh
+            if TMA:
+                q_first, q_second = _pair_sources(q_base, SQ, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, BLOCK_P,
+                                                  INTERLEAVED)
+            else:
+                q_first, q_second = q_base, q_base
+            do_src = _rows_source(do_ptr + b * stride_dob + h * stride_doh, SQ, stride_dos, HEAD_DIM, BLOCK_M,
+                                  BLOCK_D, TMA)
+            lse2_ptr = stats_ptr + (b * HQ + h) * SQ
+            if CAUSAL:
+                dk_a, dk_b, dv = _dkdv_rotary_steps(
+                    dk_a, dk_b, dv, k_a, k_b, v, q_base, q_first, q_second, do_src, lse2_ptr, lse2_ptr + STATS,
+                    cos_ptr, sin_ptr, cos_first, cos_second, sin_first, sin_second,
+                    m_lo, masked, SQ, SK, qk_scale, offs_n, offs_d, mask_d, p,
+                    stride_qs, stride_qd, stride_dos, stride_dod, stride_cs, stride_cd, stride_ss, stride_sd,
+                    HEAD_DIM, BLOCK_M, BLOCK_P, True, INTERLEAVED, INPUT_PRECISION, TMA)
+            dk_a, dk_b, dv = _dkdv_rotary_steps(
+                dk_a, dk_b, dv, k_a, k_b, v, q_base, q_first, q_second, do_src, lse2_ptr, lse2_ptr + STATS,
+                cos_ptr, sin_ptr, cos_first, cos_second, sin_first, sin_second,
+                m_mid, unmasked, SQ, SK, qk_scale, offs_n, offs_d, mask_d, p,
+                stride_qs, stride_qd, stride_dos, stride_dod, stride_cs, stride_cd, stride_ss, stride_sd,
+                HEAD_DIM, BLOCK_M, BLOCK_P, False, INTERLEAVED, INPUT_PRECISION, TMA)
+        _store_unrotated(dk_ptr + b * stride_dkb + hk * stride_dkh, offs_n, offs_n < SK, offs_n, cos_ptr, sin_ptr, p,
+                         stride_dks, stride_dkd, stride_cs, stride_cd, stride_ss, stride_sd, dk_a * scale,
+                         dk_b * scale, HEAD_DIM, INTERLEAVED)
+        rows = offs_n.to(tl.int64)[:, None]
+        tl.store(dv_ptr + b * stride_dvb + hk * stride_dvh + rows * stride_dvs + offs_d[None, :] * stride_dvd,
+                 dv.to(dv_ptr.dtype.element_ty), mask=(offs_n < SK)[:, None] & mask_d[None, :])
+    else:
+        k = _load_rows(k_base, n0, SK, offs_r, offs_d, mask_d, stride_ks, stride_kd, False)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+        for g in range(group):
+            h = hk * group + g
+            q_src = _rows_source(q_ptr + b * stride_qb + h * stride_qh, SQ, stride_qs, HEAD_DIM, BLOCK_M, BLOCK_D, TMA)
+            do_src = _rows_source(do_ptr + b * stride_dob + h * stride_doh, SQ, stride_dos, HEAD_DIM, BLOCK_M, BLOCK_D,
+                                  TMA)
+            lse2_ptr = stats_ptr + (b * HQ + h) * SQ
+            if CAUSAL:
+                dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, lse2_ptr, lse2_ptr + STATS,
+                                     m_lo, masked, SQ, SK, qk_scale, offs_n, offs_d, mask_d,
+                                     stride_qs, stride_qd, stride_dos, stride_dod, BLOCK_M, True, INPUT_PRECISION, TMA)
+            dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, lse2_ptr, lse2_ptr + STATS,
+                                 m_mid, unmasked, SQ, SK, qk_scale, offs_n, offs_d, mask_d,
+                                 stride_qs, stride_qd, stride_dos, stride_dod, BLOCK_M, False, INPUT_PRECISION, TMA)
+
+        dk *= scale
+        rows = offs_n.to(tl.int64)[:, None]
+        mask_n = (offs_n < SK)[:, None] & mask_d[None, :]
+        tl.store(dk_ptr + b * stride_dkb + hk * stride_dkh + rows * stride_dks + offs_d[None, :] * stride_dkd,
+                 dk.to(dk_ptr.dtype.element_ty), mask=mask_n)
+        tl.store(dv_ptr + b * stride_dvb + hk * stride_dvh + rows * stride_dvs + offs_d[None, :] * stride_dvd,
+                 dv.to(dv_ptr.dtype.element_ty), mask=mask_n)
 
 
 @triton.jit
 def _dq_steps(
-    dq, q, do, lse2, delta, k_src, v_src, cos_ptr, sin_ptr,
+    dq, q, do, lse2, delta, k_src, v_src,
     start, steps, SQ, SK, qk_scale, offs_m, offs_d, mask_d,
-    stride_ks, stride_kd, stride_vs, stride_vd, stride_cs, stride_cd, stride_ss, stride_sd,
-    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr,
-    ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    stride_ks, stride_kd, stride_vs, stride_vd,
+    BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """``steps`` key blocks from key ``start``, added into ``dq`` (unscaled ``dS k``); MASK applies
     the causal mask (CAUSAL) or the end of the keys. ``k_src``, ``v_src``: the kv head's rows
@@ -327,9 +439,6 @@ def _dq_steps(
         offs_n = col + offs_r
         k = _load_rows(k_src, col, SK, offs_r, offs_d, mask_d, stride_ks, stride_kd, TMA)
         v = _load_rows(v_src, col, SK, offs_r, offs_d, mask_d, stride_vs, stride_vd, TMA)
-        if ROTARY:
-            k = _rotated(k, cos_ptr, sin_ptr, offs_n, SK, offs_d, mask_d, stride_cs, stride_cd, stride_ss, stride_sd,
-                         HEAD_DIM, INTERLEAVED, False).to(v.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         p = tl.math.exp2(s * qk_scale - lse2[:, None])
         if MASK:
@@ -355,7 +464,7 @@ def attention_dq_kernel(
     stride_cb, stride_cs, stride_cd, stride_sb, stride_ss, stride_sd,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
     """``dq`` of one block of ``BLOCK_M`` queries of head ``program_id(1) % HQ`` of batch
     ``program_id(1) // HQ``; program 0 takes the last block. TMA: k and v tiles through tensor
@@ -369,7 +478,7 @@ def attention_dq_kernel(
     offs_m = m0 + offs_r
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < HEAD_DIM
-    q = _load_rows(q_ptr + b * stride_qb + h * stride_qh, m0, SQ, offs_r, offs_d, mask_d, stride_qs, stride_qd, False)
+    q_base = q_ptr + b * stride_qb + h * stride_qh
     do = _load_rows(do_ptr + b * stride_dob + h * stride_doh, m0, SQ, offs_r, offs_d, mask_d, stride_dos, stride_dod,
                     False)
     stats = stats_ptr + bh.to(tl.int64) * SQ + offs_m
@@ -377,9 +486,7 @@ def attention_dq_kernel(
     delta = tl.load(stats + STATS, mask=offs_m < SQ, other=0.0)
     cos_ptr += b * stride_cb
     sin_ptr += b * stride_sb
-    if ROTARY:
-        q = _rotated(q, cos_ptr, sin_ptr, offs_m + (SK - SQ), SK, offs_d, mask_d, stride_cs, stride_cd, stride_ss,
-                     stride_sd, HEAD_DIM, INTERLEAVED, False).to(do.dtype)
+    p = tl.arange(0, BLOCK_P)
 
     # Keys below `full * BLOCK_N` are seen by every row of the block; the blocks up to `masked_end`
     # are masked (the causal diagonal, or the ragged end of the keys).
@@ -390,25 +497,55 @@ def attention_dq_kernel(
         full = SK // BLOCK_N
         masked_end = SK
     masked = tl.cdiv(tl.maximum(masked_end - full * BLOCK_N, 0), BLOCK_N)
-    k_src = _rows_source(k_ptr + b * stride_kb + hk * stride_kh, SK, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
-    v_src = _rows_source(v_ptr + b * stride_vb + hk * stride_vh, SK, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dq = _dq_steps(dq, q, do, lse2, delta, k_src, v_src, cos_ptr, sin_ptr, 0, full, SQ, SK, qk_scale,
-                   offs_m, offs_d, mask_d, stride_ks, stride_kd, stride_vs, stride_vd,
-                   stride_cs, stride_cd, stride_ss, stride_sd,
-                   HEAD_DIM, BLOCK_N, False, CAUSAL, ROTARY, INTERLEAVED, INPUT_PRECISION, TMA)
-    dq = _dq_steps(dq, q, do, lse2, delta, k_src, v_src, cos_ptr, sin_ptr, full * BLOCK_N, masked, SQ, SK,
-                   qk_scale, offs_m, offs_d, mask_d, stride_ks, stride_kd, stride_vs, stride_vd,
-                   stride_cs, stride_cd, stride_ss, stride_sd,
-                   HEAD_DIM, BLOCK_N, True, CAUSAL, ROTARY, INTERLEAVED, INPUT_PRECISION, TMA)
-
-    dq *= scale
     if ROTARY:
-        dq = _rotated(dq, cos_ptr, sin_ptr, offs_m + (SK - SQ), SK, offs_d, mask_d, stride_cs, stride_cd, stride_ss,
-                      stride_sd, HEAD_DIM, INTERLEAVED, True)
-    rows = offs_m.to(tl.int64)[:, None]
-    tl.store(dq_ptr + b * stride_dqb + h * stride_dqh + rows * stride_dqs + offs_d[None, :] * stride_dqd,
-             dq.to(dq_ptr.dtype.element_ty), mask=(offs_m < SQ)[:, None] & mask_d[None, :])
+        # q rotated once into its pair halves (queries before the first position, which see no key, to 0);
+        # k tiles rotated as they stream (_dq_rotary_steps).
+        q_a, q_b = _rotated_pairs(q_base, offs_m, offs_m < SQ, offs_m + (SK - SQ), cos_ptr, sin_ptr, p, stride_qs,
+                                  stride_qd, stride_cs, stride_cd, stride_ss, stride_sd, HEAD_DIM, INTERLEAVED)
+        k_base = k_ptr + b * stride_kb + hk * stride_kh
+        if TMA:
+            k_first, k_second = _pair_sources(k_base, SK, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_P, INTERLEAVED)
+            cos_first, cos_second = _pair_sources(cos_ptr, SK, stride_cs, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_P,
+                                                  INTERLEAVED)
+            sin_first, sin_second = _pair_sources(sin_ptr, SK, stride_ss, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_P,
+                                                  INTERLEAVED)
+        else:
+            k_first, k_second = k_base, k_base
+            cos_first, cos_second, sin_first, sin_second = cos_ptr, cos_ptr, sin_ptr, sin_ptr
+        v_src = _rows_source(v_ptr + b * stride_vb + hk * stride_vh, SK, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+        dq_a = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
+        dq_b = tl.zeros([BLOCK_M, BLOCK_P], dtype=tl.float32)
+        dq_a, dq_b = _dq_rotary_steps(
+            dq_a, dq_b, q_a, q_b, do, lse2, delta, k_base, k_first, k_second, v_src,
+            cos_ptr, sin_ptr, cos_first, cos_second, sin_first, sin_second,
+            0, full, SQ, SK, qk_scale, offs_m, offs_d, mask_d, p,
+            stride_ks, stride_kd, stride_vs, stride_vd, stride_cs, stride_cd, stride_ss, stride_sd,
+            HEAD_DIM, BLOCK_N, BLOCK_P, False, CAUSAL, INTERLEAVED, INPUT_PRECISION, TMA)
+        dq_a, dq_b = _dq_rotary_steps(
+            dq_a, dq_b, q_a, q_b, do, lse2, delta, k_base, k_first, k_second, v_src,
+            cos_ptr, sin_ptr, cos_first, cos_second, sin_first, sin_second,
+            full * BLOCK_N, masked, SQ, SK, qk_scale, offs_m, offs_d, mask_d, p,
+            stride_ks, stride_kd, stride_vs, stride_vd, stride_cs, stride_cd, stride_ss, stride_sd,
+            HEAD_DIM, BLOCK_N, BLOCK_P, True, CAUSAL, INTERLEAVED, INPUT_PRECISION, TMA)
+        _store_unrotated(dq_ptr + b * stride_dqb + h * stride_dqh, offs_m, offs_m < SQ, offs_m + (SK - SQ), cos_ptr,
+                         sin_ptr, p, stride_dqs, stride_dqd, stride_cs, stride_cd, stride_ss, stride_sd,
+                         dq_a * scale, dq_b * scale, HEAD_DIM, INTERLEAVED)
+    else:
+        k_src = _rows_source(k_ptr + b * stride_kb + hk * stride_kh, SK, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+        v_src = _rows_source(v_ptr + b * stride_vb + hk * stride_vh, SK, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
+        q = _load_rows(q_base, m0, SQ, offs_r, offs_d, mask_d, stride_qs, stride_qd, False)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        dq = _dq_steps(dq, q, do, lse2, delta, k_src, v_src, 0, full, SQ, SK, qk_scale,
+                       offs_m, offs_d, mask_d, stride_ks, stride_kd, stride_vs, stride_vd,
+                       BLOCK_N, False, CAUSAL, INPUT_PRECISION, TMA)
+        dq = _dq_steps(dq, q, do, lse2, delta, k_src, v_src, full * BLOCK_N, masked, SQ, SK,
+                       qk_scale, offs_m, offs_d, mask_d, stride_ks, stride_kd, stride_vs, stride_vd,
+                       BLOCK_N, True, CAUSAL, INPUT_PRECISION, TMA)
+
+        dq *= scale
+        rows = offs_m.to(tl.int64)[:, None]
+        tl.store(dq_ptr + b * stride_dqb + h * stride_dqh + rows * stride_dqs + offs_d[None, :] * stride_dqd,
+                 dq.to(dq_ptr.dtype.element_ty), mask=(offs_m < SQ)[:, None] & mask_d[None, :])
 
 
 BACKWARD_KERNELS = (attention_bwd_preprocess_kernel, attention_dkdv_kernel, attention_dq_kernel)
@@ -497,10 +634,14 @@ def backward_calls(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     cos, sin, interleaved = rotary if rotary is not None else (q, q, False)
     tables = (*_table_strides(cos), *_table_strides(sin)) if rotary is not None else (0,) * 6
-    flags = {"HEAD_DIM": d, "BLOCK_D": block_d, "CAUSAL": bool(causal), "ROTARY": rotary is not None,
-             "INTERLEAVED": bool(interleaved), "INPUT_PRECISION": precision}
+    flags = {"HEAD_DIM": d, "BLOCK_D": block_d, "BLOCK_P": max(next_power_of_2(d // 2), MIN_DOT_K),
+             "CAUSAL": bool(causal), "ROTARY": rotary is not None, "INTERLEAVED": bool(interleaved),
+             "INPUT_PRECISION": precision}
     tma_dkdv = bool(config.get("DKDV_TMA", 0)) and takes_tma(q, dout)
     tma_dq = bool(config.get("DQ_TMA", 0)) and takes_tma(k, v)
+    if rotary is not None:  # the streamed q (k) tiles and their table rows as pair halves
+        tma_dkdv = tma_dkdv and tables_take_tma(cos, sin, interleaved, q)
+        tma_dq = tma_dq and tables_take_tma(cos, sin, interleaved, k)
     if (tma_dkdv or tma_dq) and q.device.type == "cuda":
         gemm.ensure_allocator()
     calls = []

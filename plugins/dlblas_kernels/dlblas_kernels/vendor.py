@@ -1,7 +1,8 @@
 """The vendor's library as a candidate: ``matmul`` and ``ffn`` computed by the torch calls a user
 would write, which reach cuBLAS and cuBLASLt on CUDA (CANN through torch_npu on Ascend, CNNL
 through torch_mlu on Cambricon); ``flash_attention_v2`` by ``F.scaled_dot_product_attention`` with
-one backend, FlashAttention-2 (``sdpa_flash``) or cuDNN's (``sdpa_cudnn``).
+one backend, FlashAttention-2 (``sdpa_flash``) or cuDNN's (``sdpa_cudnn``); ``fused_rotary_and_fa``
+by its unfused composite (``composite``: apply_rotary_pos_emb, then SDPA).
 
 Each is a :class:`~dlcore.declarations.implementation.VendorImplementation` (``matmul`` and
 ``ffn``'s named ``torch``): timed against the Triton kernels like any candidate, so ``get_op``
@@ -204,6 +205,49 @@ SDPA_CUDNN = VendorImplementation(
 )
 sdpa_flash_plugin = VendorPlugin(SDPA_FLASH)
 sdpa_cudnn_plugin = VendorPlugin(SDPA_CUDNN)
+
+
+# --- fused_rotary_and_fa: the unfused composite (apply_rotary_pos_emb, then SDPA) ------------------------
+
+
+def fused_rotary_and_fa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        causal: bool = False, softmax_scale: float | None = None,
+                        interleaved: bool = False) -> torch.Tensor:
+    """The op's ``composite`` baseline as a candidate: dlblas ``apply_rotary_pos_emb`` on q and k
+    (the rotated copies written), then ``F.scaled_dot_product_attention``, cuDNN's backend first
+    (:func:`dlblas_kernels.kernels.fused_rotary_and_fa.composite`). Causal with ``Sq > Sk``: the
+    first ``Sq - Sk`` queries see no key (zeros), the others are the composite of the last Sk."""
+    # Imported on the first call: asking for another op's vendor candidate must not import this kernel.
+    from dlblas_kernels.kernels.fused_rotary_and_fa import composite
+
+    sq, sk = q.shape[1], k.shape[1]
+    if causal and sq > sk:
+        seen = composite(q[:, sq - sk:], k, v, cos, sin, True, softmax_scale, interleaved) if sk else None
+        blind = q.new_zeros(q.shape[0], sq - sk, q.shape[2], v.shape[3])
+        return blind if seen is None else torch.cat([blind, seen], dim=1)
+    return composite(q, k, v, cos, sin, causal, softmax_scale, interleaved)
+
+
+def _composite_declines(signature: Signature, profile: DeviceProfile) -> str | None:
+    """Why the composite is no vendor candidate for ``signature``: SDPA reaches cuDNN and
+    FlashAttention-2 on NVIDIA GPUs from sm_80 only, for head dimensions in multiples of 8 up to
+    :data:`SDPA_MAX_HEAD_DIM` (elsewhere it would time the memory-efficient or math kernel)."""
+    if signature.device_type != "cuda" or profile.vendor != "nvidia" or _sm(profile) < 80:
+        return (f"SDPA's flash and cuDNN backends run on NVIDIA GPUs from sm_80 (this is {profile.vendor} "
+                f"{profile.arch or signature.device_type})")
+    d = signature.tensor("q").shape[-1]
+    if d > SDPA_MAX_HEAD_DIM or d % 8:
+        return f"head dimension {d}: SDPA takes multiples of 8 up to {SDPA_MAX_HEAD_DIM}"
+    return None
+
+
+FUSED_ROTARY_AND_FA = VendorImplementation(
+    "fused_rotary_and_fa", "composite", fused_rotary_and_fa,
+    library="dlblas apply_rotary_pos_emb, then F.scaled_dot_product_attention (cuDNN, then FlashAttention-2)",
+    dtypes=(torch.float16, torch.bfloat16), supports=_composite_declines,
+    doc="the unfused composite: q and k rotated into new tensors, then SDPA's fastest backend that takes them",
+)
+fused_rotary_and_fa_plugin = VendorPlugin(FUSED_ROTARY_AND_FA)
 
 
 # --- fused_moe: the composite a model runs ------------------------------------------------------------

@@ -26,7 +26,11 @@ sin_q)`` (the rotation is linear, its gradient its transpose). cos and sin are t
 
 The baseline ``composite`` is what a model runs unfused: dlblas ``apply_rotary_pos_emb``, then
 ``F.scaled_dot_product_attention`` with the fastest backend that accepts the inputs (cuDNN, then
-flash: on the H200 cuDNN's forward and backward are the faster).
+flash: on the H200 cuDNN's forward and backward are the faster). It is also a candidate of the op
+(:data:`dlblas_kernels.vendor.FUSED_ROTARY_AND_FA`, kind ``vendor``, on NVIDIA GPUs from sm_80), so
+that ``get_op`` takes it where it measures faster than the fused kernel: cuDNN's attention runs
+above what the Triton kernel reaches, and the rotary pass it adds costs a read and a write of q
+and k, a small part of the attention's time from S 2048 on.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from dlcore import InvalidInputError
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, LaunchPlan, LoweringLimit
 from dlcore.declarations.op import Op, ScalarArg, TensorArg
+from dlcore.declarations.signature import Signature
 from dlcore.runtime.template import Backward, Residuals, define_kernel
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -147,6 +152,16 @@ def training_plan(args: tuple, config: Config, profile: DeviceProfile) -> Launch
 
 
 # -- declaration -------------------------------------------------------------------------------------
+
+
+def default_config(sig: Signature, profile: DeviceProfile | None) -> Config:
+    """flash_attention_v2's blocks (:func:`~dlblas_kernels.kernels.flash_attention_v2.default_config`)
+    fitted to the shared memory with the rotary tiles (:func:`dlblas_kernels.attention.fit`): at D
+    128 in 16-bit, 128 x 128 blocks, 8 warps, 2 stages (k, cos, sin and v per stage, and the rotated
+    k tile: 229 408 bytes of the H200's 232 448)."""
+    config = flash_attention_v2.default_config(sig, profile)
+    _, _, _, d = sig.tensor("q").shape
+    return attention.fit(config, d, sig.dtype.itemsize, profile, rotary=True)
 
 
 def check(op: Op, args: dict[str, Any]) -> None:
@@ -253,7 +268,7 @@ KERNEL = define_kernel(
     OP, plan,
     kernels=(*attention.FORWARD_KERNELS, *attention_grad.BACKWARD_KERNELS),
     results=results,
-    default_config=flash_attention_v2.default_config,
+    default_config=default_config,
     space=flash_attention_v2.space,
     backward=Backward(
         _gradients, saved=("q", "k", "v", "cos", "sin", "out", "lse", "causal", "softmax_scale", "interleaved"),
