@@ -60,7 +60,10 @@ OP_NOTES = {
            "its epilogue), `dlcore[torch]` "
            "the vendor candidate (F.rms_norm, two cuBLAS GEMMs, SwiGLU), `compile` the best composite (one GEMM over "
            "`[w1; w3]`). The backward times dlcore's from saved pre-activations (the forward under autograd stores "
-           "them).",
+           "them). Not yet re-measured: since these tables the weight streaming splits K where its column blocks "
+           "leave multiprocessors idle (DeepSeek-V3's shared expert at 1 and 16 tokens: 16 column blocks, now 8 K "
+           "slices each, and a second launch adding them), and get_op times a training call (the backward table) "
+           "forward and backward; the rows those change were measured before.",
     "flash_attention_v2": "`flash_attention_v2(q, k, v, causal=False, softmax_scale=None, return_lse=False)`: "
                           "q `[B, Sq, Hq, D]`, k and v `[B, Sk, Hk, D]`. The attention preset: B 2, H 16, D 128, "
                           "S 2048 to 16384, causal or not (flop counts halved by the mask); decode: one query (Sq 1, "
