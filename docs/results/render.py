@@ -413,7 +413,8 @@ TARGETS = [
      'no'),
     ('ffn at 1 to 16 tokens: w1 and w3 read at >= 85% of the copy bandwidth',
      'LLaMA-3-70B 85 to 86%, LLaMA-3-8B 74 to 75% (86 to 87% timed by CUDA graph), Qwen2.5-7B 62 to 65%, '
-     "DeepSeek-V3's shared expert 16% (56 MiB: launch-bound)",
+     "DeepSeek-V3's shared expert 16% (56 MiB: 16 column blocks of 128 on 132 SMs; since split over K into 8 "
+     "slices, not yet re-measured); Qwen2.5-7B's 148 column blocks take two waves on 132 SMs",
      'no'),
     ("ffn backward (Triton) vs compile's, >= 1.0x",
      'geomean 1.02x; below 1.0x at 8 of 12 shapes, 0.96x to 0.99x but for 0.92x (Qwen2.5-7B, 16384 tokens)',
