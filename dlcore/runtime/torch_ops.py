@@ -81,12 +81,15 @@ def plain_eager(tensors: Sequence[torch.Tensor | None]) -> bool:
 
 def plain_eager_forward(values: Sequence[Any]) -> bool:
     """True when a custom op's forward may run as a ``torch.autograd.Function`` instead of through
-    the dispatcher: eager autograd on plain tensors (grad mode on, no ``torch.compile`` or other
-    tracing, no tensor subclass, dispatch mode or functorch transform, no float64 reference path).
-    Tracers and transforms keep seeing the custom op."""
+    the dispatcher: eager autograd on plain tensors (grad mode on and an input that requires grad,
+    no ``torch.compile`` or other tracing, no tensor subclass, dispatch mode or functorch transform,
+    no meta tensor (the custom op's fake serves those), no float64 reference path). Tracers and
+    transforms keep seeing the custom op."""
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
     return (torch.is_grad_enabled() and not torch.compiler.is_compiling()
-            and all(type(t) in _PLAIN_TENSORS and t.dtype != torch.float64 for t in tensors)
+            and any(t.requires_grad for t in tensors)
+            and all(type(t) in _PLAIN_TENSORS and t.dtype != torch.float64 and t.device.type != "meta"
+                    for t in tensors)
             and torch._C._len_torch_dispatch_stack() == 0 and not torch._C._are_functorch_transforms_active())
 
 
