@@ -145,17 +145,30 @@ def _sm(profile: DeviceProfile) -> int:
     return int(digits) if digits.isdigit() else 0
 
 
-def _sdpa_declines(signature: Signature, profile: DeviceProfile) -> str | None:
-    """Why neither SDPA backend takes ``signature``, or None."""
+def _off_sdpa_devices(signature: Signature, profile: DeviceProfile) -> str | None:
+    """Why ``signature``'s device is none SDPA's flash and cuDNN backends run on, or None."""
     if signature.device_type != "cuda" or profile.vendor != "nvidia" or _sm(profile) < 80:
         return (f"SDPA's flash and cuDNN backends run on NVIDIA GPUs from sm_80 (this is {profile.vendor} "
                 f"{profile.arch or signature.device_type})")
-    if signature.scalar("return_lse"):
-        return "SDPA returns no log-sum-exp (return_lse=True)"
+    return None
+
+
+def _head_dim_declines(signature: Signature) -> str | None:
+    """Why q's head dimension is none SDPA's flash and cuDNN backends take, or None."""
     d = signature.tensor("q").shape[-1]
     if d > SDPA_MAX_HEAD_DIM or d % 8:
         return f"head dimension {d}: SDPA takes multiples of 8 up to {SDPA_MAX_HEAD_DIM}"
     return None
+
+
+def _sdpa_declines(signature: Signature, profile: DeviceProfile) -> str | None:
+    """Why neither SDPA backend takes ``signature``, or None."""
+    off = _off_sdpa_devices(signature, profile)
+    if off is not None:
+        return off
+    if signature.scalar("return_lse"):
+        return "SDPA returns no log-sum-exp (return_lse=True)"
+    return _head_dim_declines(signature)
 
 
 def _cudnn_declines(signature: Signature, profile: DeviceProfile) -> str | None:
@@ -232,13 +245,7 @@ def _composite_declines(signature: Signature, profile: DeviceProfile) -> str | N
     """Why the composite is no vendor candidate for ``signature``: SDPA reaches cuDNN and
     FlashAttention-2 on NVIDIA GPUs from sm_80 only, for head dimensions in multiples of 8 up to
     :data:`SDPA_MAX_HEAD_DIM` (elsewhere it would time the memory-efficient or math kernel)."""
-    if signature.device_type != "cuda" or profile.vendor != "nvidia" or _sm(profile) < 80:
-        return (f"SDPA's flash and cuDNN backends run on NVIDIA GPUs from sm_80 (this is {profile.vendor} "
-                f"{profile.arch or signature.device_type})")
-    d = signature.tensor("q").shape[-1]
-    if d > SDPA_MAX_HEAD_DIM or d % 8:
-        return f"head dimension {d}: SDPA takes multiples of 8 up to {SDPA_MAX_HEAD_DIM}"
-    return None
+    return _off_sdpa_devices(signature, profile) or _head_dim_declines(signature)
 
 
 FUSED_ROTARY_AND_FA = VendorImplementation(
