@@ -89,3 +89,34 @@ def test_an_unreplayed_plan_warns_once(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         launch._warn_not_replayed(_kernel, (x,), plan)
+
+
+def test_a_plan_that_makes_an_input_contiguous_does_not_warn(monkeypatch):
+    # An expanded gradient (sum().backward()) made contiguous by the plan: not recorded for that
+    # input, rightly, and nothing the plan's author could declare; a stray tensor still warns.
+    monkeypatch.setattr(launch, "_not_replayed", set())
+    grad = torch.ones(()).expand(6)
+    copy, out = grad.contiguous(), torch.empty(6)
+    plan = LaunchPlan(calls=[KernelCall(_kernel, (1,), (copy, out), {})], result=out)
+    assert "argument 0" in launch.why_not_replayable((grad,), plan)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        launch._warn_not_replayed(_kernel, (grad,), plan)
+    stray = LaunchPlan(calls=[KernelCall(_kernel, (1,), (torch.zeros(6), out), {})], result=out)
+    with pytest.warns(launch.NotReplayedWarning, match="argument 0"):
+        launch._warn_not_replayed(_kernel, (grad,), stray)
+
+
+def test_a_custom_op_body_is_named_by_its_plan(monkeypatch):
+    from dlcore.runtime.torch_ops import Launches
+
+    monkeypatch.setattr(launch, "_not_replayed", set())
+
+    def ffn_like_plan(args, config):
+        raise AssertionError("not called")
+
+    body = Launches(ffn_like_plan, lambda args, ints: None)
+    x, out, stray = torch.ones(4), torch.empty(4), torch.empty(8)
+    plan = LaunchPlan(calls=[KernelCall(_kernel, (1,), (x, stray, out), {})], result=out)
+    with pytest.warns(launch.NotReplayedWarning, match="ffn_like_plan's launches"):
+        launch._warn_not_replayed(body._plan, (x,), plan)

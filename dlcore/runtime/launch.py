@@ -603,12 +603,10 @@ def _traced(compiled: Any, values: list[Any], pointers: dict[int, tuple[int, int
     return slots
 
 
-def why_not_replayable(args: tuple, plan: LaunchPlan) -> str | None:
-    """Why :class:`Replay` would not record ``plan`` for ``args`` (so that every call of a bound op
-    would run the plan again, on the host), as far as is known without compiling: its result's
-    form, inputs or results sharing memory, or a launch's tensor argument (a tensor descriptor's
-    base included) that is neither an input, a result nor a declared scratch tensor at offset zero.
-    None: nothing found. For tests and ``dlcore`` checks; needs no GPU."""
+def _unsourced(args: tuple, plan: LaunchPlan) -> str | tuple[int, Any, int, torch.Tensor] | None:
+    """What keeps ``plan`` from being recorded for ``args``: a reason (results or inputs sharing
+    memory), the first launch tensor argument with no source as (launch, call, position, tensor),
+    or None."""
     try:
         results, _ = _flat_results(plan.result)
         sources = _sources(args, results, plan.scratch)
@@ -618,10 +616,32 @@ def why_not_replayable(args: tuple, plan: LaunchPlan) -> str | None:
         for position, value in enumerate((*call.args, *call.kwargs.values())):
             tensor = getattr(value, "base", None) if not isinstance(value, torch.Tensor) else value
             if isinstance(tensor, torch.Tensor) and tensor.data_ptr() not in sources.pointers:
-                name = getattr(call.kernel, "__name__", str(call.kernel))
-                return (f"launch {n} ({name}), argument {position}: a tensor {tuple(tensor.shape)} that is "
-                        f"neither an input, a result nor a declared scratch tensor at offset zero")
+                return n, call, position, tensor
     return None
+
+
+def why_not_replayable(args: tuple, plan: LaunchPlan) -> str | None:
+    """Why :class:`Replay` would not record ``plan`` for ``args`` (so that every call of a bound op
+    would run the plan again, on the host), as far as is known without compiling: its result's
+    form, inputs or results sharing memory, or a launch's tensor argument (a tensor descriptor's
+    base included) that is neither an input, a result nor a declared scratch tensor at offset zero.
+    None: nothing found. For tests and ``dlcore`` checks; needs no GPU."""
+    found = _unsourced(args, plan)
+    if found is None or isinstance(found, str):
+        return found
+    n, call, position, tensor = found
+    name = getattr(call.kernel, "__name__", str(call.kernel))
+    return (f"launch {n} ({name}), argument {position}: a tensor {tuple(tensor.shape)} that is "
+            f"neither an input, a result nor a declared scratch tensor at offset zero")
+
+
+def _a_layout_copy(args: tuple, tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is an input made contiguous by the plan (an expanded gradient, say): same
+    shape, dtype and values as an input with other strides. Such a plan is right not to be
+    recorded for these inputs; nothing the plan's author could declare."""
+    return any(isinstance(a, torch.Tensor) and a.shape == tensor.shape and a.dtype == tensor.dtype
+               and a.device == tensor.device and a.stride() != tensor.stride() and torch.equal(a, tensor)
+               for a in args)
 
 
 def record(args: tuple, plan: LaunchPlan) -> tuple[Any, Template | None]:
@@ -676,16 +696,26 @@ class NotReplayedWarning(UserWarning):
 _not_replayed: set[str] = set()
 
 
+def _plan_name(plan_fn: Callable[..., Any]) -> str:
+    owner = getattr(plan_fn, "__self__", None)  # a custom op body's Launches: the plan it runs
+    inner = getattr(owner, "plan", None)
+    fn = inner if callable(inner) and inner is not plan_fn else plan_fn
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
+
+
 def _warn_not_replayed(plan_fn: Callable[..., Any], args: tuple, plan: LaunchPlan) -> None:
     if any(type(call.kernel).__name__ == "InterpretedFunction" for call in plan.calls):
         return
-    why = why_not_replayable(args, plan)
-    if why is None:  # no compiled kernel or warm path (warned where found), or results filled on the host
-        return
-    name = f"{getattr(plan_fn, '__module__', '?')}.{getattr(plan_fn, '__qualname__', plan_fn)}"
+    name = _plan_name(plan_fn)
     if name in _not_replayed:
         return
+    found = _unsourced(args, plan)
+    if found is None:  # no compiled kernel or warm path (warned where found), or results filled on the host
+        return
+    if not isinstance(found, str) and _a_layout_copy(args, found[3]):
+        return
     _not_replayed.add(name)
+    why = why_not_replayable(args, plan)
     hint = " (a tensor the plan allocates belongs in LaunchPlan.scratch)" if "declared scratch" in why else ""
     warnings.warn(f"dlcore: {name}'s launches are not replayed, so each call plans again: {why}{hint}",
                   NotReplayedWarning, stacklevel=3)

@@ -59,17 +59,17 @@ PLAIN = TritonImplementation("double_fwd_only", "plain", plan=_plan, kernels=(_d
 @pytest.mark.parametrize("call", [KERNEL.function, lambda x: runner(KERNEL.implementation, {})((x,)),
                                   lambda x: runner(PLAIN, {})((x,))],
                          ids=["function", "bound op's runner", "implementation built without the template"])
-def test_a_forward_only_kernel_warns_once_on_inputs_that_require_grad(call):
-    x = torch.randn(100, requires_grad=True)
+def test_a_forward_only_kernel_warns_once_on_inputs_that_require_grad(call, device):
+    x = torch.randn(100, device=device, requires_grad=True)
     [message] = forward_only_warnings(call, x)
     assert "double_fwd_only" in message and "forward only" in message and "torch.no_grad()" in message
     assert forward_only_warnings(call, x) == []  # once
 
 
-def test_no_warning_without_grad():
-    assert forward_only_warnings(KERNEL.function, torch.randn(100)) == []
+def test_no_warning_without_grad(device):
+    assert forward_only_warnings(KERNEL.function, torch.randn(100, device=device)) == []
     with torch.no_grad():
-        assert forward_only_warnings(KERNEL.function, torch.randn(100, requires_grad=True)) == []
+        assert forward_only_warnings(KERNEL.function, torch.randn(100, device=device, requires_grad=True)) == []
 
 
 def test_a_kernel_with_a_backward_is_differentiable():
