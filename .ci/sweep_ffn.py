@@ -8,7 +8,8 @@ the first timing after the GPU idled).
 
     python3 .ci/sweep_ffn.py [OUT.jsonl] [--apply]
 
-SWEEP_SHAPES (``MxKxN,...``) narrows the shapes. ``--apply`` rewrites ``PREFILL_TILE`` in the
+SWEEP_SHAPES (``MxKxN,...``) narrows the shapes; at 16 rows or fewer the streaming kernel's K slice
+counts are timed, each with its share of the copy bandwidth. ``--apply`` rewrites ``PREFILL_TILE`` in the
 installed and the checked-out ``kernels/ffn.py`` to the config of least summed time over the shapes
 above 128 rows, when it beats the current one by more than 2% and lies in the op's space.
 """
@@ -36,6 +37,9 @@ def cfg(bm, bn, bk, w, s, joint=1, **extra):
 
 
 def candidates(m: int) -> list[dict]:
+    if m <= 16:  # weight streaming: decode_splits' rule (no SPLIT_K) beside fixed K slice counts
+        return [cfg(64, 128, 64, 4, 4), *(cfg(64, 128, 64, 4, 4, SPLIT_K=s) for s in (1, 2, 4, 8)),
+                cfg(64, 64, 128, 4, 4), cfg(64, 64, 128, 4, 4, SPLIT_K=1)]
     if m > 128:
         return [cfg(128, 128, 64, 8, 4), cfg(128, 128, 64, 8, 3), cfg(128, 128, 64, 8, 4, FLATTEN=0),
                 cfg(128, 128, 64, 8, 3, FLATTEN=0), cfg(256, 64, 64, 8, 3), cfg(128, 64, 64, 4, 4),
@@ -141,6 +145,9 @@ def main() -> None:
         failed = {repr(j): e for j, e in zip(jobs, pool.map(compile_one, jobs)) if e}
     print(f"compiled {len(jobs)} in {time.time() - t0:.0f}s; failed: {failed}", flush=True)
     profile = device_profile(torch.device("cuda"))
+    block = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    copy = 2 * block.numel() / bench(block.clone) / 1e3  # GB/s, bytes read + written
+    print(f"copy bandwidth {copy:.0f} GB/s", flush=True)
     space = ffn.KERNEL.implementation.space(profile)
     totals: dict[str, float] = {}
     for m, k, n in shapes:
@@ -158,6 +165,9 @@ def main() -> None:
             err = ((plan.result.float() - ref).norm() / ref.norm()).item()
             us = bench(lambda plan=plan: [warm.launch(call) for call in plan.calls])
             kernel = plan.calls[-1].kernel.__name__
+            if m <= 16:  # streaming: the share of a copy's bandwidth spent reading w1 and w3
+                splits = plan.calls[0].kwargs.get("SPLIT_K", 1)
+                kernel += f" SPLIT_K={splits} {4 * n * k / us / 1e3:.0f} GB/s {4 * n * k / us / 1e3 / copy:.0%} of copy"
             if m > 128 and space.is_valid(config) is None:
                 key = json.dumps(config, sort_keys=True)
                 totals[key] = totals.get(key, 0.0) + us

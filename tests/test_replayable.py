@@ -95,8 +95,8 @@ def test_a_plan_that_makes_an_input_contiguous_does_not_warn(monkeypatch):
     # An expanded gradient (sum().backward()) made contiguous by the plan: not recorded for that
     # input, rightly, and nothing the plan's author could declare; a stray tensor still warns.
     monkeypatch.setattr(launch, "_not_replayed", set())
-    grad = torch.ones(()).expand(6)
-    copy, out = grad.contiguous(), torch.empty(6)
+    grad = torch.ones(()).expand(2, 3)
+    copy, out = grad.reshape(6).contiguous(), torch.empty(6)
     plan = LaunchPlan(calls=[KernelCall(_kernel, (1,), (copy, out), {})], result=out)
     assert "argument 0" in launch.why_not_replayable((grad,), plan)
     with warnings.catch_warnings():

@@ -636,12 +636,12 @@ def why_not_replayable(args: tuple, plan: LaunchPlan) -> str | None:
 
 
 def _a_layout_copy(args: tuple, tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is an input made contiguous by the plan (an expanded gradient, say): same
-    shape, dtype and values as an input with other strides. Such a plan is right not to be
-    recorded for these inputs; nothing the plan's author could declare."""
-    return any(isinstance(a, torch.Tensor) and a.shape == tensor.shape and a.dtype == tensor.dtype
-               and a.device == tensor.device and a.stride() != tensor.stride() and torch.equal(a, tensor)
-               for a in args)
+    """Whether ``tensor`` is an input made contiguous by the plan (an expanded gradient, say,
+    perhaps flattened to rows): an input's dtype, element count and values, in other strides.
+    Such a plan is right not to be recorded for these inputs; nothing its author could declare."""
+    return any(isinstance(a, torch.Tensor) and a.dtype == tensor.dtype and a.device == tensor.device
+               and a.numel() == tensor.numel() and (a.shape, a.stride()) != (tensor.shape, tensor.stride())
+               and torch.equal(a.reshape(tensor.shape), tensor) for a in args)
 
 
 def record(args: tuple, plan: LaunchPlan) -> tuple[Any, Template | None]:

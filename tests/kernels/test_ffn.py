@@ -100,13 +100,17 @@ def test_decode_split_over_k(splits, k, n, dtype, device, gen, launch, launches)
 
 def test_decode_splits_fill_the_device():
     """On the H200 (132 SMs), 128 columns a program: DeepSeek-V3's shared expert (N 2048: 16 column
-    blocks) streams in 8 K slices, LLaMA-3-8B's 14336 columns (112 blocks) in one; more than 16 rows
-    or no core count: one slice."""
+    blocks) streams in 8 K slices, Qwen2.5-7B's 18944 columns (148 blocks: 0.56 of two waves) in 8,
+    LLaMA-3-8B's 14336 (112 blocks, 0.85 of a wave) and LLaMA-3-70B's 28672 (0.85 of two) in one;
+    more than 16 rows or no core count: one slice."""
     config = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=4)
     assert decode_splits(1, 2048, 7168, config, H200) == 8
     assert decode_splits(16, 2048, 7168, config, H200) == 8
     assert decode_splits(17, 2048, 7168, config, H200) == 1
     assert decode_splits(1, 14336, 4096, config, H200) == 1
+    assert decode_splits(1, 28672, 8192, config, H200) == 1
+    assert decode_splits(1, 18944, 3584, config, H200) == 8
+    assert decode_splits(16, 18944, 3584, config, H200) == 7
     assert decode_splits(1, 2048, 512, config, H200) == 2  # slices of at least 4 K steps
     assert decode_splits(1, 2048, 7168, config, UNKNOWN_DEVICE) == 1
     assert decode_splits(1, 2048, 7168, {**config, "SPLIT_K": 3}, UNKNOWN_DEVICE) == 3
