@@ -119,4 +119,4 @@ def test_a_custom_op_body_is_named_by_its_plan(monkeypatch):
     x, out, stray = torch.ones(4), torch.empty(4), torch.empty(8)
     plan = LaunchPlan(calls=[KernelCall(_kernel, (1,), (x, stray, out), {})], result=out)
     with pytest.warns(launch.NotReplayedWarning, match="ffn_like_plan's launches"):
-        launch._warn_not_replayed(body._plan, (x,), plan)
+        launch._warn_not_replayed(body.planned, (x,), plan)

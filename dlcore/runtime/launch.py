@@ -620,19 +620,23 @@ def _unsourced(args: tuple, plan: LaunchPlan) -> str | tuple[int, Any, int, torc
     return None
 
 
-def why_not_replayable(args: tuple, plan: LaunchPlan) -> str | None:
-    """Why :class:`Replay` would not record ``plan`` for ``args`` (so that every call of a bound op
-    would run the plan again, on the host), as far as is known without compiling: its result's
-    form, inputs or results sharing memory, or a launch's tensor argument (a tensor descriptor's
-    base included) that is neither an input, a result nor a declared scratch tensor at offset zero.
-    None: nothing found. For tests and ``dlcore`` checks; needs no GPU."""
-    found = _unsourced(args, plan)
+def _described(found: str | tuple[int, Any, int, torch.Tensor] | None) -> str | None:
+    """:func:`_unsourced`'s finding in words."""
     if found is None or isinstance(found, str):
         return found
     n, call, position, tensor = found
     name = getattr(call.kernel, "__name__", str(call.kernel))
     return (f"launch {n} ({name}), argument {position}: a tensor {tuple(tensor.shape)} that is "
             f"neither an input, a result nor a declared scratch tensor at offset zero")
+
+
+def why_not_replayable(args: tuple, plan: LaunchPlan) -> str | None:
+    """Why :class:`Replay` would not record ``plan`` for ``args`` (so that every call of a bound op
+    would run the plan again, on the host), as far as is known without compiling: its result's
+    form, inputs or results sharing memory, or a launch's tensor argument (a tensor descriptor's
+    base included) that is neither an input, a result nor a declared scratch tensor at offset zero.
+    None: nothing found. For tests and ``dlcore`` checks; needs no GPU."""
+    return _described(_unsourced(args, plan))
 
 
 def _a_layout_copy(args: tuple, tensor: torch.Tensor) -> bool:
@@ -696,17 +700,10 @@ class NotReplayedWarning(UserWarning):
 _not_replayed: set[str] = set()
 
 
-def _plan_name(plan_fn: Callable[..., Any]) -> str:
-    owner = getattr(plan_fn, "__self__", None)  # a custom op body's Launches: the plan it runs
-    inner = getattr(owner, "plan", None)
-    fn = inner if callable(inner) and inner is not plan_fn else plan_fn
-    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
-
-
 def _warn_not_replayed(plan_fn: Callable[..., Any], args: tuple, plan: LaunchPlan) -> None:
     if any(type(call.kernel).__name__ == "InterpretedFunction" for call in plan.calls):
         return
-    name = _plan_name(plan_fn)
+    name = f"{getattr(plan_fn, '__module__', '?')}.{getattr(plan_fn, '__qualname__', plan_fn)}"
     if name in _not_replayed:
         return
     found = _unsourced(args, plan)
@@ -715,7 +712,7 @@ def _warn_not_replayed(plan_fn: Callable[..., Any], args: tuple, plan: LaunchPla
     if not isinstance(found, str) and _a_layout_copy(args, found[3]):
         return
     _not_replayed.add(name)
-    why = why_not_replayable(args, plan)
+    why = _described(found)
     hint = " (a tensor the plan allocates belongs in LaunchPlan.scratch)" if "declared scratch" in why else ""
     warnings.warn(f"dlcore: {name}'s launches are not replayed, so each call plans again: {why}{hint}",
                   NotReplayedWarning, stacklevel=3)

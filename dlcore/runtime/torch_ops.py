@@ -17,6 +17,7 @@ make it too.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -111,22 +112,25 @@ class Launches:
     computes from ``args``); the plan must be replayable (depend on nothing but the exact input).
     """
 
-    __slots__ = ("plan", "config", "replays")
+    __slots__ = ("plan", "config", "replays", "planned")
 
     def __init__(self, plan: Callable[[tuple, Config], LaunchPlan], config: Callable[[tuple, tuple], Config]):
         self.plan = plan
         self.config = config
         self.replays: dict[tuple, Replay] = {}
 
+        def planned(args: tuple, ints: tuple) -> LaunchPlan:
+            """The plan for ``args`` with the config of ``ints`` (a replay's config: run when recording only)."""
+            return plan(args, config(args, ints))
+
+        # Named after ``plan``, so that what a replay reports (NotReplayedWarning) names the kernel's plan.
+        self.planned = functools.wraps(plan)(planned)
+
     def run(self, args: tuple, ints: tuple) -> Any:
         replay = self.replays.get(ints)
         if replay is None:
-            replay = self.replays[ints] = Replay(self._plan, ints, None)
+            replay = self.replays[ints] = Replay(self.planned, ints, None)
         return replay(args)
-
-    def _plan(self, args: tuple, ints: tuple) -> LaunchPlan:
-        """The plan for ``args`` with the config of ``ints`` (a replay's config: run when recording only)."""
-        return self.plan(args, self.config(args, ints))
 
 
 class CustomOpTritonImplementation(TritonImplementation):
