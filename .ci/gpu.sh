@@ -25,8 +25,9 @@
 #              best SDPA (the Triton kernel alone in dlcore[triton]); softmax forward and backward at rows of
 #              4096 to 131072 against torch and torch.compile. docs/results/*.json as bench; not part of bench (not measured whole yet)
 #   bench-moe  issues #18 and #19: fp8_gemm (deepseek-fp8 preset, vs the dequantise path), topk_gating
-#              forward + backward (gating preset, vs its torch reference), fused_moe forward (moe preset,
-#              vs the grouped_mm composite, the Triton kernel alone beside get_op's choice): about 2 minutes
+#              forward + backward (gating preset, vs its torch reference), fused_moe forward and backward
+#              (moe preset, vs the grouped_mm composite, the Triton kernel alone beside get_op's choice), and
+#              fused_moe with fp8 weights (moe-fp8 preset, vs its own bf16 path): about 4 minutes
 #   first-call the first call in new processes with Triton's cache warm: docs/results/first_call.json
 #   compiler   grid folding measurements and the `dlcore lower --all --report` table
 # e.g. bash .ci/gpu.sh tests overhead. Results land under $OUT.
@@ -105,8 +106,10 @@ for stage in "$@"; do
                  softmax:fwd:$rows::torch,compile softmax:bwd:$rows::torch,compile)
       # issues #18 and #19: fp8_gemm on DeepSeek-V3's shapes against the dequantise-then-bf16 path,
       # topk_gating forward + backward against its torch reference, fused_moe against the grouped_mm composite
+      # (forward and backward), and with fp8 weights against its own bf16 path
       moe=(fp8_gemm:fwd:deepseek-fp8::dequant topk_gating:fwd+bwd:gating::torch
-           fused_moe:fwd:moe:1,64,4096,16384:torch:triton)
+           fused_moe:fwd:moe:1,64,4096,16384:torch:triton fused_moe:bwd:moe:1,64,4096,16384:torch:triton
+           fused_moe:fwd:moe-fp8:64,4096,16384:bf16,torch:triton)
       case $stage in
         bench) specs=("${ops[@]}" "${gemm[@]}") ;;
         bench-ops) specs=("${ops[@]}") ;;

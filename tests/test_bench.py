@@ -119,6 +119,17 @@ def test_the_attention_preset_has_issue_14s_anchor_shapes():
         shapes_for({"tokens": 37, "hidden": 256}, "attention")
 
 
+def test_the_moe_fp8_preset_sets_fp8_weights():
+    """The moe-fp8 setups are the moe preset's experts with fp8 weights; the moe preset keeps the
+    op's example value (16-bit weights), with no note."""
+    moe_sizes = {"tokens": 37, "hidden": 64, "inter": 96, "experts": 6, "topk": 2, "fp8": 0}
+    fp8, notes = shapes_for(moe_sizes, "moe-fp8", tokens=(4096,))
+    plain, plain_notes = shapes_for(moe_sizes, "moe", tokens=(4096,))
+    assert [s.sizes["fp8"] for s in fp8] == [1, 1] and notes == [] == plain_notes
+    assert [{**s.sizes, "fp8": 1} for s in plain] == [s.sizes for s in fp8]
+    assert [s.sizes["fp8"] for s in plain] == [0, 0]
+
+
 def test_the_decode_preset_puts_its_counts_on_the_kv_length():
     shapes, notes = shapes_for(ATTENTION_SIZES, "decode")
     assert [s.sizes["kv_seq"] for s in shapes] == [1024, 2048, 4096, 8192, 16384, 32768, 65536] and notes == []

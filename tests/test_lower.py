@@ -313,6 +313,30 @@ def test_backward_plans_are_lowered_too():
     assert backward and backward[0].call.kwargs["HAS_DRES"], "add_rms_norm's backward adds the residual gradient"
 
 
+def test_example_paths_reach_every_path_of_an_op():
+    """Without sizes, the plans of the op's example and of each of its example_paths are lowered,
+    each kernel once: ffn's decode kernels (one token) beside its sm_90 prefill pair."""
+    todo, skipped = launches(registry(), "ffn", torch.float16, {}, target_profile("cuda:90"), pipeline("cuda"))
+    names = [(t.backward, t.call.kernel.__name__) for t in todo]
+    assert len(names) == len(set(names))
+    forward = {k for backward, k in names if not backward}
+    assert {"ffn_decode_kernel", "swiglu_pair_tma_kernel"} <= forward
+    # given sizes, those alone: one token plans the decode kernels only
+    todo, _ = launches(registry(), "ffn", torch.float16, {"tokens": 1}, target_profile("cuda:90"), pipeline("cuda"))
+    assert "swiglu_pair_tma_kernel" not in {t.call.kernel.__name__ for t in todo if not t.backward}
+
+
+def test_without_a_dtype_each_implementation_takes_its_own():
+    """float16 where an implementation takes it, else its first dtype (fp8_gemm: float8_e4m3fn); a
+    dtype asked for skips what does not take it, with the reason."""
+    todo, skipped = launches(registry(), "fp8_gemm", None, {}, target_profile("cuda:90"), pipeline("cuda"))
+    assert todo and {t.dtype for t in todo} == {torch.float8_e4m3fn} and not any("support" in s for s in skipped)
+    todo, _ = launches(registry(), "rms_norm", None, {}, target_profile("cuda:90"), pipeline("cuda"))
+    assert {t.dtype for t in todo} == {torch.float16}
+    todo, skipped = launches(registry(), "fp8_gemm", torch.float16, {}, target_profile("cuda:90"), pipeline("cuda"))
+    assert not todo and skipped == ["fp8_gemm.triton: no float16 support"]
+
+
 def test_kernels_outside_the_plan_are_named():
     # one row: the backward's single program writes dweight itself, no column sum
     _, skipped = launches(registry(), "rms_norm", torch.float32, {"tokens": 1}, target_profile("cuda:90"),

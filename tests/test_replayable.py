@@ -18,31 +18,11 @@ from dlcore.plugins.registry import registry
 from dlcore.runtime import launch, template
 
 CPU = torch.device("cpu")
-# per op, sizes that take each of its paths (split-K, weight streaming, decode, TMA, looped rows)
-CASES = [
-    ("matmul", {"tokens": 1, "hidden": 8192, "inter": 256}),
-    ("matmul", {"tokens": 300, "hidden": 256, "inter": 512}),
-    ("ffn", {"tokens": 1, "hidden": 2048, "inter": 512}),
-    ("ffn", {"tokens": 300, "hidden": 256, "inter": 512}),
-    ("fused_moe", {"tokens": 1, "hidden": 256, "inter": 128, "experts": 8, "topk": 2}),
-    ("fused_moe", {"tokens": 300, "hidden": 256, "inter": 128, "experts": 8, "topk": 2}),
-    ("fused_moe", {"tokens": 300, "hidden": 256, "inter": 128, "experts": 8, "topk": 2, "fp8": 1}),
-    ("fused_moe", {"tokens": 5, "hidden": 256, "inter": 144, "experts": 8, "topk": 2, "fp8": 1}),
-    ("topk_gating", {"tokens": 300, "experts": 64, "topk": 2}),
-    ("fp8_gemm", {"tokens": 1, "hidden": 4096, "inter": 256}),
-    ("fp8_gemm", {"tokens": 300, "hidden": 512, "inter": 256}),
-    ("quantize_fp8", {"tokens": 300, "hidden": 512}),
-    ("softmax", {"tokens": 4, "vocab": 40000}),
-    ("softmax", {"tokens": 300, "vocab": 1000}),
-    ("flash_attention_v2", {"seq": 1, "kv_seq": 4096, "heads": 32, "kv_heads": 8}),
-    ("flash_attention_v2", {"seq": 300, "kv_seq": 0}),
-    ("fused_rotary_and_fa", {"seq": 300}),
-    ("rms_norm", {"tokens": 300}),
-    ("add_rms_norm", {"tokens": 300}),
-    ("silu_and_mul", {"tokens": 300}),
-    ("apply_rotary_pos_emb", {"tokens": 300}),
-    ("partial_rotary_emb", {"tokens": 300}),
-]
+# per op, sizes that take each of its paths (split-K, weight streaming, decode, TMA, fp8, looped rows):
+# the paths it declares (Op.example_paths, what `dlcore lower` plans), and many rows for the others
+EXTRA_ROWS = ("rms_norm", "add_rms_norm", "silu_and_mul", "apply_rotary_pos_emb", "partial_rotary_emb")
+CASES = [(name, sizes) for name, op in sorted(registry().ops.items()) for sizes in op.example_paths.values()]
+CASES += [(name, {"tokens": 300}) for name in EXTRA_ROWS]
 
 
 @pytest.mark.parametrize("target", ["cpu", "cuda:90"])

@@ -50,9 +50,11 @@ ALIASES: dict[str, tuple[str, ...]] = {
     # flags an op takes as sizes (0 or 1): no model sets them
     "causal": ("causal", "is_causal"),
     "interleaved": ("interleaved",),
+    # fp8 weights with block scales (1) or 16-bit weights (0): the -fp8 setups set it
+    "fp8": ("fp8",),
 }
 #: canonical dimensions a model or setup may leave unset: the op's example value (batch: 1 with tokens)
-OPTIONAL = ("batch", "kv_tokens", "causal", "interleaved")
+OPTIONAL = ("batch", "kv_tokens", "causal", "interleaved", "fp8")
 _CANONICAL = {alias: name for name, aliases in ALIASES.items() for alias in aliases}
 
 #: model -> its dimensions under canonical names (from each model's published config.json)
@@ -85,6 +87,9 @@ SETUPS: dict[str, dict[str, int]] = {
     "decode-h32-kv8-d128": {"batch": 1, "tokens": 1, "heads": 32, "kv_heads": 8, "head_dim": 128},
     # issue #19's routed experts of Mixtral-8x7B (beside DeepSeek-V3's, a model of its own)
     "moe-mixtral-8x7b": {"experts": 8, "topk": 2, "hidden": 4096, "inter": 14336},
+    # the same routed experts with fp8 weights and 128x128 block scales (DeepSeek-V3's checkpoints)
+    "moe-mixtral-8x7b-fp8": {"experts": 8, "topk": 2, "hidden": 4096, "inter": 14336, "fp8": 1},
+    "deepseek-v3-moe-fp8": {"hidden": 7168, "inter": 2048, "experts": 256, "topk": 8, "fp8": 1},
     # issue #18's MoE routing (topk_gating): 64 or 256 experts, top 2 or top 8
     **{f"gating-e{e}-k{k}": {"experts": e, "topk": k} for e in (64, 256) for k in (2, 8)},
     # issue #18's fp8 GEMMs of DeepSeek-V3 (N = inter, K = hidden: fp8_gemm's b [N, K])
@@ -104,6 +109,8 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "decode": ("decode-h32-kv8-d128",),
     # issue #19: fused_moe at 1 to 16384 tokens
     "moe": ("moe-mixtral-8x7b", "deepseek-v3-moe"),
+    # issue #19: fused_moe with fp8 weights, against the bf16 path (baseline ``bf16``)
+    "moe-fp8": ("moe-mixtral-8x7b-fp8", "deepseek-v3-moe-fp8"),
     # issue #18: topk_gating at S 4096 and 16384, and at a few tokens (1 to 64)
     "gating": ("gating-e64-k2", "gating-e64-k8", "gating-e256-k2", "gating-e256-k8"),
     # issue #18: fp8_gemm at DeepSeek-V3's shapes, M 128, 4096 and 16384

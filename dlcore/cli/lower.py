@@ -21,7 +21,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--all", action="store_true", help="every op's Triton kernels")
     p.add_argument("--target", action="append", metavar="BACKEND:ARCH",
                    help=f"cuda:80, cuda:90, cuda:100, npu:Ascend910B, ...; repeatable (default {DEFAULT_TARGET})")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float16", help="dtype of the example inputs")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                   help="dtype of the example inputs (default float16, or the first an implementation takes where "
+                        "it takes no float16: fp8_gemm's float8_e4m3fn)")
     p.add_argument("--shape", type=parse_sizes, default={}, help="named sizes of the example inputs, e.g. tokens=4096")
     p.add_argument("--stage", action="append", metavar="STAGE",
                    help="print only this stage (repeatable), e.g. ttgir; the exit status is then 0 when every kernel "
@@ -56,7 +58,7 @@ def run_lower(args: argparse.Namespace) -> int:
         print("dlcore lower: name an op, op.implementation or kernel, or pass --all", file=sys.stderr)
         return 2
     reg = registry()
-    dtype = DTYPES[args.dtype]
+    dtype = None if args.dtype is None else DTYPES[args.dtype]
     rows, failed, said, short, known = [], False, set(), [], []
     for target in args.target or [DEFAULT_TARGET]:
         backend_name, arch = parse_target(target)
@@ -108,7 +110,7 @@ def run_lower(args: argparse.Namespace) -> int:
                 _write(lowering, args.dump, args.stage, "-backward" if launch.backward else "")
             elif not args.report:
                 _print(lowering, launch, notes, passes.names, args.stage)
-            rows.append(report.row(lowering, launch.name, args.dtype, notes))
+            rows.append(report.row(lowering, launch.name, str(launch.dtype).removeprefix("torch."), notes))
     if args.report:
         print(table(rows, report.HEADER))
         if args.markdown is not None:
@@ -134,7 +136,7 @@ def _command(args: argparse.Namespace) -> str:
     """The ``dlcore lower`` command line that gives this report."""
     parts = ["dlcore lower", "--all" if args.all else args.name]
     parts += [f"--target {t}" for t in args.target or [DEFAULT_TARGET]]
-    parts += [f"--dtype {args.dtype}"] if args.dtype != "float16" else []
+    parts += [f"--dtype {args.dtype}"] if args.dtype is not None else []
     parts += [f"--shape {','.join(f'{k}={v}' for k, v in args.shape.items())}"] if args.shape else []
     parts += [f"--pass {n}" for n in args.enable] + [f"--no-pass {n}" for n in args.disable]
     parts += [] if args.specialize else ["--no-specialize"]

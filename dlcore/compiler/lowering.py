@@ -33,6 +33,7 @@ from dlcore.errors import DlcoreError, InvalidInputError, LoweringError, Toolcha
 if TYPE_CHECKING:
     from dlcore.compiler.passes import Pipeline
     from dlcore.compiler.stages import StageOutput
+    from dlcore.declarations.op import Op
     from dlcore.plugins.registry import Registry
 
 TRITON_TYPES = {
@@ -414,11 +415,15 @@ class Launch:
         return f"{self.op}.{self.impl}" + (" backward" if self.backward else "")
 
 
-def launches(reg: Registry, selector: str | None, dtype: torch.dtype, sizes: dict[str, int],
+def launches(reg: Registry, selector: str | None, dtype: torch.dtype | None, sizes: dict[str, int],
              profile: DeviceProfile, passes: Pipeline) -> tuple[list[Launch], list[str]]:
-    """The launches to lower, and a note for each kernel or implementation that has none.
+    """The launches to lower, and a note for each kernel or implementation that has none: each
+    kernel once per implementation (and once for its backward), from the plans of the example
+    inputs and of each of the op's ``example_paths`` (:func:`example_sizes`).
 
     :param selector: an op name, ``op.impl``, or a kernel's function name; ``None``: every op.
+    :param dtype: the example inputs' dtype; ``None``: float16, or the first dtype an
+        implementation takes where it takes no float16.
     """
     from dlcore.compiler import source
     from dlcore.compiler.rewrite import apply_launch_passes
@@ -438,31 +443,39 @@ def launches(reg: Registry, selector: str | None, dtype: torch.dtype, sizes: dic
             if not wanted:
                 continue
             matched = True
-            if impl.dtypes is not None and dtype not in impl.dtypes:
+            if dtype is None:  # float16, or the implementation's own where it takes no float16
+                impl_dtype = torch.float16 if impl.dtypes is None or torch.float16 in impl.dtypes else impl.dtypes[0]
+            elif impl.dtypes is not None and dtype not in impl.dtypes:
                 skipped.append(f"{name}.{impl.name}: no {str(dtype).removeprefix('torch.')} support")
                 continue
+            else:
+                impl_dtype = dtype
             if op.example is None:
                 skipped.append(f"{name}.{impl.name}: the op declares no example inputs to build a plan from")
                 continue
-            args = op.example_inputs(sizes, dtype, meta)
-            config = impl.default_config(make_signature(op, args, meta), profile)
-            with planning_for(profile):  # the plans size their grids for the target, not for meta
-                plans = [(False, impl.plan(args, config))]
-                if getattr(impl, "backward_plan", None) is not None:
-                    try:
-                        plans.append((True, impl.backward_plan(args, config)))
-                    except InvalidInputError as exc:  # a forward-only form (fused_moe's fp8 weights)
-                        skipped.append(f"{name}.{impl.name} backward: {exc}")
-            launched = set()
+            plans = []
+            for path in example_sizes(op, sizes):
+                args = op.example_inputs(path, impl_dtype, meta)
+                config = impl.default_config(make_signature(op, args, meta), profile)
+                with planning_for(profile):  # the plans size their grids for the target, not for meta
+                    plans.append((False, impl.plan(args, config)))
+                    if getattr(impl, "backward_plan", None) is not None:
+                        try:
+                            plans.append((True, impl.backward_plan(args, config)))
+                        except InvalidInputError as exc:  # a forward-only form (fused_moe's fp8 weights)
+                            note = f"{name}.{impl.name} backward: {exc}"
+                            skipped += [note] if note not in skipped else []
+            launched, lowered_once = set(), set()
             for backward, plan in plans:
                 lowered = apply_launch_passes(plan, profile, passes)
                 for before, after in zip(plan.calls, lowered.calls):
                     kernel = source.kernel_name(before.kernel)
                     launched.add(kernel)
-                    if selector in names and selector != kernel:
+                    if (selector in names and selector != kernel) or (backward, kernel) in lowered_once:
                         continue
-                    found.append(Launch(name, impl.name, dtype, after, before.kernel, _notes(before, after, passes),
-                                        backward))
+                    lowered_once.add((backward, kernel))
+                    notes = _notes(before, after, passes)
+                    found.append(Launch(name, impl.name, impl_dtype, after, before.kernel, notes, backward))
             for kernel in names:
                 if kernel not in launched and (selector in (None, name, f"{name}.{impl.name}", kernel)):
                     skipped.append(f"{name}.{impl.name}/{kernel}: not launched by the plan for these inputs")
@@ -470,6 +483,14 @@ def launches(reg: Registry, selector: str | None, dtype: torch.dtype, sizes: dic
         raise LoweringError(f"{selector!r} is no op, op.implementation or Triton kernel name; "
                             f"ops: {', '.join(sorted(reg.ops)) or 'none'}")
     return found, skipped
+
+
+def example_sizes(op: Op, sizes: dict[str, int]) -> list[dict[str, int]]:
+    """The sizes to plan ``op`` at: ``sizes`` where any are given, else its example sizes and each
+    of its ``example_paths`` (the inputs that take its other paths), in that order."""
+    if sizes:
+        return [sizes]
+    return [{}, *op.example_paths.values()]
 
 
 def _notes(before: KernelCall, after: KernelCall, passes: Pipeline) -> list[str]:

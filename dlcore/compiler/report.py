@@ -58,7 +58,8 @@ def portability_page(rows: Sequence[Sequence[str]], targets: Sequence[str], comm
     reached: dict[tuple[str, str], dict[str, str]] = {}
     for r in rows:
         kernel, op, target, stages, times = r[0], r[1], r[2], r[7], r[8]
-        reached.setdefault((op, kernel), {})[target] = f"{stages.split('(')[-1].rstrip(')')} ({times})"
+        last = stages.split("(")[-1].rstrip(")")
+        reached.setdefault((op, kernel), {})[target] = f"{last} ({times})" if times else "no stage: see below"
     lines = [
         "# Portability: how far each kernel lowers, per target",
         "",
@@ -67,8 +68,10 @@ def portability_page(rows: Sequence[Sequence[str]], targets: Sequence[str], comm
         "",
         f"    {command}",
         "",
-        "Each cell: the last stage reached, then milliseconds per stage. npu stops at hivm where CANN's hivmc",
-        "is absent; `dlcore ops` lists the kernels a backend declares it cannot lower, and why.",
+        "Each kernel as the plans of its op's example inputs and of each of its `example_paths` (decode,",
+        "split-K, fp8 weights...) launch it, in float16 (fp8_gemm: float8_e4m3fn). Each cell: the last",
+        "stage reached, then milliseconds per stage. npu stops at hivm where CANN's hivmc is absent;",
+        "`dlcore ops` lists the kernels a backend declares it cannot lower, and why.",
         "",
         "| op | kernel | " + " | ".join(targets) + " |",
         "|---|---|" + "---|" * len(targets),

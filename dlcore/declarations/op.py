@@ -84,7 +84,9 @@ class Op:
     the inputs, unless ``fallback`` is False.
     ``example(sizes, dtype, device, generator)`` builds random arguments from named sizes (e.g.
     ``tokens``, ``hidden``), defaults in ``example_sizes``: what ``dlcore check``, ``bench`` and
-    ``tune`` run on.
+    ``tune`` run on. ``example_paths``: name -> sizes over ``example_sizes`` whose inputs take
+    another of the op's paths (weight streaming at one token, split-K, fp8 weights): ``dlcore
+    lower`` plans each, so that every kernel an implementation launches is lowered.
     ``cost(args) -> (bytes, flops)``: the fewest bytes the op must move through memory (each input
     read once, each output written once) and its floating-point operations, for bound ``args``;
     ``bench`` turns times into GB/s and TFLOP/s with it. ``cost`` may take ``mode="fwd"|"bwd"``;
@@ -104,6 +106,7 @@ class Op:
     fallback: bool = True
     example: Callable[..., tuple] | None = None
     example_sizes: dict[str, int] = field(default_factory=dict)
+    example_paths: dict[str, dict[str, int]] = field(default_factory=dict)
     cost: Callable[[tuple], tuple[int, int]] | None = None
     baselines: dict[str, Callable[[], Callable[..., Any] | None]] = field(default_factory=dict)
     _index: dict[str, int] = field(default=None, init=False, repr=False, compare=False)  # type: ignore[assignment]

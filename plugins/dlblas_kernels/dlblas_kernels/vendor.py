@@ -274,9 +274,14 @@ def _grouped_mm_takes(hidden: torch.Tensor, w13: torch.Tensor) -> bool:
 
 def _expert_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, ends: list[int] | None) -> torch.Tensor:
     """``x[rows of e] @ w[e].T`` for each expert's rows (ending at ``offsets``): one grouped GEMM, or
-    (``ends`` on the host) a loop of GEMMs."""
+    (``ends`` on the host) a loop of GEMMs, written in place, or concatenated where autograd
+    records them (rows past the last group zero)."""
     if ends is None:
         return torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        bounds = zip([0, *ends[:-1]], ends)
+        pieces = [x[start:end] @ w[e].T for e, (start, end) in enumerate(bounds) if end > start]
+        return torch.cat([*pieces, x.new_zeros(x.shape[0] - ends[-1], w.shape[1])])
     out = x.new_empty(x.shape[0], w.shape[1])
     start = 0
     for e, end in enumerate(ends):

@@ -759,6 +759,8 @@ OP = Op(
     check=check,
     example=example,
     example_sizes={"tokens": 37, "hidden": 256, "inter": 96},
+    example_paths={"decode": {"tokens": 1, "hidden": 2048, "inter": 512},
+                   "prefill": {"tokens": 300, "hidden": 256, "inter": 512}},
     cost=cost,
     baselines={"torch": lambda: torch_ffn, "compile": lambda: ffn_w13_composite},
 )

@@ -280,6 +280,8 @@ OP = Op(
     check=check,
     example=example,
     example_sizes={"batch": 2, "seq": 37, "kv_seq": 0, "heads": 4, "kv_heads": 2, "head_dim": 64, "causal": 0},
+    example_paths={"decode": {"seq": 1, "kv_seq": 4096, "heads": 32, "kv_heads": 8},
+                   "prefill": {"seq": 300}},
     cost=cost,
     baselines={"torch": lambda: torch_attention, "sdpa_flash": _sdpa_baseline("FLASH_ATTENTION"),
                "sdpa_cudnn": _sdpa_baseline("CUDNN_ATTENTION")},

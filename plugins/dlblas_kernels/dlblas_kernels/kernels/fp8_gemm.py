@@ -279,6 +279,8 @@ OP = Op(
     check=check,
     example=example,
     example_sizes={"tokens": 37, "hidden": 272, "inter": 160},
+    example_paths={"split-K": {"tokens": 1, "hidden": 4096, "inter": 256},
+                   "tiles": {"tokens": 300, "hidden": 512, "inter": 256}},
     cost=cost,
     baselines={"dequant": lambda: dequant_gemm},
 )
@@ -292,7 +294,11 @@ KERNEL = define_kernel(
     doc="the GEMM block on fp8 tiles: block scales in the K loop, per-row / per-tensor scales in the epilogue",
     limits=(LoweringLimit(
         "cuda", ("gemm_kernel", "gemm_tma_kernel"), "ttir",
-        "fp8 (e4m3) tl.dot needs sm_89 or later: Triton 3.6 rejects float8e4nv on sm_80", archs=("80",)),),
+        "fp8 (e4m3) tl.dot needs sm_89 or later: Triton 3.6 rejects float8e4nv on sm_80", archs=("80",)),
+        LoweringLimit(
+            "npu", ("gemm_kernel", "gemm_tma_kernel"), "ttir",
+            "float8_e4m3fn, which the Ascend 910B has no type for: upstream Triton 3.6, making the npu pipeline's "
+            "ttir at its sm_80 target, rejects it ('type fp8e4nv not supported in this architecture')")),
 )
 fp8_gemm = KERNEL.function
 dlcore_ops, dlcore_implementations = KERNEL.dlcore_ops, KERNEL.dlcore_implementations

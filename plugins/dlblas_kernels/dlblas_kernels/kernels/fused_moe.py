@@ -200,10 +200,10 @@ def sum_call(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, experts
 
 
 def _forward(args: tuple, config: Config, out: torch.Tensor, gate: torch.Tensor | None = None,
-             up: torch.Tensor | None = None) -> tuple[list[KernelCall], tuple]:
+             up: torch.Tensor | None = None, profile: DeviceProfile | None = None) -> tuple[list[KernelCall], tuple]:
     hidden, w13, w2, topk_weights, topk_ids = args[:5]
     if w13.dtype == FP8:
-        return _fp8_forward(args, config, out)
+        return _fp8_forward(args, config, out, profile)
     tokens, h, experts, inter, topk = _dims(hidden, w13, topk_ids)
     calls, align, scratch = grouped.align_calls(topk_ids, topk_weights, experts, config["BLOCK_M"])
     act = torch.empty(tokens * topk, inter, dtype=hidden.dtype, device=hidden.device)
@@ -227,6 +227,11 @@ def _largest_tile(block: int, size: int) -> int:
     return block
 
 
+#: the fp8 GEMMs read their weight tiles through tensor descriptors where the device takes them
+#: (sm_90; K-major tiles as wgmma takes 8-bit operands); False: by pointers everywhere
+WEIGHT_DESCRIPTORS = True
+
+
 def fp8_tiles(config: Config, inter: int) -> Config:
     """``config`` as the fp8 GEMMs run it: column tiles and K steps within one scale block (at most
     128), the gate/up column tile dividing I too (each tile of the up half, whose rows start at I
@@ -241,11 +246,13 @@ def _quantize(x: torch.Tensor) -> tuple[list[KernelCall], torch.Tensor, torch.Te
     return found.calls, *found.result
 
 
-def _fp8_forward(args: tuple, config: Config, out: torch.Tensor) -> tuple[list[KernelCall], tuple]:
+def _fp8_forward(args: tuple, config: Config, out: torch.Tensor,
+                 profile: DeviceProfile | None = None) -> tuple[list[KernelCall], tuple]:
     """fp8 weights: ``hidden`` quantised per 1x128 (one launch), the gate/up GEMM on fp8 tiles with
     the SwiGLU output quantised per 1x128 in its epilogue (where its column tile is 128: I a
     multiple of 128; else stored in float32 and quantised by a launch of its own), the down GEMM
-    on fp8 tiles, the sum over choices."""
+    on fp8 tiles, the sum over choices. On sm_90 each GEMM reads its weight tiles through a
+    tensor descriptor (:data:`WEIGHT_DESCRIPTORS`, :func:`~dlblas_kernels.grouped.takes_weight_descriptor`)."""
     hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale = args
     tokens, h, experts, inter, topk = _dims(hidden, w13, topk_ids)
     config = fp8_tiles(config, inter)
@@ -255,7 +262,8 @@ def _fp8_forward(args: tuple, config: Config, out: torch.Tensor) -> tuple[list[K
     slots = tokens * topk
     up_tiles = up_config(config)
     gate_up = {"gather": True, "scatter": True, "a_div": topk, "swiglu": True,
-               "block_scales": (hidden_scale, w13_scale)}
+               "block_scales": (hidden_scale, w13_scale),
+               "descriptors": WEIGHT_DESCRIPTORS and grouped.takes_weight_descriptor(profile, w13)}
     if config["BLOCK_N"] == SCALE_BLOCK:
         act = torch.empty(slots, inter, dtype=FP8, device=hidden.device)
         act_scale = torch.empty(cdiv(inter, SCALE_BLOCK), slots, dtype=torch.float32, device=hidden.device).T
@@ -270,7 +278,8 @@ def _fp8_forward(args: tuple, config: Config, out: torch.Tensor) -> tuple[list[K
     y = torch.empty(slots, h, dtype=hidden.dtype, device=hidden.device)
     calls += [
         grouped.grouped_call(align, act, w2, y, down_config(config), gather=True, scatter=True, scale=True,
-                             block_scales=(act_scale, w2_scale)),
+                             block_scales=(act_scale, w2_scale),
+                             descriptors=WEIGHT_DESCRIPTORS and grouped.takes_weight_descriptor(profile, w2)),
         sum_call(y, topk_ids, out, experts),
     ]
     return calls, (*scratch, *align.scratch(), hidden_q, hidden_scale, *staged, act, act_scale, y)
@@ -295,7 +304,7 @@ def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     out = output(*args)
     if _empty(args):
         return LaunchPlan(calls=_zeros_call(out, args[4]), result=out)
-    calls, scratch = _forward(args, config, out)
+    calls, scratch = _forward(args, config, out, profile=profile)
     return LaunchPlan(calls=calls, result=out, scratch=scratch)
 
 
@@ -723,6 +732,35 @@ def _composite() -> Any:
     return vendor.fused_moe
 
 
+def dequantised_inputs(args: tuple) -> tuple:
+    """fp8 weights with their block scales as 16-bit weights in ``hidden``'s dtype (the scales
+    dropped); 16-bit weights as they are."""
+    hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale = (*args, None, None)[:7]
+    if w13.dtype == FP8:
+        w13 = dequantise_weight(w13, w13_scale, torch.float32).to(hidden.dtype)
+    if w2.dtype == FP8:
+        w2 = dequantise_weight(w2, w2_scale, torch.float32).to(hidden.dtype)
+    return hidden, w13, w2, topk_weights, topk_ids
+
+
+def _sixteen_bit_path() -> Any:
+    """The ``bf16`` baseline: this library's own choice for the same layer with 16-bit weights
+    (the fp8 weights dequantised once, untimed), what fp8 weights are measured against."""
+    import dlcore
+
+    bound: dict[tuple[int, ...], Any] = {}
+
+    def sixteen_bit_path(*args: torch.Tensor) -> torch.Tensor:
+        key = tuple(id(a) for a in args)
+        if key not in bound:
+            bound.clear()
+            bound[key] = dlcore.get_op("fused_moe", args)
+        return bound[key](*args)
+
+    sixteen_bit_path.prepare = dequantised_inputs  # type: ignore[attr-defined]
+    return sixteen_bit_path
+
+
 OP = Op(
     name="fused_moe",
     args=(
@@ -741,8 +779,12 @@ OP = Op(
     check=check,
     example=example,
     example_sizes={"tokens": 37, "hidden": 64, "inter": 96, "experts": 6, "topk": 2, "fp8": 0},
+    example_paths={"decode": {"tokens": 1, "hidden": 256, "inter": 128, "experts": 8},
+                   "prefill": {"tokens": 300, "hidden": 256, "inter": 128, "experts": 8},
+                   "fp8": {"tokens": 300, "hidden": 256, "inter": 128, "experts": 8, "fp8": 1},
+                   "fp8 decode": {"tokens": 5, "hidden": 256, "inter": 144, "experts": 8, "fp8": 1}},
     cost=cost,
-    baselines={"torch": _composite},
+    baselines={"torch": _composite, "bf16": _sixteen_bit_path},
 )
 
 

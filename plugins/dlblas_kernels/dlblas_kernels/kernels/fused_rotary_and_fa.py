@@ -253,6 +253,7 @@ OP = Op(
     check=check,
     example=example,
     example_sizes={**flash_attention_v2.OP.example_sizes, "interleaved": 0},
+    example_paths={"prefill": {"seq": 300}},
     cost=cost,
     baselines={"composite": lambda: composite},
 )

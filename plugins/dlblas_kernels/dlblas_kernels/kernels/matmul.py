@@ -372,6 +372,8 @@ OP = Op(
     check=check,
     example=example,
     example_sizes={"tokens": 37, "hidden": 256, "inter": 96},
+    example_paths={"split-K": {"tokens": 1, "hidden": 8192, "inter": 256},
+                   "tiles": {"tokens": 300, "hidden": 256, "inter": 512}},
     cost=cost,
     baselines={"torch": lambda: torch_matmul},
 )

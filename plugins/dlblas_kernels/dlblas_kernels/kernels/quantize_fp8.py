@@ -244,6 +244,7 @@ OP = Op(
         "or tensor: (x_fp8, scale), the inputs of fp8_gemm",
     example=example,
     example_sizes={"tokens": 37, "hidden": 272},
+    example_paths={"rows": {"tokens": 300, "hidden": 512}},
     cost=cost,
 )
 

@@ -355,6 +355,7 @@ OP = Op(
     check=check,
     example=example,
     example_sizes={"tokens": 37, "vocab": 1000},
+    example_paths={"looped rows": {"tokens": 4, "vocab": 40000}, "rows": {"tokens": 300}},
     cost=cost,
     baselines={"torch": lambda: torch_softmax},
 )

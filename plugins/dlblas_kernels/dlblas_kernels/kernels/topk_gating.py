@@ -498,6 +498,7 @@ OP = Op(
     check=check,
     example=example,
     example_sizes={"tokens": 37, "experts": 8, "topk": 2},
+    example_paths={"prefill": {"tokens": 300, "experts": 64}},
     cost=cost,
     baselines={"torch": lambda: topk_gating_reference},
 )
