@@ -742,3 +742,17 @@ def test_interpreted_timings_give_no_copy_fractions(monkeypatch, log):
     table = report.table()
     assert "copy bandwidth: not measured" in table and not re.search(r"\d%", table)
     assert any("runs Triton kernels in the interpreter" in n for n in report.notes)
+
+
+def test_max_abs_diff_works_in_slices(monkeypatch):
+    """The largest difference over slices of the flattened tensors, as over the whole."""
+    from dlcore.bench import harness
+
+    monkeypatch.setattr(harness, "DIFF_SLICE", 7)
+    a = torch.zeros(5, 9, dtype=torch.bfloat16)
+    b = a.clone()
+    b[4, 8] = 3.0  # in the last, partial slice
+    c = torch.ones(3, dtype=torch.float16)
+    assert harness._max_abs_diff((a, c), (b, c)) == 3.0
+    assert harness._max_abs_diff((a.T,), (b.T,)) == 3.0  # non-contiguous
+    assert harness._max_abs_diff((a,), (b[:4],)) is None

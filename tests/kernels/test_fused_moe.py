@@ -12,8 +12,6 @@ routine, and the dequantised-weight comparison is made by that reference with to
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from conftest import ON_GPU
@@ -286,32 +284,6 @@ def test_fp8_forward(case, dtype, device, gen, run):
     h, inter, config = FP8_CASES[case]
     args = fp8_inputs(dtype, device, gen, hidden=h, inter=inter)
     check_fp8(run(OP, TRITON, args, config), args)
-
-
-@pytest.fixture(params=["pointers", "descriptors"])
-def profile_of_path(request, profile):
-    """The profile that takes one weight load path: the device's (pointers off Hopper), or one
-    claiming sm_90 (tensor descriptors)."""
-    if request.param == "descriptors":
-        return dataclasses.replace(profile, arch="sm_90")
-    return profile if profile.arch != "sm_90" else dataclasses.replace(profile, arch="sm_80")
-
-
-@pytest.mark.parametrize("case", FP8_CASES)
-def test_fp8_weight_load_paths(case, profile_of_path, device, gen, launch):
-    """The fp8 GEMMs read the weight tiles by pointers, or on sm_90 through a tensor descriptor
-    over every expert's rows: the same result, also with the experts of w13 apart by more than
-    their rows (a slice of a wider buffer: the descriptor still ends at the last expert's rows)."""
-    h, inter, config = FP8_CASES[case]
-    x, w13, w2, weights, ids, w13_scale, w2_scale = fp8_inputs(torch.float16, device, gen, hidden=h, inter=inter)
-    wide = torch.empty(E, 2 * inter + 16, h, dtype=w13.dtype, device=device)[:, :2 * inter]
-    wide.copy_(w13)
-    args = (x, wide, w2, weights, ids, w13_scale, w2_scale)
-    config = config or moe.heuristic(T, E, K, 1, profile_of_path, True)
-    plan = moe.plan(args, config, profile_of_path)
-    gemms = [c for c in plan.calls if c.kernel.__name__ == "grouped_fp8_gemm_kernel"]
-    assert [c.kwargs["B_DESC"] for c in gemms] == [profile_of_path.arch == "sm_90"] * 2
-    check_fp8(launch(plan), args)
 
 
 def test_fp8_forward_takes_any_strides_and_the_public_function(device, gen):

@@ -49,7 +49,6 @@ import triton.language as tl
 
 from dlblas_kernels.gemm import SCALE_BLOCK, dot_range, dot_range_pair, epilogue, grouped_tile, store_tile
 from dlblas_kernels.kernels.quantize_fp8 import quantise, scale_of
-from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, KernelCall
 from dlcore.declarations.signature import cdiv, next_power_of_2
 
@@ -144,39 +143,16 @@ def expert_scatter_kernel(ids_ptr, weights_ptr, cursor_ptr, sorted_ptr, flat_wei
 # --- the GEMMs ---------------------------------------------------------------------------------------
 
 @triton.jit
-def scaled_descriptor_range(acc, acc3, a_ptrs, mask_m, offs_k, K, stride_ak, b_desc, row, row3, a_scale_ptrs,
-                            b_scale_ptr, b3_scale_ptr, stride_sk, stride_tk, BLOCK_K: tl.constexpr,
-                            PAIR: tl.constexpr):
-    """The block-scaled K loop with the weight tiles through a tensor descriptor: ``b_desc``'s
-    ``[BLOCK_N, BLOCK_K]`` tile at row ``row`` (and ``row3``, SwiGLU's up rows, with ``PAIR``) per K
-    step, K-major as wgmma takes 8-bit operands, its columns past K zero; ``a`` by pointers (its
-    rows gathered). Each step's product scaled by its K block's scales (:func:`dot_range`'s
-    BLOCK_SCALED)."""
-    for k in range(0, K, BLOCK_K):
-        mask_k = offs_k < K - k
-        a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        kb = k // SCALE_BLOCK
-        a_scale = tl.load(a_scale_ptrs + kb * stride_sk, mask=mask_m, other=0.0)[:, None]
-        b = b_desc.load([row, k])
-        acc += tl.dot(a, b.T) * (a_scale * tl.load(b_scale_ptr + kb * stride_tk))
-        if PAIR:
-            b3 = b_desc.load([row3, k])
-            acc3 += tl.dot(a, b3.T) * (a_scale * tl.load(b3_scale_ptr + kb * stride_tk))
-        a_ptrs += BLOCK_K * stride_ak
-    return acc, acc3
-
-
-@triton.jit
 def grouped_gemm_tile(
     a_ptr, b_ptr, c_ptr, pre_ptr, pre3_ptr, scale_ptr, sorted_ptr, block_expert_ptr,
     a_scale_ptr, b_scale_ptr, c_scale_ptr,
     n_slots, a_div, c_rows, N, K, num_blocks, b3_offset,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
-    stride_sm, stride_sk, stride_te, stride_tn, stride_tk, stride_qm, stride_qk, b_rows,
+    stride_sm, stride_sk, stride_te, stride_tn, stride_tk, stride_qm, stride_qk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr,
     HAS_SCALE: tl.constexpr, SWIGLU: tl.constexpr, STORE_PRE: tl.constexpr,
-    BLOCK_SCALED: tl.constexpr, QUANT_C: tl.constexpr, B_DESC: tl.constexpr,
+    BLOCK_SCALED: tl.constexpr, QUANT_C: tl.constexpr,
 ):
     """The program of :func:`grouped_gemm_kernel` and :func:`grouped_fp8_gemm_kernel`: one (row
     block, column block) tile per program, in the grouped order: the rows of one
@@ -193,9 +169,7 @@ def grouped_gemm_tile(
     rows follow ``b``'s: the up half's blocks start at row ``N``); BLOCK_K and BLOCK_N divide 128
     and, under SWIGLU, N (a tile of each half lies in one block). QUANT_C: the output quantised
     to float8_e4m3fn in the epilogue, one scale per row and 128 columns (BLOCK_N = 128: the tile
-    is the group) into ``c_scale[row, pid_n]`` (``stride_qm, stride_qk``). B_DESC (with
-    BLOCK_SCALED): ``b``'s tiles through a tensor descriptor over its ``[b_rows, K]`` rows (every
-    expert's, ``stride_bn`` apart, K contiguous: :func:`scaled_descriptor_range`)."""
+    is the group) into ``c_scale[row, pid_n]`` (``stride_qm, stride_qk``)."""
     pid_m, pid_n = grouped_tile(tl.program_id(0), num_blocks, tl.cdiv(N, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert >= 0:
@@ -224,17 +198,8 @@ def grouped_gemm_tile(
             a_scale_ptrs = a_scale_ptr + a_rows * stride_sm
             b_scales = b_scale_ptr + expert.to(tl.int64) * stride_te
             tile_scale = b_scales + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_tn
-            up_scale = b_scales + ((N + pid_n * BLOCK_N) // SCALE_BLOCK) * stride_tn
-            if B_DESC:
-                b_desc = tl.make_tensor_descriptor(b_ptr, shape=[b_rows, K], strides=[stride_bn, 1],
-                                                   block_shape=[BLOCK_N, BLOCK_K])
-                row = expert * (stride_be // stride_bn) + pid_n * BLOCK_N
-                acc, acc3 = scaled_descriptor_range(acc, acc, a_ptrs, mask_m, offs_k, K, step_a, b_desc, row,
-                                                    row + b3_offset // stride_bn, a_scale_ptrs, tile_scale, up_scale,
-                                                    stride_sk, stride_tk, BLOCK_K, SWIGLU)
-                if not SWIGLU:
-                    acc3 = acc
-            elif SWIGLU:
+            if SWIGLU:
+                up_scale = b_scales + ((N + pid_n * BLOCK_N) // SCALE_BLOCK) * stride_tn
                 acc, acc3 = dot_range_pair(acc, acc, a_ptrs, b_ptrs, b_ptrs + b3_offset, mask_m, mask_n, offs_k, 0,
                                            K, step_a, step_b, step_b, BLOCK_K, INPUT_PRECISION, a_scale_ptrs,
                                            tile_scale, up_scale, stride_sk, stride_tk, True)
@@ -276,8 +241,8 @@ def grouped_gemm_kernel(
     """``c[row] = epilogue(a[row] @ b[e])`` in 16- or 32-bit operands (:func:`grouped_gemm_tile`)."""
     grouped_gemm_tile(a_ptr, b_ptr, c_ptr, pre_ptr, pre3_ptr, scale_ptr, sorted_ptr, block_expert_ptr, None, None,
                       None, n_slots, a_div, c_rows, N, K, num_blocks, b3_offset, stride_am, stride_ak, stride_be,
-                      stride_bk, stride_bn, stride_cm, stride_cn, 0, 0, 0, 0, 0, 0, 0, 0, BLOCK_M, BLOCK_N, BLOCK_K,
-                      GROUP_M, INPUT_PRECISION, GATHER_A, SCATTER_C, HAS_SCALE, SWIGLU, STORE_PRE, False, False, False)
+                      stride_bk, stride_bn, stride_cm, stride_cn, 0, 0, 0, 0, 0, 0, 0, BLOCK_M, BLOCK_N, BLOCK_K,
+                      GROUP_M, INPUT_PRECISION, GATHER_A, SCATTER_C, HAS_SCALE, SWIGLU, STORE_PRE, False, False)
 
 
 @triton.jit
@@ -285,19 +250,18 @@ def grouped_fp8_gemm_kernel(
     a_ptr, b_ptr, c_ptr, scale_ptr, sorted_ptr, block_expert_ptr, a_scale_ptr, b_scale_ptr, c_scale_ptr,
     n_slots, a_div, c_rows, N, K, num_blocks, b3_offset,
     stride_am, stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn,
-    stride_sm, stride_sk, stride_te, stride_tn, stride_tk, stride_qm, stride_qk, b_rows,
+    stride_sm, stride_sk, stride_te, stride_tn, stride_tk, stride_qm, stride_qk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     GATHER_A: tl.constexpr, SCATTER_C: tl.constexpr, HAS_SCALE: tl.constexpr, SWIGLU: tl.constexpr,
-    QUANT_C: tl.constexpr, B_DESC: tl.constexpr,
+    QUANT_C: tl.constexpr,
 ):
     """``c[row] = epilogue(a[row] @ b[e])`` on float8_e4m3fn ``a`` and ``b`` with block scales,
-    the output optionally quantised, the weight tiles through a tensor descriptor with ``B_DESC``
-    (:func:`grouped_gemm_tile`'s BLOCK_SCALED, QUANT_C and B_DESC)."""
+    the output optionally quantised (:func:`grouped_gemm_tile`'s BLOCK_SCALED and QUANT_C)."""
     grouped_gemm_tile(a_ptr, b_ptr, c_ptr, c_ptr, c_ptr, scale_ptr, sorted_ptr, block_expert_ptr, a_scale_ptr,
                       b_scale_ptr, c_scale_ptr, n_slots, a_div, c_rows, N, K, num_blocks, b3_offset, stride_am,
                       stride_ak, stride_be, stride_bk, stride_bn, stride_cm, stride_cn, stride_sm, stride_sk,
-                      stride_te, stride_tn, stride_tk, stride_qm, stride_qk, b_rows, BLOCK_M, BLOCK_N, BLOCK_K,
-                      GROUP_M, "ieee", GATHER_A, SCATTER_C, HAS_SCALE, SWIGLU, False, True, QUANT_C, B_DESC)
+                      stride_te, stride_tn, stride_tk, stride_qm, stride_qk, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                      "ieee", GATHER_A, SCATTER_C, HAS_SCALE, SWIGLU, False, True, QUANT_C)
 
 
 @triton.jit
@@ -432,7 +396,7 @@ def grouped_call(align: Alignment, a: torch.Tensor, b: torch.Tensor, c: torch.Te
                  gather: bool, scatter: bool, a_div: int = 1, swiglu: bool = False, scale: bool = False,
                  pre: torch.Tensor | None = None, pre3: torch.Tensor | None = None,
                  input_precision: str = "ieee", block_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 c_scale: torch.Tensor | None = None, descriptors: bool = False) -> KernelCall:
+                 c_scale: torch.Tensor | None = None) -> KernelCall:
     """``c[row] = epilogue(a[row] @ b[e])`` over the row blocks of ``align``
     (:func:`grouped_gemm_kernel`).
 
@@ -450,8 +414,6 @@ def grouped_call(align: Alignment, a: torch.Tensor, b: torch.Tensor, c: torch.Te
         must divide N.
     :param c_scale: ``[rows of c, ceil(N/128)]`` float32: ``c`` (float8_e4m3fn) quantised per 1x128
         in the epilogue (``BLOCK_N`` = 128), its scales here; with ``block_scales``.
-    :param descriptors: with ``block_scales``, ``b``'s tiles through a tensor descriptor (where
-        :func:`takes_weight_descriptor`: sm_90, ``b`` K-contiguous and 16-byte aligned).
     """
     n, k = c.shape[1], a.shape[1]
     block_n, block_k = config["BLOCK_N"], config["BLOCK_K"]
@@ -478,30 +440,11 @@ def grouped_call(align: Alignment, a: torch.Tensor, b: torch.Tensor, c: torch.Te
         raise ValueError("the fp8 GEMM stores no pre-activations")
     a_scale, b_scale = block_scales
     q_scale = c if c_scale is None else c_scale
-    if descriptors:
-        from dlblas_kernels.gemm import ensure_allocator
-
-        ensure_allocator()  # the descriptors' global scratch
-    # the rows from the first expert's first to the last expert's last (no padding past the tensor)
-    b_rows = (b.shape[0] - 1) * (b.stride(0) // b.stride(1)) + b.shape[1] if descriptors else 0
     return KernelCall(grouped_fp8_gemm_kernel, (tiles,), (
         a, b, c, align.weights, align.sorted_ids, align.block_expert, a_scale, b_scale, q_scale, align.n_slots, a_div,
         c_rows, n, k, align.max_blocks, b3_offset, *strides, a_scale.stride(0), a_scale.stride(1), *b_scale.stride(),
-        q_scale.stride(0), q_scale.stride(1), b_rows,
-    ), {**tile, "QUANT_C": c_scale is not None, "B_DESC": descriptors})
-
-
-def takes_weight_descriptor(profile: DeviceProfile | None, b: torch.Tensor) -> bool:
-    """Whether the fp8 grouped GEMM reads ``b [E, R, K]``'s tiles through one tensor descriptor
-    over its ``[E * R', K]`` rows: a Hopper profile, K contiguous, the row stride and base 16-byte
-    aligned, each expert a whole number of rows apart (``R'`` rows of ``stride(1)``)."""
-    from dlblas_kernels.gemm import TMA_ALIGNMENT, TMA_ARCHS
-
-    if profile is None or profile.arch not in TMA_ARCHS or b.stride(2) != 1 or b.shape[0] == 0:
-        return False
-    row = b.stride(1) * b.element_size()
-    return (row % TMA_ALIGNMENT == 0 and b.data_ptr() % TMA_ALIGNMENT == 0 and b.stride(0) % b.stride(1) == 0
-            and b.stride(0) >= b.shape[1] * b.stride(1))
+        q_scale.stride(0), q_scale.stride(1),
+    ), {**tile, "QUANT_C": c_scale is not None})
 
 
 def expert_gemm_call(align: Alignment, a_t: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Config,

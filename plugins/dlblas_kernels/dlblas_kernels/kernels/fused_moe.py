@@ -200,10 +200,10 @@ def sum_call(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, experts
 
 
 def _forward(args: tuple, config: Config, out: torch.Tensor, gate: torch.Tensor | None = None,
-             up: torch.Tensor | None = None, profile: DeviceProfile | None = None) -> tuple[list[KernelCall], tuple]:
+             up: torch.Tensor | None = None) -> tuple[list[KernelCall], tuple]:
     hidden, w13, w2, topk_weights, topk_ids = args[:5]
     if w13.dtype == FP8:
-        return _fp8_forward(args, config, out, profile)
+        return _fp8_forward(args, config, out)
     tokens, h, experts, inter, topk = _dims(hidden, w13, topk_ids)
     calls, align, scratch = grouped.align_calls(topk_ids, topk_weights, experts, config["BLOCK_M"])
     act = torch.empty(tokens * topk, inter, dtype=hidden.dtype, device=hidden.device)
@@ -227,11 +227,6 @@ def _largest_tile(block: int, size: int) -> int:
     return block
 
 
-#: the fp8 GEMMs read their weight tiles through tensor descriptors where the device takes them
-#: (sm_90; K-major tiles as wgmma takes 8-bit operands); False: by pointers everywhere
-WEIGHT_DESCRIPTORS = True
-
-
 def fp8_tiles(config: Config, inter: int) -> Config:
     """``config`` as the fp8 GEMMs run it: column tiles and K steps within one scale block (at most
     128), the gate/up column tile dividing I too (each tile of the up half, whose rows start at I
@@ -246,13 +241,13 @@ def _quantize(x: torch.Tensor) -> tuple[list[KernelCall], torch.Tensor, torch.Te
     return found.calls, *found.result
 
 
-def _fp8_forward(args: tuple, config: Config, out: torch.Tensor,
-                 profile: DeviceProfile | None = None) -> tuple[list[KernelCall], tuple]:
+def _fp8_forward(args: tuple, config: Config, out: torch.Tensor) -> tuple[list[KernelCall], tuple]:
     """fp8 weights: ``hidden`` quantised per 1x128 (one launch), the gate/up GEMM on fp8 tiles with
     the SwiGLU output quantised per 1x128 in its epilogue (where its column tile is 128: I a
     multiple of 128; else stored in float32 and quantised by a launch of its own), the down GEMM
-    on fp8 tiles, the sum over choices. On sm_90 each GEMM reads its weight tiles through a
-    tensor descriptor (:data:`WEIGHT_DESCRIPTORS`, :func:`~dlblas_kernels.grouped.takes_weight_descriptor`)."""
+    on fp8 tiles, the sum over choices. The weight tiles load by pointers: through a tensor
+    descriptor over every expert's rows (K-major, made on the device) the H200 measured 0.92x to
+    0.98x the bf16 path at 4096 and 16384 tokens, against 1.32x to 1.41x by pointers."""
     hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale = args
     tokens, h, experts, inter, topk = _dims(hidden, w13, topk_ids)
     config = fp8_tiles(config, inter)
@@ -262,8 +257,7 @@ def _fp8_forward(args: tuple, config: Config, out: torch.Tensor,
     slots = tokens * topk
     up_tiles = up_config(config)
     gate_up = {"gather": True, "scatter": True, "a_div": topk, "swiglu": True,
-               "block_scales": (hidden_scale, w13_scale),
-               "descriptors": WEIGHT_DESCRIPTORS and grouped.takes_weight_descriptor(profile, w13)}
+               "block_scales": (hidden_scale, w13_scale)}
     if config["BLOCK_N"] == SCALE_BLOCK:
         act = torch.empty(slots, inter, dtype=FP8, device=hidden.device)
         act_scale = torch.empty(cdiv(inter, SCALE_BLOCK), slots, dtype=torch.float32, device=hidden.device).T
@@ -278,8 +272,7 @@ def _fp8_forward(args: tuple, config: Config, out: torch.Tensor,
     y = torch.empty(slots, h, dtype=hidden.dtype, device=hidden.device)
     calls += [
         grouped.grouped_call(align, act, w2, y, down_config(config), gather=True, scatter=True, scale=True,
-                             block_scales=(act_scale, w2_scale),
-                             descriptors=WEIGHT_DESCRIPTORS and grouped.takes_weight_descriptor(profile, w2)),
+                             block_scales=(act_scale, w2_scale)),
         sum_call(y, topk_ids, out, experts),
     ]
     return calls, (*scratch, *align.scratch(), hidden_q, hidden_scale, *staged, act, act_scale, y)
@@ -304,7 +297,7 @@ def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     out = output(*args)
     if _empty(args):
         return LaunchPlan(calls=_zeros_call(out, args[4]), result=out)
-    calls, scratch = _forward(args, config, out, profile=profile)
+    calls, scratch = _forward(args, config, out)
     return LaunchPlan(calls=calls, result=out, scratch=scratch)
 
 
