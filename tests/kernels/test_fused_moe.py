@@ -176,6 +176,16 @@ def test_composite_gradients_match_the_reference(gen):
     check_backward(vendor.fused_moe, fused_moe_reference, args, wrt=(0, 1, 2, 3), gen=gen, reduce_dim=H)
 
 
+def test_dequantised_takes_slices_of_experts(gen, monkeypatch):
+    """Slice by slice (here one expert and a half's elements: slices of one expert) as whole."""
+    _, w13, *_ = inputs(torch.float32, "cpu", gen)
+    q, scale = quantise_weight(w13)
+    whole = moe.dequantise_weight(q, scale, torch.float32).to(torch.float16)
+    monkeypatch.setattr(moe, "DEQUANTISE_SLICE", w13[0].numel() * 3 // 2)
+    sliced = moe.dequantised(q, scale, torch.float16)
+    assert sliced.dtype == torch.float16 and torch.equal(sliced, whole)
+
+
 def test_sixteen_bit_baseline_dequantises_once(gen):
     """The ``bf16`` baseline runs this library's 16-bit path on the fp8 weights dequantised by its
     ``prepare``, the same layer within fp8's error."""

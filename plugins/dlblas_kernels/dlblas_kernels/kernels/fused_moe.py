@@ -382,6 +382,20 @@ def dequantise_weight(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) 
     return w.to(dtype) * expand_scale(scale.to(dtype), rows, cols, SCALE_BLOCK, SCALE_BLOCK)
 
 
+#: float32 elements per slice of experts :func:`dequantised` takes at once (1 GiB)
+DEQUANTISE_SLICE = 1 << 28
+
+
+def dequantised(w: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`dequantise_weight` into a 16-bit ``dtype`` through float32 a slice of experts at a
+    time (DeepSeek-V3's 256 experts of w13 whole would be 28 GiB of float32)."""
+    out = torch.empty(w.shape, dtype=dtype, device=w.device)
+    step = max(1, DEQUANTISE_SLICE // max(1, w[0].numel()))
+    for e in range(0, w.shape[0], step):
+        out[e:e + step] = dequantise_weight(w[e:e + step], scale[e:e + step], torch.float32)
+    return out
+
+
 def quantised(x: torch.Tensor, cast: Any = None) -> torch.Tensor:
     """``x [M, K]`` quantised per 1x128 as the kernels do (float32 arithmetic, ``quantize_fp8``'s
     rule) and dequantised again, in float64. ``cast``: the float32 -> float8_e4m3fn conversion
@@ -730,9 +744,9 @@ def dequantised_inputs(args: tuple) -> tuple:
     dropped); 16-bit weights as they are."""
     hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale = (*args, None, None)[:7]
     if w13.dtype == FP8:
-        w13 = dequantise_weight(w13, w13_scale, torch.float32).to(hidden.dtype)
+        w13 = dequantised(w13, w13_scale, hidden.dtype)
     if w2.dtype == FP8:
-        w2 = dequantise_weight(w2, w2_scale, torch.float32).to(hidden.dtype)
+        w2 = dequantised(w2, w2_scale, hidden.dtype)
     return hidden, w13, w2, topk_weights, topk_ids
 
 

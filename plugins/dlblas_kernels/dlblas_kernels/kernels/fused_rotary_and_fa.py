@@ -279,10 +279,11 @@ KERNEL = define_kernel(
     doc="flash attention with q and k rotated in registers after loading (never written); backward: the "
         "same rotation after loading, dq and dk rotated back before storing",
     limits=(LoweringLimit(
-        "npu", ("attention_dkdv_kernel", "attention_dq_kernel"), "hivm",
+        "npu", ("attention_forward_kernel", "attention_dkdv_kernel", "attention_dq_kernel"), "hivm",
         "bishengir-compile 1.2 aborts in its tile-cube-vector-loop pass ('getIndexingMaps not implemented') on "
-        "the backward with the rotation (its tl.gather of lanes inside the mixed cube/vector loops); the same "
-        "kernels without rotation (flash_attention_v2) and tl.gather in small kernels reach HIVM IR"),),
+        "the interleaved rotation (interleaved=True: its tl.gather of lanes inside the mixed cube/vector loops), "
+        "forward and backward; the half-split rotation (interleaved=False), the same kernels without rotation "
+        "(flash_attention_v2) and tl.gather in small kernels reach HIVM IR"),),
 )
 fused_rotary_and_fa = KERNEL.function
 dlcore_ops, dlcore_implementations = KERNEL.dlcore_ops, KERNEL.dlcore_implementations
