@@ -758,6 +758,7 @@ def _sixteen_bit_path() -> Any:
     bound: dict[tuple[int, ...], Any] = {}
 
     def sixteen_bit_path(*args: torch.Tensor) -> torch.Tensor:
+        """get_op's fused_moe on 16-bit weights (the fp8 ones dequantised, once per shape)."""
         key = tuple(id(a) for a in args)
         if key not in bound:
             bound.clear()
