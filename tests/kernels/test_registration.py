@@ -39,7 +39,7 @@ CUSTOM_OPS = {
     "softmax": {"torch"},
     "flash_attention_v2": {"torch", "sdpa_flash", "sdpa_cudnn"},
     "fused_rotary_and_fa": {"composite"},
-    "fused_moe": {"torch"},
+    "fused_moe": {"torch", "bf16"},
     "topk_gating": {"torch"},
 }
 
