@@ -464,7 +464,8 @@ def launches(reg: Registry, selector: str | None, dtype: torch.dtype | None, siz
                             plans.append((True, impl.backward_plan(args, config)))
                         except InvalidInputError as exc:  # a forward-only form (fused_moe's fp8 weights)
                             note = f"{name}.{impl.name} backward: {exc}"
-                            skipped += [note] if note not in skipped else []
+                            if note not in skipped:  # one note, whichever of the paths refused
+                                skipped.append(note)
             launched, lowered_once = set(), set()
             for backward, plan in plans:
                 lowered = apply_launch_passes(plan, profile, passes)

@@ -301,9 +301,10 @@ def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
     fp8 weights: dequantised to ``hidden``'s dtype first (each 128x128 block times its scale),
     what a user without an fp8 kernel runs; the activations stay unquantised."""
     if w13_scale is not None or w2_scale is not None:
-        from dlblas_kernels.kernels.fused_moe import dequantised  # the scales' layout lives with the op
+        from dlblas_kernels.kernels.fused_moe import dequantised_inputs  # the scales' layout lives with the op
 
-        w13, w2 = dequantised(w13, w13_scale, hidden.dtype), dequantised(w2, w2_scale, hidden.dtype)
+        hidden, w13, w2, topk_weights, topk_ids = dequantised_inputs(
+            (hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale))
     experts, two_i, _ = w13.shape
     topk = topk_ids.shape[1]
     flat = topk_ids.reshape(-1).long()

@@ -755,15 +755,9 @@ def _sixteen_bit_path() -> Any:
     (the fp8 weights dequantised once, untimed), what fp8 weights are measured against."""
     import dlcore
 
-    bound: dict[tuple[int, ...], Any] = {}
-
     def sixteen_bit_path(*args: torch.Tensor) -> torch.Tensor:
         """get_op's fused_moe on 16-bit weights (the fp8 ones dequantised, once per shape)."""
-        key = tuple(id(a) for a in args)
-        if key not in bound:
-            bound.clear()
-            bound[key] = dlcore.get_op("fused_moe", args)
-        return bound[key](*args)
+        return dlcore.get_op("fused_moe", args)(*args)  # an in-process hit: microseconds against milliseconds
 
     sixteen_bit_path.prepare = dequantised_inputs  # type: ignore[attr-defined]
     return sixteen_bit_path
