@@ -459,7 +459,14 @@ TARGETS = [
      "training step takes 640 us (Triton) and 750 (vendor): the host spends 190 us in the forward and 380 in "
      "the backward (six launches at 10 to 20 us each in Triton's launcher, 13 tensor allocations, the "
      "autograd engine about 100 us), so at 1024 tokens and fewer the backward is host-bound, and compile's "
-     "one compiled graph has less of it",
+     "one compiled graph has less of it. Re-measured at that shape on a later lease of the H200 host "
+     "(2026-12-02, `dlcore bench ffn --shapes deepseek-v3-shared --tokens 1024 --dtype bf16 --mode bwd --vs "
+     "compile --impls triton,vendor --rounds 2`): get_op 252 us (Triton), the Triton kernels alone 230, the "
+     "vendor candidate 252, compile 312: 1.23x, 1.35x alone. That host launched faster: the backward's "
+     "host time 214 us (autograd's device threads on; 247 off) against 225 us of GPU time (a CUDA graph of "
+     "it), a replayed launch 6.8 us (`kernel[grid]` 16.5), `torch.empty_strided` 2.1 us, the forward's host "
+     "time 97 us (190 before). Host-bound rows move with the host, so this table wants one run in one "
+     "lease; and get_op's choice ran 9% slower than the same implementation alone (vs best 0.91x)",
      'no'),
 ]
 OTHER = OTHER_TEMPLATE.replace("{targets}", "\n".join(
