@@ -84,7 +84,12 @@ OP_NOTES = {
                            "q and k inside the attention kernel (the rotated q and k never written). `composite` is "
                            "dlblas `apply_rotary_pos_emb` then the fastest SDPA backend that accepts the inputs.",
     "softmax": "`softmax(x, dim=-1)`: x `[tokens, vocab]`, rows of 4096 to 131072 (vocabulary sizes); rows up to 16384 "
-               "are held whole in registers, longer ones take an online pass and a normalising pass.",
+               "are held whole in registers, longer ones take an online pass and a normalising pass. The backward "
+               "at 4096 x 4096 re-measured on a later lease of the H200 host (2026-12-02, `python3 "
+               ".ci/backward_host.py softmax:triton`): do_bench 65.7 us with autograd's device threads on (the "
+               "default; host 79 us a call), 30.0 us with them off (host 48 us), the GPU alone 26.4 us (a CUDA "
+               "graph), against the 178 us of the table: the time there is the host's (the engine handing the "
+               "backward to its device thread), not the kernel's.",
 }
 
 
@@ -462,7 +467,8 @@ TARGETS = [
      "one compiled graph has less of it. Re-measured at that shape on a later lease of the H200 host "
      "(2026-12-02, `dlcore bench ffn --shapes deepseek-v3-shared --tokens 1024 --dtype bf16 --mode bwd --vs "
      "compile --impls triton,vendor --rounds 2`): get_op 252 us (Triton), the Triton kernels alone 230, the "
-     "vendor candidate 252, compile 312: 1.23x, 1.35x alone. That host launched faster: the backward's "
+     "vendor candidate 252, compile 312: 1.23x, 1.35x alone. That host launched faster "
+     "(`python3 .ci/backward_host.py`): the backward's "
      "host time 214 us (autograd's device threads on; 247 off) against 225 us of GPU time (a CUDA graph of "
      "it), a replayed launch 6.8 us (`kernel[grid]` 16.5), `torch.empty_strided` 2.1 us, the forward's host "
      "time 97 us (190 before). Host-bound rows move with the host, so this table wants one run in one "
