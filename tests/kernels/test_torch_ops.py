@@ -38,8 +38,10 @@ def custom_op_call(name: str, args: tuple, config: tuple | None = None) -> tuple
     """The custom op of ``name`` and its arguments for bound ``args`` (config ints: all zero by default)."""
     if name == "apply_rotary_pos_emb":
         args = args[:5]  # the custom op is functional; inplace is the caller's copy
-    width = {"silu_and_mul": 2, "apply_rotary_pos_emb": 2, "partial_rotary_emb": 2, "ffn": 7, "matmul": 7}.get(name, 3)
-    return getattr(ops, name).default, (*args, *(config or (0,) * width))
+    op = getattr(ops, name).default
+    # the config ints follow the op's own arguments in the custom op's schema
+    width = len(op._schema.arguments) - len(args)
+    return op, (*args, *(config or (0,) * width))
 
 
 # -- opcheck ---------------------------------------------------------------------------------------
