@@ -164,11 +164,11 @@ def test_split_rows_wait_only_where_programs_run_at_once():
     planned = sm.plan((x, -1), config, h200)
     zero, split = planned.calls
     parts, sync = planned.scratch
-    assert zero.kernel.__name__ == "zero_kernel" and zero.args == (sync, 6)
+    assert zero.kernel.__name__ == "zero_kernel" and zero.args == (sync, 7)
     assert split.kernel.__name__ == "softmax_split_kernel" and split.grid == (24,)
     assert split.kwargs == {"BLOCK_N": 256, "SPLITS": 4, "SPLITS_POW2": 4, "INNER": False, "num_warps": 4,
                             "SYNC": True, "STATS": True, "WRITE": True}
-    assert parts.shape == (6 * 2 * 4,) and parts.dtype == torch.float32 and sync.shape == (6,)
+    assert parts.shape == (6 * 2 * 4,) and parts.dtype == torch.float32 and sync.shape == (7,)
     zero, split = sm.backward_plan((x, x, -1), config, h200).calls
     assert split.kernel.__name__ == "softmax_backward_split_kernel" and split.kwargs["SYNC"]
     for profile, rows in ((UNKNOWN_DEVICE, x), (h200, torch.empty(2, 133 * 256, device="meta"))):

@@ -21,12 +21,12 @@ elements).
   every part is read once and kept in registers (:func:`softmax_split_kernel`): each program
   writes its part's maximum and sum of exponentials to scratch, waits until every part of its row
   has, and scales its part by the row's combined statistics. Waiting for another program is safe
-  only where the programs of a row run at once: on CUDA, with at most one part per multiprocessor.
-  A row's parts are consecutive programs, and CUDA starts programs in the order of their index (as
-  CUB's single-pass scan relies on), so that the parts a program waits for have started, or start
-  as soon as earlier rows, all of whose parts run, finish (a launch zeroes the row counts first:
-  :func:`zero_kernel`). Elsewhere (the interpreter runs programs one after another) the same kernel
-  runs twice: statistics, then the scaled parts, reading the row a second time.
+  only where the programs of a row run at once: on CUDA, with at most one part per multiprocessor,
+  and each program taking its (row, part) from a counter in the order programs start, so that the
+  parts a program waits for have started, or start as soon as earlier rows finish (a launch
+  zeroes the counters first: :func:`zero_kernel`). Elsewhere (the interpreter runs programs one
+  after another) the same kernel runs twice: statistics, then the scaled parts, reading the row a
+  second time.
 
 Rows along another ``dim`` (``inner > 1``) step through memory by ``inner`` elements: correct, not
 coalesced (a transposed softmax is better served by the caller's layout).
@@ -206,27 +206,30 @@ def zero_kernel(ptr, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _take_part(SPLITS: tl.constexpr):
-    # The (row, part) of this program: a row's parts are consecutive programs.
-    pid = tl.program_id(0)
-    return (pid // SPLITS).to(tl.int64), pid % SPLITS
+def _take_part(sync_ptr, rows, SPLITS: tl.constexpr, SYNC: tl.constexpr):
+    # The (row, part) of this program. Synchronised, by a ticket from the counter after the rows'
+    # arrival counts, taken in the order programs start: every part a program will wait for has a
+    # running program already, or gets one once earlier rows (all of whose parts run) finish.
+    if SYNC:
+        ticket = tl.atomic_add(sync_ptr + rows, 1)
+    else:
+        ticket = tl.program_id(0)
+    return (ticket // SPLITS).to(tl.int64), ticket % SPLITS
 
 
 @triton.jit
 def _wait_for_row(sync_ptr, row, SPLITS: tl.constexpr):
     # Count this part in (release: its statistics, stored before, are seen by whoever sees the
-    # count), poll the count with plain uncached loads (no read-modify-write traffic on the line the
-    # other parts count into), then acquire what the row's parts released.
+    # count), then wait until every part of the row is (acquire).
     arrived = tl.atomic_add(sync_ptr + row, 1, sem="release") + 1
     while arrived < SPLITS:
-        arrived = tl.load(sync_ptr + row, volatile=True)
-    tl.atomic_add(sync_ptr + row, 0, sem="acquire")
+        arrived = tl.atomic_add(sync_ptr + row, 0, sem="acquire")
 
 
 @triton.jit
 def softmax_split_kernel(
     x_ptr, out_ptr, part_ptr, sync_ptr,
-    N, inner,
+    rows, N, inner,
     stride_x_outer, stride_x_inner, stride_x_col,
     stride_out_outer, stride_out_inner, stride_out_col,
     BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, INNER: tl.constexpr,
@@ -237,7 +240,7 @@ def softmax_split_kernel(
     # row's parts, m = max(m_p), s = sum(s_p * exp2(m_p - m)), and store exp2(x - m) / s. SYNC:
     # both in one launch, waiting for the row's other parts in between.
     LOG2E: tl.constexpr = 1.4426950408889634
-    row, part = _take_part(SPLITS)
+    row, part = _take_part(sync_ptr, rows, SPLITS, SYNC)
     cols = part * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < N
     x_row = x_ptr + _row_offsets(row, inner, stride_x_outer, stride_x_inner, INNER)
@@ -267,7 +270,7 @@ def softmax_split_kernel(
 @triton.jit
 def softmax_backward_split_kernel(
     dy_ptr, y_ptr, dx_ptr, part_ptr, sync_ptr,
-    N, inner,
+    rows, N, inner,
     stride_dy_outer, stride_dy_inner, stride_dy_col,
     stride_y_outer, stride_y_inner, stride_y_col,
     stride_dx_outer, stride_dx_inner, stride_dx_col,
@@ -276,7 +279,7 @@ def softmax_backward_split_kernel(
 ):
     # One part of one row: STATS stores the part's sum(dy * y) at part_ptr[row, part]; WRITE
     # stores dx = y * (dy - the row's sum of the parts' sums). SYNC as in softmax_split_kernel.
-    row, part = _take_part(SPLITS)
+    row, part = _take_part(sync_ptr, rows, SPLITS, SYNC)
     cols = part * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < N
     y_row = y_ptr + _row_offsets(row, inner, stride_y_outer, stride_y_inner, INNER)
@@ -349,14 +352,14 @@ def _split_calls(kernel, tensors: tuple[torch.Tensor, ...], block_n: int, warps:
     splits_pow2 = next_power_of_2(splits)
     device = tensors[-1].device
     parts = torch.empty(rows * statistics * splits_pow2, dtype=torch.float32, device=device)
-    # each row's count of the parts that have stored their statistics
-    sync = torch.empty(rows, dtype=torch.int32, device=device)
-    args = (*tensors, parts, sync, n, inner, *_strides(tensors))
+    # each row's arrival count, then the ticket counter
+    sync = torch.empty(rows + 1, dtype=torch.int32, device=device)
+    args = (*tensors, parts, sync, rows, n, inner, *_strides(tensors))
     common = {"BLOCK_N": block_n, "SPLITS": splits, "SPLITS_POW2": splits_pow2, "INNER": inner > 1,
               "num_warps": warps}
     grid = (rows * splits,)
     if parts_wait(profile, splits):
-        zero = KernelCall(zero_kernel, (cdiv(rows, ZERO_BLOCK),), (sync, rows),
+        zero = KernelCall(zero_kernel, (cdiv(rows + 1, ZERO_BLOCK),), (sync, rows + 1),
                           {"BLOCK": ZERO_BLOCK, "num_warps": 4})
         return [zero, KernelCall(kernel, grid, args, {**common, "SYNC": True, "STATS": True, "WRITE": True})], \
             (parts, sync)
