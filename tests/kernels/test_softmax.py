@@ -3,7 +3,6 @@ from __future__ import annotations
 import dlblas_kernels
 import pytest
 import torch
-from dlblas_kernels.kernels import softmax as sm
 from dlblas_kernels.kernels.softmax import (
     KERNEL,
     OP,
@@ -17,15 +16,12 @@ from gradients import check_backward
 from dlcore import InvalidInputError
 from dlcore.compiler.lowering import target_profile
 from dlcore.declarations.signature import make_signature
-from dlcore.runtime.template import UNKNOWN_DEVICE, device_profile
+from dlcore.runtime.template import UNKNOWN_DEVICE
 from dlcore.testing import assert_close, poison, randn, upcast
 
 TRITON = KERNEL.implementation
 # Rows longer than the block: the online pass and the normalising pass run.
 LOOPING = {"BLOCK_M": 1, "BLOCK_N": 32, "num_warps": 1}
-# Rows longer than the block, split: a program per part of 32 (one launch waiting for the row's parts on
-# CUDA; a statistics launch, then a writing launch, in the interpreter).
-SPLIT = {"BLOCK_M": 1, "BLOCK_N": 32, "num_warps": 1, "SPLIT": 1}
 
 
 def logits(*shape, dtype, device, gen):
@@ -47,12 +43,10 @@ def test_matches_reference(lead, n, dtype, device, gen, run):
 
 @pytest.mark.parametrize("config", [
     LOOPING,
-    SPLIT,
-    {"BLOCK_M": 1, "BLOCK_N": 16, "num_warps": 1, "SPLIT": 1},  # seven parts, a ragged last one
     {"BLOCK_M": 2, "BLOCK_N": 16, "num_warps": 1},  # two rows per program, a ragged last one
     {"BLOCK_M": 4, "BLOCK_N": 64, "num_warps": 2},
     {"BLOCK_M": 1, "BLOCK_N": 128, "num_warps": 1},  # the row in one block, exactly
-], ids=lambda c: "{BLOCK_M}x{BLOCK_N}".format(**c) + ("-split" if c.get("SPLIT") else ""))
+], ids=lambda c: "{BLOCK_M}x{BLOCK_N}".format(**c))
 @pytest.mark.parametrize("n", [100, 128])
 def test_rows_longer_than_a_block(config, n, dtype, device, gen, run):
     x = logits(7, n, dtype=dtype, device=device, gen=gen)
@@ -60,10 +54,10 @@ def test_rows_longer_than_a_block(config, n, dtype, device, gen, run):
 
 
 @pytest.mark.parametrize("dim", [0, 1, 2, -2, -3])
-@pytest.mark.parametrize("config", [None, LOOPING, {**SPLIT, "BLOCK_N": 4}], ids=["default", "looping", "split"])
-def test_any_dim(dim, config, dtype, device, gen, run):
+@pytest.mark.parametrize("looping", [False, True])
+def test_any_dim(dim, looping, dtype, device, gen, run):
     x = logits(5, 13, 6, dtype=dtype, device=device, gen=gen)
-    out = run(OP, TRITON, (x, dim), config)
+    out = run(OP, TRITON, (x, dim), LOOPING if looping else None)
     assert out.shape == x.shape and out.is_contiguous()
     assert_close(out, expected(x, dim), dtype)
 
@@ -74,7 +68,6 @@ def test_non_contiguous_rows(dtype, device, gen, run, relayout):
     assert not strided.is_contiguous()
     assert_close(run(OP, TRITON, (strided, -1)), expected(x), dtype)
     assert_close(run(OP, TRITON, (strided, -1), LOOPING), expected(x), dtype)
-    assert_close(run(OP, TRITON, (strided, -1), SPLIT), expected(x), dtype)
 
 
 @pytest.mark.parametrize("dim", [-1, 0, 1])
@@ -89,14 +82,14 @@ def test_layouts_that_do_not_fold(dim, dtype, device, gen, run):
 
 
 def test_minus_infinity(device, gen, run):
-    """Masked logits: a row starting with -inf (its first two split parts -inf alone) is exact in
-    every layout; a row of -inf alone is NaN as in torch; large values do not overflow."""
+    """Masked logits: a row starting with -inf is exact in both layouts; a row of -inf alone is NaN
+    as in torch; large values do not overflow."""
     x = logits(4, 100, dtype=torch.float32, device=device, gen=gen)
     x[0, :70] = -float("inf")
     x[1] = -float("inf")
     x[2, ::3] = -float("inf")
     x[3] *= 1000
-    for config in (None, LOOPING, SPLIT):
+    for config in (None, LOOPING):
         out = run(OP, TRITON, (x, -1), config)
         assert torch.isnan(out[1]).all()
         assert_close(out[[0, 2, 3]], expected(x[[0, 2, 3]]), torch.float32)
@@ -137,47 +130,17 @@ def test_default_configs():
         return TRITON.default_config(make_signature(OP, (torch.empty(*shape, device="meta"), dim),
                                                     torch.device("meta")), profile)
 
-    assert config((4096, 4096)) == {"BLOCK_M": 1, "BLOCK_N": 4096, "num_warps": 8, "SPLIT": 0}
-    assert config((2048, 16384)) == {"BLOCK_M": 1, "BLOCK_N": 16384, "num_warps": 16, "SPLIT": 0}  # whole
-    assert config((8192, 128)) == {"BLOCK_M": 8, "BLOCK_N": 128, "num_warps": 2, "SPLIT": 0}
-    assert config((37, 1000)) == {"BLOCK_M": 1, "BLOCK_N": 1024, "num_warps": 2, "SPLIT": 0}
-    # longer rows on a GPU: split in parts held in registers, one program each
-    split = {"BLOCK_M": 1, "BLOCK_N": sm.SPLIT_BLOCK, "num_warps": sm.SPLIT_WARPS, "SPLIT": 1}
-    assert config((1000, 32768)) == config((256, 131072)) == config((3, 131072)) == split
-    # more parts than multiprocessors, or a device whose programs may not wait for each other: looped,
-    # blocks for about 32768 elements in flight per SM, as the H200 sweep found best
-    assert config((256, 132 * sm.SPLIT_BLOCK + 1)) == {"BLOCK_M": 1, "BLOCK_N": 16384, "num_warps": 32, "SPLIT": 0}
-    assert config((1000, 32768), profile=device_profile(torch.device("cpu")))["SPLIT"] == 0
-    assert config((256, 131072), profile=None) == {"BLOCK_M": 1, "BLOCK_N": 4096, "num_warps": 8, "SPLIT": 0}
+    assert config((4096, 4096)) == {"BLOCK_M": 1, "BLOCK_N": 4096, "num_warps": 8}
+    assert config((2048, 16384)) == {"BLOCK_M": 1, "BLOCK_N": 16384, "num_warps": 16}  # whole
+    assert config((8192, 128)) == {"BLOCK_M": 8, "BLOCK_N": 128, "num_warps": 2}
+    assert config((37, 1000)) == {"BLOCK_M": 1, "BLOCK_N": 1024, "num_warps": 2}
+    # looped: blocks for about 32768 elements in flight per SM, as the H200 sweep found best
+    assert config((1000, 32768)) == {"BLOCK_M": 1, "BLOCK_N": 4096, "num_warps": 8}
+    assert config((256, 131072)) == {"BLOCK_M": 1, "BLOCK_N": 16384, "num_warps": 32}
+    assert config((512, 131072))["BLOCK_N"] == 8192 and config((3, 131072))["BLOCK_N"] == 16384
+    assert config((256, 131072), profile=None)["BLOCK_N"] == 4096  # no core count: the smallest block
     # another dim: a generic config the plan narrows
     assert config((64, 8, 16), 1)["BLOCK_M"] == 1
-
-
-def test_split_rows_wait_only_where_programs_run_at_once():
-    """On CUDA, with a part per multiprocessor at most: the counters zeroed, then one launch of
-    programs that wait for their row's parts; else (the interpreter, more parts than
-    multiprocessors) a statistics launch and a writing launch, nothing waiting. The statistics and
-    counters are scratch."""
-    h200 = target_profile("cuda:90")
-    x = torch.empty(6, 1000, device="meta", dtype=torch.bfloat16)
-    config = {"BLOCK_M": 1, "BLOCK_N": 256, "num_warps": 4, "SPLIT": 1}
-    planned = sm.plan((x, -1), config, h200)
-    zero, split = planned.calls
-    parts, sync = planned.scratch
-    assert zero.kernel.__name__ == "zero_kernel" and zero.args == (sync, 7)
-    assert split.kernel.__name__ == "softmax_split_kernel" and split.grid == (24,)
-    assert split.kwargs == {"BLOCK_N": 256, "SPLITS": 4, "SPLITS_POW2": 4, "INNER": False, "num_warps": 4,
-                            "SYNC": True, "STATS": True, "WRITE": True}
-    assert parts.shape == (6 * 2 * 4,) and parts.dtype == torch.float32 and sync.shape == (7,)
-    zero, split = sm.backward_plan((x, x, -1), config, h200).calls
-    assert split.kernel.__name__ == "softmax_backward_split_kernel" and split.kwargs["SYNC"]
-    for profile, rows in ((UNKNOWN_DEVICE, x), (h200, torch.empty(2, 133 * 256, device="meta"))):
-        stats, write = sm.plan((rows, -1), config, profile).calls
-        assert not stats.kwargs["SYNC"] and stats.kwargs["STATS"] and not stats.kwargs["WRITE"]
-        assert not write.kwargs["SYNC"] and write.kwargs["WRITE"] and not write.kwargs["STATS"]
-    # a row within one block takes the one-block kernel, SPLIT or not
-    (call,) = sm.plan((torch.empty(6, 200, device="meta"), -1), config, h200).calls
-    assert call.kernel.__name__ == "softmax_kernel" and call.kwargs["ONE_BLOCK"]
 
 
 @pytest.mark.parametrize("case", ["int32 x", "rank-0 x", "dim too large", "dim too small", "dim a float",
@@ -217,8 +180,8 @@ def test_backward_non_contiguous_input(dtype, device, gen, relayout):
 
 
 @pytest.mark.parametrize("config", [LOOPING, {"BLOCK_M": 2, "BLOCK_N": 16, "num_warps": 1},
-                                    {"BLOCK_M": 4, "BLOCK_N": 128, "num_warps": 2}, {**SPLIT, "BLOCK_N": 16}],
-                         ids=lambda c: "{BLOCK_M}x{BLOCK_N}".format(**c) + ("-split" if c.get("SPLIT") else ""))
+                                    {"BLOCK_M": 4, "BLOCK_N": 128, "num_warps": 2}],
+                         ids=lambda c: "{BLOCK_M}x{BLOCK_N}".format(**c))
 @pytest.mark.parametrize("dim", [-1, 1])
 def test_backward_plan_writes_every_output(config, dim, dtype, device, gen, launch, profile):
     y = softmax(logits(2, 5, 40, dtype=dtype, device=device, gen=gen), dim)
@@ -238,15 +201,13 @@ def test_backward_of_a_broadcast_gradient(device, gen):
 
 def test_custom_op_passes_opcheck(device, gen):
     x = logits(5, 24, dtype=torch.float32, device=device, gen=gen).requires_grad_()
-    torch.library.opcheck(torch.ops.dlblas.softmax.default, (x, -1, 0, 0, 0, 0))
-    torch.library.opcheck(torch.ops.dlblas.softmax.default, (x, 0, 1, 16, 1, 0))
-    torch.library.opcheck(torch.ops.dlblas.softmax.default, (x, -1, 1, 8, 1, 1))  # three split parts
+    torch.library.opcheck(torch.ops.dlblas.softmax.default, (x, -1, 0, 0, 0))
+    torch.library.opcheck(torch.ops.dlblas.softmax.default, (x, 0, 1, 16, 1))
 
 
-@pytest.mark.parametrize("config", [LOOPING, SPLIT], ids=["looping", "split"])
-def test_poisoned_output_is_overwritten(config, device, gen):
+def test_poisoned_output_is_overwritten(device, gen):
     x = logits(3, 70, dtype=torch.float16, device=device, gen=gen)
-    plan = TRITON.plan((x, -1), config)
+    plan = TRITON.plan((x, -1), LOOPING)
     poison(plan.result)
     assert_close(plan.run(), expected(x), torch.float16)
 
@@ -257,36 +218,32 @@ from triton.backends.compiler import GPUTarget
 from dlcore.compiler.lowering import compile_call, target_profile
 
 sm = importlib.import_module("dlblas_kernels.kernels.softmax")
-h200 = target_profile("cuda:90")
 found = {}
 for dtype in (torch.bfloat16, torch.float32):
     x = torch.empty(64, 37, 300, device="meta", dtype=dtype)
     wide = torch.empty(4, 131072, device="meta", dtype=dtype)
     plans = {
-        "one-block": sm.plan((x, -1), sm.heuristic_config(64 * 37, 300, h200), h200),
-        "looped": sm.plan((wide, -1), sm.heuristic_config(4, 131072, None), h200),
-        "split": sm.plan((wide, -1), sm.heuristic_config(4, 131072, h200), h200),
-        "inner": sm.plan((x, 1), {"BLOCK_M": 1, "BLOCK_N": 16384, "num_warps": 16}, h200),
-        "backward": sm.backward_plan((x, x, -1), sm.heuristic_config(64 * 37, 300, h200), h200),
-        "backward-looped": sm.backward_plan((wide, wide, -1), sm.heuristic_config(4, 131072, None), h200),
-        "backward-split": sm.backward_plan((wide, wide, -1), sm.heuristic_config(4, 131072, h200), h200),
-        "backward-inner": sm.backward_plan((x, x, 0), {"BLOCK_M": 1, "BLOCK_N": 32, "num_warps": 1}, h200),
+        "one-block": sm.plan((x, -1), sm.heuristic_config(64 * 37, 300, 132), None),
+        "looped": sm.plan((wide, -1), sm.heuristic_config(4, 131072, 132), None),
+        "inner": sm.plan((x, 1), {"BLOCK_M": 1, "BLOCK_N": 16384, "num_warps": 16}, None),
+        "backward": sm.backward_plan((x, x, -1), sm.heuristic_config(64 * 37, 300, 132), None),
+        "backward-looped": sm.backward_plan((wide, wide, -1), sm.heuristic_config(4, 131072, 132), None),
+        "backward-inner": sm.backward_plan((x, x, 0), {"BLOCK_M": 1, "BLOCK_N": 32, "num_warps": 1}, None),
     }
     for capability in (80, 90, 100):
         for name, plan in plans.items():
-            for call in plan.calls:
-                kernel = compile_call(call, GPUTarget("cuda", capability, 32))
-                found[f"{name}/{call.kernel.__name__}/{str(dtype)[6:]}/sm_{capability}"] = len(
-                    kernel.asm.get("cubin", b""))
+            (call,) = plan.calls
+            kernel = compile_call(call, GPUTarget("cuda", capability, 32))
+            found[f"{name}/{str(dtype)[6:]}/sm_{capability}"] = len(kernel.asm.get("cubin", b""))
 print(json.dumps(found))
 """
 
 
 @pytest.mark.slow
 def test_every_variant_compiles_for_nvidia_targets():
-    """One-block, looped and split rows (the split plans' counter zeroing too), (outer, inner) rows,
-    forward and backward, bf16 and fp32, each to a cubin for sm_80, sm_90 and sm_100."""
+    """One-block and looped rows, (outer, inner) rows, forward and backward, bf16 and fp32, each to
+    a cubin for sm_80, sm_90 and sm_100."""
     from isolated import run_json
 
     found = run_json(COMPILE_SCRIPT, None, TRITON_INTERPRET="0")
-    assert len(found) == 2 * 3 * (8 + 2) and all(size > 0 for size in found.values()), found
+    assert len(found) == 2 * 3 * 6 and all(size > 0 for size in found.values()), found

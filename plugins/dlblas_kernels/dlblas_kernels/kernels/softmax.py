@@ -17,16 +17,6 @@ elements).
   in flight; the block is sized by how many programs share a core (:func:`loop_block`). The
   re-read costs: on the H200 (bf16) rows of 32768 and 131072 move 81% and 72% of a same-size
   copy's bandwidth, where rows held whole reach 91% (16384) to 100% (4096).
-- With ``SPLIT`` a long row is cut into ``SPLITS`` parts of ``BLOCK_N``, one program each, and
-  every part is read once and kept in registers (:func:`softmax_split_kernel`): each program
-  writes its part's maximum and sum of exponentials to scratch, waits until every part of its row
-  has, and scales its part by the row's combined statistics. Waiting for another program is safe
-  only where the programs of a row run at once: on CUDA, with at most one part per multiprocessor,
-  and each program taking its (row, part) from a counter in the order programs start, so that the
-  parts a program waits for have started, or start as soon as earlier rows finish (a launch
-  zeroes the counters first: :func:`zero_kernel`). Elsewhere (the interpreter runs programs one
-  after another) the same kernel runs twice: statistics, then the scaled parts, reading the row a
-  second time.
 
 Rows along another ``dim`` (``inner > 1``) step through memory by ``inner`` elements: correct, not
 coalesced (a transposed softmax is better served by the caller's layout).
@@ -39,10 +29,8 @@ Backward, with ``y`` the forward's output (saved; the input is not)::
 
     dx = y * (dy - sum(dy * y))
 
-the same three layouts: one block (``y`` and ``dy`` read once), a pass summing ``dy * y`` and a
-second (reversed) pass writing ``dx``, or split parts that each sum their ``dy * y``, wait for the
-row's other parts and write their ``dx`` (:func:`softmax_backward_split_kernel`). Math in float32,
-outputs in the input dtype.
+the same two layouts: one block (``y`` and ``dy`` read once), or a pass summing ``dy * y`` and a
+second (reversed) pass writing ``dx``. Math in float32, outputs in the input dtype.
 """
 
 from __future__ import annotations
@@ -58,7 +46,7 @@ from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
 from dlcore.declarations.op import Op, ScalarArg, TensorArg
 from dlcore.declarations.signature import Signature, cdiv, next_power_of_2
-from dlcore.declarations.space import Choice, Constraint, PowerOfTwo, SearchSpace, num_warps
+from dlcore.declarations.space import Constraint, PowerOfTwo, SearchSpace, num_warps
 from dlcore.errors import InvalidInputError
 from dlcore.runtime.template import Backward, define_kernel
 
@@ -77,12 +65,6 @@ MIN_PROGRAMS = 1024
 ELEMENTS_PER_THREAD = 16
 # The backward holds two tiles (y and dy): its tile is at most this many elements, rows beyond loop.
 MAX_BACKWARD_TILE = 8192
-# Split rows: the part one program holds in registers, and its warps (16 elements per thread).
-SPLIT_BLOCK, SPLIT_WARPS = 8192, 16
-# Counters the zeroing launch clears per program.
-ZERO_BLOCK = 1024
-# Backends whose programs run at once, so that one may wait for another (the interpreter runs them in turn).
-CONCURRENT_BACKENDS = ("cuda",)
 
 
 @triton.jit
@@ -199,105 +181,6 @@ def softmax_backward_kernel(
                      mask=row_mask & col_mask)
 
 
-@triton.jit
-def zero_kernel(ptr, n, BLOCK: tl.constexpr):
-    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(ptr + offsets, tl.zeros((BLOCK,), tl.int32), mask=offsets < n)
-
-
-@triton.jit
-def _take_part(sync_ptr, rows, SPLITS: tl.constexpr, SYNC: tl.constexpr):
-    # The (row, part) of this program. Synchronised, by a ticket from the counter after the rows'
-    # arrival counts, taken in the order programs start: every part a program will wait for has a
-    # running program already, or gets one once earlier rows (all of whose parts run) finish.
-    if SYNC:
-        ticket = tl.atomic_add(sync_ptr + rows, 1)
-    else:
-        ticket = tl.program_id(0)
-    return (ticket // SPLITS).to(tl.int64), ticket % SPLITS
-
-
-@triton.jit
-def _wait_for_row(sync_ptr, row, SPLITS: tl.constexpr):
-    # Count this part in (release: its statistics, stored before, are seen by whoever sees the
-    # count), then wait until every part of the row is (acquire).
-    arrived = tl.atomic_add(sync_ptr + row, 1, sem="release") + 1
-    while arrived < SPLITS:
-        arrived = tl.atomic_add(sync_ptr + row, 0, sem="acquire")
-
-
-@triton.jit
-def softmax_split_kernel(
-    x_ptr, out_ptr, part_ptr, sync_ptr,
-    rows, N, inner,
-    stride_x_outer, stride_x_inner, stride_x_col,
-    stride_out_outer, stride_out_inner, stride_out_col,
-    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, INNER: tl.constexpr,
-    SYNC: tl.constexpr, STATS: tl.constexpr, WRITE: tl.constexpr,
-):
-    # One part of BLOCK_N elements of one row. STATS: store the part's maximum m_p and
-    # s_p = sum(exp2(x - m_p)) at part_ptr[row, 0, part] and [row, 1, part]; WRITE: combine the
-    # row's parts, m = max(m_p), s = sum(s_p * exp2(m_p - m)), and store exp2(x - m) / s. SYNC:
-    # both in one launch, waiting for the row's other parts in between.
-    LOG2E: tl.constexpr = 1.4426950408889634
-    row, part = _take_part(sync_ptr, rows, SPLITS, SYNC)
-    cols = part * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = cols < N
-    x_row = x_ptr + _row_offsets(row, inner, stride_x_outer, stride_x_inner, INNER)
-    x = tl.load(x_row + cols * stride_x_col, mask=mask, other=-float("inf")).to(tl.float32) * LOG2E
-    parts = part_ptr + row * 2 * SPLITS_POW2
-    if STATS:
-        m = tl.max(x, axis=0)
-        # a part of -inf only: its sum is 0, whatever stands in for its maximum
-        m_safe = tl.where(m == -float("inf"), 0.0, m)
-        tl.store(parts + part, m)
-        tl.store(parts + SPLITS_POW2 + part, tl.sum(tl.exp2(x - m_safe), axis=0))
-    if SYNC:
-        _wait_for_row(sync_ptr, row, SPLITS)
-    if WRITE:
-        p = tl.arange(0, SPLITS_POW2)
-        # volatile: written by other programs during this one (no stale cached line)
-        part_m = tl.load(parts + p, mask=p < SPLITS, other=-float("inf"), volatile=True)
-        part_s = tl.load(parts + SPLITS_POW2 + p, mask=p < SPLITS, other=0.0, volatile=True)
-        m = tl.max(part_m, axis=0)
-        # A row of -inf only: 0 / 0 = NaN, as in torch.
-        m = tl.where(m == -float("inf"), 0.0, m)
-        scale = 1.0 / tl.sum(part_s * tl.exp2(part_m - m), axis=0)
-        out_row = out_ptr + _row_offsets(row, inner, stride_out_outer, stride_out_inner, INNER)
-        tl.store(out_row + cols * stride_out_col, (tl.exp2(x - m) * scale).to(out_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def softmax_backward_split_kernel(
-    dy_ptr, y_ptr, dx_ptr, part_ptr, sync_ptr,
-    rows, N, inner,
-    stride_dy_outer, stride_dy_inner, stride_dy_col,
-    stride_y_outer, stride_y_inner, stride_y_col,
-    stride_dx_outer, stride_dx_inner, stride_dx_col,
-    BLOCK_N: tl.constexpr, SPLITS: tl.constexpr, SPLITS_POW2: tl.constexpr, INNER: tl.constexpr,
-    SYNC: tl.constexpr, STATS: tl.constexpr, WRITE: tl.constexpr,
-):
-    # One part of one row: STATS stores the part's sum(dy * y) at part_ptr[row, part]; WRITE
-    # stores dx = y * (dy - the row's sum of the parts' sums). SYNC as in softmax_split_kernel.
-    row, part = _take_part(sync_ptr, rows, SPLITS, SYNC)
-    cols = part * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask = cols < N
-    y_row = y_ptr + _row_offsets(row, inner, stride_y_outer, stride_y_inner, INNER)
-    dy_row = dy_ptr + _row_offsets(row, inner, stride_dy_outer, stride_dy_inner, INNER)
-    y = tl.load(y_row + cols * stride_y_col, mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(dy_row + cols * stride_dy_col, mask=mask, other=0.0).to(tl.float32)
-    parts = part_ptr + row * SPLITS_POW2
-    if STATS:
-        tl.store(parts + part, tl.sum(y * dy, axis=0))
-    if SYNC:
-        _wait_for_row(sync_ptr, row, SPLITS)
-    if WRITE:
-        p = tl.arange(0, SPLITS_POW2)
-        dot = tl.sum(tl.load(parts + p, mask=p < SPLITS, other=0.0, volatile=True), axis=0)
-        dx_row = dx_ptr + _row_offsets(row, inner, stride_dx_outer, stride_dx_inner, INNER)
-        tl.store(dx_row + cols * stride_dx_col, (y * (dy - dot)).to(dx_ptr.dtype.element_ty), mask=mask)
-
-
 def as_rows3(t: torch.Tensor, dim: int) -> torch.Tensor:
     """``t`` as ``[outer, N, inner]`` around ``dim`` (normalised): a view where the dimensions
     before ``dim`` fold into one stride and those after it into another (every contiguous tensor),
@@ -316,59 +199,18 @@ def launch_tile(config: Config, n: int) -> tuple[int, int, int]:
     return block_m, block_n, warps
 
 
-def _strides(tensors: tuple[torch.Tensor, ...]) -> list[int]:
-    """Each ``[outer, N, inner]`` view's outer, inner and column strides, in the kernels' order."""
-    return [s for t in tensors for s in (t.stride(0), t.stride(2), t.stride(1))]
-
-
 def _call(kernel, tensors: tuple[torch.Tensor, ...], block: tuple[int, int, int]) -> KernelCall:
     """A launch of ``kernel`` over the ``[outer, N, inner]`` views ``tensors`` (inputs, then output)."""
     outer, n, inner = tensors[-1].shape
     rows = outer * inner
     block_m, block_n, warps = block
+    strides = [s for t in tensors for s in (t.stride(0), t.stride(2), t.stride(1))]
     return KernelCall(
         kernel, (cdiv(rows, block_m),),
-        (*tensors, rows, n, inner, *_strides(tensors)),
+        (*tensors, rows, n, inner, *strides),
         {"BLOCK_M": block_m, "BLOCK_N": block_n, "ONE_BLOCK": n <= block_n, "INNER": inner > 1,
          "num_warps": warps},
     )
-
-
-def parts_wait(profile: DeviceProfile | None, splits: int) -> bool:
-    """Whether the ``splits`` parts of a row can run in one launch that waits for them: the device's
-    programs run at once, and every part of a row has a multiprocessor of its own."""
-    return profile is not None and profile.backend in CONCURRENT_BACKENDS and 0 < splits <= profile.cores
-
-
-def _split_calls(kernel, tensors: tuple[torch.Tensor, ...], block_n: int, warps: int, statistics: int,
-                 profile: DeviceProfile | None) -> tuple[list[KernelCall], tuple]:
-    """The launches of the split ``kernel`` over the ``[outer, N, inner]`` views ``tensors`` (inputs, then
-    output) in parts of ``block_n``, ``statistics`` float32 numbers per part, and their scratch: one
-    launch after zeroing the counters where the parts can wait for each other (:func:`parts_wait`),
-    else the statistics launch, then the writing launch."""
-    outer, n, inner = tensors[-1].shape
-    rows = outer * inner
-    splits = cdiv(n, block_n)
-    splits_pow2 = next_power_of_2(splits)
-    device = tensors[-1].device
-    parts = torch.empty(rows * statistics * splits_pow2, dtype=torch.float32, device=device)
-    # each row's arrival count, then the ticket counter
-    sync = torch.empty(rows + 1, dtype=torch.int32, device=device)
-    args = (*tensors, parts, sync, rows, n, inner, *_strides(tensors))
-    common = {"BLOCK_N": block_n, "SPLITS": splits, "SPLITS_POW2": splits_pow2, "INNER": inner > 1,
-              "num_warps": warps}
-    grid = (rows * splits,)
-    if parts_wait(profile, splits):
-        zero = KernelCall(zero_kernel, (cdiv(rows + 1, ZERO_BLOCK),), (sync, rows + 1),
-                          {"BLOCK": ZERO_BLOCK, "num_warps": 4})
-        return [zero, KernelCall(kernel, grid, args, {**common, "SYNC": True, "STATS": True, "WRITE": True})], \
-            (parts, sync)
-    phases = ({"STATS": True, "WRITE": False}, {"STATS": False, "WRITE": True})
-    return [KernelCall(kernel, grid, args, {**common, "SYNC": False, **phase}) for phase in phases], (parts, sync)
-
-
-def _splits_row(config: Config, block_n: int, n: int) -> bool:
-    return bool(config.get("SPLIT", 0)) and n > block_n
 
 
 def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
@@ -378,11 +220,8 @@ def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
         return LaunchPlan(calls=[], result=out)
     d = dim % x.dim()
     x3, out3 = as_rows3(x, d), as_rows3(out, d)
-    block = launch_tile(config, x.shape[d])
-    if _splits_row(config, block[1], x.shape[d]):
-        calls, scratch = _split_calls(softmax_split_kernel, (x3, out3), block[1], block[2], 2, profile)
-        return LaunchPlan(calls=calls, result=out, scratch=scratch)
-    return LaunchPlan(calls=[_call(softmax_kernel, (x3, out3), block)], result=out)
+    call = _call(softmax_kernel, (x3, out3), launch_tile(config, x.shape[d]))
+    return LaunchPlan(calls=[call], result=out)
 
 
 def backward_config(config: Config, n: int) -> tuple[int, int, int]:
@@ -405,11 +244,7 @@ def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> Launch
     d = dim % y.dim()
     # dy comes from autograd in any layout (even expanded): a copy only where it does not fold.
     tensors = (as_rows3(dy, d), as_rows3(y, d), as_rows3(dx, d))
-    block = backward_config(config, y.shape[d])
-    if _splits_row(config, block[1], y.shape[d]):
-        calls, scratch = _split_calls(softmax_backward_split_kernel, tensors, block[1], block[2], 1, profile)
-        return LaunchPlan(calls=calls, result=dx, scratch=scratch)
-    return LaunchPlan(calls=[_call(softmax_backward_kernel, tensors, block)], result=dx)
+    return LaunchPlan(calls=[_call(softmax_backward_kernel, tensors, backward_config(config, y.shape[d]))], result=dx)
 
 
 def softmax_reference(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -438,22 +273,18 @@ def loop_block(rows: int, cores: int) -> int:
     return min(max(1 << (want.bit_length() - 1), MIN_LOOP_BLOCK), MAX_LOOP_BLOCK)
 
 
-def heuristic_config(rows: int, n: int, profile: DeviceProfile | None) -> Config:
-    """The default config for ``rows`` rows of ``n`` elements on ``profile``'s device: rows up to
+def heuristic_config(rows: int, n: int, cores: int) -> Config:
+    """The default config for ``rows`` rows of ``n`` elements on ``cores`` cores: rows up to
     MAX_ONE_BLOCK whole, several short rows per program while at least MIN_PROGRAMS programs remain;
-    longer rows split in parts of SPLIT_BLOCK where the parts can wait for each other
-    (:func:`parts_wait`), else in blocks of :func:`loop_block`; about ELEMENTS_PER_THREAD elements
-    per thread (H200, bf16: rows of 4096 at 100% of a same-size copy, 16384 at 91%)."""
+    longer rows in blocks of :func:`loop_block`; about ELEMENTS_PER_THREAD elements per thread
+    (H200, bf16: rows of 4096 at 100% of a same-size copy, 16384 at 91%)."""
     if n > MAX_ONE_BLOCK:
-        if parts_wait(profile, cdiv(n, SPLIT_BLOCK)):
-            return {"BLOCK_M": 1, "BLOCK_N": SPLIT_BLOCK, "num_warps": SPLIT_WARPS, "SPLIT": 1}
-        block_n = loop_block(rows, profile.cores if profile is not None else 0)
-        return {"BLOCK_M": 1, "BLOCK_N": block_n, "num_warps": min(block_n // (32 * ELEMENTS_PER_THREAD), 32),
-                "SPLIT": 0}
+        block_n = loop_block(rows, cores)
+        return {"BLOCK_M": 1, "BLOCK_N": block_n, "num_warps": min(block_n // (32 * ELEMENTS_PER_THREAD), 32)}
     block_n = max(next_power_of_2(n), 16)
     block_m = min(max(TILE // block_n, 1), max(rows // MIN_PROGRAMS, 1))
     warps = min(max(block_m * block_n // (32 * ELEMENTS_PER_THREAD), 1), 16)
-    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps, "SPLIT": 0}
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": warps}
 
 
 def default_config(sig: Signature, profile: DeviceProfile) -> Config:
@@ -461,9 +292,9 @@ def default_config(sig: Signature, profile: DeviceProfile) -> Config:
     length. Another ``dim`` is a row the ``rows`` bucket does not keep: one row per program, as wide
     as MAX_ONE_BLOCK, which the plan narrows to the row (:func:`launch_tile`)."""
     if sig.scalar("dim") != -1:
-        return {"BLOCK_M": 1, "BLOCK_N": MAX_ONE_BLOCK, "num_warps": 16, "SPLIT": 0}
+        return {"BLOCK_M": 1, "BLOCK_N": MAX_ONE_BLOCK, "num_warps": 16}
     rows, n = sig.tensor("x").shape
-    return heuristic_config(rows, n, profile)
+    return heuristic_config(rows, n, profile.cores if profile is not None else 0)
 
 
 def _elements_per_thread(c: Config) -> float:
@@ -471,15 +302,11 @@ def _elements_per_thread(c: Config) -> float:
 
 
 def space(profile: DeviceProfile) -> SearchSpace:
-    """Rows per program, row block width and warps; rows longer than BLOCK_N take two passes, or with
-    SPLIT a program per part of BLOCK_N (one row each). The backward derives its launch from the same
-    config (:func:`backward_config`)."""
+    """Rows per program, row block width and warps; rows longer than BLOCK_N take two passes. The
+    backward derives its launch from the same config (:func:`backward_config`)."""
     return SearchSpace(
-        [PowerOfTwo("BLOCK_M", 1, 128), PowerOfTwo("BLOCK_N", 16, 32768), num_warps(1, 2, 4, 8, 16, 32),
-         Choice("SPLIT", (0, 1))],
+        [PowerOfTwo("BLOCK_M", 1, 128), PowerOfTwo("BLOCK_N", 16, 32768), num_warps(1, 2, 4, 8, 16, 32)],
         [
-            Constraint("SPLIT == 0 or BLOCK_M == 1 (a split part is one row's)",
-                       lambda c: not c["SPLIT"] or c["BLOCK_M"] == 1),
             Constraint("BLOCK_M * BLOCK_N / (32 * num_warps) >= 2 (every thread has at least two elements)",
                        lambda c: _elements_per_thread(c) >= 2),
             Constraint("BLOCK_M * BLOCK_N / (32 * num_warps) <= 32 (the tile fits in registers)",
@@ -540,7 +367,7 @@ def _gradients(backward, saved, grads, needs) -> dict:
 
 KERNEL = define_kernel(
     OP, plan,
-    kernels=(softmax_kernel, softmax_backward_kernel, zero_kernel, softmax_split_kernel, softmax_backward_split_kernel),
+    kernels=(softmax_kernel, softmax_backward_kernel),
     results=lambda x, dim: torch.empty(x.shape, dtype=x.dtype, device=x.device),
     default_config=default_config,
     space=space,
