@@ -40,6 +40,13 @@ def test_check_runs_the_op_against_its_reference(capsys, op, shape):
     assert "chosen:    triton" in out
 
 
+def test_check_of_a_training_call(capsys):
+    """``--training``: the differentiable inputs require grad, and the choice is keyed as a training call."""
+    assert main(["check", "rms_norm", "--shape", "tokens=5,hidden=40", "--training"]) == 0
+    out = capsys.readouterr().out
+    assert ") training\n" in out and ": OK" in out
+
+
 def test_check_reports_a_mismatch(capsys, monkeypatch):
     reg = registry()
     wrong = dataclasses.replace(reg.ops["rms_norm"], reference=lambda x, w, eps: x * 2)

@@ -22,12 +22,16 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default=None, help="cuda when available, else cpu")
     p.add_argument("--impl", default=None, help="run this implementation instead of selecting one")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--training", action="store_true",
+                   help="the differentiable inputs require grad: the call a training step makes (its candidates "
+                        "timed forward and backward)")
     p.set_defaults(func=run_check)
 
 
 def run_check(args: argparse.Namespace) -> int:
     op = registry().op(args.op)
-    report = check_op(op, args.shape, DTYPES[args.dtype], resolve_device(args.device), impl=args.impl, seed=args.seed)
+    report = check_op(op, args.shape, DTYPES[args.dtype], resolve_device(args.device), impl=args.impl, seed=args.seed,
+                      training=args.training)
     print(report.explanation)
     sizes = ", ".join(f"{k}={v}" for k, v in report.sizes.items())
     verdict = "OK" if report.ok else f"MISMATCH: {report.problem}"
@@ -51,11 +55,14 @@ class CheckReport:
 
 
 def check_op(op: Op, sizes: dict[str, int], dtype: torch.dtype, device: str, impl: str | None = None,
-             seed: int = 0) -> CheckReport:
-    """Run ``get_op`` on random inputs of ``sizes`` and compare with the float64 reference."""
+             seed: int = 0, training: bool = False) -> CheckReport:
+    """Run ``get_op`` on random inputs of ``sizes`` and compare with the float64 reference; with
+    ``training`` the differentiable inputs require grad (get_op selects for a training step)."""
     check_sizes(op, sizes)
     full = {**op.example_sizes, **sizes}
     args = op.example_inputs(sizes, dtype, device, seed)
+    if training:
+        args = tuple(a.requires_grad_() if i in op.differentiable() else a for i, a in enumerate(args))
     bound = get_op(op.name, args, impl=impl)
     actual = as_tuple(bound(*args))
     expected = reference_result(op, args)
