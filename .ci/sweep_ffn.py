@@ -8,10 +8,11 @@ the first timing after the GPU idled).
 
     python3 .ci/sweep_ffn.py [OUT.jsonl] [--apply]
 
-SWEEP_SHAPES (``MxKxN,...``) narrows the shapes; at 16 rows or fewer the streaming kernel's K slice
-counts are timed, each with its share of the copy bandwidth. ``--apply`` rewrites ``PREFILL_TILE`` in the
-installed and the checked-out ``kernels/ffn.py`` to the config of least summed time over the shapes
-above 128 rows, when it beats the current one by more than 2% and lies in the op's space.
+SWEEP_SHAPES (``MxKxN,...``) narrows the shapes (SWEEP_SELECTION=0 skips get_op's selection); at 16
+rows or fewer the streaming kernel's column spreads, tiles, depths and K slice counts are timed,
+each with its share of the copy bandwidth. ``--apply`` rewrites ``PREFILL_TILE`` in the installed
+and the checked-out ``kernels/ffn.py`` to the config of least summed time over the shapes above 128
+rows, when it beats the current one by more than 2% and lies in the op's space.
 """
 
 from __future__ import annotations
@@ -37,9 +38,12 @@ def cfg(bm, bn, bk, w, s, joint=1, **extra):
 
 
 def candidates(m: int) -> list[dict]:
-    if m <= 16:  # weight streaming: decode_splits' rule (no SPLIT_K) beside fixed K slice counts
-        return [cfg(64, 128, 64, 4, 4), *(cfg(64, 128, 64, 4, 4, SPLIT_K=s) for s in (1, 2, 4, 8)),
-                cfg(64, 64, 128, 4, 4), cfg(64, 64, 128, 4, 4, SPLIT_K=1)]
+    if m <= 16:  # weight streaming: column blocks of BLOCK_N (SPREAD=0, decode_splits' K slices) beside
+        # columns spread evenly over whole waves of the SMs (decode_columns), tiles and depths
+        dot = [cfg(64, bn, bk, w, s) for bn, bk, w, s in (
+            (128, 64, 4, 4), (128, 64, 4, 5), (128, 64, 4, 6), (128, 64, 4, 8), (256, 64, 8, 3), (256, 64, 8, 4),
+            (64, 64, 4, 4), (64, 64, 4, 6), (128, 32, 4, 6), (128, 32, 4, 8))]
+        return [cfg(64, 128, 64, 4, 4, SPREAD=0), *dot]
     if m > 128:
         return [cfg(128, 128, 64, 8, 4), cfg(128, 128, 64, 8, 3), cfg(128, 128, 64, 8, 4, FLATTEN=0),
                 cfg(128, 128, 64, 8, 3, FLATTEN=0), cfg(256, 64, 64, 8, 3), cfg(128, 64, 64, 4, 4),
@@ -167,7 +171,9 @@ def main() -> None:
             kernel = plan.calls[-1].kernel.__name__
             if m <= 16:  # streaming: the share of a copy's bandwidth spent reading w1 and w3
                 splits = plan.calls[0].kwargs.get("SPLIT_K", 1)
-                kernel += f" SPLIT_K={splits} {4 * n * k / us / 1e3:.0f} GB/s {4 * n * k / us / 1e3 / copy:.0%} of copy"
+                rate = 4 * n * k / us / 1e3
+                kernel += (f" programs={plan.calls[0].grid[0]} columns={plan.calls[0].args[15]} SPLIT_K={splits}"
+                           f" {rate:.0f} GB/s {rate / copy:.0%} of copy")
             if m > 128 and space.is_valid(config) is None:
                 key = json.dumps(config, sort_keys=True)
                 totals[key] = totals.get(key, 0.0) + us
@@ -184,7 +190,7 @@ def main() -> None:
         if current not in totals or totals[best] < 0.98 * totals[current]:
             apply(json.loads(best))
     for m, k, n in shapes:
-        if m <= 128:
+        if m <= 128 and os.environ.get("SWEEP_SELECTION", "1") != "0":
             selection(m, k, n)
 
 

@@ -12,6 +12,7 @@ from dlblas_kernels.kernels.ffn import (
     KERNEL,
     OP,
     backward_plan,
+    decode_columns,
     decode_splits,
     ffn,
     ffn_reference,
@@ -98,19 +99,39 @@ def test_decode_split_over_k(splits, k, n, dtype, device, gen, launch, launches)
     assert 2 <= used <= splits
 
 
+def test_decode_columns_spread_over_whole_waves():
+    """On the H200 (132 SMs), at most 128 columns a program: N of at least a wave of column blocks
+    spread evenly over whole waves (LLaMA-3-70B's 28672: 264 programs of 109, not 224 of 128;
+    Qwen2.5-7B's 18944: 264 of 72, not 148 of 128); fewer blocks than cores (LLaMA-3-8B's 112,
+    DeepSeek-V3's shared expert's 16), SPREAD=0 or no core count: blocks of 128."""
+    config = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=4)
+    assert decode_columns(28672, config, H200) == (109, 264)
+    assert decode_columns(18944, config, H200) == (72, 264)
+    assert decode_columns(132 * 128, config, H200) == (128, 132)
+    assert decode_columns(14336, config, H200) == (128, 112)
+    assert decode_columns(2048, config, H200) == (128, 16)
+    assert decode_columns(28672, {**config, "SPREAD": 0}, H200) == (128, 224)
+    assert decode_columns(28672, config, UNKNOWN_DEVICE) == (128, 224)
+    for n in range(1, 3000, 7):  # every column in exactly one program, none empty
+        columns, programs = decode_columns(n, {**config, "BLOCK_N": 16}, H200)
+        assert columns <= 16 and (programs - 1) * columns < n <= programs * columns
+
+
 def test_decode_splits_fill_the_device():
     """On the H200 (132 SMs), 128 columns a program: DeepSeek-V3's shared expert (N 2048: 16 column
-    blocks) streams in 8 K slices, Qwen2.5-7B's 18944 columns (148 blocks: 0.56 of two waves) in 8,
-    LLaMA-3-8B's 14336 (112 blocks, 0.85 of a wave) and LLaMA-3-70B's 28672 (0.85 of two) in one;
-    more than 16 rows or no core count: one slice."""
+    blocks) streams in 8 K slices; Qwen2.5-7B's 18944 columns (148 blocks) spread over two whole
+    waves (:func:`decode_columns`) in one, and in 8 when not spread (0.56 of two waves);
+    LLaMA-3-8B's 14336 (112 blocks, 0.85 of a wave) and LLaMA-3-70B's 28672 in one; more than 16
+    rows or no core count: one slice."""
     config = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=4)
     assert decode_splits(1, 2048, 7168, config, H200) == 8
     assert decode_splits(16, 2048, 7168, config, H200) == 8
     assert decode_splits(17, 2048, 7168, config, H200) == 1
     assert decode_splits(1, 14336, 4096, config, H200) == 1
     assert decode_splits(1, 28672, 8192, config, H200) == 1
-    assert decode_splits(1, 18944, 3584, config, H200) == 8
-    assert decode_splits(16, 18944, 3584, config, H200) == 7
+    assert decode_splits(1, 18944, 3584, config, H200) == 1
+    assert decode_splits(1, 18944, 3584, {**config, "SPREAD": 0}, H200) == 8
+    assert decode_splits(16, 18944, 3584, {**config, "SPREAD": 0}, H200) == 7
     assert decode_splits(1, 2048, 512, config, H200) == 2  # slices of at least 4 K steps
     assert decode_splits(1, 2048, 7168, config, UNKNOWN_DEVICE) == 1
     assert decode_splits(1, 2048, 7168, {**config, "SPLIT_K": 3}, UNKNOWN_DEVICE) == 3

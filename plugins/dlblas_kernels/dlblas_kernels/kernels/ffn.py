@@ -12,7 +12,8 @@ normalised input is never written at full precision and the GEMMs need only ``rs
 regimes, chosen by the config: when one row block holds every row (``rows <= BLOCK_M``),
 
 - **weight streaming** (decoding, a few tokens): one kernel, one program per ``BLOCK_N`` columns of
-  both weights, every row in it. Each program computes the rows' sums of squares and ``x * rms_w``
+  both weights (fewer where N spreads evenly over whole waves of the cores: :func:`decode_columns`),
+  every row in it. Each program computes the rows' sums of squares and ``x * rms_w``
   in its K loop from ``x`` (a few kilobytes, read from L2), and streams its slices of ``w1`` and
   ``w3`` once from memory (loads marked evict-first: nothing reads them again), so the kernel
   reads the weights once at close to the copy bandwidth;
@@ -128,7 +129,7 @@ def rms_scale_kernel(
 @triton.jit
 def ffn_decode_kernel(
     x_ptr, rms_w_ptr, w1_ptr, w3_ptr, out_ptr, gate_ptr, up_ptr, part_ptr, sum_sq_ptr,
-    M, N, K, eps, w3_offset, k_per_split,
+    M, N, K, eps, w3_offset, k_per_split, columns,
     stride_xm, stride_xk,
     stride_rms_w,
     stride_w1n, stride_w1k,
@@ -137,9 +138,9 @@ def ffn_decode_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STORE_PRE: tl.constexpr,
     SPLIT_K: tl.constexpr,
 ):
-    # Every row (M <= BLOCK_M) against BLOCK_N columns of w1 and w3 (w3's rows from w3_offset
-    # elements on: w13's second half), over K slice program_id(1) of k_per_split elements: each
-    # weight element is read once by one program. x is small and shared by all programs (L2); the
+    # Every row (M <= BLOCK_M) against `columns` (<= BLOCK_N) columns of w1 and w3 (w3's rows from
+    # w3_offset elements on: w13's second half), over K slice program_id(1) of k_per_split
+    # elements: each weight element is read once by one program. x is small and shared by all programs (L2); the
     # weights stream through. STORE_PRE: the pre-activations gate and up stored too (out's
     # strides), for the backward. With SPLIT_K > 1 the slice's float32 sums go to part
     # [SPLIT_K, 2, M, N] and its rows' sums of squares to sum_sq [SPLIT_K, M] (written by the
@@ -147,10 +148,10 @@ def ffn_decode_kernel(
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M).to(tl.int64)
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    offs_n = (pid_n * columns + tl.arange(0, BLOCK_N)).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
-    mask_n = offs_n < N
+    mask_n = (tl.arange(0, BLOCK_N) < columns) & (offs_n < N)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
 
@@ -317,12 +318,29 @@ def rms_scale_call(x2: torch.Tensor, rms_w: torch.Tensor, xs: torch.Tensor, rstd
     )
 
 
+def decode_columns(n: int, config: Config, profile: DeviceProfile | None) -> tuple[int, int]:
+    """``(columns, programs)``: the columns of w1 and w3 each streaming program takes, and the
+    programs over N. ``BLOCK_N`` columns each; with ``SPREAD`` (1 unless the config says 0) and a
+    core count, the column blocks rounded up to whole waves of the device's cores and N spread
+    evenly over them: each program takes ``cdiv(N, programs) <= BLOCK_N`` columns, so every core
+    streams about as many bytes as every other (LLaMA-3-8B's 14336 columns on the H200's 132 SMs:
+    132 programs of 109 columns, where 112 blocks of 128 leave 20 SMs idle)."""
+    block_n = config["BLOCK_N"]
+    programs = cdiv(n, block_n)
+    cores = profile.cores if profile is not None else 0
+    if not config.get("SPREAD", 1) or not cores or programs < cores:
+        return block_n, programs
+    columns = cdiv(n, cdiv(programs, cores) * cores)
+    return columns, cdiv(n, columns)
+
+
 def decode_splits(m: int, n: int, k: int, config: Config, profile: DeviceProfile | None) -> int:
-    """K slices of the streaming kernel. One where the column blocks fill their waves of the device's
-    cores to at least SPLIT_BELOW_FILL, above MAX_SPLIT_ROWS rows, or with no core count; otherwise
-    the count (at most MAX_DECODE_SPLITS, each slice at least MIN_SLICE_STEPS K steps long) whose
-    programs fill their waves best, the float32 partial sums it writes and reads back counted
-    against it (:func:`_split_cost`). ``config['SPLIT_K']`` (when set) decides instead.
+    """K slices of the streaming kernel. One where its programs (:func:`decode_columns`) fill their
+    waves of the device's cores to at least SPLIT_BELOW_FILL, above MAX_SPLIT_ROWS rows, or with no
+    core count; otherwise the count (at most MAX_DECODE_SPLITS, each slice at least MIN_SLICE_STEPS
+    K steps long) whose programs fill their waves best, the float32 partial sums it writes and
+    reads back counted against it (:func:`_split_cost`). ``config['SPLIT_K']`` (when set) decides
+    instead.
 
     Measured on the H200 (132 SMs, 128 columns a program): LLaMA-3-8B's 112 column blocks fill
     0.85 of a wave and stream fastest unsliced (74% of the copy bandwidth, 68% in 2 to 8 slices);
@@ -331,7 +349,7 @@ def decode_splits(m: int, n: int, k: int, config: Config, profile: DeviceProfile
     if config.get("SPLIT_K"):
         return max(1, min(config["SPLIT_K"], cdiv(k, config["BLOCK_K"])))
     cores = profile.cores if profile is not None else 0
-    programs = cdiv(n, config["BLOCK_N"])
+    programs = decode_columns(n, config, profile)[1]
     if not cores or m > MAX_SPLIT_ROWS or _filled(programs, cores) >= SPLIT_BELOW_FILL:
         return 1
     most = max(1, min(MAX_DECODE_SPLITS, k // (MIN_SLICE_STEPS * config["BLOCK_K"])))
@@ -354,8 +372,8 @@ def decode_calls(x2: torch.Tensor, rms_w: torch.Tensor, w1: torch.Tensor | None,
                  w13: torch.Tensor | None, out2: torch.Tensor, eps: float, config: Config,
                  profile: DeviceProfile | None, gate: torch.Tensor | None = None,
                  up: torch.Tensor | None = None) -> tuple[list[KernelCall], tuple]:
-    """The weight-streaming launches: a program per ``BLOCK_N`` columns and K slice
-    (:func:`decode_splits`), every row in it; with several slices, their float32 partial sums
+    """The weight-streaming launches: a program per group of columns (:func:`decode_columns`) and
+    K slice (:func:`decode_splits`), every row in it; with several slices, their float32 partial sums
     (scratch, returned) added up by :func:`ffn_decode_finish_kernel`. ``w13`` is passed whole, w3
     being its rows from N on (an argument at offset zero: the launch replays). ``gate`` and ``up``
     (``out2``'s strides), when given, receive the pre-activations."""
@@ -364,6 +382,7 @@ def decode_calls(x2: torch.Tensor, rms_w: torch.Tensor, w1: torch.Tensor | None,
     if w13 is not None:
         w1 = w3 = w13
     w3_offset = n * w13.stride(0) if w13 is not None else 0
+    columns, programs = decode_columns(n, config, profile)
     splits = decode_splits(m, n, k, config, profile)
     k_per_split = cdiv(cdiv(k, splits), config["BLOCK_K"]) * config["BLOCK_K"]
     splits = cdiv(k, k_per_split)
@@ -376,8 +395,8 @@ def decode_calls(x2: torch.Tensor, rms_w: torch.Tensor, w1: torch.Tensor | None,
     gate_out = out2 if gate is None else gate
     up_out = out2 if up is None else up
     calls = [KernelCall(
-        ffn_decode_kernel, (cdiv(n, config["BLOCK_N"]), splits),
-        (x2, rms_w, w1, w3, out2, gate_out, up_out, part, sum_sq, m, n, k, float(eps), w3_offset, k_per_split,
+        ffn_decode_kernel, (programs, splits),
+        (x2, rms_w, w1, w3, out2, gate_out, up_out, part, sum_sq, m, n, k, float(eps), w3_offset, k_per_split, columns,
          x2.stride(0), x2.stride(1), rms_w.stride(0),
          w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1), out2.stride(0), out2.stride(1)),
         {"BLOCK_M": max(next_power_of_2(m), MIN_DOT_ROWS), "BLOCK_N": config["BLOCK_N"],
@@ -583,9 +602,14 @@ def default_config(sig: Signature, profile: DeviceProfile) -> Config:
     """By the row count (rounded up to a power of two), as measured on the H200 at LLaMA-3-8B's
     shape (K 4096, N 14336, bfloat16):
 
-    - up to DECODE_ROWS: weight streaming, 128 columns of each weight per program (112 programs:
-      one per multiprocessor, none waiting; 32 columns, 448 programs in waves, streamed at half the
-      rate), 64-wide K slices four stages deep: 86-87% of the copy bandwidth at 1 and 16 rows;
+    - up to DECODE_ROWS: weight streaming, at most 128 columns of each weight per program, spread
+      over whole waves of the multiprocessors (:func:`decode_columns`), 64-wide K slices four
+      stages deep. w1 and w3 read at, of the copy bandwidth, 1 and 16 rows: LLaMA-3-8B 75% (112
+      programs; cuBLAS's GEMM over [w1; w3] 80%), LLaMA-3-70B 89% (264 programs of 109 columns;
+      83% in 224 blocks of 128), Qwen2.5-7B 72% (264 of 72; 71% in 148 blocks over 8 K slices),
+      DeepSeek-V3's shared expert 46-48% (16 blocks over 8 K slices; cuBLAS 52%). Deeper
+      pipelines, 256 or 64 columns, 32-wide K slices and, for 1 row, products on the cores
+      without tl.dot (at best 8 columns by 512-wide K slices: 70%, 79%, 72%, 42%) were slower;
     - up to 128: the GEMM with 64-row tiles (128-row tiles, or streaming with 128 rows, leave
       multiprocessors idle or spill), as many columns as fill the multiprocessors
       (:func:`few_rows_block_n`; narrower tiles take K slices of 128);
