@@ -16,7 +16,13 @@ elements).
   Each block's loads are issued before the previous block is reduced, so a program has two blocks
   in flight; the block is sized by how many programs share a core (:func:`loop_block`). The
   re-read costs: on the H200 (bf16) rows of 32768 and 131072 move 81% and 72% of a same-size
-  copy's bandwidth, where rows held whole reach 91% (16384) to 100% (4096).
+  copy's bandwidth, where rows held whole reach 91% (16384) to 100% (4096). Reading once by
+  splitting a row over programs that each hold a block in registers and exchange their maxima and
+  sums through global memory (an atomic count per row, the programs of a row waiting for each
+  other) was measured and is not used: H200, bf16, blocks of 2048 to 16384 elements, rows of
+  16384 to 131072 at 58-79% of a same-size copy (their best: 4096-element blocks, 4 warps), no
+  faster than the re-read; the zeroing launch the counters need costs 3.5 us, a start ticket per
+  program 4 us, and the time spent waiting is not the spinning (a backoff changed nothing).
 
 Rows along another ``dim`` (``inner > 1``) step through memory by ``inner`` elements: correct, not
 coalesced (a transposed softmax is better served by the caller's layout).
