@@ -7,9 +7,10 @@ kernel (tensors, or their addresses as integers), and of one ``torch.empty_strid
 asked for with the named implementation, its inputs requiring grad; the forward runs once, untimed,
 on the timing stream.
 
-    python3 .ci/backward_host.py [OP:IMPL ...]    (default: ffn:triton ffn:torch softmax:triton)
+    python3 .ci/backward_host.py [OP:IMPL[:SIZES] ...]    (default: ffn:triton ffn:torch softmax:triton)
 
-Shapes: ffn at DeepSeek-V3's shared expert (1024 tokens, 7168 -> 2048), softmax 4096 x 4096; bf16.
+Shapes: ffn at DeepSeek-V3's shared expert (1024 tokens, 7168 -> 2048) unless SIZES says
+(``tokens=16,hidden=4096,inter=14336``), softmax 4096 x 4096; bf16.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import triton
 import triton.language as tl
 
 import dlcore
+from dlcore.bench.presets import parse_sizes
 from dlcore.plugins.registry import registry
 from dlcore.runtime import launch
 
@@ -71,17 +73,17 @@ def launch_costs() -> None:
         print(f"{what}: {host_us(fn, 3000):.2f} us", flush=True)
 
 
-def inputs(name: str) -> list:
+def inputs(name: str, sizes: dict[str, int] | None = None) -> list:
     op = registry().op(name)
     if name == "softmax":
         args = (torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16), -1)
     else:
-        args = op.example_inputs(SIZES[name], torch.bfloat16, torch.device("cuda"))
+        args = op.example_inputs(sizes or SIZES[name], torch.bfloat16, torch.device("cuda"))
     return [a.detach().requires_grad_() if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
 
 
-def measure(name: str, impl: str, stream: torch.cuda.Stream) -> None:
-    leaves = inputs(name)
+def measure(name: str, impl: str, stream: torch.cuda.Stream, sizes: dict[str, int] | None = None) -> None:
+    leaves = inputs(name, sizes)
     wrt = [a for a in leaves if torch.is_tensor(a) and a.requires_grad]
     bound = dlcore.get_op(name, leaves, impl=impl)
     out = bound(*leaves)
@@ -124,8 +126,9 @@ def main(argv: list[str]) -> None:
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):  # the forward on the stream the graph captures (its backward follows it)
         for spec in argv or ["ffn:triton", "ffn:torch", "softmax:triton"]:
-            name, _, impl = spec.partition(":")
-            measure(name, impl or "triton", stream)
+            name, _, rest = spec.partition(":")
+            impl, _, sizes = rest.partition(":")
+            measure(name, impl or "triton", stream, parse_sizes(sizes) if sizes else None)
 
 
 if __name__ == "__main__":

@@ -183,6 +183,52 @@ def test_custom_op_bodies_replay_their_launches(name, sizes, reduce_dim, monkeyp
     assert len(replays) >= 3, "later steps replay (forward, backward or both)"
 
 
+def _in_a_new_thread(fn):
+    import threading
+
+    found = []
+    thread = threading.Thread(target=lambda: found.append(fn()))
+    thread.start()
+    thread.join()
+    assert found, "the thread raised (see the warning above)"
+    return found[0]
+
+
+def test_a_launch_recorded_in_one_thread_replays_in_another(monkeypatch):
+    """Kernels built on device-side tensor descriptors (the GEMM block's persistent kernel) ask
+    Triton's allocator for scratch, and Triton keeps the allocator per thread: a bound matmul
+    recorded here replays in new threads, and a training step of ffn whose backward was recorded
+    on autograd's device thread replays on the caller's thread once device threads are off."""
+    allocating = []
+    original = launch.Template.run
+    monkeypatch.setattr(launch.Template, "run",
+                        lambda self, args: allocating.append(self.allocates) or original(self, args))
+    op = registry().op("matmul")
+    args = op.example_inputs({"tokens": 512, "hidden": 1024, "inter": 768}, torch.bfloat16, "cuda", 0)
+    bound = dlcore.get_op("matmul", args, impl="triton")
+    expected = reference_result(op, args)
+    assert mismatch(bound(*args), expected, 1024) is None
+    for _ in range(2):
+        assert mismatch(_in_a_new_thread(lambda: bound(*args)), expected, 1024) is None
+    assert any(allocating), "the matmul took the descriptor kernel (else this test shows nothing)"
+
+    ffn = registry().op("ffn")
+    args = ffn.example_inputs({"tokens": 512, "hidden": 1024, "inter": 768}, torch.bfloat16, "cuda", 1)
+    leaves = [a.detach().requires_grad_() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+              for a in args]
+    bound = dlcore.get_op("ffn", leaves, impl="triton")
+    try:
+        for threads in (True, False):
+            torch.autograd.set_multithreading_enabled(threads)
+            for _ in range(2):
+                out = bound(*leaves)
+                grads = torch.autograd.grad(out, [a for a in leaves if isinstance(a, torch.Tensor) and
+                                                  a.requires_grad], torch.ones_like(out))
+                assert all(torch.isfinite(g).all() for g in grads)
+    finally:
+        torch.autograd.set_multithreading_enabled(True)
+
+
 @pytest.mark.parametrize("mode", ["fwd", "bwd"])
 def test_graph_timer_times_forwards_and_backwards(mode):
     """--timer cudagraph: each implementation captured and replayed, backwards included (their

@@ -580,3 +580,75 @@ def test_the_shelf_keeps_the_most_recently_shelved(tmp_path, monkeypatch):
         shelf.store(name, compiled)
     assert list(shelf.entries) == ["c", "a", "d"]
     assert list(launch.Shelf(tmp_path / "kernel.json").entries) == ["c", "a", "d"]  # as written
+
+
+class ScratchCompiled(Compiled):
+    """A compiled kernel that asks Triton's allocator for global scratch (device-side tensor
+    descriptors do), as Triton's launcher does: it fails where the launching thread has none."""
+
+    metadata = SimpleNamespace(global_scratch_size=128)
+
+    def run(self, *args):
+        from triton.runtime import _allocation
+
+        self.kernel.allocations.append(_allocation._allocator.get()(128, 128, None))
+        super().run(*args)
+
+
+def _without_allocator(fn):
+    """Run ``fn`` in a new thread: Triton's allocator context variable starts unset there."""
+    errors = []
+
+    def target():
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - reported to the test's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    thread.join()
+    if errors:
+        raise errors[0]
+
+
+def test_a_thread_replaying_or_launching_a_kernel_with_scratch_gets_an_allocator(triton_runtime, monkeypatch):
+    """A template recorded by one thread and replayed by another (autograd's device thread, a
+    server's workers), and a direct launch from a new thread: Triton's allocator is set in the
+    launching thread before a kernel that asks it for scratch runs, torch's caching allocator."""
+    from dlcore.runtime import allocator
+
+    handed = []
+    monkeypatch.setattr(allocator, "_torch_allocator", lambda size, alignment, stream: handed.append(size) or "buf")
+    kernel = JITFunction(compiled=ScratchCompiled)
+    kernel.allocations = []
+    run = launch.Replay(scale_plan(kernel), {"scale": 2.0}, None)
+    x = torch.randn(3, 5)
+    _without_allocator(lambda: run((x,)))  # recorded: the plan's path, then a template
+    assert len(kernel.planned) == 1
+    outs = []
+    for _ in range(2):
+        _without_allocator(lambda: outs.append(run((x,))))
+    for out in outs:
+        torch.testing.assert_close(out, x * 2, rtol=0, atol=0)
+    assert len(kernel.replays) == 2 and kernel.allocations == ["buf", "buf"] and handed == [128, 128]
+    out = torch.empty_like(x)
+    _without_allocator(lambda: launch.launch(KernelCall(kernel, (1,), (x, out, 15, 3.0), {"BLOCK": 64})))
+    assert len(kernel.replays) == 3 and kernel.allocations[-1] == "buf"
+    torch.testing.assert_close(out, x * 3, rtol=0, atol=0)
+
+
+def test_kernels_without_scratch_leave_the_allocator_alone(triton_runtime):
+    from triton.runtime import _allocation
+
+    kernel = JITFunction()
+    run = launch.Replay(scale_plan(kernel), {"scale": 2.0}, None)
+    seen = []
+
+    def calls():
+        run((torch.randn(4),))
+        run((torch.randn(4),))
+        seen.append(_allocation._allocator.get())
+
+    _without_allocator(calls)
+    assert len(kernel.replays) == 1 and isinstance(seen[0], _allocation.NullAllocator)

@@ -25,6 +25,9 @@ FlagGems' LibEntry) owns what dlcore does instead, and nothing else:
   replayed after, with no plan, no pass and no specialization key (see :class:`Replay`).
 
 Kernels that run in the interpreter, and kernels with pre-run hooks, always go through Triton.
+A kernel that asks Triton's allocator for global scratch is launched after
+:func:`dlcore.runtime.allocator.ensure_allocator` in the launching thread, whichever thread
+compiled it or recorded its template.
 
 **Triton internals relied on**, checked once at the first launch of a compiled kernel
 (:func:`internals`): ``triton.knobs.runtime`` (launch hooks, stages hook, JIT cache hooks),
@@ -65,6 +68,7 @@ import torch
 
 from dlcore.cachedir import default_directory, write_json
 from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan, PlanTransform
+from dlcore.runtime.allocator import ensure_allocator, needs_allocator
 
 #: exact inputs remembered per bound op
 LIMIT = 64
@@ -287,6 +291,8 @@ class KernelEntry:
                         self.compiled[key] = compiled
                     if launched:
                         return compiled, values
+        if needs_allocator(compiled):
+            ensure_allocator()
         run_compiled(compiled, grid3(call.grid), active.get_current_stream(device), values)
         return compiled, values
 
@@ -500,7 +506,7 @@ class _Launch:
 class Template:
     """The launches of one exact input, ready to replay."""
 
-    __slots__ = ("launches", "results", "scratch", "single", "from_input", "device", "hook")
+    __slots__ = ("launches", "results", "scratch", "single", "from_input", "device", "hook", "allocates")
 
     def __init__(self, launches: list[_Launch], results: list[tuple | None], scratch: list[tuple], single: bool,
                  from_input: dict[int, int], device: int, hook: Any):
@@ -513,8 +519,13 @@ class Template:
         self.from_input = from_input
         self.device = device
         self.hook = hook
+        #: a launch asks Triton's allocator for scratch: the replaying thread needs one
+        #: (:mod:`dlcore.runtime.allocator`), whichever thread recorded the template
+        self.allocates = any(needs_allocator(launch.compiled) for launch in launches)
 
     def run(self, args: tuple) -> Any:
+        if self.allocates:
+            ensure_allocator()
         outs: list[Any] = []
         for i, spec in enumerate(self.results):
             if spec is None:

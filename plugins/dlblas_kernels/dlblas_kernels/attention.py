@@ -53,11 +53,12 @@ import torch
 import triton
 import triton.language as tl
 
-from dlblas_kernels.gemm import TMA_ALIGNMENT, TMA_ARCHS, ensure_allocator, fit_stages
+from dlblas_kernels.gemm import TMA_ALIGNMENT, TMA_ARCHS, fit_stages
 from dlblas_kernels.kernels.apply_rotary_pos_emb import rotate_pairs
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, KernelCall
 from dlcore.declarations.signature import cdiv, next_power_of_2
+from dlcore.runtime.allocator import ensure_allocator
 
 LOG2E = 1.4426950408889634
 #: tl.dot's smallest reduction: narrower heads (and pair halves) are padded to it

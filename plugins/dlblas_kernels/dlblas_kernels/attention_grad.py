@@ -73,6 +73,7 @@ from dlblas_kernels.kernels.apply_rotary_pos_emb import rotate_pairs
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
 from dlcore.declarations.signature import cdiv, next_power_of_2
+from dlcore.runtime.allocator import ensure_allocator
 
 LOG2E = 1.4426950408889634
 #: rows of the preprocess kernel's programs
@@ -643,7 +644,7 @@ def backward_calls(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         tma_dkdv = tma_dkdv and tables_take_tma(cos, sin, interleaved, q)
         tma_dq = tma_dq and tables_take_tma(cos, sin, interleaved, k)
     if (tma_dkdv or tma_dq) and q.device.type == "cuda":
-        gemm.ensure_allocator()
+        ensure_allocator()
     calls = []
     if b * hq * sq:
         calls.append(KernelCall(attention_bwd_preprocess_kernel, (cdiv(sq, PREPROCESS_ROWS), b * hq), (

@@ -10,13 +10,14 @@ K, chosen per call from the config and the device profile:
   a ``[K, M]`` one). ``min(units, profile.cores)`` programs, each walking the output tiles
   ``pid, pid + programs, ...`` in the grouped order, the tiles loaded
   through descriptors built on the device (``tl.make_tensor_descriptor``, which asks Triton's
-  allocator for 128 bytes of global memory per descriptor and program: :func:`ensure_allocator`
-  installs one backed by torch where none is set). No warp specialisation: Triton 3.6 ignores
-  ``tl.range(warp_specialize=True)`` on sm_90 (the cubin is the same as without it) and fails to
-  compile it for sm_100 with this epilogue. The descriptors are made in the kernel, not on
-  the host, because a launch's arguments must stay plain tensors and numbers: dlcore's launch
-  templates replay a launch with new tensors in the same slots, which a host-side descriptor
-  (holding its tensor) would defeat.
+  allocator for 128 bytes of global memory per descriptor and program: dlcore's
+  :func:`~dlcore.runtime.allocator.ensure_allocator` installs one backed by torch where none is
+  set, before the plan and before every launch of such a kernel, whatever the thread). No warp
+  specialisation: Triton 3.6 ignores ``tl.range(warp_specialize=True)`` on sm_90 (the cubin is
+  the same as without it) and fails to compile it for sm_100 with this epilogue. The descriptors
+  are made in the kernel, not on the host, because a launch's arguments must stay plain tensors
+  and numbers: dlcore's launch templates replay a launch with new tensors in the same slots,
+  which a host-side descriptor (holding its tensor) would defeat.
 - **pointers** (:func:`gemm_kernel`): everything else, the interpreter included (pre-Hopper chips,
   strides or alignments the copy engine cannot take): one program per output tile, masked loads
   of any strides, software-pipelined by Triton (``num_stages``).
@@ -79,6 +80,7 @@ from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
 from dlcore.declarations.signature import cdiv
 from dlcore.declarations.space import Constraint
+from dlcore.runtime.allocator import ensure_allocator
 
 #: what ``activation`` may be
 ACTIVATIONS = (None, "relu", "silu", "gelu_tanh")
@@ -456,21 +458,6 @@ KERNELS = (gemm_kernel, splitk_reduce_kernel, gemm_tma_kernel)
 
 
 # --- host side -----------------------------------------------------------------------------------
-
-def _torch_allocator(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-    return torch.empty(size, dtype=torch.int8, device="cuda")
-
-
-def ensure_allocator() -> None:
-    """Give Triton an allocator (torch's caching allocator) for the device-side descriptors' global
-    scratch, unless one is set in this context already. Triton keeps it in a context variable: a
-    thread that replays a launch of another thread's plan needs its own (a plan call sets it)."""
-    from triton.runtime import _allocation  # Triton's own holder; no public getter exists
-
-    current = getattr(_allocation, "_allocator", None)
-    if current is None or isinstance(current.get(), getattr(_allocation, "NullAllocator", ())):
-        triton.set_allocator(_torch_allocator)
-
 
 @dataclass(frozen=True)
 class Epilogue:
