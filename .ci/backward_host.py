@@ -1,11 +1,11 @@
 """Where a backward's time goes on the GPU host: the host time of ``torch.autograd.grad`` per call
 (autograd's device threads on and off), do_bench's median of the same call (L2 flushed), and the GPU
-time alone (20 backwards captured in a CUDA graph), then cProfile's top functions of 200 backwards
-(device threads off, so the profiler sees dlcore's formula). First, the host cost of one launch of
-a small kernel (eight pointers) by ``kernel[grid]`` and by dlcore's direct call of the compiled
-kernel (tensors, or their addresses as integers), and of one ``torch.empty_strided``. Each op is
-asked for with the named implementation, its inputs requiring grad; the forward runs once, untimed,
-on the timing stream.
+time alone (20 backwards captured in a CUDA graph) and per kernel (torch.profiler), then cProfile's
+top functions of 200 backwards (device threads off, so the profiler sees dlcore's formula). First,
+the host cost of one launch of a small kernel (eight pointers) by ``kernel[grid]`` and by dlcore's
+direct call of the compiled kernel (tensors, or their addresses as integers), and of one
+``torch.empty_strided``. Each op is asked for with the named implementation, its inputs requiring
+grad; the forward runs once, untimed, on the timing stream.
 
     python3 .ci/backward_host.py [OP:IMPL[:SIZES] ...]    (default: ffn:triton ffn:torch softmax:triton)
 
@@ -110,6 +110,14 @@ def measure(name: str, impl: str, stream: torch.cuda.Stream, sizes: dict[str, in
     end.record()
     end.synchronize()
     print(f"{name}:{impl} GPU alone: {start.elapsed_time(end) / 20 * 1e3:.1f} us", flush=True)
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            backward()
+        torch.cuda.synchronize()
+    for event in sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:10]:
+        print(f"  {event.device_time_total / 20:8.1f} us a backward, {event.count // 20} launches: {event.key[:110]}")
     profile = cProfile.Profile()
     profile.enable()
     for _ in range(200):

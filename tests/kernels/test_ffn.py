@@ -11,12 +11,14 @@ from dlblas_kernels import gemm
 from dlblas_kernels.kernels.ffn import (
     KERNEL,
     OP,
+    backward_gemm_config,
     backward_plan,
     decode_columns,
     decode_splits,
     ffn,
     ffn_reference,
     ffn_training_reference,
+    input_grad_splits,
     training_plan,
 )
 from dlblas_kernels.kernels.ffn import plan as forward_plan
@@ -27,7 +29,7 @@ from dlcore import InvalidInputError
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.signature import make_signature
 from dlcore.runtime.template import UNKNOWN_DEVICE
-from dlcore.testing import assert_close, randn, strided_like, tolerance, upcast
+from dlcore.testing import assert_close, poison, randn, strided_like, tolerance, upcast
 
 TRITON = KERNEL.implementation
 
@@ -223,6 +225,34 @@ def test_backward_plan_writes_every_output(config, device, gen, launch):
     grads = torch.autograd.grad(composite(*leaves), leaves, dout.double())
     for got, want in zip((dx, dw13[:23], dw13[23:], drms_w), grads):
         assert_close(got, want, torch.float32, reduce_dim=41)
+
+
+@pytest.mark.parametrize("form", ["w1, w3", "w13"])
+def test_backward_input_grad_split_over_the_reduction(form, device, gen, profile, launch, launches):
+    """With few output tiles (3 rows, K 41: two 16 x 32 tiles) and a device of many cores, dxn's
+    reduction over the 2N = 140 columns is sliced (two slices of 80 and 60 columns, the first
+    straddling w1 and w3, ragged 16-column steps) and the float32 partial sums added by the
+    split-K reduce: the gradients, poisoned first, against autograd through the float64
+    composite, with w1, w3 and with w13."""
+    config = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=8, num_warps=4, num_stages=1)
+    x, w1, w3, rms_w = inputs((3,), 41, 70, torch.float32, device, gen)
+    w13 = torch.cat([w1, w3]) if form == "w13" else None
+    dout = randn(3, 70, device=device, generator=gen)
+    _, gate, up = ffn_training_reference(x, w1, w3, rms_w)
+    many = dataclasses.replace(profile, arch="sm_80", cores=64)  # the pointer kernels, many cores
+    assert input_grad_splits(3, 41, 70, backward_gemm_config(config), many) == 2  # slices of 4 steps or more
+    args = (dout, x, *((None, None) if w13 is not None else (w1, w3)), rms_w, 1e-6, w13, gate, up)
+    plan = backward_plan(args, config, many)
+    for t in plan.result:
+        poison(t)
+    dx, dw13, drms_w = launch(plan)
+    leaves = [t.double().requires_grad_() for t in (x, w1, w3, rms_w)]
+    grads = torch.autograd.grad(composite(*leaves), leaves, dout.double())
+    for got, want in zip((dx, dw13[:70], dw13[70:], drms_w), grads):
+        assert_close(got, want, torch.float32, reduce_dim=41)
+    names = [name for name, _ in launches]
+    assert "splitk_reduce_kernel" in names
+    assert ("ffn_input_grad_kernel" in names) == (w13 is None)
 
 
 def test_rms_weight_in_another_dtype(device, gen, run):

@@ -255,19 +255,22 @@ def swiglu_backward_kernel(
 @triton.jit
 def ffn_input_grad_kernel(
     dh_ptr, w1_ptr, w3_ptr, out_ptr,
-    M, K, N,
+    M, K, N, k_per_split,
     stride_dm, stride_dn,
     stride_w1n, stride_w1k,
     stride_w3n, stride_w3k,
-    stride_om, stride_ok,
+    stride_om, stride_ok, stride_osplit,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
 ):
     # out [M, K] = dh[:, :N] @ w1 + dh[:, N:] @ w3: one accumulator, the reduction over the N
     # columns of d gate against w1's rows, then over those of d up against w3's. BLOCK_N tiles
     # the output's K columns and BLOCK_K the reduction; the tile order and the K loop are the
-    # GEMM block's.
+    # GEMM block's. program_id(1) takes the reduction's slice [s * k_per_split, ...) of the 2N
+    # columns (its part in w1, then its part in w3) and stores at out + s * stride_osplit (with
+    # several slices: a float32 workspace [slices, M, K] the GEMM block's split-K reduce adds up).
     pid_m, pid_n = grouped_tile(tl.program_id(0), tl.cdiv(M, BLOCK_M), tl.cdiv(K, BLOCK_N), GROUP_M)
+    split = tl.program_id(1)
     offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_c = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     offs_r = tl.arange(0, BLOCK_K)
@@ -277,16 +280,20 @@ def ffn_input_grad_kernel(
     stride_dn = tl.cast(stride_dn, tl.int64)
     stride_w1n = tl.cast(stride_w1n, tl.int64)
     stride_w3n = tl.cast(stride_w3n, tl.int64)
+    start = split * k_per_split
+    end = tl.minimum(start + k_per_split, 2 * N)
+    lo1, hi1 = tl.minimum(start, N), tl.minimum(end, N)
+    lo3, hi3 = tl.maximum(start, N) - N, tl.maximum(end, N) - N
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    a_ptrs = dh_ptr + offs_m[:, None] * stride_dm + offs_r[None, :] * stride_dn
-    b_ptrs = w1_ptr + offs_r[:, None] * stride_w1n + offs_c[None, :] * stride_w1k
-    acc = dot_range(acc, a_ptrs, b_ptrs, mask_m, mask_c, offs_r, 0, N, stride_dn, stride_w1n, BLOCK_K, "ieee")
-    a_ptrs = dh_ptr + offs_m[:, None] * stride_dm + (N + offs_r)[None, :] * stride_dn
-    b_ptrs = w3_ptr + offs_r[:, None] * stride_w3n + offs_c[None, :] * stride_w3k
-    acc = dot_range(acc, a_ptrs, b_ptrs, mask_m, mask_c, offs_r, 0, N, stride_dn, stride_w3n, BLOCK_K, "ieee")
+    a_ptrs = dh_ptr + offs_m[:, None] * stride_dm + (lo1 + offs_r)[None, :] * stride_dn
+    b_ptrs = w1_ptr + (lo1 + offs_r)[:, None] * stride_w1n + offs_c[None, :] * stride_w1k
+    acc = dot_range(acc, a_ptrs, b_ptrs, mask_m, mask_c, offs_r, lo1, hi1, stride_dn, stride_w1n, BLOCK_K, "ieee")
+    a_ptrs = dh_ptr + offs_m[:, None] * stride_dm + (N + lo3 + offs_r)[None, :] * stride_dn
+    b_ptrs = w3_ptr + (lo3 + offs_r)[:, None] * stride_w3n + offs_c[None, :] * stride_w3k
+    acc = dot_range(acc, a_ptrs, b_ptrs, mask_m, mask_c, offs_r, lo3, hi3, stride_dn, stride_w3n, BLOCK_K, "ieee")
 
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_c[None, :] * stride_ok
+    out_ptrs = out_ptr + split.to(tl.int64) * stride_osplit + offs_m[:, None] * stride_om + offs_c[None, :] * stride_ok
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_c[None, :])
 
 
@@ -486,6 +493,45 @@ def backward_gemm_config(config: Config) -> Config:
     return {**config, "BLOCK_N": min(2 * config["BLOCK_N"], 256)}
 
 
+def input_grad_splits(m: int, k: int, n: int, gemm: Config, profile: DeviceProfile | None) -> int:
+    """Slices of the reduction over the 2N columns for ``dxn = dh @ [w1; w3]``: with few rows its
+    output ``[M, K]`` has few tiles (LLaMA-3-8B at 16 tokens: 16 of 64 x 256, against 132 SMs on
+    the H200, which streamed the weights at 1.3 TB/s: 185 us where cuBLAS's split-K takes 75), so
+    as many slices as keep the tiles' programs within one wave of the device's cores, each at
+    least MIN_SLICE_STEPS K steps long; one without a core count."""
+    cores = profile.cores if profile is not None else 0
+    tiles = cdiv(m, gemm["BLOCK_M"]) * cdiv(k, gemm["BLOCK_N"])
+    if not cores or tiles * 2 > cores:
+        return 1
+    most = max(1, 2 * n // (MIN_SLICE_STEPS * gemm["BLOCK_K"]))
+    return max(1, min(cores // tiles, most))
+
+
+def input_grad_calls(dh: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, dxn: torch.Tensor, gemm: Config,
+                     splits: int) -> tuple[list[KernelCall], tuple]:
+    """``dxn = dh[:, :N] @ w1 + dh[:, N:] @ w3`` without concatenating the weights, over ``splits``
+    slices of the reduction (float32 partial sums added up by the GEMM block's split-K reduce)."""
+    (m, k), n = dxn.shape, w1.shape[0]
+    k_per_split = cdiv(cdiv(2 * n, splits), gemm["BLOCK_K"]) * gemm["BLOCK_K"]
+    splits = cdiv(2 * n, k_per_split)
+    tile = {"BLOCK_M": gemm["BLOCK_M"], "BLOCK_N": gemm["BLOCK_N"], "BLOCK_K": gemm["BLOCK_K"],
+            "GROUP_M": gemm["GROUP_M"], "num_warps": gemm["num_warps"], "num_stages": gemm["num_stages"]}
+    grid = (cdiv(m, gemm["BLOCK_M"]) * cdiv(k, gemm["BLOCK_N"]), splits)
+    common = (m, k, n, k_per_split, dh.stride(0), dh.stride(1), w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1))
+    if splits == 1:
+        return [KernelCall(ffn_input_grad_kernel, grid, (dh, w1, w3, dxn, *common, dxn.stride(0), dxn.stride(1), 0),
+                           tile)], ()
+    work = torch.empty(splits, m, k, dtype=torch.float32, device=dxn.device)
+    block_m, block_n = 32, 128
+    return [
+        KernelCall(ffn_input_grad_kernel, grid, (dh, w1, w3, work, *common, k, 1, m * k), tile),
+        KernelCall(gemm_block.splitk_reduce_kernel, (cdiv(m, block_m), cdiv(k, block_n)), (
+            work, dxn, dxn, dxn, dxn, dxn, m, k, dxn.stride(0), dxn.stride(1), 0, 0,
+        ), {"BLOCK_M": block_m, "BLOCK_N": block_n, "SPLIT_K": splits, "HAS_BIAS": False, "HAS_SCALE": False,
+            "HAS_COL_SCALE": False, "ACTIVATION": None, "ACT_GRAD": False, "num_warps": 4}),
+    ], (work,)
+
+
 def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     """Launches for ``(dx, dw13, drms_w)`` from ``args = (dout, x, w1, w3, rms_w, eps, w13, gate, up)``:
     ``xn`` and ``rstd`` (row kernel); ``dh`` from the saved pre-activations; ``dxn`` from ``dh`` and
@@ -512,16 +558,11 @@ def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> Launch
             {"BLOCK_N": block, "num_warps": min(max(block // 256, 1), 4)},
         ),
     ]
+    splits = input_grad_splits(m, k, n, gemm, profile)
     if w13 is not None:
-        calls_x, scratch_x = gemm_calls(dh, w13, dxn, gemm, profile)
+        calls_x, scratch_x = gemm_calls(dh, w13, dxn, {**gemm, "SPLIT_K": splits}, profile)
     else:
-        calls_x, scratch_x = [KernelCall(
-            ffn_input_grad_kernel, (cdiv(m, gemm["BLOCK_M"]) * cdiv(k, gemm["BLOCK_N"]),),
-            (dh, w1, w3, dxn, m, k, n, dh.stride(0), dh.stride(1), w1.stride(0), w1.stride(1),
-             w3.stride(0), w3.stride(1), dxn.stride(0), dxn.stride(1)),
-            {"BLOCK_M": gemm["BLOCK_M"], "BLOCK_N": gemm["BLOCK_N"], "BLOCK_K": gemm["BLOCK_K"],
-             "GROUP_M": gemm["GROUP_M"], "num_warps": gemm["num_warps"], "num_stages": gemm["num_stages"]},
-        )], ()
+        calls_x, scratch_x = input_grad_calls(dh, w1, w3, dxn, gemm, splits)
     calls_w, scratch_w = gemm_calls(dh.T, xn, dw13, gemm, profile)
     norm = rms_norm.backward_plan((dxn, x2, rms_w, None, eps), rms_norm.heuristic_config(m, k), profile)
     dx_rows, drms = norm.result
