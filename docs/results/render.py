@@ -442,37 +442,33 @@ TARGETS = [
      '(Qwen2.5-7B at 1 token: 164 against 88 us)',
      'yes'),
     ("`get_op('ffn')` vs the best composite, every shape >= 1.0x",
-     'lowest 0.90x; below 1.0x at 6 of 24 shapes: LLaMA-3-70B at 1, 16 and 128 tokens (0.94x, 0.95x, '
-     "0.94x: compile's cuBLAS GEMM reads the weights at 95% of the copy bandwidth, the streaming kernel at "
-     "89 to 90%); LLaMA-3-8B at 16384 tokens (0.90x: get_op's own timing of the same Triton kernel and "
-     "config 10% slower than `dlcore[triton]`'s, 0.99x, the GPU slowing under sustained load); DeepSeek-V3's "
-     'shared expert at 4096 and 16384 tokens (0.96x, 0.99x)',
+     'lowest 0.87x; below 1.0x at 7 of 24 shapes: Qwen2.5-7B at 128 tokens (0.87x: get_op chose the vendor '
+     "composite, 102 us, the Triton GEMM 103; compile's 88.6, a cuBLAS GEMM over 37888 columns where the "
+     "Triton tiles of 64 x 128 per weight make 296 programs, 2.2 waves of 132 SMs), at 1 and 16 tokens "
+     "(0.97x, 0.99x: 73% of the copy bandwidth); LLaMA-3-8B and -70B at 128 tokens (0.96x, 0.94x); "
+     "LLaMA-3-8B and Qwen2.5-7B at 16384 tokens (0.93x, 0.94x: get_op's timing of the same kernel 6 to 9% "
+     "slower than `dlcore[triton]`'s, 0.99x and 1.03x, the GPU slowing under sustained load); LLaMA-3-70B at "
+     "4096 tokens (0.98x). LLaMA-3-70B at 1 and 16 tokens now 1.02x and 1.04x (0.94x, 0.95x before its "
+     "columns were spread over whole waves of the SMs)",
      'no'),
     ('ffn at 1 to 16 tokens: w1 and w3 read at >= 85% of the copy bandwidth',
-     "LLaMA-3-70B 89 to 90%, LLaMA-3-8B 77%, Qwen2.5-7B 69 to 73% (63% before its 148 column blocks, 0.56 "
-     "of two waves on 132 SMs, were split over K into 8 slices), DeepSeek-V3's shared expert 47 to 48% "
-     '(56 MiB; 16% before the split into 8 K slices; cuBLAS reads it at 52%)',
+     "LLaMA-3-70B 93 to 94% (83% in 224 blocks of 128 columns before `decode_columns` spread its 28672 "
+     "columns over 264 programs of 109), LLaMA-3-8B 77% (112 programs, fewer than the SMs; cuBLAS's GEMM "
+     "over [w1; w3] 80% in `.ci/sweep_ffn.py`), Qwen2.5-7B 73 to 74% (264 programs of 72 columns), "
+     "DeepSeek-V3's shared expert 47% (56 MiB in 16 column blocks over 8 K slices; cuBLAS 52%). Tried and "
+     "not kept: the products on the CUDA cores without tl.dot (best 70%, 79%, 72%, 42%), deeper pipelines, "
+     "256 or 64 columns, 32-wide K slices",
      'no'),
     ("ffn backward vs compile's, >= 1.0x",
-     "`get_op` (training-aware selection) geomean 1.03x, lowest 0.76x; below 1.0x at 11 of 24 shapes, four "
-     "of them at 0.99x; the worst at 128 tokens and fewer (LLaMA-3-70B 16 and 128 tokens 0.92x and 0.89x, Qwen2.5-7B "
-     "1 token 0.85x) and DeepSeek-V3's shared expert at 1024 and 4096 tokens "
-     "(0.93x at 4096; 0.76x at 1024: get_op 365 us where its choice "
-     "timed alone, the vendor candidate, took 303 us). The profile (`torch.profiler` and cProfile of the "
-     "training step, H200, DeepSeek-V3's shared expert at 1024 tokens): the GPU works 311 us per forward + "
-     "backward in the Triton kernels, 315 in compile's and about 330 in the vendor candidate's, but a "
-     "training step takes 640 us (Triton) and 750 (vendor): the host spends 190 us in the forward and 380 in "
-     "the backward (six launches at 10 to 20 us each in Triton's launcher, 13 tensor allocations, the "
-     "autograd engine about 100 us), so at 1024 tokens and fewer the backward is host-bound, and compile's "
-     "one compiled graph has less of it. Re-measured at that shape on a later lease of the H200 host "
-     "(2026-12-02, `dlcore bench ffn --shapes deepseek-v3-shared --tokens 1024 --dtype bf16 --mode bwd --vs "
-     "compile --impls triton,vendor --rounds 2`): get_op 252 us (Triton), the Triton kernels alone 230, the "
-     "vendor candidate 252, compile 312: 1.23x, 1.35x alone. That host launched faster "
-     "(`python3 .ci/backward_host.py`): the backward's "
-     "host time 214 us (autograd's device threads on; 247 off) against 225 us of GPU time (a CUDA graph of "
-     "it), a replayed launch 6.8 us (`kernel[grid]` 16.5), `torch.empty_strided` 2.1 us, the forward's host "
-     "time 97 us (190 before). Host-bound rows move with the host, so this table wants one run in one "
-     "lease; and get_op's choice ran 9% slower than the same implementation alone (vs best 0.91x)",
+     "`get_op` (training-aware selection) geomean 1.04x, lowest 0.88x; below 1.0x at Qwen2.5-7B 16 and 128 "
+     "tokens (0.90x, 0.88x) and LLaMA-3-70B 128 tokens (0.96x) and a few at 0.98-0.99x. With few rows dxn's "
+     "GEMM had few output tiles (LLaMA-3-8B 16 tokens: 16 programs streaming the weights at 1.3 TB/s, 185 us "
+     "of a 300 us backward on the GPU; `python3 .ci/backward_host.py ffn:triton:tokens=16,hidden=4096,"
+     "inter=14336`, torch.profiler per kernel); split over the reduction (`input_grad_splits`) it takes "
+     "64 us and the backward 183 us of GPU time, the composite's 178 (Qwen2.5-7B 128 tokens: 377 -> 221 us; "
+     "LLaMA-3-70B 1 token: 664 -> 554 us, dxn at 4.3 TB/s). What remains at 128 tokens and fewer is the "
+     "host: do_bench 340 to 630 us a backward against 180 to 220 of GPU time (autograd's device thread, "
+     "seven launches), so these rows move with the host from run to run",
      'no'),
 ]
 OTHER = OTHER_TEMPLATE.replace("{targets}", "\n".join(
