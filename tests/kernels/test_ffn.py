@@ -414,7 +414,7 @@ def test_default_config_lies_in_the_space(tokens, path, profile):
 
 
 @pytest.mark.parametrize("tokens, hidden, inter, block_n, block_k", [
-    (128, 4096, 14336, 128, 64),  # 224 tiles of 128 columns fill the 132 multiprocessors
+    (128, 4096, 14336, 64, 128),  # 448 tiles of 64 columns fill the 132 multiprocessors
     (128, 7168, 2048, 32, 128),  # DeepSeek-V3's shared expert: 32 tiles of 128, 64 of 64, 128 of 32
     (100, 7168, 8192, 64, 128),
 ])
@@ -425,8 +425,8 @@ def test_few_rows_take_tiles_that_fill_the_device(tokens, hidden, inter, block_n
     config = TRITON.default_config(make_signature(OP, args, x.device), H200)
     assert (config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]) == (64, block_n, block_k)
     assert TRITON.space(H200).is_valid(config) is None
-    # a profile that knows no cores: the widest tile
-    assert TRITON.default_config(make_signature(OP, args, x.device), UNKNOWN_DEVICE)["BLOCK_N"] == 128
+    # a profile that knows no cores: 64 columns
+    assert TRITON.default_config(make_signature(OP, args, x.device), UNKNOWN_DEVICE)["BLOCK_N"] == 64
 
 
 BAD = {"int32 x": "x", "w1 dtype": "w1", "w3 dtype": "w3", "int32 rms_w": "rms_w", "rank-0 x": "x", "3-D w1": "w1",

@@ -628,14 +628,15 @@ def _columns(sig: Signature) -> int:
 
 
 def few_rows_block_n(m: int, n: int, cores: int) -> int:
-    """The columns of each weight per 64-row tile for 65 to 128 rows: 128 where those tiles fill the
-    multiprocessors once, else the widest of 64 and 32 that does (32 at the least). H200, 128 rows,
-    bf16 (.ci/sweep_ffn.py): LLaMA-3-8B's 4096 -> 14336, 224 tiles of 128, 88.5 us (64: 88.9, 32:
-    103.7); DeepSeek-V3's shared expert 7168 -> 2048, 32 tiles of 128, 60.9 us, 64 tiles of 64,
-    42.4, 128 tiles of 32, 41.3 (cuBLAS 53.5)."""
-    for block_n in (128, 64):
-        if not cores or cdiv(m, 64) * cdiv(n, block_n) >= cores:
-            return block_n
+    """The columns of each weight per 64-row tile for 65 to 128 rows: 64 (K slices of 128) where
+    those tiles fill the multiprocessors at least once (or no core count is known), else 32.
+    H200, 128 rows, bf16 (.ci/sweep_ffn.py, 2026-12-04; 128 columns by K slices of 64 beside):
+    LLaMA-3-8B's 4096 -> 14336 87.3 us (86.9; cuBLAS's GEMM over [w1; w3] 74.5), Qwen2.5-7B's
+    3584 -> 18944 93.7 (104.1: 296 tiles, 2.2 waves of 132 SMs; cuBLAS 80.4), LLaMA-3-70B's
+    8192 -> 28672 261.8 (281.2; cuBLAS 250.8); DeepSeek-V3's shared expert 7168 -> 2048: 32 tiles
+    of 128 60.9 us, 64 tiles of 64 42.4, 128 tiles of 32 41.3 (cuBLAS 53.5)."""
+    if not cores or cdiv(m, 64) * cdiv(n, 64) >= cores:
+        return 64
     return 32
 
 
@@ -652,8 +653,8 @@ def default_config(sig: Signature, profile: DeviceProfile) -> Config:
       pipelines, 256 or 64 columns, 32-wide K slices and, for 1 row, products on the cores
       without tl.dot (at best 8 columns by 512-wide K slices: 70%, 79%, 72%, 42%) were slower;
     - up to 128: the GEMM with 64-row tiles (128-row tiles, or streaming with 128 rows, leave
-      multiprocessors idle or spill), as many columns as fill the multiprocessors
-      (:func:`few_rows_block_n`; narrower tiles take K slices of 128);
+      multiprocessors idle or spill), 64 columns of each weight by K slices of 128, 32 where 64
+      leave multiprocessors idle (:func:`few_rows_block_n`);
     - more: :data:`PREFILL_TILE`, 128 x 128 tiles of each weight (a 128 x 256 output tile).
 
     The GEMM takes the pair-tile kernel (``JOINT``) where the copy engine takes the operands;
@@ -665,7 +666,7 @@ def default_config(sig: Signature, profile: DeviceProfile) -> Config:
                   "JOINT": 1}
     elif m <= 128:
         block_n = few_rows_block_n(m, _columns(sig), profile.cores if profile is not None else 0)
-        config = {"BLOCK_M": 64, "BLOCK_N": block_n, "BLOCK_K": 64 if block_n == 128 else 128, "GROUP_M": 8,
+        config = {"BLOCK_M": 64, "BLOCK_N": block_n, "BLOCK_K": 128, "GROUP_M": 8,
                   "num_warps": 4, "num_stages": 4, "JOINT": 1}
     else:
         config = dict(PREFILL_TILE)
