@@ -444,7 +444,9 @@ TARGETS = [
     ("`get_op('ffn')` vs the best composite, every shape >= 1.0x",
      'lowest 0.87x; below 1.0x at 7 of 24 shapes: Qwen2.5-7B at 128 tokens (0.87x: get_op chose the vendor '
      "composite, 102 us, the Triton GEMM 103; compile's 88.6, a cuBLAS GEMM over 37888 columns where the "
-     "Triton tiles of 64 x 128 per weight make 296 programs, 2.2 waves of 132 SMs), at 1 and 16 tokens "
+     "Triton tiles of 64 x 128 per weight made 296 programs, 2.2 waves of 132 SMs; tiles of 64 x 64 since "
+     "(`few_rows_block_n`): 93.7 us in `.ci/sweep_ffn.py`, LLaMA-3-70B 261.8 against 281.2, not yet through "
+     "the bench), at 1 and 16 tokens "
      "(0.97x, 0.99x: 73% of the copy bandwidth); LLaMA-3-8B and -70B at 128 tokens (0.96x, 0.94x); "
      "LLaMA-3-8B and Qwen2.5-7B at 16384 tokens (0.93x, 0.94x: get_op's timing of the same kernel 6 to 9% "
      "slower than `dlcore[triton]`'s, 0.99x and 1.03x, the GPU slowing under sustained load); LLaMA-3-70B at "
