@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from dlc_ascend import passes, pipeline
+from dlc_ascend import invoke, passes, pipeline
 from dlc_ascend.chips import chip
 from dlc_ascend.toolchain import find
 
@@ -178,6 +178,41 @@ def test_an_adapter_that_leaves_triton_operations_is_caught(tmp_path, monkeypatc
         pipeline.linalg(BOUNDED, _adapter_pipeline(), _context())
 
 
+def _crashing_adapter(tmp_path: Path, crashes: int) -> Path:
+    """A fake triton-adapter-opt: its first ``crashes`` runs die of SIGSEGV, later ones copy IN to OUT."""
+    body = f"""count=$(cat {tmp_path}/runs 2>/dev/null || echo 0); echo $((count + 1)) > {tmp_path}/runs
+if [ "$count" -lt {crashes} ]; then echo "PLEASE submit a bug report" >&2; kill -SEGV $$; fi
+cp "$1" "$4"
+"""
+    return _script(tmp_path / "adapter", body)
+
+
+def test_an_adapter_pass_that_crashes_is_run_again_and_the_retry_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("DLC_ASCEND_ADAPTER_OPT", str(_crashing_adapter(tmp_path, crashes=2)))
+    context = _context()
+    module = "module {\n}\n"
+    assert passes.AdapterPass("triton-to-annotation")(module, context) == module
+    assert _runs(tmp_path) == 3
+    assert context.compile.scratch[passes.RETRIED] == ["--triton-to-annotation, exit status -11"] * 2
+
+
+def test_an_adapter_that_always_crashes_stops_after_bounded_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("DLC_ASCEND_ADAPTER_OPT", str(_crashing_adapter(tmp_path, crashes=99)))
+    with pytest.raises(LoweringError, match=rf"triton-adapter-opt failed .*{invoke.ATTEMPTS} runs failed, each by a "
+                                            r"crash \(exit status -11\)(.|\n)*PLEASE submit"):
+        passes.AdapterPass("triton-to-annotation")("module {\n}\n", _context())
+    assert _runs(tmp_path) == invoke.ATTEMPTS
+
+
+@pytest.mark.parametrize("code, crashed", [(-11, True), (-6, True), (-7, True), (139, True), (134, True),
+                                           (1, False), (0, False), (-15, False), (2, False)])
+def test_a_crash_is_told_from_an_error_exit(code, crashed):
+    run = invoke.ToolRun("triton-adapter-opt", "linalg", code, "", "error: something", 0.1)
+    assert run.crashed is crashed
+    assert invoke.comes_and_goes(run) is crashed
+    assert invoke.comes_and_goes(run, ["something"]) is (code != 0)
+
+
 def _bishengir(tmp_path: Path, first: str, then: str = "") -> Path:
     """A fake bishengir-compile: the first run does ``first``, later runs ``then``; counts its runs."""
     hivm = tmp_path / "hivm.mlir"
@@ -186,6 +221,7 @@ def _bishengir(tmp_path: Path, first: str, then: str = "") -> Path:
 for a in "$@"; do case "$a" in --save-temps=*) dir="${{a#--save-temps=}}";; esac; done
 write() {{ cp {hivm} "$dir/module.hivm.opt.mlir"; echo "[ERROR] Cannot find hivmc under \\$PATH" >&2; exit 1; }}
 transient() {{ echo "error: hivm.hir.store only support store ub to gm" >&2; exit 1; }}
+crash() {{ echo "Stack dump:" >&2; kill -SEGV $$; }}
 broken() {{ echo "error: failed to legalize operation 'linalg.generic'" >&2; exit 1; }}
 silent() {{ exit 0; }}
 if [ "$count" = 0 ]; then {first}; else {then or first}; fi
@@ -201,6 +237,13 @@ def test_a_transient_bishengir_failure_is_retried_and_reported(tmp_path, monkeyp
     monkeypatch.setenv("DLC_ASCEND_BISHENGIR", str(_bishengir(tmp_path, "transient", "write")))
     made = pipeline.hivm(ADD_ONE_LINALG, PART, None)
     assert _runs(tmp_path) == 2 and len(made.retried) == 1 and "store ub to gm" in made.retried[0]
+    assert made.hivm == HIVM_OUT
+
+
+def test_a_bishengir_crash_is_retried_and_reported(tmp_path, monkeypatch):
+    monkeypatch.setenv("DLC_ASCEND_BISHENGIR", str(_bishengir(tmp_path, "crash", "write")))
+    made = pipeline.hivm(ADD_ONE_LINALG, PART, None)
+    assert _runs(tmp_path) == 2 and len(made.retried) == 1 and "Stack dump" in made.retried[0]
     assert made.hivm == HIVM_OUT
 
 

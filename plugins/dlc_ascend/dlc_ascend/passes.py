@@ -39,6 +39,8 @@ STAGE = "linalg"
 LOWERING = "triton_to_linalg"
 
 _A2_A3 = "compile-on-910-95=False force-simt-template=False"
+#: the compile's scratch key of the adapter runs retried after a crash
+RETRIED = "dlc_ascend_adapter_retried"
 
 
 @dataclass(frozen=True)
@@ -53,13 +55,19 @@ class AdapterPass:
         return f"--{self.flag}={self.options}" if self.options else f"--{self.flag}"
 
     def __call__(self, module: str, stage: StageContext) -> str:
+        """The pass's output module; a crashed run is retried (:func:`dlc_ascend.invoke.comes_and_goes`),
+        each retry kept in the compile's scratch under :data:`RETRIED` (the flag and exit status)."""
         adapter = locate(ADAPTER.name)
-        with tempfile.TemporaryDirectory(prefix="dlc-ascend-adapter-") as tmp:
-            source, out = Path(tmp) / "in.mlir", Path(tmp) / "out.mlir"
-            source.write_text(module)
-            done = invoke.run(adapter, [str(source), self.argument, "-o", str(out)], STAGE,
-                              step=f"{self.argument} on {stage.kernel}")
-            return invoke.read_module(out, done)
+        for _ in range(invoke.ATTEMPTS):
+            with tempfile.TemporaryDirectory(prefix="dlc-ascend-adapter-") as tmp:
+                source, out = Path(tmp) / "in.mlir", Path(tmp) / "out.mlir"
+                source.write_text(module)
+                done = invoke.run(adapter, [str(source), self.argument, "-o", str(out)], STAGE,
+                                  step=f"{self.argument} on {stage.kernel}")
+                if not invoke.comes_and_goes(done):
+                    return invoke.read_module(out, done)
+                stage.compile.scratch.setdefault(RETRIED, []).append(f"--{self.flag}, exit status {done.returncode}")
+        raise invoke.gave_up(done)
 
 
 #: (dlcore name, adapter flag, options, what it does), in triton-ascend's order

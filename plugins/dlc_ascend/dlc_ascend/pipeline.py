@@ -16,13 +16,11 @@
   Without ``hivmc`` the lowering stops after hivm with
   :class:`~dlcore.errors.ToolchainMissingError`.
 
-bishengir-compile fails now and then on some kernels with a message that another run of the same
-input does not give (:data:`TRANSIENT`): such a run is retried, up to :data:`ATTEMPTS` runs, and the
-retries are noted on the lowering; every other failure stops at once. The outcome follows the
-process's memory addresses: with address randomisation off (``setarch -R``) and the same folder, one
-input always fails or always passes. ffn's weight-streaming kernel fails about a third of fresh runs
-(27 of 80, bishengir-compile 1.2.0; every other kernel 0 of 10): three runs failed about one
-lowering in 25, eight fail about one in 5000. A missing tool stops the
+Failures that come and go (:mod:`dlc_ascend.invoke`: a crash, or one of bishengir-compile's
+:data:`TRANSIENT` messages) are retried, up to :data:`~dlc_ascend.invoke.ATTEMPTS` runs, and the retries
+are noted on the lowering; every other failure stops at once. ffn's weight-streaming kernel fails
+about a third of fresh bishengir-compile runs (27 of 80, bishengir-compile 1.2.0; every other kernel
+0 of 10), and triton-adapter-opt crashes about once in 150 runs of a pass. A missing tool stops the
 lowering with :class:`~dlcore.errors.ToolchainMissingError`, whose ``partial`` holds the stages
 reached and whose message says how to get the tool. Passes bound to ``hivm`` or ``bin`` only read
 their stage (one bishengir run makes both, so a changed module could not reach the binary): one that
@@ -68,8 +66,8 @@ BISHENGIR_OPTIONS = (
 )
 #: bishengir-compile's messages for failures another run of the same input need not repeat
 TRANSIENT = ("hivm.hir.store only support store ub to gm", "Failed to collect vector loop tiling info")
-#: bishengir-compile runs at most, per kernel, while its failures are transient
-ATTEMPTS = 8
+#: bishengir-compile runs at most, per kernel, while its failures come and go
+ATTEMPTS = invoke.ATTEMPTS
 #: what ``--save-temps`` leaves: the HIVM IR after HIVM's optimisations
 HIVM_FILE = "module.hivm.opt.mlir"
 #: the device binary for ``-o kernel``: ``kernel.o`` from bishengir-compile 1.2, ``kernel_reloc.o`` before
@@ -111,10 +109,6 @@ def without_mix_mode(linalg: str) -> tuple[str, str]:
     (``aiv``, ``aic``, ``mix``; empty when absent)."""
     found = _MIX_MODE.search(linalg)
     return _MIX_MODE.sub("", linalg), found.group(1) if found else ""
-
-
-def is_transient(stderr: str) -> bool:
-    return any(message in stderr for message in TRANSIENT)
 
 
 # --------------------------------------------------------------------------------------------
@@ -186,14 +180,14 @@ class Bishengir:
 def hivm(linalg_ir: str, part: Chip, hivmc: Found | None) -> Bishengir:
     """linalg -> HIVM IR, and the binary when ``hivmc`` is given (see the module docstring).
 
-    :raises LoweringError: bishengir-compile failed (after :data:`ATTEMPTS` runs if transiently), or
-        wrote no HIVM IR, or (with ``hivmc``) no binary.
+    :raises LoweringError: bishengir-compile failed (after :data:`ATTEMPTS` runs if each failure came and
+        went), or wrote no HIVM IR, or (with ``hivmc``) no binary.
     :raises ToolchainMissingError: ``bishengir-compile`` is not found.
     """
     bishengir = locate(BISHENGIR.name)
     source, mix_mode = without_mix_mode(linalg_ir)
     retried: list[str] = []
-    while True:
+    for _ in range(ATTEMPTS):
         with tempfile.TemporaryDirectory(prefix="dlc-ascend-bishengir-") as tmp:
             folder = Path(tmp)
             (folder / "kernel.ttadapter.mlir").write_text(source)
@@ -201,13 +195,10 @@ def hivm(linalg_ir: str, part: Chip, hivmc: Found | None) -> Bishengir:
             done = invoke.run(bishengir, ["kernel.ttadapter.mlir", f"--target={part.name}", *BISHENGIR_OPTIONS,
                                           f"--save-temps={folder}", "-o", str(folder / "kernel")], "hivm",
                               cwd=folder, path_prefix=(hivmc.path.parent,) if hivmc is not None else ())
-            if done.returncode != 0 and is_transient(done.stderr):
-                retried.append(done.tail())
-                if len(retried) < ATTEMPTS:
-                    continue
-                raise done.failure(f"{ATTEMPTS} runs failed with messages known to come and go "
-                                   f"({'; '.join(TRANSIENT)})")
-            return _made(folder, done, started, hivmc, mix_mode, retried)
+            if not invoke.comes_and_goes(done, TRANSIENT):
+                return _made(folder, done, started, hivmc, mix_mode, retried)
+            retried.append(done.tail())
+    raise invoke.gave_up(done, TRANSIENT)
 
 
 def _made(folder: Path, done: invoke.ToolRun, started: float, hivmc: Found | None, mix_mode: str,
@@ -326,13 +317,17 @@ def _ttir(call: KernelCall, target: str, pipeline: Pipeline, specialize: bool) -
 
 def _later_stages(lowering: Lowering, pipeline: Pipeline, stages: NpuCompile, part: Chip) -> None:
     lowering.stages.extend(linalg(str(lowering.stage("ttir").ir), pipeline, stages.context("linalg")))
+    crashed = stages.compile.scratch.pop(passes.RETRIED, [])
+    if crashed:
+        lowering.notes.append(f"{ADAPTER.name} retried {len(crashed)}x after a crash ({'; '.join(crashed)})")
     hivmc = find(HIVMC.name)
     made = hivm(str(lowering.stage("linalg").ir), part, hivmc)
     if made.mix_mode:
         lowering.notes.append(f"mix_mode {made.mix_mode}")
     if made.retried:
         first = made.retried[0].strip().splitlines()[-1].strip()
-        lowering.notes.append(f"{BISHENGIR.name} retried {len(made.retried)}x after a transient failure ({first})")
+        lowering.notes.append(f"{BISHENGIR.name} retried {len(made.retried)}x after a failure that comes and goes "
+                              f"({first})")
     lowering.stages.append(StageOutput("hivm", made.hivm, made.hivm_seconds))
     _read_only(made.hivm, pipeline.at("hivm"), stages.context("hivm"))
     if made.binary is None:
