@@ -330,8 +330,10 @@ def decode_columns(n: int, config: Config, profile: DeviceProfile | None) -> tup
     programs over N. ``BLOCK_N`` columns each; with ``SPREAD`` (1 unless the config says 0) and a
     core count, the column blocks rounded up to whole waves of the device's cores and N spread
     evenly over them: each program takes ``cdiv(N, programs) <= BLOCK_N`` columns, so every core
-    streams about as many bytes as every other (LLaMA-3-8B's 14336 columns on the H200's 132 SMs:
-    132 programs of 109 columns, where 112 blocks of 128 leave 20 SMs idle)."""
+    streams about as many bytes as every other (LLaMA-3-70B's 28672 columns on the H200's 132 SMs:
+    264 programs of 109 columns, where 224 blocks of 128 leave 40 SMs idle in the second wave).
+    Fewer blocks than cores stay as they are: LLaMA-3-8B's 112 blocks of 128 columns (spreading them
+    over 132 programs of 109 columns is not measured)."""
     block_n = config["BLOCK_N"]
     programs = cdiv(n, block_n)
     cores = profile.cores if profile is not None else 0
