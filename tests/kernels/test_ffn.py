@@ -105,7 +105,8 @@ def test_decode_columns_spread_over_whole_waves():
     """On the H200 (132 SMs), at most 128 columns a program: N of at least a wave of column blocks
     spread evenly over whole waves (LLaMA-3-70B's 28672: 264 programs of 109, not 224 of 128;
     Qwen2.5-7B's 18944: 264 of 72, not 148 of 128); fewer blocks than cores (LLaMA-3-8B's 112,
-    DeepSeek-V3's shared expert's 16), SPREAD=0 or no core count: blocks of 128."""
+    DeepSeek-V3's shared expert's 16), SPREAD=0 or no core count: blocks of 128; SPREAD=2 spreads
+    fewer blocks than cores over one wave too."""
     config = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=4)
     assert decode_columns(28672, config, H200) == (109, 264)
     assert decode_columns(18944, config, H200) == (72, 264)
@@ -113,6 +114,8 @@ def test_decode_columns_spread_over_whole_waves():
     assert decode_columns(14336, config, H200) == (128, 112)
     assert decode_columns(2048, config, H200) == (128, 16)
     assert decode_columns(28672, {**config, "SPREAD": 0}, H200) == (128, 224)
+    assert decode_columns(14336, {**config, "SPREAD": 2}, H200) == (109, 132)  # below a wave too
+    assert decode_columns(28672, {**config, "SPREAD": 2}, H200) == (109, 264)
     assert decode_columns(28672, config, UNKNOWN_DEVICE) == (128, 224)
     for n in range(1, 3000, 7):  # every column in exactly one program, none empty
         columns, programs = decode_columns(n, {**config, "BLOCK_N": 16}, H200)

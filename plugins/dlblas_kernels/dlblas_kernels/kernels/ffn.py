@@ -328,7 +328,8 @@ def rms_scale_call(x2: torch.Tensor, rms_w: torch.Tensor, xs: torch.Tensor, rstd
 def decode_columns(n: int, config: Config, profile: DeviceProfile | None) -> tuple[int, int]:
     """``(columns, programs)``: the columns of w1 and w3 each streaming program takes, and the
     programs over N. ``BLOCK_N`` columns each; with ``SPREAD`` (1 unless the config says 0) and a
-    core count, the column blocks rounded up to whole waves of the device's cores and N spread
+    core count, at least a wave of column blocks (any number with ``SPREAD`` 2, an experiment for
+    the sweep) rounded up to whole waves of the device's cores and N spread
     evenly over them: each program takes ``cdiv(N, programs) <= BLOCK_N`` columns, so every core
     streams about as many bytes as every other (LLaMA-3-70B's 28672 columns on the H200's 132 SMs:
     264 programs of 109 columns, where 224 blocks of 128 leave 40 SMs idle in the second wave).
@@ -337,7 +338,8 @@ def decode_columns(n: int, config: Config, profile: DeviceProfile | None) -> tup
     block_n = config["BLOCK_N"]
     programs = cdiv(n, block_n)
     cores = profile.cores if profile is not None else 0
-    if not config.get("SPREAD", 1) or not cores or programs < cores:
+    spread = config.get("SPREAD", 1)
+    if not spread or not cores or (programs < cores and spread < 2):
         return block_n, programs
     columns = cdiv(n, cdiv(programs, cores) * cores)
     return columns, cdiv(n, columns)
