@@ -413,6 +413,7 @@ def test_dumps_show_the_ir_after_each_linalg_pass(tmp_path):
     done = _cli(tmp_path, "silu_and_mul_kernel", "--target", "npu:Ascend910B2", "--dump", str(tmp_path / "dump"),
                 DLC_DUMP_IR="1", DLC_DUMP_DIR=str(tmp_path / "ir"), **_fake_tools(tmp_path))
     assert done.returncode == 1 and "hivmc" in done.stderr
+    assert "1 kernels did not finish their pipeline: 1 for want of hivmc (npu:Ascend910B2)" in done.stderr
     steps = [f"02-linalg.{k}-{name}.mlir" for k, (name, *_) in enumerate(passes.ADAPTER_PASSES, start=1)]
     names = sorted(p.name for p in (tmp_path / "dump" / "silu_and_mul_kernel-npuAscend910B2").iterdir())
     assert names == ["00-python.py", "00-source.mlir", "01-ttir.ttir", *steps, "02-linalg.mlir", "03-hivm.mlir"]

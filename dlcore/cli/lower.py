@@ -96,7 +96,8 @@ def run_lower(args: argparse.Namespace) -> int:
                 known.append(f"{launch.name}/{kernel} ({target})")
             elif not enough:
                 failed = True
-                short.append(f"{launch.name}/{kernel} ({target})")
+                missing = error.missing if isinstance(error, ToolchainMissingError) else ()
+                short.append((f"{launch.name}/{kernel} ({target})", missing, target))
             if error is not None:
                 missing = error.missing if isinstance(error, ToolchainMissingError) else ()
                 # a missing tool that stops every kernel after the stages asked for is no failure: said once
@@ -118,10 +119,22 @@ def run_lower(args: argparse.Namespace) -> int:
     if args.stage and known:
         print(f"dlcore lower: {len(known)} kernels declared unable to reach {', '.join(args.stage)} "
               f"(see `dlcore ops`): {', '.join(known)}", file=sys.stderr)
-    if args.stage and short:
-        print(f"dlcore lower: {len(short)} kernels did not reach {', '.join(args.stage)}: {', '.join(short)}",
-              file=sys.stderr)
+    if short:
+        goal = f"reach {', '.join(args.stage)}" if args.stage else "finish their pipeline"
+        print(f"dlcore lower: {len(short)} kernels did not {goal}: {_shortfall(short)}", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _shortfall(short: list[tuple[str, tuple[str, ...], str]]) -> str:
+    """The kernels that stopped short, by name; those a missing tool stopped, counted per tool and target."""
+    named = [name for name, missing, _ in short if not missing]
+    wanting: dict[tuple[str, str], int] = {}
+    for _, missing, target in short:
+        if missing:
+            wanting[(", ".join(missing), target)] = wanting.get((", ".join(missing), target), 0) + 1
+    parts = [", ".join(named)] if named else []
+    parts += [f"{n} for want of {tools} ({target})" for (tools, target), n in wanting.items()]
+    return "; ".join(parts)
 
 
 
