@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections import Counter
 from pathlib import Path
 
 from dlcore.cli.options import DTYPES, parse_sizes
@@ -87,6 +88,7 @@ def run_lower(args: argparse.Namespace) -> int:
             if lowering is not None:
                 notes.extend(lowering.notes)
             enough = _enough(lowering, error, args.stage)
+            missing = error.missing if isinstance(error, ToolchainMissingError) else ()
             kernel = source.kernel_name(launch.original)
             declared = _declared(reg, launch, backend_name, kernel, arch) if error is not None else None
             if declared is not None:
@@ -96,10 +98,8 @@ def run_lower(args: argparse.Namespace) -> int:
                 known.append(f"{launch.name}/{kernel} ({target})")
             elif not enough:
                 failed = True
-                missing = error.missing if isinstance(error, ToolchainMissingError) else ()
                 short.append((f"{launch.name}/{kernel} ({target})", missing, target))
             if error is not None:
-                missing = error.missing if isinstance(error, ToolchainMissingError) else ()
                 # a missing tool that stops every kernel after the stages asked for is no failure: said once
                 if not enough or (missing, target) not in said:
                     print(f"dlcore lower: {launch.name}: {error}", file=sys.stderr)
@@ -128,10 +128,7 @@ def run_lower(args: argparse.Namespace) -> int:
 def _shortfall(short: list[tuple[str, tuple[str, ...], str]]) -> str:
     """The kernels that stopped short, by name; those a missing tool stopped, counted per tool and target."""
     named = [name for name, missing, _ in short if not missing]
-    wanting: dict[tuple[str, str], int] = {}
-    for _, missing, target in short:
-        if missing:
-            wanting[(", ".join(missing), target)] = wanting.get((", ".join(missing), target), 0) + 1
+    wanting = Counter((", ".join(missing), target) for _, missing, target in short if missing)
     parts = [", ".join(named)] if named else []
     parts += [f"{n} for want of {tools} ({target})" for (tools, target), n in wanting.items()]
     return "; ".join(parts)

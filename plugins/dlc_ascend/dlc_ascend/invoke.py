@@ -67,7 +67,7 @@ class ToolRun:
     def crashed(self) -> bool:
         """The tool died of one of :data:`CRASH_SIGNALS` (directly, or as a shell reports it: 128 + signal)."""
         code = -self.returncode if self.returncode < 0 else self.returncode - 128
-        return code in {int(s) for s in CRASH_SIGNALS}
+        return code in CRASH_SIGNALS
 
     def failure(self, what: str) -> LoweringError:
         """The error for this run: ``what`` went wrong, with the stderr tail."""
