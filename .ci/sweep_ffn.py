@@ -41,16 +41,22 @@ def candidates(m: int) -> list[dict]:
     if m <= 16:  # weight streaming: column blocks of BLOCK_N (SPREAD=0, decode_splits' K slices) beside
         # columns spread evenly over whole waves of the SMs (decode_columns), tiles and depths
         dot = [cfg(64, bn, bk, w, s) for bn, bk, w, s in (
-            (128, 64, 4, 4), (128, 64, 4, 5), (128, 64, 4, 6), (128, 64, 4, 8), (256, 64, 8, 3), (256, 64, 8, 4),
-            (64, 64, 4, 4), (64, 64, 4, 6), (128, 32, 4, 6), (128, 32, 4, 8))]
+            (128, 64, 4, 4), (128, 64, 4, 6), (128, 64, 8, 4), (128, 128, 4, 3), (128, 128, 8, 3), (256, 64, 8, 4),
+            (64, 64, 4, 4), (64, 128, 4, 4))]
+        # TMA=1: the weight tiles through tensor descriptors (the copy engine), same tiles and depths
+        tma = [cfg(64, bn, bk, w, s, TMA=1) for bn, bk, w, s in (
+            (128, 64, 4, 4), (128, 64, 4, 6), (128, 64, 8, 4), (128, 128, 4, 3), (128, 128, 4, 4), (128, 128, 8, 3),
+            (256, 64, 8, 4), (64, 64, 4, 6), (64, 128, 4, 4))]
         # SPREAD=2: fewer column blocks than SMs spread over one wave too (LLaMA-3-8B: 132 programs of 109)
-        return [cfg(64, 128, 64, 4, 4, SPREAD=0), cfg(64, 128, 64, 4, 4, SPREAD=2), *dot]
+        return [cfg(64, 128, 64, 4, 4, SPREAD=0), cfg(64, 128, 64, 4, 4, SPREAD=2),
+                cfg(64, 128, 64, 4, 4, SPREAD=2, TMA=1), cfg(64, 128, 128, 4, 3, SPREAD=2, TMA=1), *dot, *tma]
     if m > 128:
         return [cfg(128, 128, 64, 8, 4), cfg(128, 128, 64, 8, 3), cfg(128, 128, 64, 8, 4, FLATTEN=0),
                 cfg(128, 128, 64, 8, 3, FLATTEN=0), cfg(256, 64, 64, 8, 3), cfg(128, 64, 64, 4, 4),
                 cfg(128, 128, 64, 8, 3, joint=0)]
-    return [cfg(64, 128, 64, 4, 4), cfg(64, 128, 64, 4, 4, joint=0), cfg(64, 64, 128, 4, 4), cfg(64, 64, 64, 4, 4),
-            cfg(128, 64, 64, 4, 4), cfg(64, 32, 128, 4, 4)]
+    return [cfg(64, 128, 64, 4, 4), cfg(64, 64, 128, 4, 4), cfg(64, 64, 128, 4, 3), cfg(64, 64, 128, 8, 4),
+            cfg(64, 64, 128, 4, 4, FLATTEN=0), cfg(64, 64, 64, 4, 4), cfg(64, 64, 64, 4, 6), cfg(128, 64, 64, 8, 4),
+            cfg(128, 64, 128, 8, 3), cfg(128, 32, 128, 4, 4), cfg(64, 32, 128, 4, 4), cfg(64, 32, 256, 4, 3)]
 
 
 def inputs(m: int, k: int, n: int):
@@ -174,6 +180,7 @@ def main() -> None:
                 splits = plan.calls[0].kwargs.get("SPLIT_K", 1)
                 rate = 4 * n * k / us / 1e3
                 kernel += (f" programs={plan.calls[0].grid[0]} columns={plan.calls[0].args[15]} SPLIT_K={splits}"
+                           f" TMA={int(plan.calls[0].kwargs.get('TMA', 0))}"
                            f" {rate:.0f} GB/s {rate / copy:.0%} of copy")
             if m > 128 and space.is_valid(config) is None:
                 key = json.dumps(config, sort_keys=True)

@@ -136,7 +136,7 @@ def ffn_decode_kernel(
     stride_w3n, stride_w3k,
     stride_om, stride_on,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STORE_PRE: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, TMA: tl.constexpr = False,
 ):
     # Every row (M <= BLOCK_M) against `columns` (<= BLOCK_N) columns of w1 and w3 (w3's rows from
     # w3_offset elements on: w13's second half), over K slice program_id(1) of k_per_split
@@ -144,7 +144,9 @@ def ffn_decode_kernel(
     # weights stream through. STORE_PRE: the pre-activations gate and up stored too (out's
     # strides), for the backward. With SPLIT_K > 1 the slice's float32 sums go to part
     # [SPLIT_K, 2, M, N] and its rows' sums of squares to sum_sq [SPLIT_K, M] (written by the
-    # first column block), which ffn_decode_finish_kernel adds up.
+    # first column block), which ffn_decode_finish_kernel adds up. TMA: the weight tiles through
+    # tensor descriptors whose shape ends at the program's last column and K slice, so the copy
+    # engine fetches nothing past them (unit K strides, 16-byte aligned rows: decode_tma).
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_m = tl.arange(0, BLOCK_M).to(tl.int64)
@@ -160,14 +162,25 @@ def ffn_decode_kernel(
     # The w tiles in their own layout, [BLOCK_N, BLOCK_K]: contiguous along K for nn.Linear weights.
     w1_ptrs = w1_ptr + offs_n[:, None] * stride_w1n + (k_start + offs_k)[None, :] * stride_w1k
     w3_ptrs = w3_ptr + w3_offset + offs_n[:, None] * stride_w3n + (k_start + offs_k)[None, :] * stride_w3k
+    if TMA:
+        n_start = pid_n * columns
+        n_end = tl.minimum(n_start + columns, N)
+        w1_desc = tl.make_tensor_descriptor(w1_ptr, shape=[n_end, k_end], strides=[stride_w1n, 1],
+                                            block_shape=[BLOCK_N, BLOCK_K])
+        w3_desc = tl.make_tensor_descriptor(w3_ptr + w3_offset, shape=[n_end, k_end], strides=[stride_w3n, 1],
+                                            block_shape=[BLOCK_N, BLOCK_K])
 
     acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
         mask_k = offs_k < k_end - k
-        w1 = tl.load(w1_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")
-        w3 = tl.load(w3_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")
+        if TMA:
+            w1 = w1_desc.load([n_start, k])
+            w3 = w3_desc.load([n_start, k])
+        else:
+            w1 = tl.load(w1_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")
+            w3 = tl.load(w3_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")
         x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         g = tl.load(rms_w_ptrs, mask=mask_k, other=0.0).to(tl.float32)
         xf = x.to(tl.float32)
@@ -379,6 +392,19 @@ def _split_cost(m: int, n: int, k: int, splits: int, programs: int, cores: int) 
     return 2 * n * k * 2 / _filled(programs * splits, cores) + partials
 
 
+def decode_tma(config: Config, profile: DeviceProfile | None, w1: torch.Tensor, w3: torch.Tensor,
+               w3_offset: int) -> bool:
+    """Whether the streaming kernel reads the weights through tensor descriptors: ``config['TMA']``
+    (0 unless set) on a device whose copy engine takes them (sm_90), the weights' K stride 1 and
+    their rows and bases (w3's from ``w3_offset`` elements on) 16-byte aligned."""
+    if not config.get("TMA", 0) or profile is None or profile.arch not in gemm_block.TMA_ARCHS:
+        return False
+    size = w1.element_size()
+    return all(w.stride(1) == 1 and (w.stride(0) * size) % gemm_block.TMA_ALIGNMENT == 0
+               and (w.data_ptr() + offset * size) % gemm_block.TMA_ALIGNMENT == 0
+               for w, offset in ((w1, 0), (w3, w3_offset)))
+
+
 def decode_calls(x2: torch.Tensor, rms_w: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None,
                  w13: torch.Tensor | None, out2: torch.Tensor, eps: float, config: Config,
                  profile: DeviceProfile | None, gate: torch.Tensor | None = None,
@@ -412,6 +438,7 @@ def decode_calls(x2: torch.Tensor, rms_w: torch.Tensor, w1: torch.Tensor | None,
          w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1), out2.stride(0), out2.stride(1)),
         {"BLOCK_M": max(next_power_of_2(m), MIN_DOT_ROWS), "BLOCK_N": config["BLOCK_N"],
          "BLOCK_K": config["BLOCK_K"], "STORE_PRE": gate is not None, "SPLIT_K": splits,
+         "TMA": decode_tma(config, profile, w1, w3, w3_offset),
          "num_warps": config["num_warps"], "num_stages": config["num_stages"]},
     )]
     if splits > 1:
