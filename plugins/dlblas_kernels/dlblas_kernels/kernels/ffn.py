@@ -74,6 +74,7 @@ from dlcore.declarations.layout import as_rows
 from dlcore.declarations.op import Op, ScalarArg, TensorArg
 from dlcore.declarations.signature import Signature, cdiv, next_power_of_2
 from dlcore.declarations.space import Choice, Constraint, PowerOfTwo, SearchSpace, num_stages, num_warps
+from dlcore.runtime.allocator import ensure_allocator
 from dlcore.runtime.template import Backward, Residuals, define_kernel
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -431,6 +432,9 @@ def decode_calls(x2: torch.Tensor, rms_w: torch.Tensor, w1: torch.Tensor | None,
         scratch = (part, sum_sq)
     gate_out = out2 if gate is None else gate
     up_out = out2 if up is None else up
+    tma = decode_tma(config, profile, w1, w3, w3_offset)
+    if tma:
+        ensure_allocator()  # the descriptors' global scratch (plan.run launches through Triton)
     calls = [KernelCall(
         ffn_decode_kernel, (programs, splits),
         (x2, rms_w, w1, w3, out2, gate_out, up_out, part, sum_sq, m, n, k, float(eps), w3_offset, k_per_split, columns,
@@ -438,7 +442,7 @@ def decode_calls(x2: torch.Tensor, rms_w: torch.Tensor, w1: torch.Tensor | None,
          w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1), out2.stride(0), out2.stride(1)),
         {"BLOCK_M": max(next_power_of_2(m), MIN_DOT_ROWS), "BLOCK_N": config["BLOCK_N"],
          "BLOCK_K": config["BLOCK_K"], "STORE_PRE": gate is not None, "SPLIT_K": splits,
-         "TMA": decode_tma(config, profile, w1, w3, w3_offset),
+         "TMA": tma,
          "num_warps": config["num_warps"], "num_stages": config["num_stages"]},
     )]
     if splits > 1:
