@@ -341,6 +341,34 @@ def test_pair_tile_kernel(order, reach, dtype, device, gen, profile, launch, lau
     assert launches[-1][0] == "gemm_tma_kernel"
 
 
+@pytest.mark.parametrize("order", PAIR_ORDERS)
+def test_pair_tile_split_last_wave(order, dtype, device, gen, profile, launch, launches):
+    """The pair kernel's last wave split over K (gemm.pair_tail: 3 x 3 tiles on 4 cores leave one
+    for a third wave, split 4 ways): its counters, poisoned in the plan's scratch, zeroed by the row
+    kernel launched before; the forward and the training forward, all outputs poisoned."""
+    if dtype == torch.float32:
+        pytest.skip("float32 takes the same code; K slices of 16 keep the test small in 16-bit")
+    m, k, n = 37, 16 * 16 + 8, 40
+    x = randn(m, k, dtype=dtype, device=device, generator=gen)
+    rms_w = (1 + randn(k, device=device, generator=gen, scale=0.2)).to(dtype)
+    w1, w3, w13 = pair_weights(order, n, k, dtype, device, gen)
+    r1, r3 = (w1, w3) if w13 is None else (w13[:n], w13[n:])
+    args = (x, w1, w3, rms_w, 1e-6, w13)
+    h = dataclasses.replace(hopper(profile, device), cores=4)
+    config = {**PREFILL, "BLOCK_K": 16}
+    plans = (forward_plan(args, config, h), training_plan(args, config, h))
+    for plan in plans:
+        rows, pair = plan.calls
+        assert pair.kwargs["TAIL"] and pair.args[17] == 4 and rows.kwargs["ZERO"]
+        count = plan.scratch[-1]
+        assert count.dtype == torch.int32 and count.numel() == 1 and rows.args[4] is count
+        count.fill_(-7)
+    check(launch(plans[0]), x, r1, r3, rms_w)
+    for result, expected in zip(launch(plans[1]), ffn_training_reference(*upcast(x, r1, r3, rms_w))):
+        assert_close(result, expected, dtype, reduce_dim=k)
+    assert [name for name, _ in launches] == ["rms_scale_kernel", "swiglu_pair_tma_kernel"] * 2
+
+
 def test_pair_tile_backward(device, gen, profile, launch):
     """Gradients from the pair-tile kernel's saved pre-activations (the training forward on sm_90)
     against autograd through the float64 composite."""
@@ -484,7 +512,7 @@ def test_bad_inputs_raise_before_launch(case, device, no_launch):
 # Forward (both paths, both weight forms) and backward plans on meta tensors, each launch compiled to a
 # cubin in a fresh interpreter without TRITON_INTERPRET.
 CUBIN_SCRIPT = """
-import json, torch
+import dataclasses, json, torch
 from triton.backends.compiler import GPUTarget
 from dlcore.compiler.lowering import compile_call, target_profile
 from dlcore.runtime.template import UNKNOWN_DEVICE as profile
@@ -513,7 +541,10 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
              # the streaming kernel through tensor descriptors (TMA, sm_90), sliced over K
              "decode_tma": ffn.training_plan((x, None, None, g, 1e-6, w13),
                                              {**small, "BLOCK_M": 64, "TMA": 1, "SPLIT_K": 2}, hopper)}
-    assert plans["decode_tma"].calls[0].kwargs["TMA"]
+    # the pair-tile kernel's last wave split over K (4 cores: 6 tiles leave 2, split 2 ways)
+    plans["prefill_pair_tail"] = ffn.training_plan((x, None, None, g, 1e-6, w13), {**small, "BLOCK_K": 16},
+                                                   dataclasses.replace(hopper, cores=4))
+    assert plans["decode_tma"].calls[0].kwargs["TMA"] and plans["prefill_pair_tail"].calls[1].kwargs["TAIL"]
     for name, plan in plans.items():
         for call in plan.calls:
             for capability in (80, 90, 100):
@@ -537,7 +568,8 @@ def test_every_kernel_compiles_to_cubin():
                "backward13": ["rms_scale_kernel", "swiglu_backward_kernel", "gemm_kernel", *norm],
                "prefill_pair": ["rms_scale_kernel", "swiglu_pair_tma_kernel"],
                "prefill_pair_training": ["rms_scale_kernel", "swiglu_pair_tma_kernel"],
-               "decode_tma": ["ffn_decode_kernel", "ffn_decode_finish_kernel"]}
+               "decode_tma": ["ffn_decode_kernel", "ffn_decode_finish_kernel"],
+               "prefill_pair_tail": ["rms_scale_kernel", "swiglu_pair_tma_kernel"]}
     expected = {f"{plan}/{kernel}/{dtype}/sm_{capability}" for plan, names in kernels.items() for kernel in names
                 for dtype in ("bfloat16", "float16", "float32") for capability in (80, 90, 100)}
     assert set(compiled) == expected

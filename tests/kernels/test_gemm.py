@@ -175,14 +175,49 @@ def test_swiglu_pair_tile(order, dtype, device, gen, profile):
     out, gate, up = (poison(torch.empty(m, n, dtype=dtype, device=device)) for _ in range(3))
     assert gemm.takes_swiglu_pair(hopper, a, w1, w3, out, gate, up)
     weights = dict(w13=buf[:2 * n]) if order == "w13" else dict(w1=w1, w3=w3)
-    calls = gemm.swiglu_pair_calls(a, weights.get("w1"), weights.get("w3"), rstd, out, SMALL, hopper,
-                                   w13=weights.get("w13"), gate=gate, up=up)
-    assert [c.kernel.__name__ for c in calls] == ["swiglu_pair_tma_kernel"]
+    calls, scratch = gemm.swiglu_pair_calls(a, weights.get("w1"), weights.get("w3"), rstd, out, SMALL, hopper,
+                                            w13=weights.get("w13"), gate=gate, up=up)
+    assert [c.kernel.__name__ for c in calls] == ["swiglu_pair_tma_kernel"] and scratch == ()
     run(calls)
     ref_gate, ref_up = rows_scaled(a, w1.T, rstd), rows_scaled(a, w3.T, rstd)
     assert_close(gate, ref_gate, dtype, reduce_dim=k)
     assert_close(up, ref_up, dtype, reduce_dim=k)
     assert_close(out, F.silu(ref_gate) * ref_up, dtype, reduce_dim=k)
+
+
+@pytest.mark.parametrize("order", ["w13", "w3 < w1"])
+@pytest.mark.parametrize("cores, split", [(5, 2), (11, 5)])
+def test_swiglu_pair_tile_split_last_wave(order, cores, split, dtype, device, gen, profile):
+    """The pair kernel's last, partial wave split over K (:func:`gemm.pair_tail`): 3 x 4 tiles on 5
+    cores leave 2 for a third wave, split 2 ways (5 // 2); on 11 cores 1, split 5 ways (11 ways
+    would make slices shorter than MIN_TAIL_STEPS). The counters zeroed as ffn's row kernel does,
+    by a launch before. K of 21 steps, ragged: the slices uneven, the last short; the output and
+    pre-activations poisoned first."""
+    hopper = dataclasses.replace(profile, arch="sm_90", cores=cores)
+    m, n, k = 37, 56, 16 * 20 + 8
+    config = {**SMALL, "GROUP_M": 1}
+    assert gemm.pair_tail(m, n, k, config, hopper) == split
+    assert gemm.pair_tail(m, n, k, {**config, "TAIL": 0}, hopper) == 1
+    a = randn(m, k, dtype=dtype, device=device, generator=gen)
+    buf = randn(2 * n + 8, k, dtype=dtype, device=device, generator=gen, scale=1 / math.sqrt(k))
+    w1, w3 = (buf[:n], buf[n:2 * n]) if order == "w13" else (buf[n + 8:], buf[:n])
+    weights = dict(w13=buf[:2 * n]) if order == "w13" else dict(w1=w1, w3=w3)
+    rstd = randn(m, device=device, generator=gen).abs() + 0.5
+    out, gate, up = (poison(torch.empty(m, n, dtype=dtype, device=device)) for _ in range(3))
+    assert gemm.takes_swiglu_pair(hopper, a, w1, w3, out, gate, up)
+    calls, (part, count) = gemm.swiglu_pair_calls(a, weights.get("w1"), weights.get("w3"), rstd, out, config, hopper,
+                                                  w13=weights.get("w13"), gate=gate, up=up)
+    (call,) = calls
+    assert call.kwargs["TAIL"] and call.grid == (cores,) and call.args[17] == split
+    assert count.numel() == 12 % cores and part.numel() == count.numel() * split * 16 * 32
+    count.fill_(0)
+    poison(part)
+    run(calls)
+    ref_gate, ref_up = rows_scaled(a, w1.T, rstd), rows_scaled(a, w3.T, rstd)
+    assert_close(gate, ref_gate, dtype, reduce_dim=k)
+    assert_close(up, ref_up, dtype, reduce_dim=k)
+    assert_close(out, F.silu(ref_gate) * ref_up, dtype, reduce_dim=k)
+    assert count.tolist() == [split] * count.numel()  # every slice arrived once
 
 
 def test_swiglu_pair_tile_only_where_the_copy_engine_can_go(profile, device):

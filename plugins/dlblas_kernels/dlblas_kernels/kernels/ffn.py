@@ -98,16 +98,20 @@ SWIGLU_BLOCK = 2048
 
 @triton.jit
 def rms_scale_kernel(
-    x_ptr, rms_w_ptr, xs_ptr, rstd_ptr,
-    K, eps,
+    x_ptr, rms_w_ptr, xs_ptr, rstd_ptr, zero_ptr,
+    K, eps, zeros,
     stride_xm, stride_xk,
     stride_rms_w,
     stride_xsm, stride_xsk,
-    BLOCK_K: tl.constexpr, NORMALISE: tl.constexpr,
+    BLOCK_K: tl.constexpr, NORMALISE: tl.constexpr, ZERO: tl.constexpr = False,
 ):
     # One row per program: rstd = rsqrt(mean(x**2) + eps), then xs = x * rms_w (NORMALISE: the
     # normalised row x * rstd * rms_w), in xs's dtype; the second pass reads the row from cache.
+    # ZERO: the `zeros` int32 counters at zero_ptr set to 0 too (the next launch's, spread over the programs).
     row = tl.program_id(0).to(tl.int64)  # 64-bit: row * row stride may pass 2**31
+    if ZERO:
+        for i in range(tl.program_id(0), zeros, tl.num_programs(0)):
+            tl.store(zero_ptr + i, 0)
     cols = tl.arange(0, BLOCK_K)
     x_row = x_ptr + row * stride_xm
     sum_sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -327,15 +331,18 @@ def output(x: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None, rm
 
 
 def rms_scale_call(x2: torch.Tensor, rms_w: torch.Tensor, xs: torch.Tensor, rstd: torch.Tensor, eps: float,
-                   normalise: bool) -> KernelCall:
-    """``rstd [M]`` and ``xs [M, K]`` = ``x * rms_w`` (``normalise``: ``x * rstd * rms_w``), a program per row."""
+                   normalise: bool, zero: torch.Tensor | None = None) -> KernelCall:
+    """``rstd [M]`` and ``xs [M, K]`` = ``x * rms_w`` (``normalise``: ``x * rstd * rms_w``), a program
+    per row; ``zero`` (int32), when given, set to 0 too: the next launch's counters."""
     m, k = x2.shape
     block_k = min(next_power_of_2(k), MAX_ROW_BLOCK)
     return KernelCall(
         rms_scale_kernel, (m,),
-        (x2, rms_w, xs, rstd, k, float(eps), x2.stride(0), x2.stride(1), rms_w.stride(0), xs.stride(0), xs.stride(1)),
+        (x2, rms_w, xs, rstd, rstd if zero is None else zero, k, float(eps), 0 if zero is None else zero.numel(),
+         x2.stride(0), x2.stride(1), rms_w.stride(0), xs.stride(0), xs.stride(1)),
         # About 16 elements of the row slice per thread.
-        {"BLOCK_K": block_k, "NORMALISE": normalise, "num_warps": min(max(block_k // 512, 1), 8)},
+        {"BLOCK_K": block_k, "NORMALISE": normalise, "ZERO": zero is not None,
+         "num_warps": min(max(block_k // 512, 1), 8)},
     )
 
 
@@ -468,22 +475,24 @@ def _forward(args: tuple, config: Config, profile: DeviceProfile, out: torch.Ten
         return decode_calls(x2, rms_w, w1, w3, w13, out2, eps, config, profile, gate2, up2)
     xs = torch.empty((m, k), dtype=x.dtype, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
-    calls = [rms_scale_call(x2, rms_w, xs, rstd, eps, normalise=False),
-             *prefill_calls(xs, w1, w3, rstd, out2, config, profile, w13, gate2, up2)]
-    return calls, (xs, rstd)
+    gemm, scratch = prefill_calls(xs, w1, w3, rstd, out2, config, profile, w13, gate2, up2)
+    counters = scratch[1] if scratch else None  # the pair kernel's split last wave (gemm.pair_tail)
+    return [rms_scale_call(x2, rms_w, xs, rstd, eps, normalise=False, zero=counters), *gemm], (xs, rstd, *scratch)
 
 
 def prefill_calls(xs: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None, rstd: torch.Tensor,
                   out2: torch.Tensor, config: Config, profile: DeviceProfile, w13: torch.Tensor | None,
-                  gate2: torch.Tensor | None, up2: torch.Tensor | None) -> list[KernelCall]:
+                  gate2: torch.Tensor | None, up2: torch.Tensor | None) -> tuple[list[KernelCall], tuple]:
     """The prefill GEMM: with ``JOINT`` (the default) where the copy engine takes the operands, the
     pair-tile kernel (:func:`dlblas_kernels.gemm.swiglu_pair_calls`: one ``[BLOCK_M, 2 * BLOCK_N]``
     product over w1's and w3's tiles side by side, the matmul's loop); else the GEMM block's
-    two-accumulator SwiGLU GEMM (:func:`dlblas_kernels.gemm.swiglu_calls`)."""
+    two-accumulator SwiGLU GEMM (:func:`dlblas_kernels.gemm.swiglu_calls`). Returns the launches and
+    their scratch (the pair kernel's split last wave: ``(part, count)``, ``count`` for the row kernel
+    to zero)."""
     v1, v3 = weights(w1, w3, w13)
     if config.get("JOINT", 1) and gemm_block.takes_swiglu_pair(profile, xs, v1, v3, out2, gate2, up2):
         return gemm_block.swiglu_pair_calls(xs, w1, w3, rstd, out2, config, profile, w13=w13, gate=gate2, up=up2)
-    return swiglu_calls(xs, w1, w3, rstd, out2, config, profile, w13=w13, gate=gate2, up=up2)
+    return swiglu_calls(xs, w1, w3, rstd, out2, config, profile, w13=w13, gate=gate2, up=up2), ()
 
 
 def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
