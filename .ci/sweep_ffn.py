@@ -38,25 +38,22 @@ def cfg(bm, bn, bk, w, s, joint=1, **extra):
 
 
 def candidates(m: int) -> list[dict]:
-    if m <= 16:  # weight streaming: column blocks of BLOCK_N (SPREAD=0, decode_splits' K slices) beside
-        # columns spread evenly over whole waves of the SMs (decode_columns), tiles and depths
-        dot = [cfg(64, bn, bk, w, s) for bn, bk, w, s in (
-            (128, 64, 4, 4), (128, 64, 4, 6), (128, 64, 8, 4), (128, 128, 4, 3), (128, 128, 8, 3), (256, 64, 8, 4),
-            (64, 64, 4, 4), (64, 128, 4, 4))]
-        # TMA=1: the weight tiles through tensor descriptors (the copy engine), same tiles and depths
+    if m <= 16:  # weight streaming: the default (columns spread over whole waves, decode_columns; K
+        # slices where the column blocks leave SMs idle, decode_splits) beside SPREAD=0 (blocks of
+        # BLOCK_N) and SPREAD=2 (fewer blocks than SMs spread over one wave too), and TMA=1 (the
+        # weight tiles through tensor descriptors) over tiles and depths
         tma = [cfg(64, bn, bk, w, s, TMA=1) for bn, bk, w, s in (
             (128, 64, 4, 4), (128, 64, 4, 6), (128, 64, 8, 4), (128, 128, 4, 3), (128, 128, 4, 4), (128, 128, 8, 3),
             (256, 64, 8, 4), (64, 64, 4, 6), (64, 128, 4, 4))]
-        # SPREAD=2: fewer column blocks than SMs spread over one wave too (LLaMA-3-8B: 132 programs of 109)
-        return [cfg(64, 128, 64, 4, 4, SPREAD=0), cfg(64, 128, 64, 4, 4, SPREAD=2),
-                cfg(64, 128, 64, 4, 4, SPREAD=2, TMA=1), cfg(64, 128, 128, 4, 3, SPREAD=2, TMA=1), *dot, *tma]
-    if m > 128:
-        return [cfg(128, 128, 64, 8, 4), cfg(128, 128, 64, 8, 3), cfg(128, 128, 64, 8, 4, FLATTEN=0),
-                cfg(128, 128, 64, 8, 3, FLATTEN=0), cfg(256, 64, 64, 8, 3), cfg(128, 64, 64, 4, 4),
-                cfg(128, 128, 64, 8, 3, joint=0)]
-    return [cfg(64, 128, 64, 4, 4), cfg(64, 64, 128, 4, 4), cfg(64, 64, 128, 4, 3), cfg(64, 64, 128, 8, 4),
-            cfg(64, 64, 128, 4, 4, FLATTEN=0), cfg(64, 64, 64, 4, 4), cfg(64, 64, 64, 4, 6), cfg(128, 64, 64, 8, 4),
-            cfg(128, 64, 128, 8, 3), cfg(128, 32, 128, 4, 4), cfg(64, 32, 128, 4, 4), cfg(64, 32, 256, 4, 3)]
+        return [cfg(64, 128, 64, 4, 4), cfg(64, 128, 64, 4, 6), cfg(64, 128, 64, 8, 4), cfg(64, 128, 64, 4, 4, SPREAD=0),
+                cfg(64, 128, 64, 4, 4, SPREAD=2), cfg(64, 128, 64, 4, 4, SPREAD=2, TMA=1), *tma]
+    if m > 128:  # TAIL=0: the pair kernel's last wave unsplit (gemm.pair_tail)
+        return [cfg(128, 128, 64, 8, 4), cfg(128, 128, 64, 8, 4, TAIL=0), cfg(128, 128, 64, 8, 3),
+                cfg(128, 128, 64, 8, 4, FLATTEN=0), cfg(256, 64, 64, 8, 3), cfg(128, 64, 64, 4, 4)]
+    return [cfg(64, 64, 128, 4, 4), cfg(64, 64, 128, 4, 4, TAIL=0), cfg(64, 128, 64, 4, 4),
+            cfg(64, 128, 64, 4, 4, TAIL=0), cfg(64, 64, 64, 4, 6), cfg(64, 64, 64, 4, 6, TAIL=0),
+            cfg(64, 64, 128, 8, 4), cfg(64, 64, 128, 4, 4, FLATTEN=0), cfg(64, 128, 128, 8, 3),
+            cfg(64, 32, 128, 4, 4)]
 
 
 def inputs(m: int, k: int, n: int):
@@ -176,6 +173,8 @@ def main() -> None:
             err = ((plan.result.float() - ref).norm() / ref.norm()).item()
             us = bench(lambda plan=plan: [warm.launch(call) for call in plan.calls])
             kernel = plan.calls[-1].kernel.__name__
+            if plan.calls[-1].kwargs.get("TAIL"):
+                kernel += f" tail_split={plan.calls[-1].args[17]}"
             if m <= 16:  # streaming: the share of a copy's bandwidth spent reading w1 and w3
                 splits = plan.calls[0].kwargs.get("SPLIT_K", 1)
                 rate = 4 * n * k / us / 1e3
