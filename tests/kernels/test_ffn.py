@@ -628,3 +628,30 @@ def test_decode_through_tensor_descriptors(splits, dtype, device, gen, launch, l
     wide = torch.randn(n, 2 * k, dtype=dtype, device=device, generator=gen)[:, ::2]
     stream = training_plan((x, wide, wide, rms_w, 1e-6, None), config, profile).calls[0]
     assert not stream.kwargs["TMA"]
+
+
+def test_decode_takes_tensor_descriptors_where_measured_faster():
+    """decode_tma on the H200 with the default config (TMA unset): LLaMA-3-8B's and -70B's programs
+    (128 and 109 of 128 columns, unsliced) read through descriptors, K slices of 128 three deep;
+    Qwen2.5-7B's 72 columns, sliced K, TMA=0, an sm_80 device, or a weight whose rows the copy
+    engine cannot take keep the pointer loads; TMA=1 takes the config's own slice and depth."""
+    from dlblas_kernels.kernels.ffn import TMA_DECODE_TILE, decode_tma
+
+    config = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, JOINT=1, num_warps=4, num_stages=4)
+    w = torch.empty(28672, 8192, device="meta", dtype=torch.bfloat16)
+    assert TMA_DECODE_TILE == (128, 3)
+    assert decode_tma(config, H200, w, w, 0, 128, 1) == TMA_DECODE_TILE
+    assert decode_tma(config, H200, w, w, 0, 109, 1) == TMA_DECODE_TILE
+    assert decode_tma(config, H200, w, w, 0, 72, 1) is None
+    assert decode_tma(config, H200, w, w, 0, 128, 8) is None
+    assert decode_tma({**config, "TMA": 0}, H200, w, w, 0, 128, 1) is None
+    assert decode_tma({**config, "TMA": 1}, H200, w, w, 0, 72, 8) == (64, 4)
+    assert decode_tma(config, dataclasses.replace(H200, arch="sm_80"), w, w, 0, 128, 1) is None
+    odd = torch.empty(100, 8190, device="meta", dtype=torch.bfloat16)[:, :8189]  # rows of 16380 bytes
+    assert decode_tma(config, H200, odd, odd, 0, 128, 1) is None
+    # the plan: LLaMA-3-8B at 1 token through descriptors, Qwen2.5-7B through pointers
+    for (k, n), expected in (((4096, 14336), (True, 128, 3)), ((3584, 18944), (False, 64, 4))):
+        x = torch.empty(1, k, device="meta", dtype=torch.bfloat16)
+        weight = torch.empty(n, k, device="meta", dtype=torch.bfloat16)
+        (stream,) = forward_plan((x, weight, weight, torch.empty(k, device="meta"), 1e-6, None), config, H200).calls
+        assert (stream.kwargs["TMA"], stream.kwargs["BLOCK_K"], stream.kwargs["num_stages"]) == expected

@@ -15,8 +15,9 @@ regimes, chosen by the config: when one row block holds every row (``rows <= BLO
   both weights (fewer where N spreads evenly over whole waves of the cores: :func:`decode_columns`),
   every row in it. Each program computes the rows' sums of squares and ``x * rms_w``
   in its K loop from ``x`` (a few kilobytes, read from L2), and streams its slices of ``w1`` and
-  ``w3`` once from memory (loads marked evict-first: nothing reads them again), so the kernel
-  reads the weights once at close to the copy bandwidth;
+  ``w3`` once from memory (loads marked evict-first: nothing reads them again; on sm_90 through
+  tensor descriptors where that measured faster: :func:`decode_tma`), so the kernel reads the
+  weights once at close to the copy bandwidth;
 
 otherwise
 
@@ -90,6 +91,8 @@ DECODE_ROWS = 64
 MAX_DECODE_SPLITS, MIN_SLICE_STEPS, MAX_SPLIT_ROWS = 8, 4, 16
 # ... and only when the unsliced column blocks keep less than this share of their waves' cores busy.
 SPLIT_BELOW_FILL = 0.75
+# The streaming kernel's (BLOCK_K, num_stages) through tensor descriptors (decode_tma).
+TMA_DECODE_TILE = (128, 3)
 # Elements of one program's tile in the kernel adding up the slices.
 FINISH_TILE = 2048
 # Widest row slice of the SwiGLU backward's programs.
@@ -401,16 +404,30 @@ def _split_cost(m: int, n: int, k: int, splits: int, programs: int, cores: int) 
 
 
 def decode_tma(config: Config, profile: DeviceProfile | None, w1: torch.Tensor, w3: torch.Tensor,
-               w3_offset: int) -> bool:
-    """Whether the streaming kernel reads the weights through tensor descriptors: ``config['TMA']``
-    (0 unless set) on a device whose copy engine takes them (sm_90), the weights' K stride 1 and
-    their rows and bases (w3's from ``w3_offset`` elements on) 16-byte aligned."""
-    if not config.get("TMA", 0) or profile is None or profile.arch not in gemm_block.TMA_ARCHS:
-        return False
+               w3_offset: int, columns: int, splits: int) -> tuple[int, int] | None:
+    """``(BLOCK_K, num_stages)`` of the streaming kernel reading the weights through tensor
+    descriptors, or None for pointer loads. Only on a device whose copy engine takes them (sm_90),
+    the weights' K stride 1 and their rows and bases (w3's from ``w3_offset`` elements on) 16-byte
+    aligned. ``config['TMA']`` 0 never; 1 always there, with the config's K slice and depth; unset
+    (the default and the space's configs), where each program's columns fill at least three
+    quarters of its ``BLOCK_N`` rows of the descriptor's box and K is not sliced, with
+    TMA_DECODE_TILE. H200, bf16, 1 row (.ci/sweep_ffn.py, 2026-12-04): LLaMA-3-8B 71.4 us (77% of
+    the copy bandwidth; pointers 74.0), LLaMA-3-70B 234.0 (94%; 248.3); Qwen2.5-7B's 72 of 128
+    columns 94.0 (pointers 89.0) and DeepSeek-V3's shared expert in 8 K slices 31.2 (30.0) keep
+    the pointers."""
+    wanted = config.get("TMA")
+    if wanted == 0 or profile is None or profile.arch not in gemm_block.TMA_ARCHS:
+        return None
     size = w1.element_size()
-    return all(w.stride(1) == 1 and (w.stride(0) * size) % gemm_block.TMA_ALIGNMENT == 0
+    if not all(w.stride(1) == 1 and (w.stride(0) * size) % gemm_block.TMA_ALIGNMENT == 0
                and (w.data_ptr() + offset * size) % gemm_block.TMA_ALIGNMENT == 0
-               for w, offset in ((w1, 0), (w3, w3_offset)))
+               for w, offset in ((w1, 0), (w3, w3_offset))):
+        return None
+    if wanted:
+        return config["BLOCK_K"], config["num_stages"]
+    if splits > 1 or 4 * columns < 3 * config["BLOCK_N"]:
+        return None
+    return TMA_DECODE_TILE
 
 
 def decode_calls(x2: torch.Tensor, rms_w: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None,
@@ -439,8 +456,10 @@ def decode_calls(x2: torch.Tensor, rms_w: torch.Tensor, w1: torch.Tensor | None,
         scratch = (part, sum_sq)
     gate_out = out2 if gate is None else gate
     up_out = out2 if up is None else up
-    tma = decode_tma(config, profile, w1, w3, w3_offset)
-    if tma:
+    block_k, stages = config["BLOCK_K"], config["num_stages"]
+    tma = decode_tma(config, profile, w1, w3, w3_offset, columns, splits)
+    if tma is not None:
+        block_k, stages = tma
         ensure_allocator()  # the descriptors' global scratch (plan.run launches through Triton)
     calls = [KernelCall(
         ffn_decode_kernel, (programs, splits),
@@ -448,9 +467,8 @@ def decode_calls(x2: torch.Tensor, rms_w: torch.Tensor, w1: torch.Tensor | None,
          x2.stride(0), x2.stride(1), rms_w.stride(0),
          w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1), out2.stride(0), out2.stride(1)),
         {"BLOCK_M": max(next_power_of_2(m), MIN_DOT_ROWS), "BLOCK_N": config["BLOCK_N"],
-         "BLOCK_K": config["BLOCK_K"], "STORE_PRE": gate is not None, "SPLIT_K": splits,
-         "TMA": tma,
-         "num_warps": config["num_warps"], "num_stages": config["num_stages"]},
+         "BLOCK_K": block_k, "STORE_PRE": gate is not None, "SPLIT_K": splits, "TMA": tma is not None,
+         "num_warps": config["num_warps"], "num_stages": stages},
     )]
     if splits > 1:
         block_m = next_power_of_2(m)
@@ -690,16 +708,23 @@ def default_config(sig: Signature, profile: DeviceProfile) -> Config:
 
     - up to DECODE_ROWS: weight streaming, at most 128 columns of each weight per program, spread
       over whole waves of the multiprocessors (:func:`decode_columns`), 64-wide K slices four
-      stages deep. w1 and w3 read at, of the copy bandwidth, 1 and 16 rows: LLaMA-3-8B 75% (112
-      programs; cuBLAS's GEMM over [w1; w3] 80%), LLaMA-3-70B 89% (264 programs of 109 columns;
-      83% in 224 blocks of 128), Qwen2.5-7B 72% (264 of 72; 71% in 148 blocks over 8 K slices),
-      DeepSeek-V3's shared expert 46-48% (16 blocks over 8 K slices; cuBLAS 52%). Deeper
-      pipelines, 256 or 64 columns, 32-wide K slices and, for 1 row, products on the cores
-      without tl.dot (at best 8 columns by 512-wide K slices: 70%, 79%, 72%, 42%) were slower;
+      stages deep; on sm_90, where the programs' columns nearly fill the tile and K is not sliced,
+      the weights through tensor descriptors in 128-wide K slices three deep (:func:`decode_tma`).
+      w1 and w3 read at, of the copy bandwidth, 1 and 16 rows: LLaMA-3-8B 75%, 77% through
+      descriptors (112 programs; cuBLAS's GEMM over [w1; w3] 80%), LLaMA-3-70B 89%, 94% through
+      descriptors (264 programs of 109 columns; 83% in 224 blocks of 128), Qwen2.5-7B 72% (264 of
+      72; 71% in 148 blocks over 8 K slices), DeepSeek-V3's shared expert 46-48% (16 blocks over 8
+      K slices; cuBLAS 52%). Deeper pipelines, 256 or 64 columns, 32-wide K slices and, for 1 row,
+      products on the cores without tl.dot (at best 8 columns by 512-wide K slices: 70%, 79%,
+      72%, 42%) were slower;
     - up to 128: the GEMM with 64-row tiles (128-row tiles, or streaming with 128 rows, leave
       multiprocessors idle or spill), 64 columns of each weight by K slices of 128, 32 where 64
       leave multiprocessors idle (:func:`few_rows_block_n`);
     - more: :data:`PREFILL_TILE`, 128 x 128 tiles of each weight (a 128 x 256 output tile).
+
+    On sm_90 the pair-tile kernel splits its last, partial wave over K (:func:`dlblas_kernels.gemm.pair_tail`;
+    H200, .ci/sweep_ffn.py, 2026-12-04: LLaMA-3-8B 4096 tokens 1412.6 -> 1337.7 us, LLaMA-3-70B
+    4096 tokens 5707.8 -> 5337.2 us, 128 tokens 88.4 -> 87.1 and 270.4 -> 268.5 us).
 
     The GEMM takes the pair-tile kernel (``JOINT``) where the copy engine takes the operands;
     float32 inputs take K slices half as wide. Pipelining stages are dropped while the tiles
