@@ -39,14 +39,16 @@ def cfg(bm, bn, bk, w, s, joint=1, **extra):
 
 def candidates(m: int) -> list[dict]:
     if m <= 16:  # weight streaming: the default (columns spread over whole waves, decode_columns; K
-        # slices where the column blocks leave SMs idle, decode_splits) beside SPREAD=0 (blocks of
-        # BLOCK_N) and SPREAD=2 (fewer blocks than SMs spread over one wave too), and TMA=1 (the
-        # weight tiles through tensor descriptors) over tiles and depths
+        # slices where the column blocks leave SMs idle, decode_splits; tensor descriptors where
+        # decode_tma takes them) beside SPREAD=0 (blocks of BLOCK_N) and SPREAD=2 (fewer blocks than
+        # SMs spread over one wave too), and TMA=1 (descriptors always) over tiles and depths
         tma = [cfg(64, bn, bk, w, s, TMA=1) for bn, bk, w, s in (
             (128, 64, 4, 4), (128, 64, 4, 6), (128, 64, 8, 4), (128, 128, 4, 3), (128, 128, 4, 4), (128, 128, 8, 3),
             (256, 64, 8, 4), (64, 64, 4, 6), (64, 128, 4, 4))]
-        return [cfg(64, 128, 64, 4, 4), cfg(64, 128, 64, 4, 6), cfg(64, 128, 64, 8, 4), cfg(64, 128, 64, 4, 4, SPREAD=0),
-                cfg(64, 128, 64, 4, 4, SPREAD=2), cfg(64, 128, 64, 4, 4, SPREAD=2, TMA=1), *tma]
+        # the default (descriptors where decode_tma takes them) beside pointers alone (TMA=0)
+        pointers = [cfg(64, 128, 64, 4, 4, TMA=0), cfg(64, 128, 64, 4, 6, TMA=0), cfg(64, 128, 64, 8, 4, TMA=0),
+                    cfg(64, 128, 64, 4, 4, SPREAD=0, TMA=0), cfg(64, 128, 64, 4, 4, SPREAD=2, TMA=0)]
+        return [cfg(64, 128, 64, 4, 4), *pointers, cfg(64, 128, 64, 4, 4, SPREAD=2, TMA=1), *tma]
     if m > 128:  # TAIL=0: the pair kernel's last wave unsplit (gemm.pair_tail)
         return [cfg(128, 128, 64, 8, 4), cfg(128, 128, 64, 8, 4, TAIL=0), cfg(128, 128, 64, 8, 3),
                 cfg(128, 128, 64, 8, 4, FLATTEN=0), cfg(256, 64, 64, 8, 3), cfg(128, 64, 64, 4, 4)]
