@@ -88,30 +88,6 @@ def test_matches_reference(batch, sq, sk, hq, hk, d, splits, causal, dtype, devi
     check(q, k, v, out, lse, causal)
 
 
-@pytest.mark.parametrize("batch, sq, sk, hq, hk, d, splits, causal, tma", [
-    (1, 1, 37, 4, 1, 64, 3, False, True),    # three splits, the last ragged: zeros past each split's end
-    (2, 2, 53, 8, 2, 128, 1, True, True),    # one split, causal, two batches
-    (1, 4, 70, 4, 1, 256, 4, True, True),    # D 256
-    (1, 3, 45, 8, 2, 96, 2, True, False),    # D 96 is no tile of its own: pointer loads
-], ids=["d64-3splits", "d128-causal", "d256", "d96-pointers"])
-def test_tensor_descriptors(batch, sq, sk, hq, hk, d, splits, causal, tma, dtype, device, profile, gen):
-    """On sm_90 the split kernel reads K and V through descriptors that end at the split's last key
-    (decode_tma), also from a KV cache's slices; TMA=0 keeps the pointer loads."""
-    hopper = dataclasses.replace(profile, arch="sm_90")
-    q, k, v = qkv(batch, sq, sk, hq, hk, d, dtype, device, gen)
-    cache = randn(batch, sk + 9, 2, hk, d, dtype=dtype, device=device, generator=gen)
-    cache[:, :sk, 0], cache[:, :sk, 1] = k, v
-    for keys, values in ((k, v), (cache[:, :sk, 0], cache[:, :sk, 1])):
-        for config, expected in (({**SMALL, "SPLITS": splits}, tma), ({**SMALL, "SPLITS": splits, "TMA": 0}, False)):
-            out, lse = outputs(q)
-            calls, _ = decode.decode_calls(q, keys, values, out, lse, causal=causal, scale=d ** -0.5, profile=hopper,
-                                           config=config)
-            assert calls[0].kwargs["TMA"] is expected
-            for call in calls:
-                call.launch()
-            check(q, k, v, out, lse, causal)
-
-
 @pytest.mark.parametrize("splits", [1, 2])
 def test_rows_that_see_no_key(splits, dtype, device, profile, gen):
     """Causal with Sq > Sk: query i sees keys j <= i - 4, so rows 0..3 see none (out 0, lse -inf, no

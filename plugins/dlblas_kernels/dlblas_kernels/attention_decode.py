@@ -41,12 +41,10 @@ import triton
 import triton.language as tl
 
 from dlblas_kernels.attention import block_d as tile_width
-from dlblas_kernels.gemm import TMA_ALIGNMENT, TMA_ARCHS
 from dlcore import InvalidInputError
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, KernelCall
 from dlcore.declarations.signature import cdiv, next_power_of_2
-from dlcore.runtime.allocator import ensure_allocator
 
 OP = "flash_attention_v2"
 #: the fewest rows tl.dot takes (the M of the query tile is padded up to it)
@@ -74,14 +72,12 @@ def decode_split_kernel(
     stride_ob, stride_os, stride_oh, stride_osplit, stride_od,
     stride_lb, stride_lh, stride_ls, stride_lsplit,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, TMA: tl.constexpr = False,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # Program (split, kv head hk, batch b): the GROUP * Sq query rows of kv head hk (row r: query
     # r % Sq of head hk * GROUP + r // Sq) against keys [split * keys_per_split, ...). o and lse:
     # the split's normalised partial output and natural-log lse at (b, query i, head h, split) by
-    # the strides given (the scratch's, or out's and lse's with a zero split stride). TMA: the K and
-    # V tiles through tensor descriptors of the kv head's keys up to the split's end (zero past it;
-    # HEAD_DIM == BLOCK_D, unit d strides, 16-byte aligned rows: decode_tma).
+    # the strides given (the scratch's, or out's and lse's with a zero split stride).
     split = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -101,12 +97,6 @@ def decode_split_kernel(
     last_key = qi + (Sk - Sq)
     k_ptrs = k_ptr + b * stride_kb + hk * stride_kh + (start + offs_n)[:, None] * stride_ks + d[None, :] * stride_kd
     v_ptrs = v_ptr + b * stride_vb + hk * stride_vh + (start + offs_n)[:, None] * stride_vs + d[None, :] * stride_vd
-    if TMA:
-        # 32-bit coordinates (Sk < 2**31; the int64 bases carry the batch's offset)
-        k_desc = tl.make_tensor_descriptor(k_ptr + b * stride_kb + hk * stride_kh, shape=[end.to(tl.int32), HEAD_DIM],
-                                           strides=[stride_ks, 1], block_shape=[BLOCK_N, BLOCK_D])
-        v_desc = tl.make_tensor_descriptor(v_ptr + b * stride_vb + hk * stride_vh, shape=[end.to(tl.int32), HEAD_DIM],
-                                           strides=[stride_vs, 1], block_shape=[BLOCK_N, BLOCK_D])
 
     # online softmax in base 2: m the running row maximum of s = scale * log2(e) * q.k, l the sum
     # of 2^(s - m), acc the sum of 2^(s - m) v
@@ -119,12 +109,8 @@ def decode_split_kernel(
             mask_kv = (keys < end)[:, None]
         else:
             mask_kv = (keys < end)[:, None] & (d < HEAD_DIM)[None, :]
-        if TMA:
-            k = k_desc.load([tl.cast(n, tl.int32), 0])
-            v = v_desc.load([tl.cast(n, tl.int32), 0])
-        else:
-            k = tl.load(k_ptrs, mask=mask_kv, other=0.0, eviction_policy="evict_first")
-            v = tl.load(v_ptrs, mask=mask_kv, other=0.0, eviction_policy="evict_first")
+        k = tl.load(k_ptrs, mask=mask_kv, other=0.0, eviction_policy="evict_first")
+        v = tl.load(v_ptrs, mask=mask_kv, other=0.0, eviction_policy="evict_first")
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         visible = (keys < end)[None, :]
         if CAUSAL:
@@ -237,17 +223,6 @@ def default_config(q: torch.Tensor, k: torch.Tensor, profile: DeviceProfile) -> 
             "num_stages": stages}
 
 
-def decode_tma(k: torch.Tensor, v: torch.Tensor, config: Config, profile: DeviceProfile) -> bool:
-    """Whether the split kernel reads K and V through tensor descriptors: ``config['TMA']`` (1 unless
-    set) on a device whose copy engine takes them (sm_90), a head width that is its own tile (64,
-    128, 256), unit strides along ``d`` and 16-byte aligned key rows, heads and bases."""
-    if not config.get("TMA", 1) or profile.arch not in TMA_ARCHS or tile_width(k.shape[3]) != k.shape[3]:
-        return False
-    size = k.element_size()
-    return all(t.stride(3) == 1 and all(s * size % TMA_ALIGNMENT == 0 for s in t.stride()[:3])
-               and t.data_ptr() % TMA_ALIGNMENT == 0 for t in (k, v))
-
-
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4:
         raise InvalidInputError(OP, "q", f"has shape {tuple(q.shape)} and k {tuple(k.shape)}",
@@ -306,16 +281,13 @@ def decode_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
         scratch = (o, part_lse)
         o_strides = (o.stride(0), o.stride(2), o.stride(1), o.stride(3), o.stride(4))
         l_strides = (part_lse.stride(0), part_lse.stride(1), part_lse.stride(2), part_lse.stride(3))
-    tma = decode_tma(k, v, config, profile)
-    if tma:
-        ensure_allocator()  # the descriptors' global scratch (plan.run launches through Triton)
     calls = [KernelCall(
         decode_split_kernel, (splits, hk, batch),
         (q, k, v, o, part_lse, sq, sk, keys_per_split, float(scale) * LOG2E,
          *q.stride(), *k.stride(), *v.stride(), *o_strides, *l_strides),
         {"GROUP": hq // hk, "HEAD_DIM": d, "CAUSAL": bool(causal),
          "BLOCK_M": max(next_power_of_2(_rows(q, k)), MIN_DOT_ROWS), "BLOCK_N": block_n, "BLOCK_D": block_d,
-         "TMA": tma, "num_warps": config["num_warps"], "num_stages": config["num_stages"]},
+         "num_warps": config["num_warps"], "num_stages": config["num_stages"]},
     )]
     if splits > 1:
         calls.append(KernelCall(
