@@ -625,7 +625,7 @@ def test_decode_through_tensor_descriptors(splits, dtype, device, gen, launch, l
         for result, expected in zip(got, ffn_training_reference(*upcast(x, w1, w3, rms_w))):
             assert_close(result, expected, dtype, reduce_dim=k)
     # a weight the copy engine cannot take (K stride 2) streams through pointers
-    wide = torch.randn(n, 2 * k, dtype=dtype, device=device, generator=gen)[:, ::2]
+    wide = randn(n, 2 * k, dtype=dtype, device=device, generator=gen)[:, ::2]
     stream = training_plan((x, wide, wide, rms_w, 1e-6, None), config, profile).calls[0]
     assert not stream.kwargs["TMA"]
 
