@@ -369,9 +369,10 @@ def test_pair_tile_split_last_wave(order, dtype, device, gen, profile, launch, l
     assert [name for name, _ in launches] == ["rms_scale_kernel", "swiglu_pair_tma_kernel"] * 2
 
 
-def test_pair_tile_backward(device, gen, profile, launch):
+def test_pair_tile_backward(device, gen, profile, launch, launches):
     """Gradients from the pair-tile kernel's saved pre-activations (the training forward on sm_90)
-    against autograd through the float64 composite."""
+    against autograd through the float64 composite; dxn by the descriptor kernel over both weights
+    (its reduction over N = 24 ragged against K steps of 32)."""
     m, k, n = 21, 40, 24
     x, w1, w3, rms_w = inputs((m,), k, n, torch.float32, device, gen)
     h = hopper(profile, device)
@@ -379,6 +380,7 @@ def test_pair_tile_backward(device, gen, profile, launch):
     out, gate, up = launch(training_plan(args, PREFILL, h))
     dout = randn(m, n, device=device, generator=gen)
     dx, dw13, drms_w = launch(backward_plan((dout, *args, gate, up), PREFILL, h))
+    assert "ffn_input_grad_tma_kernel" in [name for name, _ in launches]
     leaves = [t.double().requires_grad_() for t in (x, w1, w3, rms_w)]
     expected = composite(*leaves)
     assert_close(out, expected, torch.float32, reduce_dim=k)
@@ -542,6 +544,7 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
              "decode_tma": ffn.training_plan((x, None, None, g, 1e-6, w13),
                                              {**small, "BLOCK_M": 64, "TMA": 1, "SPLIT_K": 2}, hopper)}
     # the pair-tile kernel's last wave split over K (4 cores: 6 tiles leave 2, split 2 ways)
+    plans["backward_tma"] = ffn.backward_plan((dout, x, w, w, g, 1e-6, None, gate, up), small, hopper)
     plans["prefill_pair_tail"] = ffn.training_plan((x, None, None, g, 1e-6, w13), {**small, "BLOCK_K": 16},
                                                    dataclasses.replace(hopper, cores=4))
     assert plans["decode_tma"].calls[0].kwargs["TMA"] and plans["prefill_pair_tail"].calls[1].kwargs["TAIL"]
@@ -569,7 +572,9 @@ def test_every_kernel_compiles_to_cubin():
                "prefill_pair": ["rms_scale_kernel", "swiglu_pair_tma_kernel"],
                "prefill_pair_training": ["rms_scale_kernel", "swiglu_pair_tma_kernel"],
                "decode_tma": ["ffn_decode_kernel", "ffn_decode_finish_kernel"],
-               "prefill_pair_tail": ["rms_scale_kernel", "swiglu_pair_tma_kernel"]}
+               "prefill_pair_tail": ["rms_scale_kernel", "swiglu_pair_tma_kernel"],
+               "backward_tma": ["rms_scale_kernel", "swiglu_backward_kernel", "ffn_input_grad_tma_kernel",
+                                "gemm_tma_kernel", *norm]}
     expected = {f"{plan}/{kernel}/{dtype}/sm_{capability}" for plan, names in kernels.items() for kernel in names
                 for dtype in ("bfloat16", "float16", "float32") for capability in (80, 90, 100)}
     assert set(compiled) == expected

@@ -318,6 +318,39 @@ def ffn_input_grad_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_c[None, :])
 
 
+@triton.jit
+def ffn_input_grad_tma_kernel(
+    dh_ptr, w1_ptr, w3_ptr, out_ptr,
+    M, K, N,
+    stride_dm, stride_w1n, stride_w3n, stride_om,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # ffn_input_grad_kernel's out [M, K] = dh[:, :N] @ w1 + dh[:, N:] @ w3, persistent, every tile
+    # moved by the copy engine: dh's halves and the weights ([N, K], unit K strides) through
+    # descriptors bounded at N, so a ragged last reduction step reads zeros, not the other half.
+    d_desc = tl.make_tensor_descriptor(dh_ptr, shape=[M, N], strides=[stride_dm, 1], block_shape=[BLOCK_M, BLOCK_K])
+    u_desc = tl.make_tensor_descriptor(dh_ptr + N, shape=[M, N], strides=[stride_dm, 1],
+                                       block_shape=[BLOCK_M, BLOCK_K])
+    w1_desc = tl.make_tensor_descriptor(w1_ptr, shape=[N, K], strides=[stride_w1n, 1], block_shape=[BLOCK_K, BLOCK_N])
+    w3_desc = tl.make_tensor_descriptor(w3_ptr, shape=[N, K], strides=[stride_w3n, 1], block_shape=[BLOCK_K, BLOCK_N])
+    c_desc = tl.make_tensor_descriptor(out_ptr, shape=[M, K], strides=[stride_om, 1], block_shape=[BLOCK_M, BLOCK_N])
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(K, BLOCK_N)
+    steps = tl.cdiv(N, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, tl.num_programs(0)):
+        pid_m, pid_n = grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+        off_m = pid_m * BLOCK_M
+        off_n = pid_n * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for ki in range(steps):
+            acc = tl.dot(d_desc.load([off_m, ki * BLOCK_K]), w1_desc.load([ki * BLOCK_K, off_n]), acc,
+                         input_precision="ieee")
+        for ki in range(steps):
+            acc = tl.dot(u_desc.load([off_m, ki * BLOCK_K]), w3_desc.load([ki * BLOCK_K, off_n]), acc,
+                         input_precision="ieee")
+        c_desc.store([off_m, off_n], acc.to(c_desc.dtype))
+
+
 def weights(w1: torch.Tensor | None, w3: torch.Tensor | None,
             w13: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(w1, w3)``: the arguments themselves, or the two halves of ``w13`` (views)."""
@@ -569,11 +602,37 @@ def input_grad_splits(m: int, k: int, n: int, gemm: Config, profile: DeviceProfi
     return max(1, min(cores // tiles, most))
 
 
+def input_grad_tma(dh: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, dxn: torch.Tensor, gemm: Config,
+                   profile: DeviceProfile | None, splits: int) -> bool:
+    """Whether :func:`ffn_input_grad_tma_kernel` computes ``dxn``: unsliced (``splits`` 1), ``gemm``'s
+    ``TMA`` not 0, on a device whose copy engine takes the operands (sm_90): dh, both halves, the
+    weights and dxn with unit inner strides and 16-byte aligned rows and bases."""
+    if splits > 1 or not gemm.get("TMA", 1) or profile is None or profile.arch not in gemm_block.TMA_ARCHS:
+        return False
+    if profile.cores <= 0:
+        return False
+    n, size = w1.shape[0], dh.element_size()
+    aligned = gemm_block.TMA_ALIGNMENT
+    return (all(t.stride(-1) == 1 and (t.stride(0) * size) % aligned == 0 and t.data_ptr() % aligned == 0
+                for t in (dh, w1, w3, dxn)) and (n * size) % aligned == 0)
+
+
 def input_grad_calls(dh: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, dxn: torch.Tensor, gemm: Config,
-                     splits: int) -> tuple[list[KernelCall], tuple]:
+                     splits: int, profile: DeviceProfile | None = None) -> tuple[list[KernelCall], tuple]:
     """``dxn = dh[:, :N] @ w1 + dh[:, N:] @ w3`` without concatenating the weights, over ``splits``
-    slices of the reduction (float32 partial sums added up by the GEMM block's split-K reduce)."""
+    slices of the reduction (float32 partial sums added up by the GEMM block's split-K reduce); on
+    sm_90, unsliced, the persistent descriptor kernel (:func:`input_grad_tma`)."""
     (m, k), n = dxn.shape, w1.shape[0]
+    if input_grad_tma(dh, w1, w3, dxn, gemm, profile, splits):
+        ensure_allocator()
+        size = dh.element_size()  # the pipelined tiles beside the output tile staged for its store
+        stages = gemm_block.fit_stages({**gemm, "TMA": 1, "SPLIT_K": 1}, profile.shared_memory_per_program,
+                                       lambda c: gemm_block.shared_memory_bytes(c, size))["num_stages"]
+        tiles = cdiv(m, gemm["BLOCK_M"]) * cdiv(k, gemm["BLOCK_N"])
+        return [KernelCall(ffn_input_grad_tma_kernel, (min(tiles, profile.cores),), (
+            dh, w1, w3, dxn, m, k, n, dh.stride(0), w1.stride(0), w3.stride(0), dxn.stride(0),
+        ), {"BLOCK_M": gemm["BLOCK_M"], "BLOCK_N": gemm["BLOCK_N"], "BLOCK_K": gemm["BLOCK_K"],
+            "GROUP_M": gemm["GROUP_M"], "num_warps": gemm["num_warps"], "num_stages": stages})], ()
     k_per_split = cdiv(cdiv(2 * n, splits), gemm["BLOCK_K"]) * gemm["BLOCK_K"]
     splits = cdiv(2 * n, k_per_split)
     tile = {"BLOCK_M": gemm["BLOCK_M"], "BLOCK_N": gemm["BLOCK_N"], "BLOCK_K": gemm["BLOCK_K"],
@@ -624,7 +683,7 @@ def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> Launch
     if w13 is not None:
         calls_x, scratch_x = gemm_calls(dh, w13, dxn, {**gemm, "SPLIT_K": splits}, profile)
     else:
-        calls_x, scratch_x = input_grad_calls(dh, w1, w3, dxn, gemm, splits)
+        calls_x, scratch_x = input_grad_calls(dh, w1, w3, dxn, gemm, splits, profile)
     calls_w, scratch_w = gemm_calls(dh.T, xn, dw13, gemm, profile)
     norm = rms_norm.backward_plan((dxn, x2, rms_w, None, eps), rms_norm.heuristic_config(m, k), profile)
     dx_rows, drms = norm.result
@@ -913,7 +972,7 @@ def _gradients(backward, saved, grads, needs) -> dict:
 KERNEL = define_kernel(
     OP, plan,
     kernels=(ffn_decode_kernel, ffn_decode_finish_kernel, rms_scale_kernel, swiglu_backward_kernel,
-             ffn_input_grad_kernel, *gemm_block.KERNELS, *gemm_block.SWIGLU_KERNELS,
+             ffn_input_grad_kernel, ffn_input_grad_tma_kernel, *gemm_block.KERNELS, *gemm_block.SWIGLU_KERNELS,
              rms_norm.rms_norm_backward_kernel, rms_norm.column_sum_kernel),
     results=output,
     default_config=default_config,
