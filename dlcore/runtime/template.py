@@ -130,7 +130,9 @@ class Backward:
         differentiable argument by name (missing names: no gradient). ``backward(*args)`` runs the
         backward custom op on the backward's arguments (the config ints are appended);
         ``saved.<name>`` holds each saved argument or output; ``grads`` are the output gradients in
-        order; ``needs[name]`` says whether the gradient of that argument is wanted.
+        order (zeros for an output the loss does not reach; but where the call keeps residuals
+        from its caller, None for those and for any other output without a gradient);
+        ``needs[name]`` says whether the gradient of that argument is wanted.
     :param saved: the names of the forward arguments and outputs the formula reads.
     :param saved_for: more names saved only when the gradient of a given argument is wanted
         (``{"cos": ("q", "k")}``: q and k, for cos's gradient, which models rarely ask for).
@@ -467,8 +469,15 @@ def _register_autograd(custom_op: Any, backward: Backward, backward_op: _Backwar
     none = (None,) * config_count
     single = len(outputs) == 1
 
+    residuals = backward.residuals
+
     def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
         named = dict(zip(names, inputs))
+        if residuals is not None and not (residuals.shown_by is not None and named.get(residuals.shown_by)):
+            # The residuals the caller never sees get no gradient: None reaches the formula where
+            # autograd would otherwise allocate and zero-fill one the size of each (an MLP's [M, N]
+            # pre-activations: two fills and their memory every backward).
+            ctx.set_materialize_grads(False)
         named.update(zip(outputs, (output,) if single else output))
         keep = list(backward.saved)
         needs = ctx.needs_input_grad
@@ -482,6 +491,8 @@ def _register_autograd(custom_op: Any, backward: Backward, backward_op: _Backwar
         ctx.config = inputs[count:]
 
     def formula(ctx: Any, *grads: Any) -> tuple:
+        if all(g is None for g in grads):  # no gradient reached any output (gradcheck asks): none out
+            return (None,) * (count + config_count)
         saved = SimpleNamespace(**ctx.values, **dict(zip(ctx.tensor_names, ctx.saved_tensors)))
         got = gradients(functools.partial(backward_op.run, ctx.config), saved, grads,
                         dict(zip(names, ctx.needs_input_grad)))

@@ -52,7 +52,12 @@ def scale_backward_reference(dy: torch.Tensor, sq: torch.Tensor) -> torch.Tensor
     return dy * 2 + 0 * sq
 
 
+#: per backward, which output gradients reached the formula as None
+SEEN: list[tuple[bool, ...]] = []
+
+
 def _gradients(backward, saved, grads, needs) -> dict:
+    SEEN.append(tuple(g is None for g in grads))
     return {"x": backward(grads[0], saved.sq)}
 
 
@@ -95,3 +100,15 @@ def test_the_residual_comes_back_only_when_asked(device, gen, show, grad):
 def test_shown_by_names_a_scalar_argument():
     with pytest.raises(DeclarationError, match="shown_by names 'x'"):
         _declare("x")
+
+
+@pytest.mark.parametrize("show", [False, True])
+def test_a_hidden_residual_gets_no_gradient(device, gen, show):
+    """A residual the caller never sees reaches the formula as None (autograd allocates and zero-fills
+    no gradient for it); one shown to the caller, who may not use it, as zeros as before."""
+    x = randn(70, device=device, generator=gen).requires_grad_()
+    result = KERNEL.function(x, show)
+    y = result[0] if show else result
+    SEEN.clear()
+    torch.autograd.grad(y, x, torch.ones_like(y))
+    assert SEEN == [(False, not show)]
