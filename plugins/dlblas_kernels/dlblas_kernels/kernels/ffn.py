@@ -102,7 +102,7 @@ SWIGLU_BLOCK = 2048
 @triton.jit
 def rms_scale_kernel(
     x_ptr, rms_w_ptr, xs_ptr, rstd_ptr, zero_ptr,
-    K, eps, zeros,
+    M, K, eps, zeros,
     stride_xm, stride_xk,
     stride_rms_w,
     stride_xsm, stride_xsk,
@@ -110,10 +110,11 @@ def rms_scale_kernel(
 ):
     # One row per program: rstd = rsqrt(mean(x**2) + eps), then xs = x * rms_w (NORMALISE: the
     # normalised row x * rstd * rms_w), in xs's dtype; the second pass reads the row from cache.
-    # ZERO: the `zeros` int32 counters at zero_ptr set to 0 too (the next launch's, spread over the programs).
+    # ZERO: the `zeros` int32 counters at zero_ptr set to 0 too (the next launch's, spread over the M
+    # programs; M passed rather than read from tl.num_programs, which grid folding refuses).
     row = tl.program_id(0).to(tl.int64)  # 64-bit: row * row stride may pass 2**31
     if ZERO:
-        for i in range(tl.program_id(0), zeros, tl.num_programs(0)):
+        for i in range(tl.program_id(0), zeros, M):
             tl.store(zero_ptr + i, 0)
     cols = tl.arange(0, BLOCK_K)
     x_row = x_ptr + row * stride_xm
@@ -374,7 +375,7 @@ def rms_scale_call(x2: torch.Tensor, rms_w: torch.Tensor, xs: torch.Tensor, rstd
     block_k = min(next_power_of_2(k), MAX_ROW_BLOCK)
     return KernelCall(
         rms_scale_kernel, (m,),
-        (x2, rms_w, xs, rstd, rstd if zero is None else zero, k, float(eps), 0 if zero is None else zero.numel(),
+        (x2, rms_w, xs, rstd, rstd if zero is None else zero, m, k, float(eps), 0 if zero is None else zero.numel(),
          x2.stride(0), x2.stride(1), rms_w.stride(0), xs.stride(0), xs.stride(1)),
         # About 16 elements of the row slice per thread.
         {"BLOCK_K": block_k, "NORMALISE": normalise, "ZERO": zero is not None,
