@@ -91,8 +91,9 @@ DECODE_ROWS = 64
 MAX_DECODE_SPLITS, MIN_SLICE_STEPS, MAX_SPLIT_ROWS = 8, 4, 16
 # ... and only when the unsliced column blocks keep less than this share of their waves' cores busy.
 SPLIT_BELOW_FILL = 0.75
-# The streaming kernel's (BLOCK_K, num_stages) through tensor descriptors (decode_tma).
-TMA_DECODE_TILE = (128, 3)
+# The streaming kernel's (BLOCK_K, num_stages) through tensor descriptors (decode_tma), and the most
+# rows (padded to tl.dot's 16) it takes them for: the H200 measured 1 and 16.
+TMA_DECODE_TILE, TMA_DECODE_ROWS = (128, 3), 16
 # Elements of one program's tile in the kernel adding up the slices.
 FINISH_TILE = 2048
 # Widest row slice of the SwiGLU backward's programs.
@@ -438,17 +439,19 @@ def _split_cost(m: int, n: int, k: int, splits: int, programs: int, cores: int) 
 
 
 def decode_tma(config: Config, profile: DeviceProfile | None, w1: torch.Tensor, w3: torch.Tensor,
-               w3_offset: int, columns: int, splits: int) -> tuple[int, int] | None:
+               w3_offset: int, columns: int, splits: int, block_m: int = MIN_DOT_ROWS) -> tuple[int, int] | None:
     """``(BLOCK_K, num_stages)`` of the streaming kernel reading the weights through tensor
     descriptors, or None for pointer loads. Only on a device whose copy engine takes them (sm_90),
     the weights' K stride 1 and their rows and bases (w3's from ``w3_offset`` elements on) 16-byte
     aligned. ``config['TMA']`` 0 never; 1 always there, with the config's K slice and depth; unset
     (the default and the space's configs), where each program's columns fill at least three
     quarters of its ``BLOCK_N`` rows of the descriptor's box and K is not sliced, with
-    TMA_DECODE_TILE. H200, bf16, 1 row (.ci/sweep_ffn.py, 2026-12-04): LLaMA-3-8B 71.4 us (77% of
-    the copy bandwidth; pointers 74.0), LLaMA-3-70B 234.0 (94%; 248.3); Qwen2.5-7B's 72 of 128
-    columns 94.0 (pointers 89.0) and DeepSeek-V3's shared expert in 8 K slices 31.2 (30.0) keep
-    the pointers."""
+    TMA_DECODE_TILE, for 16-bit weights and at most TMA_DECODE_ROWS rows (the rows measured; more
+    keep the pointers, as float32 does) whose pipelined tiles (``block_m`` rows of x, both weights'
+    ``BLOCK_N``) fit the device's shared memory at that depth. H200, bf16, 1 row (.ci/sweep_ffn.py,
+    2026-12-04): LLaMA-3-8B 71.4 us (77% of the copy bandwidth; pointers 74.0), LLaMA-3-70B 234.0
+    (94%; 248.3); Qwen2.5-7B's 72 of 128 columns 94.0 (pointers 89.0) and DeepSeek-V3's shared
+    expert in 8 K slices 31.2 (30.0) keep the pointers."""
     wanted = config.get("TMA")
     if wanted == 0 or profile is None or profile.arch not in gemm_block.TMA_ARCHS:
         return None
@@ -459,7 +462,11 @@ def decode_tma(config: Config, profile: DeviceProfile | None, w1: torch.Tensor, 
         return None
     if wanted:
         return config["BLOCK_K"], config["num_stages"]
-    if splits > 1 or 4 * columns < 3 * config["BLOCK_N"]:
+    if splits > 1 or 4 * columns < 3 * config["BLOCK_N"] or size > 2 or block_m > TMA_DECODE_ROWS:
+        return None
+    block_k, stages = TMA_DECODE_TILE
+    shared = profile.shared_memory_per_program
+    if shared and stages * (block_m + 2 * config["BLOCK_N"]) * block_k * size > shared:
         return None
     return TMA_DECODE_TILE
 
@@ -491,7 +498,8 @@ def decode_calls(x2: torch.Tensor, rms_w: torch.Tensor, w1: torch.Tensor | None,
     gate_out = out2 if gate is None else gate
     up_out = out2 if up is None else up
     block_k, stages = config["BLOCK_K"], config["num_stages"]
-    tma = decode_tma(config, profile, w1, w3, w3_offset, columns, splits)
+    block_m = max(next_power_of_2(m), MIN_DOT_ROWS)
+    tma = decode_tma(config, profile, w1, w3, w3_offset, columns, splits, block_m)
     if tma is not None:
         block_k, stages = tma
         ensure_allocator()  # the descriptors' global scratch (plan.run launches through Triton)
@@ -500,17 +508,17 @@ def decode_calls(x2: torch.Tensor, rms_w: torch.Tensor, w1: torch.Tensor | None,
         (x2, rms_w, w1, w3, out2, gate_out, up_out, part, sum_sq, m, n, k, float(eps), w3_offset, k_per_split, columns,
          x2.stride(0), x2.stride(1), rms_w.stride(0),
          w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1), out2.stride(0), out2.stride(1)),
-        {"BLOCK_M": max(next_power_of_2(m), MIN_DOT_ROWS), "BLOCK_N": config["BLOCK_N"],
+        {"BLOCK_M": block_m, "BLOCK_N": config["BLOCK_N"],
          "BLOCK_K": block_k, "STORE_PRE": gate is not None, "SPLIT_K": splits, "TMA": tma is not None,
          "num_warps": config["num_warps"], "num_stages": stages},
     )]
     if splits > 1:
-        block_m = next_power_of_2(m)
-        block_n = max(min(FINISH_TILE // block_m, next_power_of_2(n)), 16)
+        finish_m = next_power_of_2(m)
+        block_n = max(min(FINISH_TILE // finish_m, next_power_of_2(n)), 16)
         calls.append(KernelCall(
             ffn_decode_finish_kernel, (cdiv(n, block_n),),
             (part, sum_sq, out2, gate_out, up_out, m, n, k, float(eps), out2.stride(0), out2.stride(1)),
-            {"BLOCK_M": block_m, "BLOCK_N": block_n, "STORE_PRE": gate is not None, "SPLIT_K": splits,
+            {"BLOCK_M": finish_m, "BLOCK_N": block_n, "STORE_PRE": gate is not None, "SPLIT_K": splits,
              "num_warps": 4},
         ))
     return calls, scratch
