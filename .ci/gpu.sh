@@ -16,8 +16,8 @@
 #   bench-gemm matmul (up and down projections, 48 shapes) and ffn (24 shapes) on the gemm preset, with
 #              the Triton and vendor implementations timed alone beside get_op's choice (about 5
 #              minutes: 4 to 5 s a shape, most of it torch.compile and the example inputs)
-#   bench-gemm-bwd  ffn's backward on the gemm preset, the same columns (not measured: about 2 to 3
-#              minutes); not part of bench
+#   bench-gemm-bwd  ffn's backward on the gemm preset, the same columns (2.5 to 4 minutes on the H200,
+#              more where the host is slow: give its call 5 minutes); not part of bench
 #   bench-attention  issue #14: flash_attention_v2 forward on the attention preset (B 2, H 16, D 128, S 2048 to
 #              16384, causal and not) and the decode preset (Sq 1 against Sk 1024 to 65536, GQA 32/8), its
 #              backward on the attention preset, each beside SDPA flash and cuDNN with the Triton kernel alone
