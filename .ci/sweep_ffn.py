@@ -51,7 +51,9 @@ def candidates(m: int) -> list[dict]:
         # one wave of wider programs (Qwen2.5-7B: 132 of 144 columns in tiles of 256, not 264 of 72 in two waves)
         wide = [cfg(64, 256, 64, 8, 3, SPREAD=2, TMA=0), cfg(64, 256, 64, 8, 3, SPREAD=2, TMA=1),
                 cfg(64, 256, 128, 8, 2, SPREAD=2, TMA=1)]
-        return [cfg(64, 128, 64, 4, 4), *pointers, cfg(64, 128, 64, 4, 4, SPREAD=2, TMA=1), *tma, *wide]
+        # every SM streaming (LLaMA-3-8B: 132 programs of 109 columns) through descriptors, 128-wide K slices
+        spread = [cfg(64, 128, 64, 4, 4, SPREAD=2, TMA=1), cfg(64, 128, 128, 4, 3, SPREAD=2, TMA=1)]
+        return [cfg(64, 128, 64, 4, 4), *pointers, *spread, *tma, *wide]
     if m > 128:  # TAIL=0: the pair kernel's last wave unsplit (gemm.pair_tail)
         return [cfg(128, 128, 64, 8, 4), cfg(128, 128, 64, 8, 4, TAIL=0), cfg(128, 128, 64, 8, 3),
                 cfg(128, 128, 64, 8, 4, FLATTEN=0), cfg(256, 64, 64, 8, 3), cfg(128, 64, 64, 4, 4)]
