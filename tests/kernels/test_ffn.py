@@ -645,21 +645,21 @@ def test_decode_takes_tensor_descriptors_where_measured_faster():
     config = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, JOINT=1, num_warps=4, num_stages=4)
     w = torch.empty(28672, 8192, device="meta", dtype=torch.bfloat16)
     assert TMA_DECODE_TILE == (128, 3)
-    assert decode_tma(config, H200, w, w, 0, 128, 1) == TMA_DECODE_TILE
-    assert decode_tma(config, H200, w, w, 0, 109, 1) == TMA_DECODE_TILE
-    assert decode_tma(config, H200, w, w, 0, 72, 1) is None
-    assert decode_tma(config, H200, w, w, 0, 128, 8) is None
-    assert decode_tma({**config, "TMA": 0}, H200, w, w, 0, 128, 1) is None
-    assert decode_tma({**config, "TMA": 1}, H200, w, w, 0, 72, 8) == (64, 4)
-    assert decode_tma(config, dataclasses.replace(H200, arch="sm_80"), w, w, 0, 128, 1) is None
+    assert decode_tma(config, H200, w, w, 128, 1) == TMA_DECODE_TILE
+    assert decode_tma(config, H200, w, w, 109, 1) == TMA_DECODE_TILE
+    assert decode_tma(config, H200, w, w, 72, 1) is None
+    assert decode_tma(config, H200, w, w, 128, 8) is None
+    assert decode_tma({**config, "TMA": 0}, H200, w, w, 128, 1) is None
+    assert decode_tma({**config, "TMA": 1}, H200, w, w, 72, 8) == (64, 4)
+    assert decode_tma(config, dataclasses.replace(H200, arch="sm_80"), w, w, 128, 1) is None
     odd = torch.empty(100, 8190, device="meta", dtype=torch.bfloat16)[:, :8189]  # rows of 16380 bytes
-    assert decode_tma(config, H200, odd, odd, 0, 128, 1) is None
+    assert decode_tma(config, H200, odd, odd, 128, 1) is None
     # up to 16 rows (measured); 17 to 64 keep the pointers, as does a device with less shared memory
-    assert decode_tma(config, H200, w, w, 0, 128, 1, block_m=16) == TMA_DECODE_TILE
-    assert decode_tma(config, H200, w, w, 0, 128, 1, block_m=32) is None
-    assert decode_tma(config, SMALL_SHARED, w, w, 0, 128, 1) is None
+    assert decode_tma(config, H200, w, w, 128, 1, block_m=16) == TMA_DECODE_TILE
+    assert decode_tma(config, H200, w, w, 128, 1, block_m=32) is None
+    assert decode_tma(config, SMALL_SHARED, w, w, 128, 1) is None
     wide = torch.empty(28672, 8192, device="meta", dtype=torch.float32)
-    assert decode_tma(config, H200, wide, wide, 0, 128, 1) is None  # float32 weights: pointers
+    assert decode_tma(config, H200, wide, wide, 128, 1) is None  # float32 weights: pointers
     # the plan: LLaMA-3-8B at 1 token through descriptors, at 48 tokens and Qwen2.5-7B through pointers
     for (rows, k, n), expected in (((1, 4096, 14336), (True, 128, 3)), ((48, 4096, 14336), (False, 64, 4)),
                                    ((1, 3584, 18944), (False, 64, 4))):

@@ -501,7 +501,7 @@ def _scale_stride(t: torch.Tensor | None) -> int:
     return 0 if t is None or t.dim() == 0 else t.stride(0)
 
 
-def _aligned(t: torch.Tensor) -> bool:
+def tma_aligned(t: torch.Tensor) -> bool:
     """``t`` is 2-D with a unit inner stride, its base and outer stride 16-byte aligned."""
     size = t.element_size()
     return (t.dim() == 2 and t.stride(1) == 1 and t.data_ptr() % TMA_ALIGNMENT == 0
@@ -510,9 +510,9 @@ def _aligned(t: torch.Tensor) -> bool:
 
 def _transposed(t: torch.Tensor) -> bool | None:
     """How the copy engine reads 2-D ``t``: False row by row, True as ``t.T`` row by row, None not at all."""
-    if _aligned(t):
+    if tma_aligned(t):
         return False
-    return True if _aligned(t.T) else None
+    return True if tma_aligned(t.T) else None
 
 
 def takes_tma(profile: DeviceProfile, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
@@ -523,7 +523,7 @@ def takes_tma(profile: DeviceProfile, a: torch.Tensor, b: torch.Tensor, c: torch
     ``c``'s strides; fp8 ``a`` K-major and ``b`` given as ``w.T``)."""
     if profile.arch not in TMA_ARCHS or profile.cores <= 0:
         return False
-    if _transposed(a) is None or _transposed(b) is None or not _aligned(c):
+    if _transposed(a) is None or _transposed(b) is None or not tma_aligned(c):
         return False
     if a.dtype in FP8_DTYPES and (_transposed(a) or not _transposed(b)):
         return False  # wgmma takes 8-bit operands K-major only: a row-major, b = w.T

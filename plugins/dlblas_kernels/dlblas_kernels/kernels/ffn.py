@@ -439,14 +439,14 @@ def _split_cost(m: int, n: int, k: int, splits: int, programs: int, cores: int) 
 
 
 def decode_tma(config: Config, profile: DeviceProfile | None, w1: torch.Tensor, w3: torch.Tensor,
-               w3_offset: int, columns: int, splits: int, block_m: int = MIN_DOT_ROWS) -> tuple[int, int] | None:
+               columns: int, splits: int, block_m: int = MIN_DOT_ROWS) -> tuple[int, int] | None:
     """``(BLOCK_K, num_stages)`` of the streaming kernel reading the weights through tensor
     descriptors, or None for pointer loads. Only on a device whose copy engine takes them (sm_90),
-    the weights' K stride 1 and their rows and bases (w3's from ``w3_offset`` elements on) 16-byte
-    aligned. ``config['TMA']`` 0 never; 1 always there, with the config's K slice and depth; unset
-    (the default and the space's configs), where each program's columns fill at least three
-    quarters of its ``BLOCK_N`` rows of the descriptor's box and K is not sliced, with
-    TMA_DECODE_TILE, for 16-bit weights and at most TMA_DECODE_ROWS rows (the rows measured; more
+    both weights (w13's halves: views) with unit K strides and 16-byte aligned rows and bases
+    (:func:`dlblas_kernels.gemm.tma_aligned`). ``config['TMA']`` 0 never; 1 always there, with the
+    config's K slice and depth; unset (the default and the space's configs), where each program's
+    columns fill at least three quarters of its ``BLOCK_N`` rows of the descriptor's box and K is
+    not sliced, with TMA_DECODE_TILE, for 16-bit weights and at most TMA_DECODE_ROWS rows (the rows measured; more
     keep the pointers, as float32 does) whose pipelined tiles (``block_m`` rows of x, both weights'
     ``BLOCK_N``) fit the device's shared memory at that depth. H200, bf16, 1 row (.ci/sweep_ffn.py,
     2026-12-04): LLaMA-3-8B 71.4 us (77% of the copy bandwidth; pointers 74.0), LLaMA-3-70B 234.0
@@ -455,11 +455,9 @@ def decode_tma(config: Config, profile: DeviceProfile | None, w1: torch.Tensor, 
     wanted = config.get("TMA")
     if wanted == 0 or profile is None or profile.arch not in gemm_block.TMA_ARCHS:
         return None
-    size = w1.element_size()
-    if not all(w.stride(1) == 1 and (w.stride(0) * size) % gemm_block.TMA_ALIGNMENT == 0
-               and (w.data_ptr() + offset * size) % gemm_block.TMA_ALIGNMENT == 0
-               for w, offset in ((w1, 0), (w3, w3_offset))):
+    if not (gemm_block.tma_aligned(w1) and gemm_block.tma_aligned(w3)):
         return None
+    size = w1.element_size()
     if wanted:
         return config["BLOCK_K"], config["num_stages"]
     if splits > 1 or 4 * columns < 3 * config["BLOCK_N"] or size > 2 or block_m > TMA_DECODE_ROWS:
@@ -482,6 +480,7 @@ def decode_calls(x2: torch.Tensor, rms_w: torch.Tensor, w1: torch.Tensor | None,
     (``out2``'s strides), when given, receive the pre-activations."""
     m, k = x2.shape
     n = out2.shape[1]
+    v1, v3 = weights(w1, w3, w13)
     if w13 is not None:
         w1 = w3 = w13
     w3_offset = n * w13.stride(0) if w13 is not None else 0
@@ -499,7 +498,7 @@ def decode_calls(x2: torch.Tensor, rms_w: torch.Tensor, w1: torch.Tensor | None,
     up_out = out2 if up is None else up
     block_k, stages = config["BLOCK_K"], config["num_stages"]
     block_m = max(next_power_of_2(m), MIN_DOT_ROWS)
-    tma = decode_tma(config, profile, w1, w3, w3_offset, columns, splits, block_m)
+    tma = decode_tma(config, profile, v1, v3, columns, splits, block_m)
     if tma is not None:
         block_k, stages = tma
         ensure_allocator()  # the descriptors' global scratch (plan.run launches through Triton)
@@ -614,16 +613,12 @@ def input_grad_splits(m: int, k: int, n: int, gemm: Config, profile: DeviceProfi
 def input_grad_tma(dh: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, dxn: torch.Tensor, gemm: Config,
                    profile: DeviceProfile | None, splits: int) -> bool:
     """Whether :func:`ffn_input_grad_tma_kernel` computes ``dxn``: unsliced (``splits`` 1), ``gemm``'s
-    ``TMA`` not 0, on a device whose copy engine takes the operands (sm_90): dh, both halves, the
-    weights and dxn with unit inner strides and 16-byte aligned rows and bases."""
-    if splits > 1 or not gemm.get("TMA", 1) or profile is None or profile.arch not in gemm_block.TMA_ARCHS:
+    ``TMA`` not 0, on a device whose copy engine takes the operands (sm_90, its core count known):
+    dh, its second half, the weights and dxn as :func:`dlblas_kernels.gemm.tma_aligned` asks."""
+    if (splits > 1 or not gemm.get("TMA", 1) or profile is None or profile.arch not in gemm_block.TMA_ARCHS
+            or profile.cores <= 0):
         return False
-    if profile.cores <= 0:
-        return False
-    n, size = w1.shape[0], dh.element_size()
-    aligned = gemm_block.TMA_ALIGNMENT
-    return (all(t.stride(-1) == 1 and (t.stride(0) * size) % aligned == 0 and t.data_ptr() % aligned == 0
-                for t in (dh, w1, w3, dxn)) and (n * size) % aligned == 0)
+    return all(gemm_block.tma_aligned(t) for t in (dh, dh[:, w1.shape[0]:], w1, w3, dxn))
 
 
 def input_grad_calls(dh: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, dxn: torch.Tensor, gemm: Config,
