@@ -245,6 +245,40 @@ def test_selection_takes_each_candidate_s_best_round(monkeypatch, gen):
     assert op.selection.measured["slow_at_first"] < op.selection.measured["steady"]
 
 
+def test_a_near_tie_takes_more_rounds_of_the_two_fastest(monkeypatch, gen):
+    """Two candidates within TIE_MARGIN after the first rounds are timed TIE_ROUNDS more rounds
+    (those two alone), and the best round over all of them decides: here the one a hair slower
+    through the first rounds and faster after; a clearly slower third is not timed again."""
+    selection = dlcore.tuning.selection
+    calls = {"late": [], "steady": [], "slow": []}
+    first = 6 * selection.ROUNDS  # the CPU timer: one warm-up and five timed calls a round
+
+    def late(x):
+        calls["late"].append(1)
+        time.sleep(0.0102 if len(calls["late"]) <= first else 0.006)
+        return x * 2
+
+    def steady(x):
+        calls["steady"].append(1)
+        time.sleep(0.010)
+        return x * 2
+
+    def slow(x):
+        calls["slow"].append(1)
+        time.sleep(0.030)
+        return x * 2
+
+    impls = [TorchImplementation("double", name, fn) for name, fn in
+             (("late", late), ("steady", steady), ("slow", slow))]
+    with_plugins(monkeypatch, OpsPlugin([double_op()], impls))
+    op = dlcore.get_op("double", inputs(gen, (16,)))
+    assert op.impl.name == "late", op.explain()
+    rounds = selection.ROUNDS + selection.TIE_ROUNDS
+    assert len(calls["late"]) == len(calls["steady"]) == 6 * rounds
+    assert len(calls["slow"]) == first
+    assert op.selection.measured["late"] < 8 < op.selection.measured["steady"]  # ms
+
+
 def test_all_candidates_failing_is_a_no_kernel_error(monkeypatch, gen):
     def broken(x):
         raise RuntimeError("boom")

@@ -78,6 +78,11 @@ class Selection:
 
 #: rounds :func:`select` times the candidates in
 ROUNDS = 2
+#: a near tie: the two fastest within this fraction of the faster after :data:`ROUNDS` rounds ...
+TIE_MARGIN = 0.05
+#: ... takes this many more rounds of those two alone (H200: single rounds of 15 us GEMMs differed
+#: by 4%, enough to pick the slower of two candidates)
+TIE_ROUNDS = 4
 
 
 def now() -> str:
@@ -125,11 +130,37 @@ def without_measuring(call: Call, impl: Implementation, how: How) -> Selection:
                      declined=dict(call.declined), when=now())
 
 
+def _time_rounds(call: Call, runs: dict[str, Callable[[], object]], names: list[str], rounds: int,
+                 times: dict[str, list[float]], failed: dict[str, str]) -> None:
+    """``rounds`` more rounds of ``names``, in alternating order, appended to ``times``; a candidate
+    that raises or times a non-finite value goes to ``failed`` with its reason."""
+    for round_ in range(rounds):
+        order = names if round_ % 2 == 0 else list(reversed(names))
+        for name in order:
+            if name in failed:
+                continue
+            try:
+                elapsed = call.backend.timer(runs[name], call.device)
+            except Exception as exc:  # noqa: BLE001 - any failure disqualifies only this candidate
+                failed[name] = f"{type(exc).__name__}: {exc}".splitlines()[0]
+                continue
+            if math.isfinite(elapsed):
+                times[name].append(elapsed)
+            else:
+                failed[name] = f"timer returned {elapsed}"
+
+
+def _best_rounds(times: dict[str, list[float]], failed: dict[str, str]) -> dict[str, float]:
+    return {name: min(t) for name, t in times.items() if t and name not in failed}
+
+
 def select(call: Call) -> Selection:
     """Time each candidate of ``call`` with its default config on cloned inputs (forward and backward
     for a training call: :func:`step`), in :data:`ROUNDS` rounds that alternate the order; a
     candidate's time is its best round (a round slowed by the device's clocks or a neighbour counts
-    less), and the fastest wins.
+    less), and the fastest wins. When the two fastest lie within :data:`TIE_MARGIN` of each other,
+    they alone take :data:`TIE_ROUNDS` more rounds before the choice: the time goes where the
+    choice is uncertain.
 
     A candidate that raises is skipped, its reason kept. If all fail, :class:`NoKernelError`.
     """
@@ -144,21 +175,12 @@ def select(call: Call) -> Selection:
         except Exception as exc:  # noqa: BLE001 - any failure disqualifies only this candidate
             failed[impl.name] = f"{type(exc).__name__}: {exc}".splitlines()[0]
     times: dict[str, list[float]] = {name: [] for name in runs}
-    for round_ in range(ROUNDS):
-        order = list(runs) if round_ % 2 == 0 else list(reversed(runs))
-        for name in order:
-            if name in failed:
-                continue
-            try:
-                elapsed = call.backend.timer(runs[name], call.device)
-            except Exception as exc:  # noqa: BLE001 - any failure disqualifies only this candidate
-                failed[name] = f"{type(exc).__name__}: {exc}".splitlines()[0]
-                continue
-            if math.isfinite(elapsed):
-                times[name].append(elapsed)
-            else:
-                failed[name] = f"timer returned {elapsed}"
-    measured = {name: min(t) for name, t in times.items() if t and name not in failed}
+    _time_rounds(call, runs, list(runs), ROUNDS, times, failed)
+    measured = _best_rounds(times, failed)
+    close = sorted(measured, key=measured.__getitem__)[:2]
+    if len(close) == 2 and measured[close[1]] <= measured[close[0]] * (1 + TIE_MARGIN):
+        _time_rounds(call, runs, close, TIE_ROUNDS, times, failed)
+        measured = _best_rounds(times, failed)
     if not measured:
         raise NoKernelError(call.signature.op, call.signature.describe(), {**call.declined, **failed})
     best = min(measured, key=measured.__getitem__)
