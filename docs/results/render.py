@@ -473,7 +473,12 @@ TARGETS = [
      "Qwen2.5-7B 73% (264 programs of 72 columns; descriptors 68%, 64-column tiles 50%), DeepSeek-V3's shared "
      "expert 48% (56 MiB in 16 column blocks over 8 K slices and a second launch adding them; cuBLAS 52%). "
      "Tried and not kept: the products on the CUDA cores without tl.dot (best 70%, 79%, 72%, 42%), deeper "
-     "pipelines, 256 or 64 columns, 32-wide K slices, 8 warps, 128-wide K slices through pointers (54%)",
+     "pipelines, 256 or 64 columns, 32-wide K slices, 8 warps, 128-wide K slices through pointers (54%); "
+     "in `.ci/sweep_ffn.py` on 2026-12-04: every SM streaming (LLaMA-3-8B's 132 programs of 109 columns, "
+     "72.1 us against 71.5), one wave of 256-column programs (Qwen2.5-7B's 132 of 144 columns, 90.7 us "
+     "against 88.3), and 16- or 32-column programs over a wave with K unsliced (DeepSeek-V3's shared "
+     "expert: 128 programs of 16 columns, one launch, 56 to 69 us against 29.3: a program streaming "
+     "16 weight rows reaches a quarter of its share of the bandwidth)",
      'no'),
     ("ffn backward vs compile's, >= 1.0x",
      "`get_op` (training-aware selection) geomean 1.07x, lowest 0.85x (`ffn_bwd.json`, before dxn's "
