@@ -122,11 +122,12 @@ def meta(batch, sq, sk, hq, hk, d, dtype=torch.bfloat16):
             torch.empty(batch, sk, hk, d, device="meta", dtype=dtype))
 
 
-@pytest.mark.parametrize("batch, sk, expected", [(1, 65536, 33), (1, 16384, 32), (1, 4096, 16), (1, 1024, 8),
-                                                 (8, 65536, 4), (64, 4096, 1)])
+@pytest.mark.parametrize("batch, sk, expected", [(1, 65536, 33), (1, 32768, 33), (1, 16384, 16), (1, 4096, 16),
+                                                 (1, 1024, 16), (8, 65536, 4), (8, 4096, 2), (64, 4096, 1)])
 def test_splits_fill_the_device(batch, sk, expected):
-    """GQA 32/8 on an H200: B * Hk * splits makes one full wave (two programs per multiprocessor at
-    these tiles), at most sqrt(Sk / 16) splits, one split once the kv heads alone fill the device."""
+    """GQA 32/8 on an H200: B * Hk * splits makes whole waves: one program a multiprocessor, two
+    (what one holds at these tiles) from 32768 keys on; one split once the kv heads alone fill the
+    device."""
     q, k = meta(batch, 1, sk, 32, 8, 128)
     config = decode.default_config(q, k, H200)
     assert config["SPLITS"] == expected

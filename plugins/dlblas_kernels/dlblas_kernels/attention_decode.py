@@ -34,8 +34,6 @@ a mask on ``d`` (96, 192).
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -53,8 +51,9 @@ MIN_DOT_ROWS = 16
 MAX_ROWS = 64
 #: the widest head this block handles
 MAX_HEAD_DIM = 256
-#: splits are at most sqrt(Sk / SPLIT_BALANCE): a split's fixed cost (prologue, combine) against streaming
-SPLIT_BALANCE = 16
+#: caches from this many keys on take as many programs a multiprocessor as it holds at once; shorter
+#: ones one a multiprocessor (H200, GQA 32/8, B 1: Sk 1024 to 16384 fastest at one, 65536 at two)
+LONG_CACHE = 32768
 #: programs one multiprocessor holds at once where the profile gives no shared-memory size
 PROGRAMS_PER_CORE = 2
 #: float32 elements of one combine program's [splits, D] chunk
@@ -202,11 +201,13 @@ def default_config(q: torch.Tensor, k: torch.Tensor, profile: DeviceProfile) -> 
 
     - ``BLOCK_N`` 64 keys a step (32 for heads wider than 128: the same tile bytes),
       ``num_stages`` 3 within the program's shared memory, 4 warps;
-    - ``SPLITS``: as many programs as the device holds at once (``cores`` times the programs whose
-      pipeline buffers fit one multiprocessor's shared memory, 2 at these tiles), one full wave:
-      fewer leave multiprocessors idle, more start a second, partial wave;
-    - but at most ``sqrt(Sk / SPLIT_BALANCE)`` splits: each split costs a prologue and a share of
-      the combine, so short caches take fewer, longer splits (Sk 1024: 8 of 128 keys)."""
+    - ``SPLITS``: whole waves of programs, ``B * Hk * SPLITS`` a multiple of the cores: one program a
+      multiprocessor, or from LONG_CACHE keys on as many as one holds at once (its pipeline buffers
+      within its shared memory: 2 at these tiles). Fewer leave multiprocessors idle; a count between
+      leaves some with two programs and some with one. H200 (2026-12-04, `.ci/profile_decode.py
+      sweep`, GPU time): Sk 1024 11.2 us in 16 splits against 11.65 in 8, Sk 8192 20.9 in 16
+      against 22.0 in 22 (176 programs on 132 multiprocessors), Sk 16384 31.5 in 16 or 33, Sk 65536
+      79.5 in 33 against 80.2 in 16."""
     batch, sk, hk, d = k.shape
     block_d = tile_width(d)
     block_m = max(next_power_of_2(_rows(q, k)), MIN_DOT_ROWS)
@@ -218,7 +219,7 @@ def default_config(q: torch.Tensor, k: torch.Tensor, profile: DeviceProfile) -> 
         stages -= 1
     resident = max(1, shared // (stages * tile_bytes)) if shared else PROGRAMS_PER_CORE
     units = batch * hk
-    splits = max(1, min(profile.cores * resident // units, math.isqrt(sk // SPLIT_BALANCE)))
+    splits = max(1, profile.cores * (resident if sk >= LONG_CACHE else 1) // units)
     return {"SPLITS": splits, "BLOCK_N": block_n, "num_warps": 8 if block_m * block_d >= 64 * 256 else 4,
             "num_stages": stages}
 
