@@ -15,11 +15,13 @@ from dlblas_kernels.kernels.ffn import (
     backward_plan,
     decode_columns,
     decode_splits,
+    default_config,
     ffn,
     ffn_reference,
     ffn_training_reference,
     input_grad_splits,
     training_plan,
+    weight_grad_config,
 )
 from dlblas_kernels.kernels.ffn import plan as forward_plan
 from gradients import check_backward
@@ -431,6 +433,24 @@ def test_plan_on_meta_tensors_reads_no_data():
 H200 = DeviceProfile(backend="cuda", vendor="NVIDIA", name="NVIDIA H200", arch="sm_90", cores=132,
                     shared_memory_per_program=232448, registers_per_core=65536, threads_per_core=2048, warp_size=32)
 SMALL_SHARED = dataclasses.replace(H200, shared_memory_per_program=101376)
+
+
+@pytest.mark.parametrize("tokens", [16, 128, 4096])
+def test_weight_grad_takes_the_prefill_tile_at_every_row_count(tokens):
+    """dw13 [2N, K] is as large at 16 tokens as at 4096: its GEMM takes the 128 x 256 prefill tile
+    whatever the forward's few-row tile (the H200 measured 64 x 128 tiles 17% behind cuBLAS there),
+    its stages fitted to the device; dxn keeps the forward config's tile."""
+    x = torch.empty(tokens, 4096, device="meta", dtype=torch.bfloat16)
+    w = torch.empty(14336, 4096, device="meta", dtype=torch.bfloat16)
+    rms_w = torch.empty(4096, device="meta", dtype=torch.bfloat16)
+    gate = torch.empty(tokens, 14336, device="meta", dtype=torch.bfloat16)
+    config = default_config(make_signature(OP, (x, w, w, rms_w, 1e-6, None), x.device), H200)
+    plan = backward_plan((gate, x, w, w, rms_w, 1e-6, None, gate, gate), config, H200)
+    (dw,) = [c for c in plan.calls if c.kernel.__name__ == "gemm_tma_kernel" and c.args[3] is plan.result[1]]
+    tile = tuple(dw.kwargs[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps"))
+    assert tile == (128, 256, 64, 8)
+    assert gemm.shared_memory_bytes({**dw.kwargs}, 2) <= H200.shared_memory_per_program
+    assert weight_grad_config(4, H200)["BLOCK_K"] == 32  # float32 operands: K slices half as wide
 
 
 @pytest.mark.parametrize("tokens, path", [(1, "decode"), (64, "decode"), (65, "prefill"), (4096, "prefill")])

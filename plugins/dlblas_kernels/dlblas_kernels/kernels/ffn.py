@@ -596,6 +596,20 @@ def backward_gemm_config(config: Config) -> Config:
     return {**config, "BLOCK_N": min(2 * config["BLOCK_N"], 256)}
 
 
+def weight_grad_config(element_size: int, profile: DeviceProfile | None) -> Config:
+    """The tile of ``dw13 = dh.T @ xn``, whatever the forward's: :data:`PREFILL_TILE`'s 128 x 256
+    product (K slices of 32 for float32), its stages fitted to the device. Its output ``[2N, K]`` is
+    as large at 16 tokens as at 16384 (only the reduction shrinks), so the few-row forward tiles do
+    not serve it: H200 (``.ci/sweep_weight_grad.py``, 2026-12-04, against cuBLAS's ``dh.T @ xn``),
+    LLaMA-3-70B at 128 tokens 372.2 us in the forward's 64 x 128 tiles, 312.3 in these (cuBLAS
+    318.4), LLaMA-3-8B at 128 tokens 101.1 and 82.4 (82.9), LLaMA-3-70B at 16 tokens 273.5 in 64 x
+    256 tiles, 268.9 in these (265.0)."""
+    config = backward_gemm_config(dict(PREFILL_TILE))
+    if element_size > 2:
+        config["BLOCK_K"] = 32
+    return fit_stages(config, profile, element_size, operands=1)
+
+
 def input_grad_splits(m: int, k: int, n: int, gemm: Config, profile: DeviceProfile | None) -> int:
     """Slices of the reduction over the 2N columns for ``dxn = dh @ [w1; w3]``: with few rows its
     output ``[M, K]`` has few tiles (LLaMA-3-8B at 16 tokens: 16 of 64 x 256, against 132 SMs on
@@ -660,7 +674,8 @@ def input_grad_calls(dh: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, dxn: 
 def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     """Launches for ``(dx, dw13, drms_w)`` from ``args = (dout, x, w1, w3, rms_w, eps, w13, gate, up)``:
     ``xn`` and ``rstd`` (row kernel); ``dh`` from the saved pre-activations; ``dxn`` from ``dh`` and
-    both weights; ``dw13 = dh.T @ xn``; rms_norm's backward of ``dxn``."""
+    both weights (the forward config's tile, both weights' columns in one); ``dw13 = dh.T @ xn``
+    (:func:`weight_grad_config`'s tile); rms_norm's backward of ``dxn``."""
     dout, x, w1, w3, rms_w, eps, w13, gate, up = args
     dx, dw13, drms_w = backward_outputs(*args)
     n = gate.shape[-1]
@@ -688,7 +703,7 @@ def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> Launch
         calls_x, scratch_x = gemm_calls(dh, w13, dxn, {**gemm, "SPLIT_K": splits}, profile)
     else:
         calls_x, scratch_x = input_grad_calls(dh, w1, w3, dxn, gemm, splits, profile)
-    calls_w, scratch_w = gemm_calls(dh.T, xn, dw13, gemm, profile)
+    calls_w, scratch_w = gemm_calls(dh.T, xn, dw13, weight_grad_config(x.element_size(), profile), profile)
     norm = rms_norm.backward_plan((dxn, x2, rms_w, None, eps), rms_norm.heuristic_config(m, k), profile)
     dx_rows, drms = norm.result
     return LaunchPlan(calls=[*calls, *calls_x, *calls_w, *norm.calls], result=(dx_rows.view(x.shape), dw13, drms),
