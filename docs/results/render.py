@@ -614,7 +614,15 @@ DECODE_GAP = (
     "count, tile, warp count or depth swept beat the default there (33 splits of 64-key steps, 3 stages, 4 "
     "warps). The same sweep set the split counts from 1024 to 16384 keys at one program a multiprocessor "
     "(`attention_decode.default_config`), where a cap of sqrt(Sk / 16) splits had left SMs idle or "
-    "doubled up: GPU time at Sk 1024 11.65 -> 11.2 us, at Sk 8192 22.0 -> 20.9 us (cuDNN 22.0).")
+    "doubled up: GPU time at Sk 1024 11.65 -> 11.2 us, at Sk 8192 22.0 -> 20.9 us (cuDNN 22.0). Replayed "
+    "from CUDA graphs without the L2 flush (`dlcore bench flash_attention_v2 --shapes decode --vs "
+    "sdpa_flash,sdpa_cudnn --impls triton --timer cudagraph`, the same day), where K and V stay partly or "
+    "wholly in the L2 as a captured decode step may find them, the Triton kernel is 1.04x cuDNN on "
+    "geometric mean, 0.92x at Sk 8192 (12.0 against 11.0 us: 32 MiB held in the L2, where cuDNN's "
+    "kernel does better), 1.00x at 65536 (67.1 us). The table above was measured on 2026-12-02; two "
+    "re-runs on 2026-12-04 found the GPU host's CPU slower (SDPA 80 to 120 us a call at every Sk, the "
+    "bound Triton op 30 to 50 us, against 16 to 23 us on 2026-12-02), so they timed the host and were not "
+    "recorded.")
 
 
 def overhead_section(overhead: dict | None, first: dict | None) -> list[str]:
