@@ -8,13 +8,12 @@ import pytest
 import torch
 from conftest import ON_GPU
 from dlblas_kernels import gemm
+from dlblas_kernels.ffn_decode import TMA_DECODE_TILE, decode_columns, decode_splits, decode_tma
 from dlblas_kernels.kernels.ffn import (
     KERNEL,
     OP,
     backward_gemm_config,
     backward_plan,
-    decode_columns,
-    decode_splits,
     default_config,
     ffn,
     ffn_reference,
@@ -660,7 +659,6 @@ def test_decode_takes_tensor_descriptors_where_measured_faster():
     (128 and 109 of 128 columns, unsliced) read through descriptors, K slices of 128 three deep;
     Qwen2.5-7B's 72 columns, sliced K, TMA=0, an sm_80 device, or a weight whose rows the copy
     engine cannot take keep the pointer loads; TMA=1 takes the config's own slice and depth."""
-    from dlblas_kernels.kernels.ffn import TMA_DECODE_TILE, decode_tma
 
     config = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=1, JOINT=1, num_warps=4, num_stages=4)
     w = torch.empty(28672, 8192, device="meta", dtype=torch.bfloat16)

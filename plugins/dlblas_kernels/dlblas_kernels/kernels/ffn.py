@@ -11,13 +11,13 @@ The row scale factors out of the product, ``xn @ w.T = rstd[:, None] * ((x * rms
 normalised input is never written at full precision and the GEMMs need only ``rstd`` per row. Two
 regimes, chosen by the config: when one row block holds every row (``rows <= BLOCK_M``),
 
-- **weight streaming** (decoding, a few tokens): one kernel, one program per ``BLOCK_N`` columns of
-  both weights (fewer where N spreads evenly over whole waves of the cores: :func:`decode_columns`),
-  every row in it. Each program computes the rows' sums of squares and ``x * rms_w``
+- **weight streaming** (decoding, a few tokens; :mod:`dlblas_kernels.ffn_decode`): one kernel, one
+  program per ``BLOCK_N`` columns of both weights (fewer where N spreads evenly over whole waves of
+  the cores), every row in it. Each program computes the rows' sums of squares and ``x * rms_w``
   in its K loop from ``x`` (a few kilobytes, read from L2), and streams its slices of ``w1`` and
   ``w3`` once from memory (loads marked evict-first: nothing reads them again; on sm_90 through
-  tensor descriptors where that measured faster: :func:`decode_tma`), so the kernel reads the
-  weights once at close to the copy bandwidth;
+  tensor descriptors where that measured faster), so the kernel reads the weights once at close to
+  the copy bandwidth;
 
 otherwise
 
@@ -66,6 +66,7 @@ import triton
 import triton.language as tl
 
 from dlblas_kernels import gemm as gemm_block
+from dlblas_kernels.ffn_decode import DECODE_KERNELS, MIN_SLICE_STEPS, decode_calls
 from dlblas_kernels.gemm import dot_range, gemm_calls, grouped_tile, swiglu_calls
 from dlblas_kernels.kernels import rms_norm
 from dlcore import InvalidInputError
@@ -80,22 +81,11 @@ from dlcore.runtime.template import Backward, Residuals, define_kernel
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-# tl.dot's smallest row count: the weight-streaming kernel pads its row block to it.
-MIN_DOT_ROWS = 16
 # Widest row slice the row kernel holds at once (longer rows loop).
 MAX_ROW_BLOCK = 4096
-# Most rows the heuristic default streams the weights for (decoding); more take the prefill GEMM.
+# Most rows the heuristic default streams the weights for (decoding, :mod:`dlblas_kernels.ffn_decode`);
+# more take the prefill GEMM.
 DECODE_ROWS = 64
-# The streaming kernel's K slices (decode_splits): at most this many, each at least this many K
-# steps long, and only up to this many rows (the slices' float32 partial sums are scratch).
-MAX_DECODE_SPLITS, MIN_SLICE_STEPS, MAX_SPLIT_ROWS = 8, 4, 16
-# ... and only when the unsliced column blocks keep less than this share of their waves' cores busy.
-SPLIT_BELOW_FILL = 0.75
-# The streaming kernel's (BLOCK_K, num_stages) through tensor descriptors (decode_tma), and the most
-# rows (padded to tl.dot's 16) it takes them for: the H200 measured 1 and 16.
-TMA_DECODE_TILE, TMA_DECODE_ROWS = (128, 3), 16
-# Elements of one program's tile in the kernel adding up the slices.
-FINISH_TILE = 2048
 # Widest row slice of the SwiGLU backward's programs.
 SWIGLU_BLOCK = 2048
 
@@ -134,123 +124,6 @@ def rms_scale_kernel(
         if NORMALISE:
             xs = xs * rstd
         tl.store(xs_ptr + row * stride_xsm + (start + cols) * stride_xsk, xs.to(xs_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def ffn_decode_kernel(
-    x_ptr, rms_w_ptr, w1_ptr, w3_ptr, out_ptr, gate_ptr, up_ptr, part_ptr, sum_sq_ptr,
-    M, N, K, eps, w3_offset, k_per_split, columns,
-    stride_xm, stride_xk,
-    stride_rms_w,
-    stride_w1n, stride_w1k,
-    stride_w3n, stride_w3k,
-    stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STORE_PRE: tl.constexpr,
-    SPLIT_K: tl.constexpr, TMA: tl.constexpr = False,
-):
-    # Every row (M <= BLOCK_M) against `columns` (<= BLOCK_N) columns of w1 and w3 (w3's rows from
-    # w3_offset elements on: w13's second half), over K slice program_id(1) of k_per_split
-    # elements: each weight element is read once by one program. x is small and shared by all programs (L2); the
-    # weights stream through. STORE_PRE: the pre-activations gate and up stored too (out's
-    # strides), for the backward. With SPLIT_K > 1 the slice's float32 sums go to part
-    # [SPLIT_K, 2, M, N] and its rows' sums of squares to sum_sq [SPLIT_K, M] (written by the
-    # first column block), which ffn_decode_finish_kernel adds up. TMA: the weight tiles through
-    # tensor descriptors whose shape ends at the program's last column and K slice, so the copy
-    # engine fetches nothing past them (unit K strides, 16-byte aligned rows: decode_tma).
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M).to(tl.int64)
-    offs_n = (pid_n * columns + tl.arange(0, BLOCK_N)).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    mask_m = offs_m < M
-    mask_n = (tl.arange(0, BLOCK_N) < columns) & (offs_n < N)
-    k_start = pid_k * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
-
-    x_ptrs = x_ptr + offs_m[:, None] * stride_xm + (k_start + offs_k)[None, :] * stride_xk
-    rms_w_ptrs = rms_w_ptr + (k_start + offs_k) * stride_rms_w
-    # The w tiles in their own layout, [BLOCK_N, BLOCK_K]: contiguous along K for nn.Linear weights.
-    w1_ptrs = w1_ptr + offs_n[:, None] * stride_w1n + (k_start + offs_k)[None, :] * stride_w1k
-    w3_ptrs = w3_ptr + w3_offset + offs_n[:, None] * stride_w3n + (k_start + offs_k)[None, :] * stride_w3k
-    if TMA:
-        n_start = pid_n * columns
-        n_end = tl.minimum(n_start + columns, N)
-        w1_desc = tl.make_tensor_descriptor(w1_ptr, shape=[n_end, k_end], strides=[stride_w1n, 1],
-                                            block_shape=[BLOCK_N, BLOCK_K])
-        w3_desc = tl.make_tensor_descriptor(w3_ptr + w3_offset, shape=[n_end, k_end], strides=[stride_w3n, 1],
-                                            block_shape=[BLOCK_N, BLOCK_K])
-
-    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for k in range(k_start, k_end, BLOCK_K):
-        mask_k = offs_k < k_end - k
-        if TMA:
-            w1 = w1_desc.load([n_start, k])
-            w3 = w3_desc.load([n_start, k])
-        else:
-            w1 = tl.load(w1_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")
-            w3 = tl.load(w3_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0, eviction_policy="evict_first")
-        x = tl.load(x_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        g = tl.load(rms_w_ptrs, mask=mask_k, other=0.0).to(tl.float32)
-        xf = x.to(tl.float32)
-        sum_sq += tl.sum(xf * xf, axis=1)
-        a = (xf * g[None, :]).to(w1.dtype)
-        acc1 = tl.dot(a, tl.trans(w1), acc1, input_precision="ieee")
-        acc3 = tl.dot(a, tl.trans(w3), acc3, input_precision="ieee")
-        x_ptrs += BLOCK_K * stride_xk
-        rms_w_ptrs += BLOCK_K * stride_rms_w
-        w1_ptrs += BLOCK_K * stride_w1k
-        w3_ptrs += BLOCK_K * stride_w3k
-
-    mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
-        _swiglu_store(acc1, acc3, sum_sq, offs_m, offs_n, mask, K, eps, out_ptr, gate_ptr, up_ptr,
-                      stride_om, stride_on, STORE_PRE)
-    else:
-        part = part_ptr + (pid_k * 2 * M + offs_m[:, None]) * N + offs_n[None, :]
-        tl.store(part, acc1, mask=mask)
-        tl.store(part + M * N, acc3, mask=mask)
-        tl.store(sum_sq_ptr + pid_k * M + offs_m, sum_sq, mask=tl.where(pid_n == 0, mask_m, False))
-
-
-@triton.jit
-def _swiglu_store(acc1, acc3, sum_sq, offs_m, offs_n, mask, K, eps, out_ptr, gate_ptr, up_ptr,
-                  stride_om, stride_on, STORE_PRE: tl.constexpr):
-    # The rows' rstd from their sums of squares, the pre-activations scaled by it, SwiGLU, stored.
-    rstd = tl.rsqrt(sum_sq / K + eps)
-    gate = acc1 * rstd[:, None]
-    up = acc3 * rstd[:, None]
-    offsets = offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
-    tl.store(out_ptr + offsets, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=mask)
-    if STORE_PRE:
-        tl.store(gate_ptr + offsets, gate.to(gate_ptr.dtype.element_ty), mask=mask)
-        tl.store(up_ptr + offsets, up.to(up_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def ffn_decode_finish_kernel(
-    part_ptr, sum_sq_ptr, out_ptr, gate_ptr, up_ptr,
-    M, N, K, eps,
-    stride_om, stride_on,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STORE_PRE: tl.constexpr, SPLIT_K: tl.constexpr,
-):
-    # The split-K streaming kernel's slices added up in slice order (deterministic), then its epilogue.
-    pid_n = tl.program_id(0)
-    offs_m = tl.arange(0, BLOCK_M).to(tl.int64)
-    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
-    mask_m = offs_m < M
-    mask = mask_m[:, None] & (offs_n < N)[None, :]
-    acc1 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc3 = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    sum_sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for split in tl.static_range(SPLIT_K):
-        part = part_ptr + (split * 2 * M + offs_m[:, None]) * N + offs_n[None, :]
-        acc1 += tl.load(part, mask=mask, other=0.0)
-        acc3 += tl.load(part + M * N, mask=mask, other=0.0)
-        sum_sq += tl.load(sum_sq_ptr + split * M + offs_m, mask=mask_m, other=0.0)
-    _swiglu_store(acc1, acc3, sum_sq, offs_m, offs_n, mask, K, eps, out_ptr, gate_ptr, up_ptr,
-                  stride_om, stride_on, STORE_PRE)
 
 
 @triton.jit
@@ -382,145 +255,6 @@ def rms_scale_call(x2: torch.Tensor, rms_w: torch.Tensor, xs: torch.Tensor, rstd
         {"BLOCK_K": block_k, "NORMALISE": normalise, "ZERO": zero is not None,
          "num_warps": min(max(block_k // 512, 1), 8)},
     )
-
-
-def decode_columns(n: int, config: Config, profile: DeviceProfile | None) -> tuple[int, int]:
-    """``(columns, programs)``: the columns of w1 and w3 each streaming program takes, and the
-    programs over N. ``BLOCK_N`` columns each; with ``SPREAD`` (1 unless the config says 0) and a
-    core count, at least a wave of column blocks (any number with ``SPREAD`` 2, an experiment for
-    the sweep) rounded up to whole waves of the device's cores and N spread
-    evenly over them: each program takes ``cdiv(N, programs) <= BLOCK_N`` columns, so every core
-    streams about as many bytes as every other (LLaMA-3-70B's 28672 columns on the H200's 132 SMs:
-    264 programs of 109 columns, where 224 blocks of 128 leave 40 SMs idle in the second wave).
-    Fewer blocks than cores stay as they are: LLaMA-3-8B's 112 blocks of 128 columns (spreading them
-    over 132 programs of 109 columns is not measured)."""
-    block_n = config["BLOCK_N"]
-    programs = cdiv(n, block_n)
-    cores = profile.cores if profile is not None else 0
-    spread = config.get("SPREAD", 1)
-    if not spread or not cores or (programs < cores and spread < 2):
-        return block_n, programs
-    columns = cdiv(n, cdiv(programs, cores) * cores)
-    return columns, cdiv(n, columns)
-
-
-def decode_splits(m: int, n: int, k: int, config: Config, profile: DeviceProfile | None) -> int:
-    """K slices of the streaming kernel. One where its programs (:func:`decode_columns`) fill their
-    waves of the device's cores to at least SPLIT_BELOW_FILL, above MAX_SPLIT_ROWS rows, or with no
-    core count; otherwise the count (at most MAX_DECODE_SPLITS, each slice at least MIN_SLICE_STEPS
-    K steps long) whose programs fill their waves best, the float32 partial sums it writes and
-    reads back counted against it (:func:`_split_cost`). ``config['SPLIT_K']`` (when set) decides
-    instead.
-
-    Measured on the H200 (132 SMs, 128 columns a program): LLaMA-3-8B's 112 column blocks fill
-    0.85 of a wave and stream fastest unsliced (74% of the copy bandwidth, 68% in 2 to 8 slices);
-    Qwen2.5-7B's 148 fill 0.56 of two (63%; 71% in 8 slices); DeepSeek-V3's shared expert's 16
-    (16%; 46% in 8 slices)."""
-    if config.get("SPLIT_K"):
-        return max(1, min(config["SPLIT_K"], cdiv(k, config["BLOCK_K"])))
-    cores = profile.cores if profile is not None else 0
-    programs = decode_columns(n, config, profile)[1]
-    if not cores or m > MAX_SPLIT_ROWS or _filled(programs, cores) >= SPLIT_BELOW_FILL:
-        return 1
-    most = max(1, min(MAX_DECODE_SPLITS, k // (MIN_SLICE_STEPS * config["BLOCK_K"])))
-    return min(range(1, most + 1), key=lambda s: (_split_cost(m, n, k, s, programs, cores), s))
-
-
-def _filled(programs: int, cores: int) -> float:
-    """The share of the cores' waves that ``programs`` (one a core) keep busy."""
-    return programs / (cdiv(programs, cores) * cores)
-
-
-def _split_cost(m: int, n: int, k: int, splits: int, programs: int, cores: int) -> float:
-    """Bytes-equivalent of streaming w1 and w3 (bf16) in ``splits`` K slices: the weights over the
-    share of the waves' cores that work, plus the partial sums' float32 write and read when sliced."""
-    partials = 0 if splits == 1 else 2 * splits * (2 * m * n + m) * 4
-    return 2 * n * k * 2 / _filled(programs * splits, cores) + partials
-
-
-def decode_tma(config: Config, profile: DeviceProfile | None, w1: torch.Tensor, w3: torch.Tensor,
-               columns: int, splits: int, block_m: int = MIN_DOT_ROWS) -> tuple[int, int] | None:
-    """``(BLOCK_K, num_stages)`` of the streaming kernel reading the weights through tensor
-    descriptors, or None for pointer loads. Only on a device whose copy engine takes them (sm_90),
-    both weights (w13's halves: views) with unit K strides and 16-byte aligned rows and bases
-    (:func:`dlblas_kernels.gemm.tma_aligned`). ``config['TMA']`` 0 never; 1 always there, with the
-    config's K slice and depth; unset (the default and the space's configs), where each program's
-    columns fill at least three quarters of its ``BLOCK_N`` rows of the descriptor's box and K is
-    not sliced, with TMA_DECODE_TILE, for 16-bit weights and at most TMA_DECODE_ROWS rows (the rows measured; more
-    keep the pointers, as float32 does) whose pipelined tiles (``block_m`` rows of x, both weights'
-    ``BLOCK_N``) fit the device's shared memory at that depth. H200, bf16, 1 row (.ci/sweep_ffn.py,
-    2026-12-04): LLaMA-3-8B 71.4 us (77% of the copy bandwidth; pointers 74.0), LLaMA-3-70B 234.0
-    (94%; 248.3); Qwen2.5-7B's 72 of 128 columns 94.0 (pointers 89.0) and DeepSeek-V3's shared
-    expert in 8 K slices 31.2 (30.0) keep the pointers."""
-    wanted = config.get("TMA")
-    if wanted == 0 or profile is None or profile.arch not in gemm_block.TMA_ARCHS:
-        return None
-    if not (gemm_block.tma_aligned(w1) and gemm_block.tma_aligned(w3)):
-        return None
-    size = w1.element_size()
-    if wanted:
-        return config["BLOCK_K"], config["num_stages"]
-    if splits > 1 or 4 * columns < 3 * config["BLOCK_N"] or size > 2 or block_m > TMA_DECODE_ROWS:
-        return None
-    block_k, stages = TMA_DECODE_TILE
-    shared = profile.shared_memory_per_program
-    if shared and stages * (block_m + 2 * config["BLOCK_N"]) * block_k * size > shared:
-        return None
-    return TMA_DECODE_TILE
-
-
-def decode_calls(x2: torch.Tensor, rms_w: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None,
-                 w13: torch.Tensor | None, out2: torch.Tensor, eps: float, config: Config,
-                 profile: DeviceProfile | None, gate: torch.Tensor | None = None,
-                 up: torch.Tensor | None = None) -> tuple[list[KernelCall], tuple]:
-    """The weight-streaming launches: a program per group of columns (:func:`decode_columns`) and
-    K slice (:func:`decode_splits`), every row in it; with several slices, their float32 partial sums
-    (scratch, returned) added up by :func:`ffn_decode_finish_kernel`. ``w13`` is passed whole, w3
-    being its rows from N on (an argument at offset zero: the launch replays). ``gate`` and ``up``
-    (``out2``'s strides), when given, receive the pre-activations."""
-    m, k = x2.shape
-    n = out2.shape[1]
-    v1, v3 = weights(w1, w3, w13)
-    if w13 is not None:
-        w1 = w3 = w13
-    w3_offset = n * w13.stride(0) if w13 is not None else 0
-    columns, programs = decode_columns(n, config, profile)
-    splits = decode_splits(m, n, k, config, profile)
-    k_per_split = cdiv(cdiv(k, splits), config["BLOCK_K"]) * config["BLOCK_K"]
-    splits = cdiv(k, k_per_split)
-    scratch: tuple = ()
-    part = sum_sq = out2
-    if splits > 1:
-        part = torch.empty((splits, 2, m, n), dtype=torch.float32, device=x2.device)
-        sum_sq = torch.empty((splits, m), dtype=torch.float32, device=x2.device)
-        scratch = (part, sum_sq)
-    gate_out = out2 if gate is None else gate
-    up_out = out2 if up is None else up
-    block_k, stages = config["BLOCK_K"], config["num_stages"]
-    block_m = max(next_power_of_2(m), MIN_DOT_ROWS)
-    tma = decode_tma(config, profile, v1, v3, columns, splits, block_m)
-    if tma is not None:
-        block_k, stages = tma
-        ensure_allocator()  # the descriptors' global scratch (plan.run launches through Triton)
-    calls = [KernelCall(
-        ffn_decode_kernel, (programs, splits),
-        (x2, rms_w, w1, w3, out2, gate_out, up_out, part, sum_sq, m, n, k, float(eps), w3_offset, k_per_split, columns,
-         x2.stride(0), x2.stride(1), rms_w.stride(0),
-         w1.stride(0), w1.stride(1), w3.stride(0), w3.stride(1), out2.stride(0), out2.stride(1)),
-        {"BLOCK_M": block_m, "BLOCK_N": config["BLOCK_N"],
-         "BLOCK_K": block_k, "STORE_PRE": gate is not None, "SPLIT_K": splits, "TMA": tma is not None,
-         "num_warps": config["num_warps"], "num_stages": stages},
-    )]
-    if splits > 1:
-        finish_m = next_power_of_2(m)
-        block_n = max(min(FINISH_TILE // finish_m, next_power_of_2(n)), 16)
-        calls.append(KernelCall(
-            ffn_decode_finish_kernel, (cdiv(n, block_n),),
-            (part, sum_sq, out2, gate_out, up_out, m, n, k, float(eps), out2.stride(0), out2.stride(1)),
-            {"BLOCK_M": finish_m, "BLOCK_N": block_n, "STORE_PRE": gate is not None, "SPLIT_K": splits,
-             "num_warps": 4},
-        ))
-    return calls, scratch
 
 
 def _forward(args: tuple, config: Config, profile: DeviceProfile, out: torch.Tensor,
@@ -784,10 +518,11 @@ def default_config(sig: Signature, profile: DeviceProfile) -> Config:
     """By the row count (rounded up to a power of two), as measured on the H200 at LLaMA-3-8B's
     shape (K 4096, N 14336, bfloat16):
 
-    - up to DECODE_ROWS: weight streaming, at most 128 columns of each weight per program, spread
-      over whole waves of the multiprocessors (:func:`decode_columns`), 64-wide K slices four
-      stages deep; on sm_90, where the programs' columns nearly fill the tile and K is not sliced,
-      the weights through tensor descriptors in 128-wide K slices three deep (:func:`decode_tma`).
+    - up to DECODE_ROWS: weight streaming (:mod:`dlblas_kernels.ffn_decode`), at most 128 columns
+      of each weight per program, spread over whole waves of the multiprocessors
+      (``decode_columns``), 64-wide K slices four stages deep; on sm_90, where the programs'
+      columns nearly fill the tile and K is not sliced, the weights through tensor descriptors in
+      128-wide K slices three deep (``decode_tma``).
       w1 and w3 read at, of the copy bandwidth, 1 and 16 rows: LLaMA-3-8B 75%, 77% through
       descriptors (112 programs; cuBLAS's GEMM over [w1; w3] 80%), LLaMA-3-70B 89%, 94% through
       descriptors (264 programs of 109 columns; 83% in 224 blocks of 128), Qwen2.5-7B 72% (264 of
@@ -990,7 +725,7 @@ def _gradients(backward, saved, grads, needs) -> dict:
 
 KERNEL = define_kernel(
     OP, plan,
-    kernels=(ffn_decode_kernel, ffn_decode_finish_kernel, rms_scale_kernel, swiglu_backward_kernel,
+    kernels=(*DECODE_KERNELS, rms_scale_kernel, swiglu_backward_kernel,
              ffn_input_grad_kernel, ffn_input_grad_tma_kernel, *gemm_block.KERNELS, *gemm_block.SWIGLU_KERNELS,
              rms_norm.rms_norm_backward_kernel, rms_norm.column_sum_kernel),
     results=output,
