@@ -7,8 +7,9 @@ checked against the float32 product first.
 
 SWEEP_SHAPES (``TOKENSxHIDDENxINTER,...``) narrows the shapes; the default is LLaMA-3-70B's and
 -8B's at 16 and 128 tokens, where ``ffn_bwd.json`` found the backward behind compile's.
-``default`` is what ffn's backward runs (:func:`dlblas_kernels.kernels.ffn.backward_gemm_config` of
-its forward config).
+``default`` is what ffn's backward runs (:func:`dlblas_kernels.kernels.ffn.weight_grad_config`),
+``forward tile`` the tile it ran before: the forward config's, both weights' columns in one
+(:func:`dlblas_kernels.kernels.ffn.backward_gemm_config`).
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ def operands(tokens: int, hidden: int, inter: int):
     return dh, xn
 
 
-def default_config(tokens: int, hidden: int, inter: int) -> dict:
-    """The tile ffn's backward gives dw13 at this shape (its forward config, both weights' columns in one)."""
+def labelled_configs(tokens: int, hidden: int, inter: int) -> list[tuple[str, dict]]:
+    """``default`` (what ffn's backward gives dw13), ``forward tile`` (the forward config's tile,
+    both weights' columns in one) and the candidates."""
     from dlblas_kernels.kernels import ffn
 
     from dlcore.declarations.signature import make_signature
@@ -55,7 +57,9 @@ def default_config(tokens: int, hidden: int, inter: int) -> dict:
     w = torch.empty(inter, hidden, device="cuda", dtype=torch.bfloat16)
     sig = make_signature(ffn.OP, (x, w, w, torch.empty(hidden, device="cuda", dtype=torch.bfloat16), 1e-6, None),
                          x.device)
-    return ffn.fit_stages(ffn.backward_gemm_config(ffn.default_config(sig, profile)), profile, 2, operands=1)
+    forward = ffn.fit_stages(ffn.backward_gemm_config(ffn.default_config(sig, profile)), profile, 2, operands=1)
+    return [("default", ffn.weight_grad_config(2, profile)), ("forward tile", forward),
+            *(("", c) for c in CANDIDATES)]
 
 
 def calls_for(config: dict, dh, xn, c):
@@ -87,8 +91,8 @@ def main() -> None:
 
     out = open(sys.argv[1], "a") if len(sys.argv) > 1 else None
     shapes = [tuple(int(v) for v in s.split("x")) for s in os.environ.get("SWEEP_SHAPES", SHAPES).split(",")]
-    configs = {shape: [default_config(*shape), *CANDIDATES] for shape in shapes}
-    jobs = [(t, h, i, c) for (t, h, i), cands in configs.items() for c in cands]
+    configs = {shape: labelled_configs(*shape) for shape in shapes}
+    jobs = [(t, h, i, c) for (t, h, i), cands in configs.items() for _, c in cands]
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(max_workers=min(14, len(jobs)), mp_context=context) as pool:
         failed = {repr(j): e for j, e in zip(jobs, pool.map(compile_one, jobs)) if e}
@@ -104,7 +108,7 @@ def main() -> None:
         cublas = bench(lambda dh=dh, xn=xn: torch.matmul(dh.T, xn))
         print(f"tokens={tokens} hidden={hidden} inter={inter}: cuBLAS {cublas:.1f} us "
               f"({write_gbps(cublas):.0f} GB/s of dw13 written)", flush=True)
-        for index, config in enumerate(configs[(tokens, hidden, inter)]):
+        for label, config in configs[(tokens, hidden, inter)]:
             if repr((tokens, hidden, inter, config)) in failed:
                 continue
             calls = calls_for(config, dh, xn, c)
@@ -114,11 +118,11 @@ def main() -> None:
             err = ((c.float() - ref).norm() / ref.norm()).item()
             us = bench(lambda calls=calls: [warm.launch(call) for call in calls])
             print(f"  {us:8.1f} us  x{cublas / us:.3f} of cuBLAS  {write_gbps(us):5.0f} GB/s  err {err:.1e}  "
-                  f"{'default ' if index == 0 else ''}{config}", flush=True)
+                  f"{label + ' ' if label else ''}{config}", flush=True)
             if out:
                 out.write(json.dumps({"tokens": tokens, "hidden": hidden, "inter": inter, "us": round(us, 2),
                                       "cublas_us": round(cublas, 2), "rel_err": float(f"{err:.2e}"),
-                                      "config": config}) + "\n")
+                                      "label": label, "config": config}) + "\n")
 
 
 if __name__ == "__main__":

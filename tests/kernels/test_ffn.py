@@ -448,7 +448,7 @@ def test_weight_grad_takes_the_prefill_tile_at_every_row_count(tokens):
     (dw,) = [c for c in plan.calls if c.kernel.__name__ == "gemm_tma_kernel" and c.args[3] is plan.result[1]]
     tile = tuple(dw.kwargs[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps"))
     assert tile == (128, 256, 64, 8)
-    assert gemm.shared_memory_bytes({**dw.kwargs}, 2) <= H200.shared_memory_per_program
+    assert gemm.shared_memory_bytes(dw.kwargs, 2) <= H200.shared_memory_per_program
     assert weight_grad_config(4, H200)["BLOCK_K"] == 32  # float32 operands: K slices half as wide
 
 
