@@ -139,6 +139,9 @@ def test_default_configs():
     assert config((256, 131072)) == {"BLOCK_M": 1, "BLOCK_N": 16384, "num_warps": 32}
     assert config((512, 131072))["BLOCK_N"] == 8192 and config((3, 131072))["BLOCK_N"] == 16384
     assert config((256, 131072), profile=None)["BLOCK_N"] == 4096  # no core count: the smallest block
+    # npu: a looped block no larger than the unified buffer holds (16384 elements overflow a 910B's)
+    assert config((4, 40000), profile=target_profile("npu:Ascend910B2"))["BLOCK_N"] == 8192
+    assert config((4, 40000))["BLOCK_N"] == 16384
     # another dim: a generic config the plan narrows
     assert config((64, 8, 16), 1)["BLOCK_M"] == 1
 

@@ -15,8 +15,13 @@ elements).
   (the blocks read most recently are the likeliest still in L2), and writes ``exp(x - m) / sum``.
   Each block's loads are issued before the previous block is reduced, so a program has two blocks
   in flight; the block is sized by how many programs share a core (:func:`loop_block`). The
-  re-read costs: on the H200 (bf16) rows of 32768 and 131072 move 81% and 72% of a same-size
-  copy's bandwidth, where rows held whole reach 91% (16384) to 100% (4096). Reading once by
+  second pass's loads and stores are marked evict-first, so that the blocks still to be re-read
+  stay in L2. The re-read costs: on the H200 (bf16) rows of 32768 and 131072 move 84% and 78% of
+  a same-size copy's bandwidth, where rows held whole reach 91% (16384) to 97-100% (4096).
+  Reading a row once needs it held on chip across cores (a cluster's distributed shared memory,
+  which Triton does not expose). A grid of 2 to 8 programs an SM taking the rows in turn (fewer
+  rows in flight for L2 to hold) was measured and is not used: 44.4 to 52.7 us at 1024 x 32768
+  against 44.0 one program a row (``.ci/sweep_softmax.py programs``). Reading once by
   splitting a row over programs that each hold a block in registers and exchange their maxima and
   sums through global memory (an atomic count per row, the programs of a row waiting for each
   other) was measured and is not used: H200, bf16, blocks of 2048 to 16384 elements, rows of
@@ -63,6 +68,10 @@ MAX_ONE_BLOCK = 16384
 # The looped kernel's blocks: elements of row blocks a core should have in flight, and the bounds.
 LOOP_ELEMENTS_PER_CORE = 32768
 MIN_LOOP_BLOCK, MAX_LOOP_BLOCK = 4096, 16384
+# On npu a program's blocks live in the AI core's unified buffer: bishengir-compile 1.2 asks about
+# 18 bytes of it per element of the looped kernel's block (2360576 bits for 16384 elements, over
+# the 192 KiB of an Ascend 910B); the budget per element leaves headroom.
+UB_BYTES_PER_LOOP_ELEMENT = 24
 # Elements a program aims to hold per tile when rows are short (BLOCK_M rows of BLOCK_N).
 TILE = 2048
 # Fewest programs the default config keeps before it packs several short rows into one.
@@ -130,17 +139,21 @@ def softmax_kernel(
             sums = sums * tl.exp2(m_safe - m_new)[:, None] + tl.exp2(x - m_new[:, None])
             m_safe = m_new
         scale = (1.0 / tl.sum(sums, axis=1))[:, None]
-        # Pass 2: last block first, while the row's latest blocks are still in L2; prefetched as pass 1.
+        # Pass 2: last block first, while the row's latest blocks are still in L2; prefetched as
+        # pass 1. Its loads and stores are marked evict-first, so that the blocks still to be
+        # re-read keep their place in L2 (H200, bf16, 1024 x 32768: about 50 -> 44 us).
         last = (N - 1) // BLOCK_N * BLOCK_N
-        x_next = tl.load(x_rows + (last + cols)[None, :] * stride_x_col, mask=(last + cols < N)[None, :], other=0.0)
+        x_next = tl.load(x_rows + (last + cols)[None, :] * stride_x_col, mask=(last + cols < N)[None, :], other=0.0,
+                         eviction_policy="evict_first")
         for done in range(0, N, BLOCK_N):
             start = last - done
             x = x_next.to(tl.float32) * LOG2E
             previous = start - BLOCK_N + cols
-            x_next = tl.load(x_rows + previous[None, :] * stride_x_col, mask=(previous >= 0)[None, :], other=0.0)
+            x_next = tl.load(x_rows + previous[None, :] * stride_x_col, mask=(previous >= 0)[None, :], other=0.0,
+                             eviction_policy="evict_first")
             y = tl.exp2(x - m_safe[:, None]) * scale
             tl.store(out_rows + (start + cols)[None, :] * stride_out_col, y.to(out_ptr.dtype.element_ty),
-                     mask=row_mask & (start + cols < N)[None, :])
+                     mask=row_mask & (start + cols < N)[None, :], eviction_policy="evict_first")
 
 
 @triton.jit
@@ -271,8 +284,9 @@ def loop_block(rows: int, cores: int) -> int:
     ``rows / cores`` programs share a core, and together they should keep LOOP_ELEMENTS_PER_CORE
     elements in flight: the power of two at or below ``LOOP_ELEMENTS_PER_CORE * cores / rows``,
     within MIN_LOOP_BLOCK and MAX_LOOP_BLOCK (the smallest without a core count). On the H200 (132
-    SMs, bf16): 1024 rows of 32768 take 4096 (81% of a same-size copy; 8192: 77%, 16384: 59%), 256
-    rows of 131072 take 16384 (72%; 8192: 65%, 4096: 55%)."""
+    SMs, bf16, the second pass evict-first): 1024 rows of 32768 take 4096 with 8 warps (44.0 us,
+    84% of a same-size copy; 8192 with 16 warps: 46.6, with 8: 50.1; 16384: 60 to 62), 256 rows of
+    131072 take 16384 with 32 warps (47.1 us, 78%; 16 warps: 47.7, 8192: 53.5 to 58.9)."""
     if not cores:
         return MIN_LOOP_BLOCK
     want = max(LOOP_ELEMENTS_PER_CORE * cores // max(rows, 1), 1)
@@ -296,11 +310,16 @@ def heuristic_config(rows: int, n: int, cores: int) -> Config:
 def default_config(sig: Signature, profile: DeviceProfile) -> Config:
     """With ``dim=-1`` the signature holds the rows (rounded up to a power of two) and the row
     length. Another ``dim`` is a row the ``rows`` bucket does not keep: one row per program, as wide
-    as MAX_ONE_BLOCK, which the plan narrows to the row (:func:`launch_tile`)."""
+    as MAX_ONE_BLOCK, which the plan narrows to the row (:func:`launch_tile`). On npu a looped
+    block is no larger than the unified buffer holds (UB_BYTES_PER_LOOP_ELEMENT)."""
     if sig.scalar("dim") != -1:
         return {"BLOCK_M": 1, "BLOCK_N": MAX_ONE_BLOCK, "num_warps": 16}
     rows, n = sig.tensor("x").shape
-    return heuristic_config(rows, n, profile.cores if profile is not None else 0)
+    config = heuristic_config(rows, n, profile.cores if profile is not None else 0)
+    if n > config["BLOCK_N"] and profile is not None and profile.backend == "npu" and profile.shared_memory_per_program:
+        fits = profile.shared_memory_per_program // UB_BYTES_PER_LOOP_ELEMENT
+        config["BLOCK_N"] = min(config["BLOCK_N"], 1 << (fits.bit_length() - 1))
+    return config
 
 
 def _elements_per_thread(c: Config) -> float:
