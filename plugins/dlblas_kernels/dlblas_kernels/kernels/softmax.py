@@ -194,10 +194,12 @@ def softmax_backward_kernel(
         for done in range(0, N, BLOCK_N):
             start = last - done
             col_mask = (start + cols < N)[None, :]
-            y = tl.load(y_rows + (start + cols)[None, :] * stride_y_col, mask=col_mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_rows + (start + cols)[None, :] * stride_dy_col, mask=col_mask, other=0.0).to(tl.float32)
+            y = tl.load(y_rows + (start + cols)[None, :] * stride_y_col, mask=col_mask, other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
+            dy = tl.load(dy_rows + (start + cols)[None, :] * stride_dy_col, mask=col_mask, other=0.0,
+                         eviction_policy="evict_first").to(tl.float32)
             tl.store(dx_rows + (start + cols)[None, :] * stride_dx_col, (y * (dy - dot)).to(dx_ptr.dtype.element_ty),
-                     mask=row_mask & col_mask)
+                     mask=row_mask & col_mask, eviction_policy="evict_first")
 
 
 def as_rows3(t: torch.Tensor, dim: int) -> torch.Tensor:
