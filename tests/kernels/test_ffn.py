@@ -97,7 +97,9 @@ def test_decode_split_over_k(splits, k, n, dtype, device, gen, launch, launches)
         for result, expected in zip(got, ffn_training_reference(*upcast(x, w1, w3, rms_w))):
             assert_close(result, expected, dtype, reduce_dim=k)
     names = [name for name, _ in launches]
-    assert names == ["ffn_decode_kernel", "ffn_decode_finish_kernel"] * 4
+    # the training plan writes xn by one more row launch
+    assert names == ["ffn_decode_kernel", "ffn_decode_finish_kernel",
+                     "ffn_decode_kernel", "ffn_decode_finish_kernel", "rms_scale_kernel"] * 2
     used = launches[0][1]["SPLIT_K"]
     assert 2 <= used <= splits
 
@@ -160,8 +162,9 @@ def test_w13_form(path, dtype, device, gen, run):
 
 @pytest.mark.parametrize("path", ["decode", "prefill"])
 def test_training_plan_stores_the_preactivations(path, dtype, device, gen, launch):
-    """What the custom op runs (autograd saves gate and up): the output and both pre-activations,
-    poisoned first, against the float64 reference; the public function returns the output alone."""
+    """What the custom op runs (autograd saves gate, up and xn): the output, both pre-activations
+    and the normalised input, poisoned first, against the float64 reference; the public function
+    returns the output alone."""
     x, w1, w3, rms_w = inputs((3, 7), 40, 21, dtype, device, gen)
     config = DECODE if path == "decode" else PREFILL
     for weights in ((w1, w3, None), (None, None, torch.cat([w1, w3]))):
@@ -171,7 +174,7 @@ def test_training_plan_stores_the_preactivations(path, dtype, device, gen, launc
             assert_close(result, expected, dtype, reduce_dim=40)
     leaf = x.detach().requires_grad_()
     assert isinstance(ffn(leaf, w1, w3, rms_w), torch.Tensor)
-    assert len(torch.ops.dlblas.ffn(x, w1, w3, rms_w, 1e-6, None, *(config[k] for k in config))) == 3
+    assert len(torch.ops.dlblas.ffn(x, w1, w3, rms_w, 1e-6, None, *(config[k] for k in config))) == 4
 
 
 def composite(x, w1, w3, rms_w, eps=1e-6):
@@ -223,8 +226,9 @@ def test_backward_plan_writes_every_output(config, device, gen, launch):
     # odd sizes with ragged tiles everywhere; the outputs poisoned before the launches
     x, w1, w3, rms_w = inputs((2, 17), 41, 23, torch.float32, device, gen)
     dout = randn(2, 17, 23, device=device, generator=gen)
-    _, gate, up = ffn_training_reference(x, w1, w3, rms_w)
-    dx, dw13, drms_w = launch(backward_plan((dout, x, w1, w3, rms_w, 1e-6, None, gate, up), config, UNKNOWN_DEVICE))
+    _, gate, up, xn = ffn_training_reference(x, w1, w3, rms_w)
+    dx, dw13, drms_w = launch(backward_plan((dout, x, w1, w3, rms_w, 1e-6, None, gate, up, xn), config,
+                                            UNKNOWN_DEVICE))
     leaves = [t.double().requires_grad_() for t in (x, w1, w3, rms_w)]
     grads = torch.autograd.grad(composite(*leaves), leaves, dout.double())
     for got, want in zip((dx, dw13[:23], dw13[23:], drms_w), grads):
@@ -242,10 +246,10 @@ def test_backward_input_grad_split_over_the_reduction(form, device, gen, profile
     x, w1, w3, rms_w = inputs((3,), 41, 70, torch.float32, device, gen)
     w13 = torch.cat([w1, w3]) if form == "w13" else None
     dout = randn(3, 70, device=device, generator=gen)
-    _, gate, up = ffn_training_reference(x, w1, w3, rms_w)
+    _, gate, up, xn = ffn_training_reference(x, w1, w3, rms_w)
     many = dataclasses.replace(profile, arch="sm_80", cores=64)  # the pointer kernels, many cores
     assert input_grad_splits(3, 41, 70, backward_gemm_config(config), many) == 2  # slices of 4 steps or more
-    args = (dout, x, *((None, None) if w13 is not None else (w1, w3)), rms_w, 1e-6, w13, gate, up)
+    args = (dout, x, *((None, None) if w13 is not None else (w1, w3)), rms_w, 1e-6, w13, gate, up, xn)
     plan = backward_plan(args, config, many)
     for t in plan.result:
         poison(t)
@@ -378,9 +382,9 @@ def test_pair_tile_backward(device, gen, profile, launch, launches):
     x, w1, w3, rms_w = inputs((m,), k, n, torch.float32, device, gen)
     h = hopper(profile, device)
     args = (x, w1, w3, rms_w, 1e-6, None)
-    out, gate, up = launch(training_plan(args, PREFILL, h))
+    out, gate, up, xn = launch(training_plan(args, PREFILL, h))
     dout = randn(m, n, device=device, generator=gen)
-    dx, dw13, drms_w = launch(backward_plan((dout, *args, gate, up), PREFILL, h))
+    dx, dw13, drms_w = launch(backward_plan((dout, *args, gate, up, xn), PREFILL, h))
     assert "ffn_input_grad_tma_kernel" in [name for name, _ in launches]
     leaves = [t.double().requires_grad_() for t in (x, w1, w3, rms_w)]
     expected = composite(*leaves)
@@ -444,7 +448,7 @@ def test_weight_grad_takes_the_prefill_tile_at_every_row_count(tokens):
     rms_w = torch.empty(4096, device="meta", dtype=torch.bfloat16)
     gate = torch.empty(tokens, 14336, device="meta", dtype=torch.bfloat16)
     config = default_config(make_signature(OP, (x, w, w, rms_w, 1e-6, None), x.device), H200)
-    plan = backward_plan((gate, x, w, w, rms_w, 1e-6, None, gate, gate), config, H200)
+    plan = backward_plan((gate, x, w, w, rms_w, 1e-6, None, gate, gate, x), config, H200)
     (dw,) = [c for c in plan.calls if c.kernel.__name__ == "gemm_tma_kernel" and c.args[3] is plan.result[1]]
     tile = tuple(dw.kwargs[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps"))
     assert tile == (128, 256, 64, 8)
@@ -554,8 +558,8 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
              "decode_split": ffn.training_plan((x, w, w, g, 1e-6, None), {**small, "BLOCK_M": 64, "SPLIT_K": 2},
                                                profile),
              "prefill_training": ffn.training_plan((x, None, None, g, 1e-6, w13), small, profile),
-             "backward": ffn.backward_plan((dout, x, w, w, g, 1e-6, None, gate, up), small, profile),
-             "backward13": ffn.backward_plan((dout, x, None, None, g, 1e-6, w13, gate, up), small, profile),
+             "backward": ffn.backward_plan((dout, x, w, w, g, 1e-6, None, gate, up, x), small, profile),
+             "backward13": ffn.backward_plan((dout, x, None, None, g, 1e-6, w13, gate, up, x), small, profile),
              # the pair-tile kernel, planned for sm_90 (where it runs), compiled for every target
              "prefill_pair": ffn.plan((x, w, w, g, 1e-6, None), small, hopper),
              "prefill_pair_training": ffn.training_plan((x, None, None, g, 1e-6, w13), small, hopper),
@@ -563,7 +567,7 @@ for dtype in (torch.bfloat16, torch.float16, torch.float32):
              "decode_tma": ffn.training_plan((x, None, None, g, 1e-6, w13),
                                              {**small, "BLOCK_M": 64, "TMA": 1, "SPLIT_K": 2}, hopper)}
     # the pair-tile kernel's last wave split over K (4 cores: 6 tiles leave 2, split 2 ways)
-    plans["backward_tma"] = ffn.backward_plan((dout, x, w, w, g, 1e-6, None, gate, up), small, hopper)
+    plans["backward_tma"] = ffn.backward_plan((dout, x, w, w, g, 1e-6, None, gate, up, x), small, hopper)
     plans["prefill_pair_tail"] = ffn.training_plan((x, None, None, g, 1e-6, w13), {**small, "BLOCK_K": 16},
                                                    dataclasses.replace(hopper, cores=4))
     assert plans["decode_tma"].calls[0].kwargs["TMA"] and plans["prefill_pair_tail"].calls[1].kwargs["TAIL"]
@@ -582,18 +586,16 @@ def test_every_kernel_compiles_to_cubin():
     compiled = run_json(CUBIN_SCRIPT, None, TRITON_INTERPRET="0")
     norm = ["rms_norm_backward_kernel", "column_sum_kernel"]
     kernels = {"decode": ["ffn_decode_kernel"], "prefill": ["rms_scale_kernel", "gemm_kernel"],
-               "decode_training": ["ffn_decode_kernel"],
-               "decode_split": ["ffn_decode_kernel", "ffn_decode_finish_kernel"],
+               "decode_training": ["ffn_decode_kernel", "rms_scale_kernel"],
+               "decode_split": ["ffn_decode_kernel", "ffn_decode_finish_kernel", "rms_scale_kernel"],
                "prefill_training": ["rms_scale_kernel", "gemm_kernel"],
-               "backward": ["rms_scale_kernel", "swiglu_backward_kernel", "ffn_input_grad_kernel", "gemm_kernel",
-                            *norm],
-               "backward13": ["rms_scale_kernel", "swiglu_backward_kernel", "gemm_kernel", *norm],
+               "backward": ["swiglu_backward_kernel", "ffn_input_grad_kernel", "gemm_kernel", *norm],
+               "backward13": ["swiglu_backward_kernel", "gemm_kernel", *norm],
                "prefill_pair": ["rms_scale_kernel", "swiglu_pair_tma_kernel"],
                "prefill_pair_training": ["rms_scale_kernel", "swiglu_pair_tma_kernel"],
-               "decode_tma": ["ffn_decode_kernel", "ffn_decode_finish_kernel"],
+               "decode_tma": ["ffn_decode_kernel", "ffn_decode_finish_kernel", "rms_scale_kernel"],
                "prefill_pair_tail": ["rms_scale_kernel", "swiglu_pair_tma_kernel"],
-               "backward_tma": ["rms_scale_kernel", "swiglu_backward_kernel", "ffn_input_grad_tma_kernel",
-                                "gemm_tma_kernel", *norm]}
+               "backward_tma": ["swiglu_backward_kernel", "ffn_input_grad_tma_kernel", "gemm_tma_kernel", *norm]}
     expected = {f"{plan}/{kernel}/{dtype}/sm_{capability}" for plan, names in kernels.items() for kernel in names
                 for dtype in ("bfloat16", "float16", "float32") for capability in (80, 90, 100)}
     assert set(compiled) == expected

@@ -691,7 +691,7 @@ def gemm_calls(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Config
 
 # --- the prefill ffn -----------------------------------------------------------------------------
 
-def swiglu_calls(a: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None, rstd: torch.Tensor,
+def swiglu_calls(a: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None, rstd: torch.Tensor | None,
                  out: torch.Tensor, config: Config, profile: DeviceProfile, *, w13: torch.Tensor | None = None,
                  gate: torch.Tensor | None = None, up: torch.Tensor | None = None) -> list[KernelCall]:
     """The launch of the prefill ffn's GEMM pair, one kernel:
@@ -700,7 +700,8 @@ def swiglu_calls(a: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | No
     :param a: ``[M, K]`` (the rows already multiplied by the norm weight ``rms_w``), any strides.
     :param w1: ``[N, K]`` (nn.Linear layout), any strides; None with ``w13``.
     :param w3: ``[N, K]``, like ``w1``; None with ``w13``.
-    :param rstd: ``[M]`` float32, each row's ``rsqrt(mean(x**2) + eps)``.
+    :param rstd: ``[M]`` float32, each row's ``rsqrt(mean(x**2) + eps)``; None where ``a`` is
+        normalised already (no row scale).
     :param out: ``[M, N]``, written.
     :param config: see :func:`gemm_calls` (``SPLIT_K`` must be 1: both products share the program).
     :param w13: ``[2N, K]``: rows ``0..N-1`` are w1, ``N..2N-1`` w3 (the halves are views, no copy).
@@ -743,14 +744,15 @@ MIN_TAIL_STEPS = 4
 
 @triton.jit
 def _pair_store(acc, swapped, off_m, off_n, M, N, scale_ptr, stride_sm, c_desc, gate_desc, up_desc,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STORE_PRE: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STORE_PRE: tl.constexpr, ROW_SCALE: tl.constexpr):
     """The pair tile's epilogue: ``acc [BLOCK_M, 2 * BLOCK_N]`` split into its planes' halves (w1's
-    first unless ``swapped``), the row scale and SwiGLU, ``c`` (and the pre-activations) stored."""
+    first unless ``swapped``), the row scale (ROW_SCALE) and SwiGLU, ``c`` (and the pre-activations)
+    stored."""
     low, high = acc.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1).split()
     offs_m = off_m + tl.arange(0, BLOCK_M)
     offs_n = off_n + tl.arange(0, BLOCK_N)
     out, z, z3 = epilogue(tl.where(swapped, high, low), tl.where(swapped, low, high), low, offs_m, offs_n,
-                          M, N, scale_ptr, scale_ptr, scale_ptr, stride_sm, 0, False, True, False, None,
+                          M, N, scale_ptr, scale_ptr, scale_ptr, stride_sm, 0, False, ROW_SCALE, False, None,
                           True, False)
     c_desc.store([off_m, off_n], out.to(c_desc.dtype))
     if STORE_PRE:
@@ -764,9 +766,10 @@ def swiglu_pair_tma_kernel(
     M, N, K, w3_offset, stride_a, stride_w, stride_cm, stride_sm, tail_split,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr, STORE_PRE: tl.constexpr, PAIR_LIMIT: tl.constexpr,
-    TAIL: tl.constexpr = False,
+    TAIL: tl.constexpr = False, ROW_SCALE: tl.constexpr = True,
 ):
-    """Persistent SwiGLU GEMM: ``c = silu(scale * (a @ w1.T)) * (scale * (a @ w3.T))``, ``a [M, K]``
+    """Persistent SwiGLU GEMM: ``c = silu(scale * (a @ w1.T)) * (scale * (a @ w3.T))`` (without
+    ROW_SCALE, ``scale`` 1: ``scale_ptr`` is not read), ``a [M, K]``
     and the weights ``[N, K]`` (w3 from ``w3_offset`` elements past ``w3_ptr``) with unit K
     strides, ``c`` (and the pre-activations ``gate``, ``up`` under STORE_PRE) ``[M, N]`` row-major.
 
@@ -823,7 +826,7 @@ def swiglu_pair_tma_kernel(
                 w = w_desc.load([0, off_n, ki * BLOCK_K]).reshape(2 * BLOCK_N, BLOCK_K)
                 acc = tl.dot(a, w.T, acc, input_precision=INPUT_PRECISION)
             _pair_store(acc, swapped, off_m, off_n, M, N, scale_ptr, stride_sm, c_desc, gate_desc, up_desc,
-                        BLOCK_M, BLOCK_N, STORE_PRE)
+                        BLOCK_M, BLOCK_N, STORE_PRE, ROW_SCALE)
         if TAIL:
             slot = tl.program_id(0) // tail_split
             part = tl.program_id(0) % tail_split
@@ -849,7 +852,7 @@ def swiglu_pair_tma_kernel(
                         if other != part:
                             acc += tl.load(slices + other * size + inside, cache_modifier=".cg")
                     _pair_store(acc, swapped, off_m, off_n, M, N, scale_ptr, stride_sm, c_desc, gate_desc,
-                                up_desc, BLOCK_M, BLOCK_N, STORE_PRE)
+                                up_desc, BLOCK_M, BLOCK_N, STORE_PRE, ROW_SCALE)
     else:
         w1_desc = tl.make_tensor_descriptor(w1_ptr, shape=[N, K], strides=[stride_w, 1],
                                             block_shape=[BLOCK_N, BLOCK_K])
@@ -868,7 +871,7 @@ def swiglu_pair_tma_kernel(
             offs_m = off_m + tl.arange(0, BLOCK_M)
             offs_n = off_n + tl.arange(0, BLOCK_N)
             out, z, z3 = epilogue(acc, acc3, acc, offs_m, offs_n, M, N, scale_ptr, scale_ptr, scale_ptr, stride_sm, 0,
-                                  False, True, False, None, True, False)
+                                  False, ROW_SCALE, False, None, True, False)
             c_desc.store([off_m, off_n], out.to(c_desc.dtype))
             if STORE_PRE:
                 gate_desc.store([off_m, off_n], z.to(gate_desc.dtype))
@@ -901,7 +904,7 @@ def pair_tail(m: int, n: int, k: int, config: Config, profile: DeviceProfile) ->
     return split if split >= 2 else 1
 
 
-def swiglu_pair_calls(a: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None, rstd: torch.Tensor,
+def swiglu_pair_calls(a: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None, rstd: torch.Tensor | None,
                       out: torch.Tensor, config: Config, profile: DeviceProfile, *, w13: torch.Tensor | None = None,
                       gate: torch.Tensor | None = None, up: torch.Tensor | None = None
                       ) -> tuple[list[KernelCall], tuple]:
@@ -939,10 +942,12 @@ def swiglu_pair_calls(a: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor
         part = torch.empty(tiles % programs * split * block_m * 2 * block_n, dtype=torch.float32, device=out.device)
         count = torch.empty(tiles % programs, dtype=torch.int32, device=out.device)
         scratch = (part, count)
+    scale = out if rstd is None else rstd
     return [KernelCall(swiglu_pair_tma_kernel, (programs,), (
-        a, w1, w3, out, pre, pre3, rstd, part, count, m, n, k, w3_offset, a.stride(0), w1.stride(0), out.stride(0),
-        rstd.stride(0), split,
+        a, w1, w3, out, pre, pre3, scale, part, count, m, n, k, w3_offset, a.stride(0), w1.stride(0), out.stride(0),
+        0 if rstd is None else rstd.stride(0), split,
     ), {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": config["BLOCK_K"], "GROUP_M": config.get("GROUP_M", GROUP_M),
         "INPUT_PRECISION": "ieee", "FLATTEN": bool(config.get("FLATTEN", 1)), "STORE_PRE": gate is not None,
-        "PAIR_LIMIT": PAIR_STRIDE_LIMIT, "TAIL": split > 1, "num_warps": config["num_warps"], "num_stages": stages})
+        "PAIR_LIMIT": PAIR_STRIDE_LIMIT, "TAIL": split > 1, "ROW_SCALE": rstd is not None,
+        "num_warps": config["num_warps"], "num_stages": stages})
     ], scratch

@@ -47,9 +47,12 @@ composite keeps too): recomputing them would cost the backward a third GEMM of t
 backward takes 3.06). The op's custom op, which autograd and ``torch.compile`` call, runs
 :func:`training_plan`: the forward with ``g`` and ``u`` stored by the GEMM's (or the streaming
 kernel's) epilogue, returned as the template's residuals (:class:`~dlcore.runtime.template.Residuals`)
-and saved; that costs the forward an ``[M, 2N]`` write (about 3% at 4096 tokens). The public
-function without autograd and bound ops run :func:`plan`, which stores neither. The backward:
-``xn`` (input dtype) and ``rstd`` again by the row kernel, ``dh`` elementwise from the saved
+and saved; that costs the forward an ``[M, 2N]`` write (about 3% at 4096 tokens). It saves the
+normalised input ``xn`` (input dtype) too, which its row kernel writes in place of ``x * rms_w``
+(the GEMM then takes no row scale), so the backward does not write it again (what
+``torch.compile`` keeps too; H200, DeepSeek-V3's shared expert at 4096 tokens: the row kernel was
+about 28 us of a 790 us backward). The public function without autograd and bound ops run
+:func:`plan`, which stores none of them. The backward: ``dh`` elementwise from the saved
 ``g``, ``u`` and ``dout``, ``dxn = dh @ w13`` (for separate ``w1`` and ``w3``,
 :func:`ffn_input_grad_kernel` reduces over both without a concatenated copy), ``dw13 = dh.T @ xn``
 (GEMMs through the GEMM block), then ``dx`` and ``drms_w`` from rms_norm's backward kernels. The
@@ -258,22 +261,30 @@ def rms_scale_call(x2: torch.Tensor, rms_w: torch.Tensor, xs: torch.Tensor, rstd
 
 
 def _forward(args: tuple, config: Config, profile: DeviceProfile, out: torch.Tensor,
-             gate: torch.Tensor | None = None, up: torch.Tensor | None = None) -> tuple[list[KernelCall], tuple]:
-    """The forward's launches and scratch into ``out`` (and the pre-activations ``gate`` and ``up``)."""
+             gate: torch.Tensor | None = None, up: torch.Tensor | None = None,
+             xn: torch.Tensor | None = None) -> tuple[list[KernelCall], tuple]:
+    """The forward's launches and scratch into ``out`` (and the pre-activations ``gate`` and ``up``,
+    and the normalised input ``xn``, the residuals of :func:`training_plan`). With ``xn`` the row
+    kernel writes it, and the prefill GEMM reads it without a row scale; without, the row kernel
+    writes ``x * rms_w`` and the GEMM scales its rows by ``rstd``."""
     x, w1, w3, rms_w, eps, w13 = args
     x2, out2 = as_rows(x), as_rows(out)
     gate2, up2 = (None, None) if gate is None else (as_rows(gate), as_rows(up))
     m, k = x2.shape
-    if m <= config["BLOCK_M"]:
-        return decode_calls(x2, rms_w, w1, w3, w13, out2, eps, config, profile, gate2, up2)
-    xs = torch.empty((m, k), dtype=x.dtype, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
-    gemm, scratch = prefill_calls(xs, w1, w3, rstd, out2, config, profile, w13, gate2, up2)
+    if m <= config["BLOCK_M"]:
+        calls, scratch = decode_calls(x2, rms_w, w1, w3, w13, out2, eps, config, profile, gate2, up2)
+        if xn is None:
+            return calls, scratch
+        return [*calls, rms_scale_call(x2, rms_w, as_rows(xn), rstd, eps, normalise=True)], (*scratch, rstd)
+    xs = torch.empty((m, k), dtype=x.dtype, device=x.device) if xn is None else as_rows(xn)
+    gemm, scratch = prefill_calls(xs, w1, w3, None if xn is not None else rstd, out2, config, profile, w13, gate2, up2)
     counters = scratch[1] if scratch else None  # the pair kernel's split last wave (gemm.pair_tail)
-    return [rms_scale_call(x2, rms_w, xs, rstd, eps, normalise=False, zero=counters), *gemm], (xs, rstd, *scratch)
+    row = rms_scale_call(x2, rms_w, xs, rstd, eps, normalise=xn is not None, zero=counters)
+    return [row, *gemm], (xs, rstd, *scratch) if xn is None else (rstd, *scratch)
 
 
-def prefill_calls(xs: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None, rstd: torch.Tensor,
+def prefill_calls(xs: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None, rstd: torch.Tensor | None,
                   out2: torch.Tensor, config: Config, profile: DeviceProfile, w13: torch.Tensor | None,
                   gate2: torch.Tensor | None, up2: torch.Tensor | None) -> tuple[list[KernelCall], tuple]:
     """The prefill GEMM: with ``JOINT`` (the default) where the copy engine takes the operands, the
@@ -298,23 +309,27 @@ def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     return LaunchPlan(calls=calls, result=out, scratch=scratch)
 
 
-def training_outputs(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(out, gate, up)``: the output and the pre-activations, each of the output's shape."""
-    return output(*args), output(*args), output(*args)
+def training_outputs(*args: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, gate, up, xn)``: the output and the pre-activations, each of the output's shape, and
+    the normalised input ``xn`` of ``x``'s."""
+    x = args[0]
+    return output(*args), output(*args), output(*args), torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
 def training_plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
-    """:func:`plan`, the pre-activations stored too (the custom op's body: autograd saves them)."""
-    out, gate, up = training_outputs(*args)
-    if out.numel() == 0:
-        return LaunchPlan(calls=[], result=(out, gate, up))
-    calls, scratch = _forward(args, config, profile, out, gate, up)
-    return LaunchPlan(calls=calls, result=(out, gate, up), scratch=scratch)
+    """:func:`plan`, the pre-activations and ``xn`` stored too (the custom op's body: autograd saves
+    them). ``xn`` is what the prefill GEMM reads in place of ``x * rms_w`` (the same bytes written);
+    the decode path writes it by one more row launch."""
+    out, gate, up, xn = training_outputs(*args)
+    if out.numel() == 0 or xn.numel() == 0:
+        return LaunchPlan(calls=[], result=(out, gate, up, xn))
+    calls, scratch = _forward(args, config, profile, out, gate, up, xn)
+    return LaunchPlan(calls=calls, result=(out, gate, up, xn), scratch=scratch)
 
 
 def backward_outputs(dout: torch.Tensor, x: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None,
                      rms_w: torch.Tensor, eps: float, w13: torch.Tensor | None, gate: torch.Tensor,
-                     up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     up: torch.Tensor, xn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dx, dw13 [2N, K], drms_w)``: the weights' gradient in one buffer, w1's rows first."""
     w = w1 if w13 is None else w13
     return (torch.empty(x.shape, dtype=x.dtype, device=x.device),
@@ -406,11 +421,11 @@ def input_grad_calls(dh: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, dxn: 
 
 
 def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
-    """Launches for ``(dx, dw13, drms_w)`` from ``args = (dout, x, w1, w3, rms_w, eps, w13, gate, up)``:
-    ``xn`` and ``rstd`` (row kernel); ``dh`` from the saved pre-activations; ``dxn`` from ``dh`` and
-    both weights (the forward config's tile, both weights' columns in one); ``dw13 = dh.T @ xn``
+    """Launches for ``(dx, dw13, drms_w)`` from ``args = (dout, x, w1, w3, rms_w, eps, w13, gate, up,
+    xn)``: ``dh`` from the saved pre-activations; ``dxn`` from ``dh`` and both weights (the forward
+    config's tile, both weights' columns in one); ``dw13 = dh.T @ xn`` from the saved ``xn``
     (:func:`weight_grad_config`'s tile); rms_norm's backward of ``dxn``."""
-    dout, x, w1, w3, rms_w, eps, w13, gate, up = args
+    dout, x, w1, w3, rms_w, eps, w13, gate, up, xn = args
     dx, dw13, drms_w = backward_outputs(*args)
     n = gate.shape[-1]
     x2 = as_rows(x)
@@ -421,10 +436,9 @@ def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> Launch
     new = lambda *shape: torch.empty(shape, dtype=x.dtype, device=x.device)  # noqa: E731
     # dout comes from autograd in any layout (even expanded); reshape copies only when it must.
     dout2, gate2, up2 = dout.reshape(m, n), as_rows(gate), as_rows(up)
-    xn, rstd, dh, dxn = new(m, k), torch.empty(m, dtype=torch.float32, device=x.device), new(m, 2 * n), new(m, k)
+    xn2, dh, dxn = as_rows(xn), new(m, 2 * n), new(m, k)
     block = min(next_power_of_2(n), SWIGLU_BLOCK)
     calls = [
-        rms_scale_call(x2, rms_w, xn, rstd, eps, normalise=True),
         KernelCall(
             swiglu_backward_kernel, (m, cdiv(n, block)),
             (gate2, up2, dout2, dh, n, gate2.stride(0), gate2.stride(1), up2.stride(0), up2.stride(1),
@@ -437,11 +451,11 @@ def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> Launch
         calls_x, scratch_x = gemm_calls(dh, w13, dxn, {**gemm, "SPLIT_K": splits}, profile)
     else:
         calls_x, scratch_x = input_grad_calls(dh, w1, w3, dxn, gemm, splits, profile)
-    calls_w, scratch_w = gemm_calls(dh.T, xn, dw13, weight_grad_config(x.element_size(), profile), profile)
+    calls_w, scratch_w = gemm_calls(dh.T, xn2, dw13, weight_grad_config(x.element_size(), profile), profile)
     norm = rms_norm.backward_plan((dxn, x2, rms_w, None, eps), rms_norm.heuristic_config(m, k), profile)
     dx_rows, drms = norm.result
     return LaunchPlan(calls=[*calls, *calls_x, *calls_w, *norm.calls], result=(dx_rows.view(x.shape), dw13, drms),
-                      scratch=(xn, rstd, dh, dxn, *scratch_x, *scratch_w, *norm.scratch))
+                      scratch=(dh, dxn, *scratch_x, *scratch_w, *norm.scratch))
 
 
 def _composite(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, rms_w: torch.Tensor, eps: float
@@ -462,17 +476,18 @@ def ffn_reference(x: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | N
 
 def ffn_training_reference(x: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None, rms_w: torch.Tensor,
                            eps: float = 1e-6, w13: torch.Tensor | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(out, gate, up)``: :func:`ffn_reference` and the pre-activations, in ``x``'s dtype."""
-    _, _, _, gate, up = _composite(x, *weights(w1, w3, w13), rms_w, eps)
-    return tuple(t.to(x.dtype) for t in (torch.nn.functional.silu(gate) * up, gate, up))
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out, gate, up, xn)``: :func:`ffn_reference`, the pre-activations and the normalised input,
+    in ``x``'s dtype."""
+    _, _, xn, gate, up = _composite(x, *weights(w1, w3, w13), rms_w, eps)
+    return tuple(t.to(x.dtype) for t in (torch.nn.functional.silu(gate) * up, gate, up, xn))
 
 
 def ffn_backward_reference(dout: torch.Tensor, x: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None,
                            rms_w: torch.Tensor, eps: float, w13: torch.Tensor | None, gate: torch.Tensor,
-                           up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           up: torch.Tensor, xn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward formulas of the module docstring in torch, in float32 (or wider), from the
-    saved pre-activations."""
+    saved pre-activations (``xn`` recomputed from ``x``: the saved one is its rounding)."""
     w1, w3 = weights(w1, w3, w13)
     xf, rstd, xn, _, _ = _composite(x, w1, w3, rms_w, eps)
     compute = xf.dtype
@@ -716,7 +731,7 @@ OP = Op(
 
 def _gradients(backward, saved, grads, needs) -> dict:
     dx, dw13, drms_w = backward(grads[0], saved.x, saved.w1, saved.w3, saved.rms_w, saved.eps, saved.w13,
-                                saved.gate, saved.up)
+                                saved.gate, saved.up, saved.xn)
     if saved.w13 is not None:
         return {"x": dx, "w13": dw13, "rms_w": drms_w}
     n = saved.w1.shape[0]
@@ -731,12 +746,13 @@ KERNEL = define_kernel(
     results=output,
     default_config=default_config,
     space=space,
-    backward=Backward(_gradients, saved=("x", "w1", "w3", "rms_w", "eps", "w13", "gate", "up"), plan=backward_plan,
-                      reference=ffn_backward_reference, results=backward_outputs,
-                      residuals=Residuals(("gate", "up"), training_plan, training_outputs, ffn_training_reference)),
+    backward=Backward(_gradients, saved=("x", "w1", "w3", "rms_w", "eps", "w13", "gate", "up", "xn"),
+                      plan=backward_plan, reference=ffn_backward_reference, results=backward_outputs,
+                      residuals=Residuals(("gate", "up", "xn"), training_plan, training_outputs,
+                                          ffn_training_reference)),
     doc="weight streaming for a few rows; else x * rms_w and rstd, then one GEMM over both weights (on sm_90 "
         "their tiles side by side in one product), rstd and SwiGLU in its epilogue; backward: dh from the saved "
-        "pre-activations, the input and weight GEMMs, rms_norm's backward",
+        "pre-activations, the input and weight GEMMs (the latter over the saved xn), rms_norm's backward",
 )
 ffn = KERNEL.function
 dlcore_ops, dlcore_implementations = KERNEL.dlcore_ops, KERNEL.dlcore_implementations
