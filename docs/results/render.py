@@ -632,7 +632,13 @@ DECODE_GAP = (
     "kernel does better), 1.00x at 65536 (67.1 us). The table above was measured on 2026-12-02; two "
     "re-runs on 2026-12-04 found the GPU host's CPU slower (SDPA 80 to 120 us a call at every Sk, the "
     "bound Triton op 30 to 50 us, against 16 to 23 us on 2026-12-02), so they timed the host and were not "
-    "recorded.")
+    "recorded. A decode-only run on a later lease the same day (`BENCH_SPECS=\"flash_attention_v2:fwd:"
+    "decode::sdpa_flash,sdpa_cudnn:triton\" bash .ci/gpu.sh bench-attention`; SDPA 47 to 62 us a call "
+    "up to Sk 4096, host-bound), with the split counts in whole waves: get_op 20.94 us at Sk 8192 against "
+    "cuDNN's 24.23 (1.16x), 31.54 against 31.89 at 16384, 49.25 against 52.90 at 32768, and at 65536 "
+    "cuDNN itself (79.57 against its own column's 79.49, 80% of the copy bandwidth): at or above SDPA at "
+    "every Sk. It was not recorded over the table: the attention preset's rows, run on another lease, were "
+    "host-bound again.")
 
 
 def overhead_section(overhead: dict | None, first: dict | None) -> list[str]:
