@@ -1,14 +1,12 @@
 """softmax on a CUDA GPU, and the SDPA candidates: one JSON line per result, on stdout and in $OUT/softmax.jsonl.
 
-    python3 .ci/sweep_softmax.py [correct] [sweep] [programs] [backward] [sdpa]    (default: all but programs)
+    python3 .ci/sweep_softmax.py [correct] [sweep] [backward] [sdpa]    (default: all four)
 
 - correct: bfloat16 and float16 outputs against float32 torch.softmax, rows of 4096 to 131072 and other
   dims (the looped kernel, (outer, inner) rows);
 - sweep: forward configs (BLOCK_M, BLOCK_N, num_warps) per row length, each timed by do_bench (median)
   beside get_op's choice, torch.softmax and a copy of the same bytes (x read, y written), in
   alternating rounds; GB/s count bytes read + written;
-- programs: the looped kernel's configs at grid caps of 2 to 8 programs an SM (LOOP_PROGRAMS_PER_CORE)
-  and uncapped, rows of 32768 and 131072;
 - backward: the backward plan's default config against torch's softmax backward, and dx against float32;
 - sdpa: dlblas_kernels.vendor's sdpa_flash and sdpa_cudnn (bf16) against a float32 reference, forward and
   gradients, GQA, causal both ways, Sq != Sk.
@@ -105,45 +103,6 @@ def sweep() -> None:
         for name, ts in times.items():
             ms = min(ts)
             emit(what="sweep", shape=[rows, n], impl=name, us=round(ms * 1e3, 2), gbps=round(moved / ms / 1e6),
-                 of_copy=round(copy / ms, 3))
-
-
-#: looped configs the `programs` step times at each grid cap (LOOP_PROGRAMS_PER_CORE)
-LOOPED = ["1x4096/4", "1x4096/8", "1x8192/8", "1x8192/16", "1x16384/16", "1x16384/32", "2x4096/8"]
-
-
-def programs() -> None:
-    """The looped kernel's configs at grid caps of 2 to 8 programs an SM and none (one a row)."""
-    impl = sm.KERNEL.implementation
-    default_cap = sm.LOOP_PROGRAMS_PER_CORE
-    for rows, n in ((1024, 32768), (256, 131072)):
-        x = logits(rows, n)
-        moved = 2 * x.numel() * x.element_size()
-        dst = torch.empty_like(x)
-        ref = torch.softmax(x.float(), -1)
-        work = {"copy": lambda x=x, dst=dst: dst.copy_(x)}
-        for cap in (2, 3, 4, 8, 1 << 20):
-            sm.LOOP_PROGRAMS_PER_CORE = cap
-            for name in LOOPED:
-                tile, warps = name.split("/")
-                block_m, block_n = map(int, tile.split("x"))
-                plan = impl.plan((x, -1), {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": int(warps)})
-                err = error(plan.run(), ref)
-                label = f"{name} programs={plan.calls[0].grid[0]}"
-                if err > 0.02:
-                    emit(what="programs-wrong", shape=[rows, n], config=label, max_abs=err)
-                    continue
-                work[label] = plan.run
-        sm.LOOP_PROGRAMS_PER_CORE = default_cap
-        times = {name: [] for name in work}
-        for r in range(2):
-            names = list(work)[r:] + list(work)[:r]
-            for name in names:
-                times[name].append(bench(work[name]))
-        copy = min(times["copy"])
-        for name, ts in sorted(times.items(), key=lambda kv: min(kv[1])):
-            ms = min(ts)
-            emit(what="programs", shape=[rows, n], impl=name, us=round(ms * 1e3, 2), gbps=round(moved / ms / 1e6),
                  of_copy=round(copy / ms, 3))
 
 

@@ -20,8 +20,8 @@ elements).
   a same-size copy's bandwidth, where rows held whole reach 91% (16384) to 97-100% (4096).
   Reading a row once needs it held on chip across cores (a cluster's distributed shared memory,
   which Triton does not expose). A grid of 2 to 8 programs an SM taking the rows in turn (fewer
-  rows in flight for L2 to hold) was measured and is not used: 44.4 to 52.7 us at 1024 x 32768
-  against 44.0 one program a row (``.ci/sweep_softmax.py programs``). Reading once by
+  rows in flight for L2 to hold; a variant of this kernel looping over its rows) was measured and
+  is not used: 44.4 to 52.7 us at 1024 x 32768 against 44.0 one program a row. Reading once by
   splitting a row over programs that each hold a block in registers and exchange their maxima and
   sums through global memory (an atomic count per row, the programs of a row waiting for each
   other) was measured and is not used: H200, bf16, blocks of 2048 to 16384 elements, rows of
