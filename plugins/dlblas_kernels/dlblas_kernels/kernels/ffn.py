@@ -321,7 +321,7 @@ def training_plan(args: tuple, config: Config, profile: DeviceProfile) -> Launch
     them). ``xn`` is what the prefill GEMM reads in place of ``x * rms_w`` (the same bytes written);
     the decode path writes it by one more row launch."""
     out, gate, up, xn = training_outputs(*args)
-    if out.numel() == 0 or xn.numel() == 0:
+    if out.numel() == 0:
         return LaunchPlan(calls=[], result=(out, gate, up, xn))
     calls, scratch = _forward(args, config, profile, out, gate, up, xn)
     return LaunchPlan(calls=calls, result=(out, gate, up, xn), scratch=scratch)
