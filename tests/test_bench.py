@@ -328,6 +328,7 @@ def test_report_numbers_on_a_fake_timer(monkeypatch, log):
     assert log.copied == [10**9, 10**9]  # a same-size copy of each shape's bytes
     table = report.table()
     assert "1000 GB/s" in table and "50%" in table and "4.00x" in table and "%copy same size" in table
+    assert len(report.host_us) == 2 and re.search(r"host: [\d.]+ and [\d.]+ us a small torch op", table)
     assert "note: liger: not installed here; skipped" in table
 
 
@@ -577,6 +578,8 @@ def test_json_holds_everything(monkeypatch, log, tmp_path):
     assert data["date"] and data["gpu"] is None and data["device"]["backend"] == "cpu"
     assert data["environment"].get("TRITON_INTERPRET") == "1"
     assert data["copy_bandwidth_gbps"] == pytest.approx(COPY_GBPS)
+    # the host probe at the run's start and end, beside the copies
+    assert len(data["host_call_us"]) == 2 and all(0 < t < 10**4 for t in data["host_call_us"])
     first = data["shapes"][0]
     assert first["sizes"] == {"tokens": 1, "hidden": 8} and first["bound"] == "memory"
     assert first["results"][OWN]["rounds_ms"] == [1.0, 1.0, 1.0]
@@ -686,6 +689,7 @@ def test_rms_norm_end_to_end_in_the_interpreter(tmp_path, capsys):
     assert own["ms"] == statistics.median(own["rounds_ms"])
     # the interpreter's times say nothing of bandwidth: no copy is measured, no fraction reported
     assert data["copy_bandwidth_gbps"] is None and data["copy_bandwidth_runs_gbps"] == []
+    assert data["host_call_us"] == []
     if "torch" in op.baselines:
         torch_ms = shape["results"]["torch"]["ms"]
         assert torch_ms > 0 and shape["max_abs_diff_vs_dlcore"]["torch"] < 1e-4
@@ -738,9 +742,9 @@ def test_interpreted_timings_give_no_copy_fractions(monkeypatch, log):
     op = register(monkeypatch, fake_op(log))
     monkeypatch.setattr(type(registry().backends["cpu"]), "hardware_timings", False)
     report = bench(op, log)
-    assert report.copy_gbps == [] and all(r.copy_ms is None for r in report.shapes)
+    assert report.copy_gbps == [] and report.host_us == [] and all(r.copy_ms is None for r in report.shapes)
     table = report.table()
-    assert "copy bandwidth: not measured" in table and not re.search(r"\d%", table)
+    assert "copy bandwidth: not measured" in table and not re.search(r"\d%", table) and "host:" not in table
     assert any("runs Triton kernels in the interpreter" in n for n in report.notes)
 
 

@@ -27,8 +27,8 @@ def test_the_architecture_page_names_every_layer_the_contract_holds():
 
 def test_the_performance_page_renders_dlcore_columns_the_choice_and_token_ranges(tmp_path):
     """A bench with --impls: each dlcore[NAME] column with its rate and its ratio to every baseline,
-    the implementation get_op chose, vs best, the geometric means per token range and the baselines'
-    descriptions."""
+    the implementation get_op chose, vs best, the geometric means per token range, the baselines'
+    descriptions and the host probe's times."""
     import torch
 
     from dlcore.bench.harness import OWN, Report, ShapeResult
@@ -40,7 +40,7 @@ def test_the_performance_page_renders_dlcore_columns_the_choice_and_token_ranges
               for t, triton in ((16, 2.0), (4096, 1.0))]
     report = Report("matmul", "fwd", torch.bfloat16, {"name": "H200", "backend": "cuda"}, ["torch", "compile"],
                     2**30, impls=["dlcore[triton]"], shapes=shapes, date="2026-12-01T00:00:00+00:00",
-                    command="dlcore bench matmul --impls triton", copy_gbps=[4000.0],
+                    command="dlcore bench matmul --impls triton", copy_gbps=[4000.0], host_us=[5.04, 6.1],
                     baseline_docs={"torch": "torch.matmul", "compile": "torch.compile of torch.matmul"})
     (tmp_path / "matmul_fwd.json").write_text(json.dumps(report.to_json()))
     page = tmp_path / "performance.md"
@@ -57,6 +57,7 @@ def test_the_performance_page_renders_dlcore_columns_the_choice_and_token_ranges
     assert rows[0].endswith("| 2000 | 2.00x | 1.00x | 4000 | 4.00x | 2.00x | 2.00x |"), rows[0]
     assert "| **geometric mean, tokens >= 1024** |" in text and "| **geometric mean, tokens <= 128** |" in text
     assert "- `compile`: torch.compile of torch.matmul" in text
+    assert "Host: 5.0 and 6.1 us a small torch op at the run's start and end" in text
 
 
 def test_the_performance_page_reads_issue_14s_targets_from_the_results(tmp_path):

@@ -35,6 +35,7 @@ import math
 import os
 import platform
 import statistics
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -167,6 +168,8 @@ class Report:
     versions: dict[str, str | None] = field(default_factory=dict)
     #: the variables that change what runs: DLCORE_* (tuning policy, plugins) and TRITON_INTERPRET
     environment: dict[str, str] = field(default_factory=dict)
+    #: the host's time for one small torch op (:func:`host_call_us`), at the run's start and end
+    host_us: list[float] = field(default_factory=list)
 
     @property
     def copy_bandwidth(self) -> float | None:
@@ -246,6 +249,7 @@ class Report:
             f"timer: {self.timer}, median of {self.rounds} alternating rounds",
             "copy bandwidth: " + (f"{copy:.0f} GB/s ({self.copy_bytes / 2**20:.0f} MiB device-to-device copy, "
                                   f"bytes read + written)" if copy else "not measured"),
+            *([f"host: {host_text(self.host_us)}"] if self.host_us else []),
             "",
             table(rows, header),
         ]
@@ -291,6 +295,7 @@ class Report:
             "baseline_docs": self.baseline_docs,
             "copy_bandwidth_gbps": copy,
             "copy_bandwidth_runs_gbps": self.copy_gbps,
+            "host_call_us": self.host_us,
             "copy_bytes": self.copy_bytes,
             "ridge_flops_per_byte": RIDGE,
             "notes": self.notes,
@@ -458,6 +463,32 @@ def copy_bandwidth(device: torch.device, timer: Timer, nbytes: int) -> float:
     dst = torch.empty_like(src)
     ms = timer(lambda: dst.copy_(src))
     return gbps(2 * src.nbytes, ms)
+
+
+def host_text(host_us: list[float]) -> str:
+    """The host probe's times in words: what a row near them measures."""
+    times = " and ".join(f"{t:.1f}" for t in host_us)
+    return (f"{times} us a small torch op (run start and end); rows within a few times that time the "
+            "host's launches, not the device")
+
+
+def host_call_us(device: torch.device, backend: Any, calls: int = 2000) -> float:
+    """Microseconds of host time for one small op on ``device`` (an in-place add to one element),
+    the least of three means of ``calls`` calls issued without waiting: the floor under every
+    timed call of the run. A row whose time is near it (or near a few of it, for an op of several
+    launches) times the host, not the device: hosts of the same GPU differ by 2x and more."""
+    t = torch.zeros(1, device=device)
+    for _ in range(100):
+        t.add_(1)
+    backend.synchronize(device)
+    best = math.inf
+    for _ in range(3):
+        start = time.perf_counter()
+        for _ in range(calls):
+            t.add_(1)
+        best = min(best, (time.perf_counter() - start) / calls * 1e6)
+        backend.synchronize(device)
+    return best
 
 
 def copy_ms(device: torch.device, timer: Timer, moved: int) -> float:
@@ -867,6 +898,7 @@ def run_bench(
     copies = backend.hardware_timings
     if copies:
         report.copy_gbps.append(copy_bandwidth(device, copy_timer, copy_bytes))
+        report.host_us.append(host_call_us(device, backend))
     else:
         bench.notes.append(f"no copy fractions: the {backend.name} backend runs Triton kernels in the interpreter, "
                            "whose times say nothing of a device's bandwidth")
@@ -881,6 +913,7 @@ def run_bench(
                          f"{_progress_line(result, [*report.impls, *requested])}")
     if copies:
         report.copy_gbps.append(copy_bandwidth(device, copy_timer, copy_bytes))
+        report.host_us.append(host_call_us(device, backend))
     report.notes = bench.notes
     return report
 

@@ -357,7 +357,10 @@ one further along each round, and a time is the median of its rounds. One round 
 wherever that exceeds the GPU's, which is the case for most ops at 1 and 64 tokens and for every
 backward below about 0.3 ms (the autograd engine's host work). `dlcore bench --timer cudagraph`
 replays CUDA graphs instead and gives GPU time alone (its copies stay timed with do_bench: a copy
-captured in a graph runs at about 2.7 TB/s on the H200 against 4.2 eagerly).
+captured in a graph runs at about 2.7 TB/s on the H200 against 4.2 eagerly). Hosts of the same GPU
+differ: runs since 2026-12-04 record the host's time for one small torch op at their start and end
+(**Host**, under the table), the floor under every timed call; rows within a few times it time the
+host's launches.
 
 - **vs X**: X's time over dlcore's; above 1, dlcore is faster. The geometric mean and the lowest are
   over the table's shapes (and, where some shape is compute-bound, over its shapes of at most 128 and
@@ -716,6 +719,10 @@ def render(folder: str) -> str:
         out += [f"### {current} {r['mode']}{extra} ({dtype})", ""]
         out += bench_table(r, peak[0] * PEAK_SCALE.get(r["op"], 1.0) if peak else None)
         out += ["", f"`{r['command']}` ([`{r['_file']}`](results/{r['_file']}))"]
+        if r.get("host_call_us"):
+            out += ["", "Host: " + " and ".join(f"{t:.1f}" for t in r["host_call_us"])
+                    + " us a small torch op at the run's start and end (`host_call_us`): rows within a few times "
+                    "that time the host's launches, not the GPU."]
         notes = [f"`{name}`: {doc}" for name, doc in r.get("baseline_docs", {}).items()]
         notes += list(r.get("notes", []))
         per_shape: dict[str, list[str]] = {}
