@@ -92,7 +92,7 @@ OP_NOTES = {
                "re-read stay in L2 (1024 x 32768: 49.3 -> 44.4 us, 256 x 131072: 54.5 -> 48.4 us against the "
                "2026-12-01 table). Reading a long row once needs it held on chip across SMs (a cluster's "
                "distributed shared memory, which Triton does not expose); splitting it over programs that wait "
-               "for each other, and a grid of 2 to 8 programs an SM taking rows in turn, were measured slower "
+               "for each other, and a grid of 2 to 8 programs an SM taking rows in turn, were measured no faster "
                "(the module's docstring has the numbers). The backward table is from 2026-12-01; the backward "
                "at 4096 x 4096 re-measured on a later lease of the H200 host (2026-12-02, `python3 "
                ".ci/backward_host.py softmax:triton`): do_bench 65.7 us with autograd's device threads on (the "
