@@ -53,6 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dlblas_kernels.npu import buffer_tile
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
 from dlcore.declarations.op import Op, ScalarArg, TensorArg
@@ -318,9 +319,8 @@ def default_config(sig: Signature, profile: DeviceProfile) -> Config:
         return {"BLOCK_M": 1, "BLOCK_N": MAX_ONE_BLOCK, "num_warps": 16}
     rows, n = sig.tensor("x").shape
     config = heuristic_config(rows, n, profile.cores if profile is not None else 0)
-    if n > config["BLOCK_N"] and profile is not None and profile.backend == "npu" and profile.shared_memory_per_program:
-        fits = profile.shared_memory_per_program // UB_BYTES_PER_LOOP_ELEMENT
-        config["BLOCK_N"] = min(config["BLOCK_N"], 1 << (fits.bit_length() - 1))
+    if n > config["BLOCK_N"]:
+        config["BLOCK_N"] = buffer_tile(profile, UB_BYTES_PER_LOOP_ELEMENT, config["BLOCK_N"])
     return config
 
 

@@ -60,6 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dlblas_kernels.npu import buffer_tile, on_npu
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
 from dlcore.declarations.op import Op, ScalarArg, TensorArg
@@ -345,16 +346,9 @@ def block_tokens(config: Config, tokens: int) -> int:
     return min(config["BLOCK_S"], next_power_of_2(tokens))
 
 
-def on_npu(profile: DeviceProfile | None) -> bool:
-    return profile is not None and profile.backend == "npu"
-
-
 def scan_tile(profile: DeviceProfile | None) -> int:
     """The elements of a scan tile: :data:`SCAN_TILE`, on npu no more than its unified buffer holds."""
-    if not on_npu(profile) or not profile.shared_memory_per_program:
-        return SCAN_TILE
-    fits = profile.shared_memory_per_program // UB_BYTES_PER_SCAN_ELEMENT
-    return min(SCAN_TILE, 1 << (fits.bit_length() - 1))
+    return buffer_tile(profile, UB_BYTES_PER_SCAN_ELEMENT, SCAN_TILE)
 
 
 def training_plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
