@@ -378,7 +378,6 @@ def host_text(host_us: list[float]) -> str:
             "host's launches, not the device")
 
 
-
 # -- the implementations ---------------------------------------------------------------------------
 
 def load_baselines(op: Op, names: list[str]) -> tuple[dict[str, Callable[..., Any]], list[str]]:

@@ -697,7 +697,8 @@ def swiglu_calls(a: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | No
     """The launch of the prefill ffn's GEMM pair, one kernel:
     ``out = silu(rstd[:, None] * (a @ w1.T)) * (rstd[:, None] * (a @ w3.T))``.
 
-    :param a: ``[M, K]`` (the rows already multiplied by the norm weight ``rms_w``), any strides.
+    :param a: ``[M, K]`` (the rows already multiplied by the norm weight ``rms_w``; with ``rstd``
+        None, already normalised too), any strides.
     :param w1: ``[N, K]`` (nn.Linear layout), any strides; None with ``w13``.
     :param w3: ``[N, K]``, like ``w1``; None with ``w13``.
     :param rstd: ``[M]`` float32, each row's ``rsqrt(mean(x**2) + eps)``; None where ``a`` is

@@ -271,12 +271,13 @@ def _forward(args: tuple, config: Config, profile: DeviceProfile, out: torch.Ten
     x2, out2 = as_rows(x), as_rows(out)
     gate2, up2 = (None, None) if gate is None else (as_rows(gate), as_rows(up))
     m, k = x2.shape
-    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m <= config["BLOCK_M"]:
         calls, scratch = decode_calls(x2, rms_w, w1, w3, w13, out2, eps, config, profile, gate2, up2)
         if xn is None:
             return calls, scratch
+        rstd = torch.empty(m, dtype=torch.float32, device=x.device)
         return [*calls, rms_scale_call(x2, rms_w, as_rows(xn), rstd, eps, normalise=True)], (*scratch, rstd)
+    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     xs = torch.empty((m, k), dtype=x.dtype, device=x.device) if xn is None else as_rows(xn)
     gemm, scratch = prefill_calls(xs, w1, w3, None if xn is not None else rstd, out2, config, profile, w13, gate2, up2)
     counters = scratch[1] if scratch else None  # the pair kernel's split last wave (gemm.pair_tail)
