@@ -169,8 +169,9 @@ def test_launches_that_cannot_be_traced_keep_the_plan_path(triton_runtime, repla
     for _ in range(3):
         x = torch.randn(16)
         out = run((x,))
-        expected = x * 2 if what == "scratch" else torch.cat([(x[1:] * 2), out[-1:]])
-        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        # offset: the kernel writes all but the last element, which stays as torch.empty left it
+        written = out if what == "scratch" else out[:-1]
+        torch.testing.assert_close(written, x * 2 if what == "scratch" else x[1:] * 2, rtol=0, atol=0)
     assert replayed == [] and list(run.templates.values()) == [None]
     assert launches(kernel) == (6 if what == "scratch" else 3)
 
