@@ -205,6 +205,31 @@ def test_heuristic_rows_per_expert():
     assert heuristic(4096, 8, 2, 4, None)["BLOCK_K"] == 32
 
 
+def test_tiles_on_npu_fit_its_unified_buffer():
+    """The prefill's 128-row blocks overflow an Ascend 910B's unified buffer in bishengir-compile
+    (1712128 bits asked of 1572864): on npu the heuristic narrows them to what fits, the search space
+    keeps only configs that fit, and the GPU's configs are untouched."""
+    from dlcore.compiler.lowering import target_profile
+
+    npu, hopper = target_profile("npu:Ascend910B2"), target_profile("cuda:90")
+    buffer = npu.shared_memory_per_program
+    gpu = heuristic(4096, 8, 2, 2, hopper)
+    assert gpu["BLOCK_M"] == 128 and moe.overflows_unified_buffer(gpu, buffer)
+    for tokens in (1, 37, 300, 4096, 16384):
+        for size in (2, 4):
+            config = heuristic(tokens, 8, 2, size, npu)
+            assert not moe.overflows_unified_buffer(config, buffer), (tokens, size, config)
+            assert config["BLOCK_M"] >= 16
+    assert heuristic(4096, 8, 2, 2, npu) == {**gpu, "BLOCK_M": 64}
+    assert heuristic(1, 256, 8, 2, npu)["BLOCK_K"] == 256  # decoding's 16-row blocks fit as they are
+    # an overflowing config is narrowed, never widened, and stops at 16-row blocks of 32-wide K steps
+    small = moe.fit_unified_buffer({**gpu, "BLOCK_K": 256, "DOWN_BLOCK_N": 256}, 16 * 32 * 48)
+    assert (small["BLOCK_M"], small["BLOCK_K"]) == (16, 32) and not moe.overflows_unified_buffer(small, 16 * 32 * 48)
+    space = moe.space(npu)
+    assert "unified buffer" in space.is_valid(gpu) and space.is_valid(heuristic(4096, 8, 2, 2, npu)) is None
+    assert moe.space(hopper).is_valid(gpu) is None
+
+
 def _bad(args, **changes):
     names = ("hidden", "w13", "w2", "topk_weights", "topk_ids", "w13_scale", "w2_scale")
     values = dict(zip(names, (*args, None, None)))

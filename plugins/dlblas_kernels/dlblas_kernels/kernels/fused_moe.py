@@ -71,6 +71,7 @@ from torch._subclasses.fake_tensor import is_fake  # torch's own test for fake t
 
 from dlblas_kernels import grouped
 from dlblas_kernels.kernels import quantize_fp8 as Q
+from dlblas_kernels.npu import on_npu
 from dlcore import InvalidInputError
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan, LoweringLimit
@@ -98,6 +99,14 @@ DECODE_ROWS = 16
 SPACE_ELEMENT_BYTES = 2
 # Widest column slice of the backward's elementwise programs, and the rows each takes.
 SWIGLU_BLOCK = 256
+# On npu a program's tiles live in the AI core's unified buffer. What bishengir-compile 1.2 asks of it
+# for grouped_gemm_kernel, per element (fp16 and fp32 alike; measured on the Ascend 910B2's 192 KiB
+# by lowering every power-of-two tile of 32 to 128 rows, 64 to 256 columns and 32 to 128 K steps):
+# the gathered rows of a [BLOCK_M, BLOCK_K] step (128 x 64 asked 1712128 bits of 1572864), the
+# gate/up pair's [BLOCK_M, BLOCK_N] accumulators and SwiGLU, and the down GEMM's accumulator.
+UB_BYTES_PER_ROW_STEP_ELEMENT = 48
+UB_BYTES_PER_PAIR_ELEMENT = 24
+UB_BYTES_PER_DOWN_ELEMENT = 6
 SWIGLU_ROWS = 16
 # Widest column slice of the sum over choices.
 SUM_BLOCK = 1024
@@ -563,7 +572,38 @@ def heuristic(tokens: int, experts: int, topk: int, element_size: int, profile: 
         config["num_stages"] -= 1
     while limit and config["DOWN_STAGES"] > 2 and _down_bytes(config, element_size) > limit:
         config["DOWN_STAGES"] -= 1
+    if on_npu(profile) and limit:
+        fit_unified_buffer(config, limit)
     return config
+
+
+def overflows_unified_buffer(c: Config, buffer: int) -> bool:
+    """Whether grouped_gemm_kernel's tiles of ``c`` ask more of an npu's unified buffer (``buffer``
+    bytes) than it has (the ``UB_BYTES_PER_*`` measures)."""
+    return (c["BLOCK_M"] * max(c["BLOCK_K"], c["DOWN_BLOCK_K"]) * UB_BYTES_PER_ROW_STEP_ELEMENT > buffer
+            or c["BLOCK_M"] * c["BLOCK_N"] * UB_BYTES_PER_PAIR_ELEMENT > buffer
+            or c["BLOCK_M"] * c["DOWN_BLOCK_N"] * UB_BYTES_PER_DOWN_ELEMENT > buffer)
+
+
+def fit_unified_buffer(c: Config, buffer: int) -> Config:
+    """``c``'s tiles narrowed in place until they fit an npu's unified buffer: row blocks to 64,
+    then each GEMM's K step, then its column tile (to 32), then the row block to 16. The prefill's
+    128-row blocks (128 x 128 gate/up, 128 x 256 down, K steps of 64) take 64-row ones on the
+    Ascend 910B; decoding's 16-row blocks fit as they are."""
+    def halve(key: str, floor: int, too_big) -> None:
+        while c[key] > floor and too_big():
+            c[key] //= 2
+
+    def row_steps() -> bool:
+        return c["BLOCK_M"] * max(c["BLOCK_K"], c["DOWN_BLOCK_K"]) * UB_BYTES_PER_ROW_STEP_ELEMENT > buffer
+
+    halve("BLOCK_M", 64, lambda: overflows_unified_buffer(c, buffer))
+    halve("BLOCK_K", 32, lambda: c["BLOCK_M"] * c["BLOCK_K"] * UB_BYTES_PER_ROW_STEP_ELEMENT > buffer)
+    halve("DOWN_BLOCK_K", 32, lambda: c["BLOCK_M"] * c["DOWN_BLOCK_K"] * UB_BYTES_PER_ROW_STEP_ELEMENT > buffer)
+    halve("BLOCK_N", 32, lambda: c["BLOCK_M"] * c["BLOCK_N"] * UB_BYTES_PER_PAIR_ELEMENT > buffer)
+    halve("DOWN_BLOCK_N", 32, lambda: c["BLOCK_M"] * c["DOWN_BLOCK_N"] * UB_BYTES_PER_DOWN_ELEMENT > buffer)
+    halve("BLOCK_M", 16, lambda: overflows_unified_buffer(c, buffer) or row_steps())
+    return c
 
 
 def default_config(sig: Signature, profile: DeviceProfile) -> Config:
@@ -585,6 +625,11 @@ def space(profile: DeviceProfile) -> SearchSpace:
         Constraint(f"DOWN_STAGES * (BLOCK_M + DOWN_BLOCK_N) * DOWN_BLOCK_K * {SPACE_ELEMENT_BYTES} bytes <= "
                    f"{shared} (the down GEMM's tiles fit in shared memory)", lambda c: _down_bytes(c) <= shared),
     ] if shared else []
+    if on_npu(profile) and shared:
+        fits = [*fits, Constraint(
+            f"BLOCK_M * max(BLOCK_K, DOWN_BLOCK_K) * {UB_BYTES_PER_ROW_STEP_ELEMENT}, BLOCK_M * BLOCK_N * "
+            f"{UB_BYTES_PER_PAIR_ELEMENT} and BLOCK_M * DOWN_BLOCK_N * {UB_BYTES_PER_DOWN_ELEMENT} bytes <= {shared} "
+            "(the tiles fit the unified buffer)", lambda c: not overflows_unified_buffer(c, shared))]
     return SearchSpace(
         [
             PowerOfTwo("BLOCK_M", 16, 128),
