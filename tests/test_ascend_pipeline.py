@@ -432,6 +432,11 @@ def test_the_portability_page_has_a_cell_per_kernel_and_target_and_says_why_one_
     assert page.splitlines()[5] == "    dlcore lower --all --report"
     assert "| op.triton | k | cubin (ttir 1, cubin 2) | not launched | linalg (ttir 1, linalg 3) |" in page
     assert "- op.triton / k on npu:Ascend910B2: stopped: bishengir-compile failed" in page
+    # a path's own form on one target: another target that launches the kernel in one form says so
+    rows.append(("k", "op.triton [decode]", "cuda:90", "float16", "?", "?", "?", "5/5 (cubin)", "ttir 2", "9", ""))
+    page = portability_page(rows, ["cuda:90", "cuda:100", "npu:Ascend910B2"], "dlcore lower --all --report")
+    assert ("| op.triton [decode] | k | cubin (ttir 2) | not launched | same form as another row |"
+            in page), page
 
 
 @pytest.mark.slow

@@ -21,6 +21,7 @@ from dlcore.compiler.lowering import (
     launches,
     lower_with_triton,
     parse_target,
+    specialization,
     target_profile,
 )
 from dlcore.compiler.passes import Pipeline, pipeline
@@ -146,6 +147,14 @@ def test_cli_dumps_a_kernel_launched_both_ways_into_two_folders(tmp_path):
     assert done.returncode == 0, done.stderr
     forward, backward = (tmp_path / f"rotary_kernel{s}-cuda90" / "01-ttir.ttir" for s in ("", "-backward"))
     assert forward.read_text() != backward.read_text()
+
+
+@pytest.mark.slow
+def test_cli_dumps_a_path_s_own_form_of_a_kernel_into_a_folder_named_after_the_path(tmp_path):
+    done = lower_cli("softmax_kernel", "--target", "cuda:90", "--stage", "ttir", "--dump", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    one, looped = (tmp_path / f"softmax_kernel{s}-cuda90" / "01-ttir.ttir" for s in ("", "-looped-rows"))
+    assert one.read_text() != looped.read_text()
 
 
 @pytest.mark.slow
@@ -315,15 +324,52 @@ def test_backward_plans_are_lowered_too():
 
 def test_example_paths_reach_every_path_of_an_op():
     """Without sizes, the plans of the op's example and of each of its example_paths are lowered,
-    each kernel once: ffn's decode kernels (one token) beside its sm_90 prefill pair."""
+    each form of a kernel once: ffn's decode kernels (one token) beside its sm_90 prefill pair."""
     todo, skipped = launches(registry(), "ffn", torch.float16, {}, target_profile("cuda:90"), pipeline("cuda"))
-    names = [(t.backward, t.call.kernel.__name__) for t in todo]
-    assert len(names) == len(set(names))
-    forward = {k for backward, k in names if not backward}
+    forms = [(t.backward, t.call.kernel.__name__, specialization(t.call)) for t in todo]
+    assert len(forms) == len(set(forms))
+    forward = {k for backward, k, _ in forms if not backward}
     assert {"ffn_decode_kernel", "swiglu_pair_tma_kernel"} <= forward
     # given sizes, those alone: one token plans the decode kernels only
     todo, _ = launches(registry(), "ffn", torch.float16, {"tokens": 1}, target_profile("cuda:90"), pipeline("cuda"))
     assert "swiglu_pair_tma_kernel" not in {t.call.kernel.__name__ for t in todo if not t.backward}
+
+
+def test_a_path_that_compiles_a_kernel_differently_is_lowered_apart_and_named():
+    """softmax's looped rows launch softmax_kernel with other constexprs than its one-block example:
+    both forms are lowered (a unified-buffer overflow on npu hid in the looped one while a kernel was
+    lowered once), the second labelled with its path; a path that launches a kernel alike adds none."""
+    todo, _ = launches(registry(), "softmax", torch.float16, {}, target_profile("cuda:90"), pipeline("cuda"))
+    forward = [t for t in todo if not t.backward and t.call.kernel.__name__ == "softmax_kernel"]
+    assert [t.name for t in forward] == ["softmax.triton", "softmax.triton [looped rows]"]
+    assert specialization(forward[0].call) != specialization(forward[1].call)
+    backward = [t.name for t in todo if t.backward]
+    assert backward == ["softmax.triton backward", "softmax.triton [looped rows] backward"]
+    # the same sizes as a path plan one form, lowered once and unlabelled
+    todo, _ = launches(registry(), "softmax", torch.float16, {"tokens": 300}, target_profile("cuda:90"),
+                       pipeline("cuda"))
+    assert [t.name for t in todo] == ["softmax.triton", "softmax.triton backward"]
+
+
+def test_a_plan_that_launches_a_kernel_in_two_forms_gives_each_its_row():
+    """fused_moe's gate/up and down GEMMs are one kernel with other constexprs: both are lowered, the
+    second named ``form 2`` (a row of its own on the portability page, a folder of its own)."""
+    todo, _ = launches(registry(), "fused_moe", torch.float16, {"tokens": 300}, target_profile("cuda:90"),
+                       pipeline("cuda"))
+    gemms = [t for t in todo if not t.backward and t.call.kernel.__name__ == "grouped_gemm_kernel"]
+    assert [t.name for t in gemms] == ["fused_moe.triton", "fused_moe.triton [form 2]"]
+    assert [t.call.kwargs["SWIGLU"] for t in gemms] == [True, False]
+
+
+def test_the_form_of_a_launch_is_its_constexprs_options_and_dtypes_not_its_sizes():
+    from dlcore.declarations.implementation import KernelCall
+
+    a16, a32 = torch.empty(4, dtype=torch.float16, device="meta"), torch.empty(4, dtype=torch.float32, device="meta")
+    call = KernelCall(None, (8,), (a16, 300), {"BLOCK": 64, "num_warps": 4})
+    assert specialization(call) == specialization(KernelCall(None, (1,), (a16, 7), {"num_warps": 4, "BLOCK": 64}))
+    assert specialization(call) != specialization(KernelCall(None, (8,), (a16, 300), {"BLOCK": 128, "num_warps": 4}))
+    assert specialization(call) != specialization(KernelCall(None, (8,), (a32, 300), {"BLOCK": 64, "num_warps": 4}))
+    assert specialization(call) != specialization(KernelCall(None, (8,), (a16, 300), {"BLOCK": 64, "num_warps": 8}))
 
 
 def test_without_a_dtype_each_implementation_takes_its_own():

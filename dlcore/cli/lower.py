@@ -108,7 +108,7 @@ def run_lower(args: argparse.Namespace) -> int:
                 if lowering is None:
                     continue
             if args.dump is not None:
-                _write(lowering, args.dump, args.stage, "-backward" if launch.backward else "")
+                _write(lowering, args.dump, args.stage, _folder_suffix(launch))
             elif not args.report:
                 _print(lowering, launch, notes, passes.names, args.stage)
             rows.append(report.row(lowering, launch.name, str(launch.dtype).removeprefix("torch."), notes))
@@ -192,10 +192,17 @@ def file_name(lowering, stage) -> str:
     return named(index, stage.stage, stage.extension, stage.after_pass, step)
 
 
+def _folder_suffix(launch) -> str:
+    """``-<path>`` for a form of the kernel an example path launched (softmax's ``-looped-rows``,
+    fused_moe's ``-prefill-form-2``), then ``-backward`` for a backward launch (rotary's one kernel
+    serves both directions)."""
+    path = "-".join("".join(c if c.isalnum() else " " for c in launch.path).split())
+    return (f"-{path}" if path else "") + ("-backward" if launch.backward else "")
+
+
 def _write(lowering, root: Path, stages: list[str] | None, suffix: str = "") -> None:
     from dlcore.compiler.dump import write_new
 
-    # suffix: "-backward" for a backward launch (rotary's one kernel serves both directions)
     folder = root / f"{lowering.kernel}{suffix}-{lowering.target.replace(':', '')}"
     folder.mkdir(parents=True, exist_ok=True)
     written = [write_new(folder / file_name(lowering, s), s.ir).name for s in _selected(lowering, stages, passes=True)]

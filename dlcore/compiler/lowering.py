@@ -409,17 +409,29 @@ class Launch:
     notes: list[str] = dataclasses.field(default_factory=list)
     #: a launch of the implementation's backward plan
     backward: bool = False
+    #: the ``example_paths`` entry whose plan first launched this form of the kernel ("": the op's
+    #: example inputs did)
+    label: str = ""
+    #: which form of the kernel this is among those the same plan launched first (1, 2, ...)
+    form: int = 1
+
+    @property
+    def path(self) -> str:
+        """The label and, for a plan's second form of a kernel on, which form: ``prefill, form 2``."""
+        return ", ".join(([self.label] if self.label else []) + ([f"form {self.form}"] if self.form > 1 else []))
 
     @property
     def name(self) -> str:
-        return f"{self.op}.{self.impl}" + (" backward" if self.backward else "")
+        return f"{self.op}.{self.impl}" + (f" [{self.path}]" if self.path else "") + (
+            " backward" if self.backward else "")
 
 
 def launches(reg: Registry, selector: str | None, dtype: torch.dtype | None, sizes: dict[str, int],
              profile: DeviceProfile, passes: Pipeline) -> tuple[list[Launch], list[str]]:
     """The launches to lower, and a note for each kernel or implementation that has none: each
-    kernel once per implementation (and once for its backward), from the plans of the example
-    inputs and of each of the op's ``example_paths`` (:func:`example_sizes`).
+    form of a kernel (:func:`specialization`) once per implementation (and once for its backward),
+    from the plans of the example inputs and of each of the op's ``example_paths``
+    (:func:`example_sizes`); a form first launched by a path is labelled with its name.
 
     :param selector: an op name, ``op.impl``, or a kernel's function name; ``None``: every op.
     :param dtype: the example inputs' dtype; ``None``: float16, or the first dtype an
@@ -454,29 +466,34 @@ def launches(reg: Registry, selector: str | None, dtype: torch.dtype | None, siz
                 skipped.append(f"{name}.{impl.name}: the op declares no example inputs to build a plan from")
                 continue
             plans = []
-            for path in example_sizes(op, sizes):
+            for label, path in example_sizes(op, sizes):
                 args = op.example_inputs(path, impl_dtype, meta)
                 config = impl.default_config(make_signature(op, args, meta), profile)
                 with planning_for(profile):  # the plans size their grids for the target, not for meta
-                    plans.append((False, impl.plan(args, config)))
+                    plans.append((label, False, impl.plan(args, config)))
                     if getattr(impl, "backward_plan", None) is not None:
                         try:
-                            plans.append((True, impl.backward_plan(args, config)))
+                            plans.append((label, True, impl.backward_plan(args, config)))
                         except InvalidInputError as exc:  # a forward-only form (fused_moe's fp8 weights)
                             note = f"{name}.{impl.name} backward: {exc}"
                             if note not in skipped:  # one note, whichever of the paths refused
                                 skipped.append(note)
             launched, lowered_once = set(), set()
-            for backward, plan in plans:
+            for label, backward, plan in plans:
                 lowered = apply_launch_passes(plan, profile, passes)
                 for before, after in zip(plan.calls, lowered.calls):
                     kernel = source.kernel_name(before.kernel)
                     launched.add(kernel)
-                    if (selector in names and selector != kernel) or (backward, kernel) in lowered_once:
+                    form = (backward, kernel, specialization(after))
+                    if (selector in names and selector != kernel) or form in lowered_once:
                         continue
-                    lowered_once.add((backward, kernel))
+                    lowered_once.add(form)
+                    # a plan that launches one kernel in two forms (fused_moe's up and down GEMMs): a row each
+                    nth = sum(1 for f in found if f.op == name and f.impl == impl.name and f.backward == backward
+                              and f.label == label and source.kernel_name(f.original) == kernel)
                     notes = _notes(before, after, passes)
-                    found.append(Launch(name, impl.name, impl_dtype, after, before.kernel, notes, backward))
+                    found.append(Launch(name, impl.name, impl_dtype, after, before.kernel, notes, backward, label,
+                                        nth + 1))
             for kernel in names:
                 if kernel not in launched and (selector in (None, name, f"{name}.{impl.name}", kernel)):
                     skipped.append(f"{name}.{impl.name}/{kernel}: not launched by the plan for these inputs")
@@ -486,12 +503,26 @@ def launches(reg: Registry, selector: str | None, dtype: torch.dtype | None, siz
     return found, skipped
 
 
-def example_sizes(op: Op, sizes: dict[str, int]) -> list[dict[str, int]]:
-    """The sizes to plan ``op`` at: ``sizes`` where any are given, else its example sizes and each
-    of its ``example_paths`` (the inputs that take its other paths), in that order."""
+def example_sizes(op: Op, sizes: dict[str, int]) -> list[tuple[str, dict[str, int]]]:
+    """The sizes to plan ``op`` at, each with its label: ``sizes`` where any are given, else its
+    example sizes ("") and each of its ``example_paths`` (the inputs that take its other paths,
+    labelled by their names), in that order."""
     if sizes:
-        return [sizes]
-    return [{}, *op.example_paths.values()]
+        return [("", sizes)]
+    return [("", {}), *op.example_paths.items()]
+
+
+def specialization(call: KernelCall) -> tuple:
+    """What tells two launches of one kernel apart once compiled: its constexprs and launch options
+    (``num_warps``...) and the dtypes of its tensors. Two paths of an op that launch a kernel alike
+    share one lowering; where they differ (softmax's looped rows, another block size), each is lowered."""
+    def form(value):
+        dtype = getattr(value, "dtype", None)
+        if dtype is not None:
+            return str(dtype)
+        return value if isinstance(value, (bool, int, float, str, type(None))) else type(value).__name__
+    return (tuple(form(a) for a in call.args if hasattr(a, "dtype")),
+            tuple(sorted((k, form(v)) for k, v in call.kwargs.items())))
 
 
 def _notes(before: KernelCall, after: KernelCall, passes: Pipeline) -> list[str]:

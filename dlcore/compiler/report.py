@@ -50,6 +50,11 @@ def stage_times(lowering: Lowering) -> str:
                      if s.stage in lowering.planned and not s.after_pass)
 
 
+def _unlabelled(op: str) -> str:
+    """``softmax.triton backward`` of ``softmax.triton [looped rows] backward``."""
+    return re.sub(r" \[[^]]*\]", "", op)
+
+
 def portability_page(rows: Sequence[Sequence[str]], targets: Sequence[str], command: str) -> str:
     """docs/portability.md: per kernel launch, the last stage reached on each target (from
     :func:`row`'s rows; "not launched": the target's plan launches another kernel, e.g. the
@@ -69,15 +74,21 @@ def portability_page(rows: Sequence[Sequence[str]], targets: Sequence[str], comm
         f"    {command}",
         "",
         "Each kernel as the plans of its op's example inputs and of each of its `example_paths` (decode,",
-        "split-K, fp8 weights...) launch it, in float16 (fp8_gemm: float8_e4m3fn). Each cell: the last",
+        "split-K, fp8 weights...) launch it, in float16 (fp8_gemm: float8_e4m3fn): one row for each form",
+        "it compiles to (its constexprs, launch options and tensor dtypes), named after the path that",
+        "first launched that form (`[looped rows]`; none: the op's example inputs). Each cell: the last",
         "stage reached, then milliseconds per stage. npu stops at hivm where CANN's hivmc is absent;",
         "`dlcore ops` lists the kernels a backend declares it cannot lower, and why.",
         "",
         "| op | kernel | " + " | ".join(targets) + " |",
         "|---|---|" + "---|" * len(targets),
     ]
+    # a target whose plans launch a kernel in one form where another target's launch it in two
+    lowered = {(_unlabelled(op), kernel, t) for (op, kernel), cells in reached.items() for t in cells}
     for (op, kernel), cells in sorted(reached.items()):
-        lines.append(f"| {op} | {kernel} | " + " | ".join(cells.get(t, "not launched") for t in targets) + " |")
+        lines.append(f"| {op} | {kernel} | " + " | ".join(
+            cells.get(t, "same form as another row" if (_unlabelled(op), kernel, t) in lowered else "not launched")
+            for t in targets) + " |")
     stops = sorted({(r[1], r[0], r[2], note) for r in rows for note in r[10].split("; ")
                     if note.startswith(("stopped:", "declared:"))})
     if stops:
