@@ -54,7 +54,7 @@ def candidates(m: int) -> list[dict]:
         # every SM streaming (LLaMA-3-8B: 132 programs of 109 columns) through descriptors, 128-wide K slices
         spread = [cfg(64, 128, 64, 4, 4, SPREAD=2, TMA=1), cfg(64, 128, 128, 4, 3, SPREAD=2, TMA=1)]
         return [cfg(64, 128, 64, 4, 4), *pointers, *spread, *tma, *wide]
-    if m > 128:  # TAIL=0: the pair kernel's last wave unsplit (gemm.pair_tail)
+    if m > 128:  # TAIL=0: the pair kernel's last wave unsplit (swiglu_pair.pair_tail)
         return [cfg(128, 128, 64, 8, 4), cfg(128, 128, 64, 8, 4, TAIL=0), cfg(128, 128, 64, 8, 3),
                 cfg(128, 128, 64, 8, 4, FLATTEN=0), cfg(256, 64, 64, 8, 3), cfg(128, 64, 64, 4, 4)]
     return [cfg(64, 64, 128, 4, 4), cfg(64, 64, 128, 4, 4, TAIL=0), cfg(64, 128, 64, 4, 4),

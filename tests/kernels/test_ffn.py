@@ -7,7 +7,7 @@ import dlblas_kernels
 import pytest
 import torch
 from conftest import ON_GPU
-from dlblas_kernels import gemm
+from dlblas_kernels import gemm, swiglu_pair
 from dlblas_kernels.ffn_decode import TMA_DECODE_TILE, decode_columns, decode_splits, decode_tma
 from dlblas_kernels.kernels.ffn import (
     KERNEL,
@@ -328,7 +328,7 @@ def test_pair_tile_kernel(order, reach, dtype, device, gen, profile, launch, lau
     weights the descriptor cannot span (here: any, with the limit lowered) take its two-accumulator
     loop. The forward and the training forward (pre-activations stored), all outputs poisoned."""
     if reach == "too far apart":
-        monkeypatch.setattr(gemm, "PAIR_STRIDE_LIMIT", 16)
+        monkeypatch.setattr(swiglu_pair, "PAIR_STRIDE_LIMIT", 16)
     m, k, n = 37, 72, 40  # 16-byte rows for the copy engine in float32 and float16
     x = randn(m, k, dtype=dtype, device=device, generator=gen)
     rms_w = (1 + randn(k, device=device, generator=gen, scale=0.2)).to(dtype)
@@ -348,7 +348,7 @@ def test_pair_tile_kernel(order, reach, dtype, device, gen, profile, launch, lau
 
 @pytest.mark.parametrize("order", PAIR_ORDERS)
 def test_pair_tile_split_last_wave(order, dtype, device, gen, profile, launch, launches):
-    """The pair kernel's last wave split over K (gemm.pair_tail: 3 x 3 tiles on 4 cores leave one
+    """The pair kernel's last wave split over K (swiglu_pair.pair_tail: 3 x 3 tiles on 4 cores leave one
     for a third wave, split 4 ways): its counters, poisoned in the plan's scratch, zeroed by the row
     kernel launched before; the forward and the training forward, all outputs poisoned."""
     if dtype == torch.float32:

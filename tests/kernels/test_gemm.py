@@ -1,5 +1,6 @@
 """The GEMM building block (dlblas_kernels.gemm) through its host entry points: the epilogues, the
-three launch paths and the prefill ffn's SwiGLU pair, against float64 references.
+three launch paths and the prefill ffn's SwiGLU pair (dlblas_kernels.swiglu_pair), against float64
+references.
 
 On a CPU the tensor-descriptor kernel runs in the interpreter under a profile that claims sm_90
 (three cores, so each persistent program walks several tiles)."""
@@ -12,7 +13,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from dlblas_kernels import gemm
+from dlblas_kernels import gemm, swiglu_pair
 
 from dlcore.testing import assert_close, poison, randn
 
@@ -163,7 +164,7 @@ def test_descriptor_kernel_drops_stages_to_fit_its_epilogue():
 
 @pytest.mark.parametrize("order", ["w13", "w1 < w3", "w3 < w1"])
 def test_swiglu_pair_tile(order, dtype, device, gen, profile):
-    """:func:`gemm.swiglu_pair_calls`: the pair of weight tiles as one descriptor's two planes, one
+    """:func:`swiglu_pair.swiglu_pair_calls`: the pair of weight tiles as one descriptor's two planes, one
     product per K step; the output and both pre-activations poisoned first, ragged in M, N and K."""
     hopper = dataclasses.replace(profile, arch="sm_90", cores=3 if device == "cpu" else profile.cores)
     m, n, k = 37, 24, 56
@@ -173,10 +174,10 @@ def test_swiglu_pair_tile(order, dtype, device, gen, profile):
     w1, w3 = pairs[order]
     rstd = randn(m, device=device, generator=gen).abs() + 0.5
     out, gate, up = (poison(torch.empty(m, n, dtype=dtype, device=device)) for _ in range(3))
-    assert gemm.takes_swiglu_pair(hopper, a, w1, w3, out, gate, up)
+    assert swiglu_pair.takes_swiglu_pair(hopper, a, w1, w3, out, gate, up)
     weights = dict(w13=buf[:2 * n]) if order == "w13" else dict(w1=w1, w3=w3)
-    calls, scratch = gemm.swiglu_pair_calls(a, weights.get("w1"), weights.get("w3"), rstd, out, SMALL, hopper,
-                                            w13=weights.get("w13"), gate=gate, up=up)
+    calls, scratch = swiglu_pair.swiglu_pair_calls(a, weights.get("w1"), weights.get("w3"), rstd, out, SMALL, hopper,
+                                                   w13=weights.get("w13"), gate=gate, up=up)
     assert [c.kernel.__name__ for c in calls] == ["swiglu_pair_tma_kernel"] and scratch == ()
     run(calls)
     ref_gate, ref_up = rows_scaled(a, w1.T, rstd), rows_scaled(a, w3.T, rstd)
@@ -188,7 +189,7 @@ def test_swiglu_pair_tile(order, dtype, device, gen, profile):
 @pytest.mark.parametrize("order", ["w13", "w3 < w1"])
 @pytest.mark.parametrize("cores, split", [(5, 2), (11, 5)])
 def test_swiglu_pair_tile_split_last_wave(order, cores, split, dtype, device, gen, profile):
-    """The pair kernel's last, partial wave split over K (:func:`gemm.pair_tail`): 3 x 4 tiles on 5
+    """The pair kernel's last, partial wave split over K (:func:`swiglu_pair.pair_tail`): 3 x 4 tiles on 5
     cores leave 2 for a third wave, split 2 ways (5 // 2); on 11 cores 1, split 5 ways (11 ways
     would make slices shorter than MIN_TAIL_STEPS). The counters zeroed as ffn's row kernel does,
     by a launch before. K of 21 steps, ragged: the slices uneven, the last short; the output and
@@ -196,17 +197,17 @@ def test_swiglu_pair_tile_split_last_wave(order, cores, split, dtype, device, ge
     hopper = dataclasses.replace(profile, arch="sm_90", cores=cores)
     m, n, k = 37, 56, 16 * 20 + 8
     config = {**SMALL, "GROUP_M": 1}
-    assert gemm.pair_tail(m, n, k, config, hopper) == split
-    assert gemm.pair_tail(m, n, k, {**config, "TAIL": 0}, hopper) == 1
+    assert swiglu_pair.pair_tail(m, n, k, config, hopper) == split
+    assert swiglu_pair.pair_tail(m, n, k, {**config, "TAIL": 0}, hopper) == 1
     a = randn(m, k, dtype=dtype, device=device, generator=gen)
     buf = randn(2 * n + 8, k, dtype=dtype, device=device, generator=gen, scale=1 / math.sqrt(k))
     w1, w3 = (buf[:n], buf[n:2 * n]) if order == "w13" else (buf[n + 8:], buf[:n])
     weights = dict(w13=buf[:2 * n]) if order == "w13" else dict(w1=w1, w3=w3)
     rstd = randn(m, device=device, generator=gen).abs() + 0.5
     out, gate, up = (poison(torch.empty(m, n, dtype=dtype, device=device)) for _ in range(3))
-    assert gemm.takes_swiglu_pair(hopper, a, w1, w3, out, gate, up)
-    calls, (part, count) = gemm.swiglu_pair_calls(a, weights.get("w1"), weights.get("w3"), rstd, out, config, hopper,
-                                                  w13=weights.get("w13"), gate=gate, up=up)
+    assert swiglu_pair.takes_swiglu_pair(hopper, a, w1, w3, out, gate, up)
+    calls, (part, count) = swiglu_pair.swiglu_pair_calls(a, weights.get("w1"), weights.get("w3"), rstd, out, config,
+                                                         hopper, w13=weights.get("w13"), gate=gate, up=up)
     (call,) = calls
     assert call.kwargs["TAIL"] and call.grid == (cores,) and call.args[17] == split
     assert count.numel() == 12 % cores and part.numel() == count.numel() * split * 16 * 32
@@ -224,9 +225,10 @@ def test_swiglu_pair_tile_only_where_the_copy_engine_can_go(profile, device):
     hopper = dataclasses.replace(profile, arch="sm_90", cores=4)
     a, w = torch.empty(32, 64, device=device), torch.empty(48, 64, device=device)
     out = torch.empty(32, 48, device=device)
-    assert gemm.takes_swiglu_pair(hopper, a, w, w.clone(), out)
-    assert not gemm.takes_swiglu_pair(dataclasses.replace(hopper, arch="sm_80"), a, w, w, out)
-    assert not gemm.takes_swiglu_pair(hopper, a.T.contiguous().T, w, w, out)  # a column-major
-    assert not gemm.takes_swiglu_pair(hopper, a, w.T.contiguous().T, w.T.contiguous().T, out)  # weights N-major
-    assert not gemm.takes_swiglu_pair(hopper, a, w, torch.empty(48, 72, device=device)[:, :64], out)  # strides differ
-    assert not gemm.takes_swiglu_pair(hopper, a, w, w, out, gate=out.T.contiguous().T, up=out)  # gate's strides
+    assert swiglu_pair.takes_swiglu_pair(hopper, a, w, w.clone(), out)
+    assert not swiglu_pair.takes_swiglu_pair(dataclasses.replace(hopper, arch="sm_80"), a, w, w, out)
+    assert not swiglu_pair.takes_swiglu_pair(hopper, a.T.contiguous().T, w, w, out)  # a column-major
+    assert not swiglu_pair.takes_swiglu_pair(hopper, a, w.T.contiguous().T, w.T.contiguous().T, out)  # weights N-major
+    other = torch.empty(48, 72, device=device)[:, :64]
+    assert not swiglu_pair.takes_swiglu_pair(hopper, a, w, other, out)  # strides differ
+    assert not swiglu_pair.takes_swiglu_pair(hopper, a, w, w, out, gate=out.T.contiguous().T, up=out)  # gate's strides

@@ -25,7 +25,7 @@ otherwise
   (float32), then one GEMM computes ``xs @ w1.T`` and ``xs @ w3.T`` in the same program, scales both
   by ``rstd`` and applies SwiGLU in its epilogue: the ``[M, 2N]`` pre-activations never reach
   memory. On sm_90 (``JOINT``, where the copy engine takes the operands) it is the pair-tile kernel
-  (:func:`dlblas_kernels.gemm.swiglu_pair_calls`): persistent, w1's and w3's tiles loaded as the two
+  (:func:`dlblas_kernels.swiglu_pair.swiglu_pair_calls`): persistent, w1's and w3's tiles loaded as the two
   planes of one tensor descriptor, so each K step is ONE ``[BLOCK_M, 2 * BLOCK_N]`` product, the
   matmul's loop (H200, LLaMA-3-8B, 4096 tokens: 751 TFLOP/s, against 480 for two accumulators fed
   from the same ``xs`` tile, the GEMM block's :func:`dlblas_kernels.gemm.swiglu_calls`, which runs
@@ -69,6 +69,7 @@ import triton
 import triton.language as tl
 
 from dlblas_kernels import gemm as gemm_block
+from dlblas_kernels import swiglu_pair
 from dlblas_kernels.ffn_decode import DECODE_KERNELS, MIN_SLICE_STEPS, decode_calls
 from dlblas_kernels.gemm import dot_range, gemm_calls, grouped_tile, swiglu_calls
 from dlblas_kernels.kernels import rms_norm
@@ -280,7 +281,7 @@ def _forward(args: tuple, config: Config, profile: DeviceProfile, out: torch.Ten
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     xs = torch.empty((m, k), dtype=x.dtype, device=x.device) if xn is None else as_rows(xn)
     gemm, scratch = prefill_calls(xs, w1, w3, None if xn is not None else rstd, out2, config, profile, w13, gate2, up2)
-    counters = scratch[1] if scratch else None  # the pair kernel's split last wave (gemm.pair_tail)
+    counters = scratch[1] if scratch else None  # the pair kernel's split last wave (swiglu_pair.pair_tail)
     row = rms_scale_call(x2, rms_w, xs, rstd, eps, normalise=xn is not None, zero=counters)
     return [row, *gemm], (xs, rstd, *scratch) if xn is None else (rstd, *scratch)
 
@@ -289,14 +290,14 @@ def prefill_calls(xs: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | 
                   out2: torch.Tensor, config: Config, profile: DeviceProfile, w13: torch.Tensor | None,
                   gate2: torch.Tensor | None, up2: torch.Tensor | None) -> tuple[list[KernelCall], tuple]:
     """The prefill GEMM: with ``JOINT`` (the default) where the copy engine takes the operands, the
-    pair-tile kernel (:func:`dlblas_kernels.gemm.swiglu_pair_calls`: one ``[BLOCK_M, 2 * BLOCK_N]``
+    pair-tile kernel (:func:`dlblas_kernels.swiglu_pair.swiglu_pair_calls`: one ``[BLOCK_M, 2 * BLOCK_N]``
     product over w1's and w3's tiles side by side, the matmul's loop); else the GEMM block's
     two-accumulator SwiGLU GEMM (:func:`dlblas_kernels.gemm.swiglu_calls`). Returns the launches and
     their scratch (the pair kernel's split last wave: ``(part, count)``, ``count`` for the row kernel
     to zero)."""
     v1, v3 = weights(w1, w3, w13)
-    if config.get("JOINT", 1) and gemm_block.takes_swiglu_pair(profile, xs, v1, v3, out2, gate2, up2):
-        return gemm_block.swiglu_pair_calls(xs, w1, w3, rstd, out2, config, profile, w13=w13, gate=gate2, up=up2)
+    if config.get("JOINT", 1) and swiglu_pair.takes_swiglu_pair(profile, xs, v1, v3, out2, gate2, up2):
+        return swiglu_pair.swiglu_pair_calls(xs, w1, w3, rstd, out2, config, profile, w13=w13, gate=gate2, up=up2)
     return swiglu_calls(xs, w1, w3, rstd, out2, config, profile, w13=w13, gate=gate2, up=up2), ()
 
 
@@ -551,7 +552,7 @@ def default_config(sig: Signature, profile: DeviceProfile) -> Config:
       leave multiprocessors idle (:func:`few_rows_block_n`);
     - more: :data:`PREFILL_TILE`, 128 x 128 tiles of each weight (a 128 x 256 output tile).
 
-    On sm_90 the pair-tile kernel splits its last, partial wave over K (:func:`dlblas_kernels.gemm.pair_tail`;
+    On sm_90 the pair-tile kernel splits its last, partial wave over K (:func:`dlblas_kernels.swiglu_pair.pair_tail`;
     H200, .ci/sweep_ffn.py, 2026-12-04: LLaMA-3-8B 4096 tokens 1412.6 -> 1337.7 us, LLaMA-3-70B
     4096 tokens 5707.8 -> 5337.2 us, 128 tokens 88.4 -> 87.1 and 270.4 -> 268.5 us).
 
@@ -742,7 +743,7 @@ def _gradients(backward, saved, grads, needs) -> dict:
 KERNEL = define_kernel(
     OP, plan,
     kernels=(*DECODE_KERNELS, rms_scale_kernel, swiglu_backward_kernel,
-             ffn_input_grad_kernel, ffn_input_grad_tma_kernel, *gemm_block.KERNELS, *gemm_block.SWIGLU_KERNELS,
+             ffn_input_grad_kernel, ffn_input_grad_tma_kernel, *gemm_block.KERNELS, *swiglu_pair.KERNELS,
              rms_norm.rms_norm_backward_kernel, rms_norm.column_sum_kernel),
     results=output,
     default_config=default_config,
