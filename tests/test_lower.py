@@ -418,3 +418,36 @@ def test_a_forward_only_form_lowers_its_forward_and_says_why_not_its_backward():
     assert found and not any(launch.backward for launch in found)
     assert "grouped_fp8_gemm_kernel" in {launch.call.kernel.__name__ for launch in found}
     assert any(note.startswith("fused_moe.triton backward:") and "forward only" in note for note in skipped)
+
+
+class _Terminal:
+    def __init__(self, tty: bool):
+        self.tty, self.text = tty, ""
+
+    def isatty(self) -> bool:
+        return self.tty
+
+    def write(self, text: str) -> None:
+        self.text += text
+
+    def flush(self) -> None:
+        pass
+
+
+def test_progress_rewrites_one_status_line_on_a_terminal_and_says_nothing_elsewhere():
+    from dlcore.cli.lower import Progress
+
+    terminal = _Terminal(True)
+    progress = Progress("npu:Ascend910B2", 2, stream=terminal)
+    progress.show("softmax.triton/softmax_kernel")
+    progress.show("softmax.triton [looped rows]/softmax_kernel")
+    progress.clear()
+    progress.clear()  # twice: wiped once
+    assert terminal.text == ("\r\033[K  lowering 1/2 for npu:Ascend910B2: softmax.triton/softmax_kernel"
+                             "\r\033[K  lowering 2/2 for npu:Ascend910B2: softmax.triton [looped rows]/softmax_kernel"
+                             "\r\033[K")
+    for progress in (Progress("cuda:90", 2, stream=_Terminal(False)), Progress("cuda:90", 2, quiet=True,
+                                                                               stream=_Terminal(True))):
+        progress.show("k")
+        progress.clear()
+        assert progress.stream.text == ""

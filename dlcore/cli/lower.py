@@ -76,7 +76,9 @@ def run_lower(args: argparse.Namespace) -> int:
             if note not in said:
                 said.add(note)
                 print(f"skipped {note}", file=sys.stderr)
+        progress = Progress(target, len(todo), quiet=not (args.report or args.dump))
         for launch in todo:
+            progress.show(f"{launch.name}/{source.kernel_name(launch.original)}")
             notes = list(launch.notes) + ([] if args.specialize else ["not specialized (--no-specialize)"])
             error = None
             try:
@@ -102,16 +104,19 @@ def run_lower(args: argparse.Namespace) -> int:
             if error is not None:
                 # a missing tool that stops every kernel after the stages asked for is no failure: said once
                 if not enough or (missing, target) not in said:
+                    progress.clear()
                     print(f"dlcore lower: {launch.name}: {error}", file=sys.stderr)
                     said.add((missing, target))
                 notes.append(f"needs {', '.join(missing)}" if missing else f"stopped: {str(error).splitlines()[0]}")
                 if lowering is None:
                     continue
             if args.dump is not None:
+                progress.clear()  # the folder's line goes to stdout, on the same terminal
                 _write(lowering, args.dump, args.stage, _folder_suffix(launch))
             elif not args.report:
                 _print(lowering, launch, notes, passes.names, args.stage)
             rows.append(report.row(lowering, launch.name, str(launch.dtype).removeprefix("torch."), notes))
+        progress.clear()
     if args.report:
         print(table(rows, report.HEADER))
         if args.markdown is not None:
@@ -123,6 +128,31 @@ def run_lower(args: argparse.Namespace) -> int:
         goal = f"reach {', '.join(args.stage)}" if args.stage else "finish their pipeline"
         print(f"dlcore lower: {len(short)} kernels did not {goal}: {_shortfall(short)}", file=sys.stderr)
     return 1 if failed else 0
+
+
+class Progress:
+    """``lowering 37/124 for npu:Ascend910B2: softmax.triton/softmax_kernel``, one status line on
+    stderr rewritten per launch while a report or a dump is made (the IR itself streams to stdout
+    otherwise), and only where stderr is a terminal: a log or a pipe gets the messages alone."""
+
+    def __init__(self, target: str, total: int, quiet: bool = False, stream=None):
+        self.target, self.total, self.done, self.shown = target, total, 0, False
+        self.stream = sys.stderr if stream is None else stream
+        self.on = not quiet and self.stream.isatty()
+
+    def show(self, what: str) -> None:
+        self.done += 1
+        if self.on:
+            self.stream.write(f"\r\033[K  lowering {self.done}/{self.total} for {self.target}: {what}")
+            self.stream.flush()
+            self.shown = True
+
+    def clear(self) -> None:
+        """Wipe the status line, before another message and at the end."""
+        if self.shown:
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+            self.shown = False
 
 
 def _shortfall(short: list[tuple[str, tuple[str, ...], str]]) -> str:
