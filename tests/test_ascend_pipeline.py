@@ -435,7 +435,7 @@ def test_the_portability_page_has_a_cell_per_kernel_and_target_and_says_why_one_
     # a path's own form on one target: another target that launches the kernel in one form says so
     rows.append(("k", "op.triton [decode]", "cuda:90", "float16", "?", "?", "?", "5/5 (cubin)", "ttir 2", "9", ""))
     page = portability_page(rows, ["cuda:90", "cuda:100", "npu:Ascend910B2"], "dlcore lower --all --report")
-    assert ("| op.triton [decode] | k | cubin (ttir 2) | not launched | same form as another row |"
+    assert ("| op.triton [decode] | k | cubin (ttir 2) | not launched | in another row |"
             in page), page
 
 

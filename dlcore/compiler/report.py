@@ -77,17 +77,19 @@ def portability_page(rows: Sequence[Sequence[str]], targets: Sequence[str], comm
         "split-K, fp8 weights...) launch it, in float16 (fp8_gemm: float8_e4m3fn): one row for each form",
         "it compiles to (its constexprs, launch options and tensor dtypes), named after the path that",
         "first launched that form (`[looped rows]`; none: the op's example inputs). Each cell: the last",
-        "stage reached, then milliseconds per stage. npu stops at hivm where CANN's hivmc is absent;",
+        "stage reached, then milliseconds per stage; \"in another row\": that target lowers the kernel",
+        "only under another row's label. npu stops at hivm where CANN's hivmc is absent;",
         "`dlcore ops` lists the kernels a backend declares it cannot lower, and why.",
         "",
         "| op | kernel | " + " | ".join(targets) + " |",
         "|---|---|" + "---|" * len(targets),
     ]
-    # a target whose plans launch a kernel in one form where another target's launch it in two
+    # "in another row": the target lowers the kernel, but only under another row's label (its plans
+    # launch it in fewer forms, or from other paths, than another target's)
     lowered = {(_unlabelled(op), kernel, t) for (op, kernel), cells in reached.items() for t in cells}
     for (op, kernel), cells in sorted(reached.items()):
         lines.append(f"| {op} | {kernel} | " + " | ".join(
-            cells.get(t, "same form as another row" if (_unlabelled(op), kernel, t) in lowered else "not launched")
+            cells.get(t, "in another row" if (_unlabelled(op), kernel, t) in lowered else "not launched")
             for t in targets) + " |")
     stops = sorted({(r[1], r[0], r[2], note) for r in rows for note in r[10].split("; ")
                     if note.startswith(("stopped:", "declared:"))})
