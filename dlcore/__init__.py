@@ -27,7 +27,7 @@ __all__ = [
     "Signature", "DeviceProfile", "as_rows", "cdiv", "next_power_of_2",
     "Implementation", "TritonImplementation", "TorchImplementation", "VendorImplementation",
     "SearchSpace", "Choice", "PowerOfTwo", "IntRange", "Constraint", "num_warps", "num_stages",
-    "Backend", "Availability", "Toolchain", "Tool", "Probe", "Found", "LoweringLimit",
+    "Backend", "TorchDeviceBackend", "Availability", "Toolchain", "Tool", "Probe", "Found", "LoweringLimit",
     "hookimpl",
     "DlcoreError", "UnknownOpError", "InvalidInputError", "InvalidCallError", "InvalidOptionError",
     "NoKernelError", "BackendUnavailableError", "PluginLoadError", "PluginConflictError", "DeclarationError",

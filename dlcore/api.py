@@ -48,6 +48,7 @@ from dlcore.errors import (
 )
 from dlcore.plugins.discovery import PluginWarning
 from dlcore.plugins.hookspecs import hookimpl
+from dlcore.plugins.vendor import TorchDeviceBackend
 from dlcore.runtime.template import Backward, Kernel, Residuals, define_kernel
 from dlcore.runtime.torch_ops import ForwardOnlyWarning
 
@@ -64,7 +65,7 @@ __all__ = [
     # search spaces
     "SearchSpace", "Choice", "PowerOfTwo", "IntRange", "Constraint", "num_warps", "num_stages",
     # backends, their external compilers, and what a kernel declares it cannot lower
-    "Backend", "Availability", "Toolchain", "Tool", "Probe", "Found", "LoweringLimit",
+    "Backend", "TorchDeviceBackend", "Availability", "Toolchain", "Tool", "Probe", "Found", "LoweringLimit",
     # the plugin hooks
     "hookimpl",
     # errors and warnings

@@ -1,4 +1,5 @@
-"""Helpers for backend plugins over a vendor's torch extension (torch_npu, torch_mlu).
+"""Backend plugins over a vendor's torch extension (torch_npu, torch_mlu): :class:`TorchDeviceBackend`
+and its helpers.
 
 Importing such a runtime can fail in many ways (missing driver libraries, CANN not sourced): the
 failure becomes a reason, never a crash, and nothing is imported before a backend is asked. The
@@ -16,6 +17,9 @@ from types import ModuleType
 from typing import Any
 
 import torch
+
+from dlcore.declarations.backend import Availability, Backend
+from dlcore.errors import BackendUnavailableError
 
 
 def import_runtime(module: str, install_hint: str) -> tuple[ModuleType | None, str]:
@@ -54,3 +58,58 @@ def event_time(module: Any, fn: Callable[[], object], device: Any, warmup: int, 
         pairs.append((start, end))
     module.synchronize(device)
     return statistics.median(start.elapsed_time(end) for start, end in pairs)
+
+
+class TorchDeviceBackend(Backend):
+    """A backend whose device comes with a torch extension that adds ``torch.<device type>`` with
+    ``torch.cuda``'s API (torch_npu's ``torch.npu``, torch_mlu's ``torch.mlu``): availability (the
+    extension imports, a device is visible; otherwise why not and what to do), synchronising and
+    timing between the device's events. A chip's plugin sets ``name``, ``device_types`` (the first
+    names the torch module), ``runtime`` and ``install_hint``, and adds ``profile`` (and ``lower``,
+    ``target_profile`` where it lowers without the hardware). Nothing is imported before
+    :meth:`available` is asked."""
+
+    #: the extension's module (``torch_npu``)
+    runtime: str = ""
+    #: how to get it, said when it is not installed
+    install_hint: str = ""
+    #: what to do when it is installed but fails to import ("": nothing more to say)
+    import_hint: str = ""
+
+    def __init__(self) -> None:
+        self._availability: Availability | None = None
+
+    @property
+    def device_type(self) -> str:
+        return self.device_types[0]
+
+    def available(self) -> Availability:
+        if self._availability is None:
+            self._availability = self._probe()
+        return self._availability
+
+    def _probe(self) -> Availability:
+        module, reason = import_runtime(self.runtime, self.install_hint)
+        if module is None:
+            installed = importlib.util.find_spec(self.runtime) is not None
+            return Availability(False, f"{reason}; {self.import_hint}" if installed and self.import_hint else reason)
+        device = getattr(torch, self.device_type, None)
+        if device is None or not device.is_available():
+            return Availability(False, f"{self.runtime} imported but torch.{self.device_type}.is_available() is "
+                                       f"False (no {self.device_type.upper()} visible)")
+        return Availability(True)
+
+    def device_module(self) -> Any:
+        """``torch.<device type>``, once the extension has imported; the reason raised otherwise."""
+        availability = self.available()  # imports the runtime, which adds the module to torch
+        if not availability:
+            raise BackendUnavailableError(f"backend {self.name!r} is not available: {availability.reason}")
+        return getattr(torch, self.device_type)
+
+    def synchronize(self, device: torch.device) -> None:
+        self.device_module().synchronize(device)
+
+    def timer(self, fn: Callable[[], object], device: torch.device, *, warmup: int = 1, reps: int = 5) -> float:
+        """Median milliseconds between the device's events (``Event(enable_timing=True)``), warm-up
+        excluded (:func:`event_time`)."""
+        return event_time(self.device_module(), fn, device, warmup, reps)

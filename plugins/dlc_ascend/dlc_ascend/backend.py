@@ -12,19 +12,17 @@ timing: NPU events; search spaces: :mod:`dlc_ascend.refine`.
 
 from __future__ import annotations
 
-import importlib.util
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from dlc_ascend import refine, runtime
 from dlc_ascend.toolchain import TOOLCHAIN
 from dlcore import hookimpl
-from dlcore.declarations.backend import Availability, Backend
+from dlcore.declarations.backend import Backend
 from dlcore.declarations.device import DeviceProfile
-from dlcore.errors import BackendUnavailableError, LoweringError
-from dlcore.plugins.vendor import device_index, event_time, import_runtime
+from dlcore.errors import LoweringError
+from dlcore.plugins.vendor import TorchDeviceBackend, device_index
 
 if TYPE_CHECKING:
     from dlcore.compiler.lowering import Lowering
@@ -39,47 +37,19 @@ IMPORT_HINT = ("source CANN's set_env.sh (e.g. /usr/local/Ascend/ascend-toolkit/
                "without CANN, set TORCH_DEVICE_BACKEND_AUTOLOAD=0 so that `import torch` does not import torch_npu")
 
 
-class AscendBackend(Backend):
+class AscendBackend(TorchDeviceBackend):
     name = "npu"
     device_types = ("npu",)
     toolchains = (TOOLCHAIN,)
-
-    def __init__(self) -> None:
-        self._availability: Availability | None = None
-
-    def available(self) -> Availability:
-        if self._availability is None:
-            self._availability = self._probe()
-        return self._availability
-
-    def _probe(self) -> Availability:
-        module, reason = import_runtime("torch_npu", INSTALL_HINT)
-        if module is None:
-            installed = importlib.util.find_spec("torch_npu") is not None
-            return Availability(False, f"{reason}; {IMPORT_HINT}" if installed else reason)
-        npu = getattr(torch, "npu", None)
-        if npu is None or not npu.is_available():
-            return Availability(False, "torch_npu imported but torch.npu.is_available() is False (no NPU visible)")
-        return Availability(True)
-
-    def _npu(self) -> Any:
-        availability = self.available()  # imports the runtime, which adds torch.npu
-        if not availability:
-            raise BackendUnavailableError(f"backend {self.name!r} is not available: {availability.reason}")
-        return torch.npu
+    runtime = "torch_npu"
+    install_hint = INSTALL_HINT
+    import_hint = IMPORT_HINT
 
     def profile(self, device: torch.device) -> DeviceProfile:
         """Cores, memory, unified buffer (``shared_memory_per_program``) and L2 of ``device``; see
         :mod:`dlc_ascend.runtime` for where each number comes from and what ``cores`` counts."""
-        npu = self._npu()
+        npu = self.device_module()
         return runtime.profile(device_index(npu, device), npu.get_device_properties(device))
-
-    def synchronize(self, device: torch.device) -> None:
-        self._npu().synchronize(device)
-
-    def timer(self, fn: Callable[[], object], device: torch.device, *, warmup: int = 1, reps: int = 5) -> float:
-        """Median milliseconds between NPU events (``torch.npu.Event(enable_timing=True)``), warm-up excluded."""
-        return event_time(self._npu(), fn, device, warmup, reps)
 
     def target_profile(self, target: str) -> DeviceProfile:
         """The nominal profile of ``npu:PART`` from :mod:`dlc_ascend.chips` (``npu:Ascend910B``:

@@ -7,18 +7,16 @@ installed; the toolchain itself is :data:`dlc_mlu.toolchain.TOOLCHAIN`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from dlc_mlu import refine, runtime
 from dlc_mlu.toolchain import TOOLCHAIN
 from dlcore import hookimpl
-from dlcore.declarations.backend import Availability, Backend
+from dlcore.declarations.backend import Backend
 from dlcore.declarations.device import DeviceProfile
-from dlcore.errors import BackendUnavailableError
-from dlcore.plugins.vendor import device_index, event_time, import_runtime
+from dlcore.plugins.vendor import TorchDeviceBackend, device_index
 
 if TYPE_CHECKING:
     from dlcore.compiler.lowering import Lowering
@@ -30,46 +28,18 @@ if TYPE_CHECKING:
 INSTALL_HINT = "install Cambricon's torch_mlu from the Neuware SDK"
 
 
-class MluBackend(Backend):
+class MluBackend(TorchDeviceBackend):
     name = "mlu"
     device_types = ("mlu",)
     toolchains = (TOOLCHAIN,)
-
-    def __init__(self) -> None:
-        self._availability: Availability | None = None
-
-    def available(self) -> Availability:
-        if self._availability is None:
-            self._availability = self._probe()
-        return self._availability
-
-    def _probe(self) -> Availability:
-        module, reason = import_runtime("torch_mlu", INSTALL_HINT)
-        if module is None:
-            return Availability(False, reason)
-        mlu = getattr(torch, "mlu", None)
-        if mlu is None or not mlu.is_available():
-            return Availability(False, "torch_mlu imported but torch.mlu.is_available() is False (no MLU visible)")
-        return Availability(True)
-
-    def _mlu(self) -> Any:
-        availability = self.available()  # imports the runtime, which adds torch.mlu
-        if not availability:
-            raise BackendUnavailableError(f"backend {self.name!r} is not available: {availability.reason}")
-        return torch.mlu
+    runtime = "torch_mlu"
+    install_hint = INSTALL_HINT
 
     def profile(self, device: torch.device) -> DeviceProfile:
         """Clusters (``cores``), cores per cluster (``programs_per_core``), memory, NRAM and L2 of
         ``device``; see :mod:`dlc_mlu.runtime` for where each number comes from."""
-        mlu = self._mlu()
+        mlu = self.device_module()
         return runtime.profile(device_index(mlu, device), mlu.get_device_properties(device))
-
-    def synchronize(self, device: torch.device) -> None:
-        self._mlu().synchronize(device)
-
-    def timer(self, fn: Callable[[], object], device: torch.device, *, warmup: int = 1, reps: int = 5) -> float:
-        """Median milliseconds between MLU events (``torch.mlu.Event(enable_timing=True)``), warm-up excluded."""
-        return event_time(self._mlu(), fn, device, warmup, reps)
 
     def lower(self, call: KernelCall, target: str, passes: Pipeline | None = None,
               specialize: bool = True) -> Lowering:
