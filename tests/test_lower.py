@@ -362,6 +362,8 @@ def test_a_plan_that_launches_a_kernel_in_two_forms_gives_each_its_row():
 
 
 def test_the_form_of_a_launch_is_its_constexprs_options_and_dtypes_not_its_sizes():
+    import triton.language as tl
+
     from dlcore.declarations.implementation import KernelCall
 
     a16, a32 = torch.empty(4, dtype=torch.float16, device="meta"), torch.empty(4, dtype=torch.float32, device="meta")
@@ -370,6 +372,11 @@ def test_the_form_of_a_launch_is_its_constexprs_options_and_dtypes_not_its_sizes
     assert specialization(call) != specialization(KernelCall(None, (8,), (a16, 300), {"BLOCK": 128, "num_warps": 4}))
     assert specialization(call) != specialization(KernelCall(None, (8,), (a32, 300), {"BLOCK": 64, "num_warps": 4}))
     assert specialization(call) != specialization(KernelCall(None, (8,), (a16, 300), {"BLOCK": 64, "num_warps": 8}))
+    # which pointer is None, and wrapped constexprs by their values
+    assert specialization(KernelCall(None, (1,), (a16, None, a16))) != specialization(
+        KernelCall(None, (1,), (None, a16, a16)))
+    assert specialization(KernelCall(None, (1,), (), {"S": tl.constexpr(64)})) != specialization(
+        KernelCall(None, (1,), (), {"S": tl.constexpr(128)}))
 
 
 def test_without_a_dtype_each_implementation_takes_its_own():

@@ -514,15 +514,16 @@ def example_sizes(op: Op, sizes: dict[str, int]) -> list[tuple[str, dict[str, in
 
 def specialization(call: KernelCall) -> tuple:
     """What tells two launches of one kernel apart once compiled: its constexprs and launch options
-    (``num_warps``...) and the dtypes of its tensors. Two paths of an op that launch a kernel alike
-    share one lowering; where they differ (softmax's looped rows, another block size), each is lowered."""
-    def form(value):
-        dtype = getattr(value, "dtype", None)
-        if dtype is not None:
-            return str(dtype)
-        return value if isinstance(value, (bool, int, float, str, type(None))) else type(value).__name__
-    return (tuple(form(a) for a in call.args if hasattr(a, "dtype")),
-            tuple(sorted((k, form(v)) for k, v in call.kwargs.items())))
+    (``num_warps``...), the dtypes of its tensors and which of its pointers are None. Two paths of
+    an op that launch a kernel alike share one lowering; where they differ (softmax's looped rows,
+    another block size), each is lowered. Sizes and strides are left out."""
+    def kind(value):
+        if isinstance(value, torch.Tensor):
+            return str(value.dtype)
+        # a tl.constexpr, a dtype: by its repr, which names its value
+        return value if isinstance(value, (bool, int, float, str, type(None))) else repr(value)
+    return (tuple(kind(a) for a in call.args if a is None or isinstance(a, torch.Tensor)),
+            tuple(sorted((k, kind(v)) for k, v in call.kwargs.items())))
 
 
 def _notes(before: KernelCall, after: KernelCall, passes: Pipeline) -> list[str]:
