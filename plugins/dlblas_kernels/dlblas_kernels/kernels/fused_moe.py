@@ -99,6 +99,9 @@ DECODE_ROWS = 16
 SPACE_ELEMENT_BYTES = 2
 # Widest column slice of the backward's elementwise programs, and the rows each takes.
 SWIGLU_BLOCK = 256
+SWIGLU_ROWS = 16
+# Widest column slice of the sum over choices.
+SUM_BLOCK = 1024
 # On npu a program's tiles live in the AI core's unified buffer. What bishengir-compile 1.2 asks of it
 # for grouped_gemm_kernel, per element (fp16 and fp32 alike; measured on the Ascend 910B2's 192 KiB
 # by lowering every power-of-two tile of 32 to 128 rows, 64 to 256 columns and 32 to 128 K steps):
@@ -107,9 +110,6 @@ SWIGLU_BLOCK = 256
 UB_BYTES_PER_ROW_STEP_ELEMENT = 48
 UB_BYTES_PER_PAIR_ELEMENT = 24
 UB_BYTES_PER_DOWN_ELEMENT = 6
-SWIGLU_ROWS = 16
-# Widest column slice of the sum over choices.
-SUM_BLOCK = 1024
 # float32 inputs multiply exactly (no tf32)
 PRECISION = "ieee"
 
@@ -594,15 +594,12 @@ def fit_unified_buffer(c: Config, buffer: int) -> Config:
         while c[key] > floor and too_big():
             c[key] //= 2
 
-    def row_steps() -> bool:
-        return c["BLOCK_M"] * max(c["BLOCK_K"], c["DOWN_BLOCK_K"]) * UB_BYTES_PER_ROW_STEP_ELEMENT > buffer
-
     halve("BLOCK_M", 64, lambda: overflows_unified_buffer(c, buffer))
     halve("BLOCK_K", 32, lambda: c["BLOCK_M"] * c["BLOCK_K"] * UB_BYTES_PER_ROW_STEP_ELEMENT > buffer)
     halve("DOWN_BLOCK_K", 32, lambda: c["BLOCK_M"] * c["DOWN_BLOCK_K"] * UB_BYTES_PER_ROW_STEP_ELEMENT > buffer)
     halve("BLOCK_N", 32, lambda: c["BLOCK_M"] * c["BLOCK_N"] * UB_BYTES_PER_PAIR_ELEMENT > buffer)
     halve("DOWN_BLOCK_N", 32, lambda: c["BLOCK_M"] * c["DOWN_BLOCK_N"] * UB_BYTES_PER_DOWN_ELEMENT > buffer)
-    halve("BLOCK_M", 16, lambda: overflows_unified_buffer(c, buffer) or row_steps())
+    halve("BLOCK_M", 16, lambda: overflows_unified_buffer(c, buffer))
     return c
 
 
