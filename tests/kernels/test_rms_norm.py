@@ -20,7 +20,7 @@ from dlblas_kernels.kernels.rms_norm import (
 from gradients import check_backward
 
 from dlcore import InvalidInputError
-from dlcore.compiler.lowering import target_profile
+from dlcore.compiler.lowering import planning_for, target_profile
 from dlcore.declarations.signature import make_signature
 from dlcore.runtime.template import UNKNOWN_DEVICE
 from dlcore.runtime.torch_ops import plain_eager
@@ -259,6 +259,21 @@ def test_backward_launch_for_llama_shapes():
     assert rms_norm_module.backward_config({"BLOCK_M": 4, "BLOCK_N": 4096, "num_warps": 16}) == (2, 4096, 16)
     assert rms_norm_module.backward_config({"BLOCK_M": 1, "BLOCK_N": 16384, "num_warps": 16}) == (1, 8192, 16)
     assert rms_norm_module.backward_config({"BLOCK_M": 8, "BLOCK_N": 128, "num_warps": 1}) == (8, 128, 2)
+
+
+def test_backward_tile_within_the_npu_unified_buffer():
+    """On npu the backward's tile is at most 4096 elements: bishengir-compile 1.2 overflowed the
+    Ascend 910B's 192 KiB unified buffer with hidden 8192 whole (245824 bytes; 262208 with
+    add_rms_norm's residual gradient), so wider rows take the two-pass path; CUDA keeps 8192."""
+    npu, hopper = target_profile("npu:Ascend910B2"), target_profile("cuda:90")
+    wide = rms_norm_module.heuristic_config(4096, 8192)
+    assert rms_norm_module.backward_config(wide, hopper) == (1, 8192, 16)
+    assert rms_norm_module.backward_config(wide, npu) == (1, 4096, 16)
+    assert rms_norm_module.backward_config({"BLOCK_M": 8, "BLOCK_N": 1024, "num_warps": 4}, npu) == (4, 1024, 8)
+    x = torch.empty(4096, 8192, dtype=torch.bfloat16, device="meta")
+    with planning_for(npu):
+        plan = rms_norm_module.backward_plan((x, x, x[0], None, 1e-6), wide, npu)
+    assert plan.calls[0].kwargs["BLOCK_N"] == 4096 and not plan.calls[0].kwargs["ONE_BLOCK"]
 
 
 def test_eager_backward_skips_the_dispatcher(device, gen, monkeypatch):

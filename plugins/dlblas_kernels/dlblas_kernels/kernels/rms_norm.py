@@ -39,6 +39,7 @@ import triton
 import triton.language as tl
 
 import dlcore.language as dl
+from dlblas_kernels.npu import buffer_tile
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
 from dlcore.declarations.layout import as_rows
@@ -60,6 +61,10 @@ MIN_PROGRAMS = 1024
 # thread holds at most BACKWARD_ELEMENTS_PER_THREAD of them (16 warps for the widest tile).
 MAX_BACKWARD_TILE = 8192
 BACKWARD_ELEMENTS_PER_THREAD = 16
+# On npu the backward's tile lives in the unified buffer: bishengir-compile 1.2 asks 30 bytes of it
+# per element of an 8192-element tile (245824 of the Ascend 910B2's 196608), 32 with add_rms_norm's
+# residual gradient (262208); the budget per element leaves headroom.
+UB_BYTES_PER_BACKWARD_ELEMENT = 40
 # The elements of the backward tiles resident on one core that keep enough loads in flight to stream
 # from DRAM.
 RESIDENT_ELEMENTS = 16384
@@ -253,12 +258,14 @@ def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     return LaunchPlan(calls=[call], result=out)
 
 
-def backward_config(config: Config) -> tuple[int, int, int]:
+def backward_config(config: Config, profile: DeviceProfile | None = None) -> tuple[int, int, int]:
     """``(BLOCK_M, BLOCK_N, num_warps)`` of the backward for the op's ``config``: its tile narrowed to
-    MAX_BACKWARD_TILE elements (BLOCK_M first; rows wider than BLOCK_N take the two-pass path), and
-    at least one warp per BACKWARD_ELEMENTS_PER_THREAD * 32 elements of it."""
-    block_n = min(config["BLOCK_N"], MAX_BACKWARD_TILE)
-    block_m = max(min(config["BLOCK_M"], MAX_BACKWARD_TILE // block_n), 1)
+    MAX_BACKWARD_TILE elements (on npu, to what the unified buffer holds: 4096 on the Ascend 910B;
+    BLOCK_M first; rows wider than BLOCK_N take the two-pass path), and at least one warp per
+    BACKWARD_ELEMENTS_PER_THREAD * 32 elements of it."""
+    most = buffer_tile(profile, UB_BYTES_PER_BACKWARD_ELEMENT, MAX_BACKWARD_TILE)
+    block_n = min(config["BLOCK_N"], most)
+    block_m = max(min(config["BLOCK_M"], most // block_n), 1)
     tile = block_m * block_n
     num_warps = min(max(config["num_warps"], tile // (32 * BACKWARD_ELEMENTS_PER_THREAD)), 16)
     return block_m, block_n, num_warps
@@ -304,7 +311,7 @@ def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> Launch
     dy2 = dy.reshape(x2.shape)
     dres2 = dres.reshape(x2.shape) if dres is not None else dy2
     rows = x2.shape[0]
-    block_m, block_n, num_warps = backward_config(config)
+    block_m, block_n, num_warps = backward_config(config, profile)
     one_block = k <= block_n
     blocks = cdiv(rows, block_m)
     programs = backward_programs(blocks, block_m * block_n, num_warps, profile)
