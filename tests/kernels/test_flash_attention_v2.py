@@ -284,6 +284,31 @@ def test_default_config_fits_the_device():
     assert attention.fit(config, 128, 2, hopper, rotary=True) == {**config, "num_stages": 2}
 
 
+def test_blocks_within_the_npu_unified_buffer():
+    """On npu the forward's blocks are at most :data:`attention.NPU_BLOCKS`: bishengir-compile 1.2
+    overflowed the Ascend 910B's 192 KiB unified buffer with 128 x 128 causal blocks (D 64 and 128)
+    and 128-row blocks at D 256 (192 and 256); the backward's preprocess takes 32 rows of heads of
+    256. CUDA keeps its tiles."""
+    from dlblas_kernels import attention_grad
+
+    npu, hopper = target_profile("npu:Ascend910B2"), target_profile("cuda:90")
+    expected = {(64, False): (128, 128), (64, True): (128, 64), (128, False): (128, 128), (128, True): (128, 64),
+                (192, False): (64, 64), (192, True): (64, 32), (256, False): (64, 64), (256, True): (64, 32)}
+    for (d, causal), blocks in expected.items():
+        q = torch.empty(1, 1024, 16, d, dtype=torch.bfloat16, device="meta")
+        out, lse = torch.empty_like(q), torch.empty(1, 16, 1024, device="meta")
+        sig = make_signature(OP, (q, q, q, causal, None, False), q.device)
+        for profile, want in ((npu, blocks), (hopper, None)):
+            config = default_config(sig, profile)
+            (call,) = attention.forward_calls(q, q, q, out, lse, causal=causal, scale=1.0, config=config,
+                                              profile=profile)
+            got = (call.kwargs["BLOCK_M"], call.kwargs["BLOCK_N"])
+            fitted = attention.fit(config, d, 2, profile)
+            assert got == (want or (fitted["BLOCK_M"], fitted["BLOCK_N"])), (d, causal, profile.backend, got)
+    assert [attention_grad.preprocess_rows(w, npu) for w in (64, 128, 256)] == [64, 64, 32]
+    assert [attention_grad.preprocess_rows(w, hopper) for w in (64, 128, 256)] == [64, 64, 64]
+
+
 # --- compiled ------------------------------------------------------------------------------------
 
 CUBIN_SCRIPT = """

@@ -55,6 +55,7 @@ import triton.language as tl
 
 from dlblas_kernels.gemm import TMA_ALIGNMENT, TMA_ARCHS, fit_stages
 from dlblas_kernels.kernels.apply_rotary_pos_emb import rotate_pairs
+from dlblas_kernels.npu import on_npu
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, KernelCall
 from dlcore.declarations.signature import cdiv, next_power_of_2
@@ -404,6 +405,26 @@ def fit(config: Config, head_dim: int, element_size: int, profile: DeviceProfile
     return config
 
 
+#: On npu the forward's tiles live in the AI core's unified buffer: the largest (query, key) blocks
+#: bishengir-compile 1.2 fits in the 192 KiB of the Ascend 910B (A2 and A3 parts alike), by the
+#: head's tile width (at most): without and with the causal mask, plain or rotary alike (bfloat16,
+#: lowered at 32 to 128 rows of each; 128 x 128 causal asked 297984 bytes at D 64 and 330752 at D
+#: 128, a 128-row block 198144 at D 256, 295552 with rotary).
+NPU_BLOCKS = ((128, (128, 128), (128, 64)), (256, (64, 64), (64, 32)))
+
+
+def fit_npu(config: Config, head_dim: int, causal: bool, profile: DeviceProfile | None) -> Config:
+    """``config``'s blocks no larger than :data:`NPU_BLOCKS` allows on an npu; elsewhere ``config``."""
+    if not on_npu(profile):
+        return config
+    width = block_d(head_dim)
+    for widest, plain, masked in NPU_BLOCKS:
+        if width <= widest:
+            rows, keys = masked if causal else plain
+            return {**config, "BLOCK_M": min(config["BLOCK_M"], rows), "BLOCK_N": min(config["BLOCK_N"], keys)}
+    return config
+
+
 def forward_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
                   causal: bool, scale: float, config: Config, profile: DeviceProfile,
                   rotary: tuple | None = None) -> list[KernelCall]:
@@ -412,7 +433,8 @@ def forward_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
 
     :param config: ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``; optional ``TMA`` (default
         1: descriptor loads where :func:`takes_tma`; 0: pointer loads always). Fitted to the
-        device's shared memory first (:func:`fit`: the rotary tiles take twice the pipeline's).
+        device's shared memory first (:func:`fit`: the rotary tiles take twice the pipeline's), on
+        an npu to its unified buffer (:func:`fit_npu`).
     :param rotary: ``(cos, sin, interleaved)``: apply_rotary_pos_emb's rotation to the q and k tiles
         after loading (cos and sin ``[Sk, D]`` or ``[B, Sk, D]``, any strides; query ``i`` uses row
         ``Sk - Sq + i``, key ``j`` row ``j``).
@@ -421,7 +443,7 @@ def forward_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     sk, hk = k.shape[1], k.shape[2]
     if batch * sq * hq == 0:
         return []
-    config = fit(config, d, q.element_size(), profile, rotary is not None)
+    config = fit_npu(fit(config, d, q.element_size(), profile, rotary is not None), d, causal, profile)
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
     if rotary is None:
         cos = sin = q

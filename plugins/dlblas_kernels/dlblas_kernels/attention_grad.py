@@ -70,6 +70,7 @@ from dlblas_kernels.attention import (
 )
 from dlblas_kernels.attention import block_d as tile_width
 from dlblas_kernels.kernels.apply_rotary_pos_emb import rotate_pairs
+from dlblas_kernels.npu import buffer_tile
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
 from dlcore.declarations.signature import cdiv, next_power_of_2
@@ -78,6 +79,17 @@ from dlcore.runtime.allocator import ensure_allocator
 LOG2E = 1.4426950408889634
 #: rows of the preprocess kernel's programs
 PREPROCESS_ROWS = 64
+#: on npu the preprocess's out and dout rows live in the unified buffer: bishengir-compile 1.2 asks
+#: 12 bytes of it per element of the [rows, BLOCK_D] tile (196864 for 64 rows of 256 on the Ascend
+#: 910B2, over its 196608); the budget per element leaves headroom
+UB_BYTES_PER_PREPROCESS_ELEMENT = 16
+
+
+def preprocess_rows(block_d: int, profile: DeviceProfile | None) -> int:
+    """The preprocess kernel's rows per program: PREPROCESS_ROWS, on npu no more than the unified
+    buffer holds at ``block_d`` columns (32 rows of heads of 256 on the Ascend 910B)."""
+    return max(min(PREPROCESS_ROWS, buffer_tile(profile, UB_BYTES_PER_PREPROCESS_ELEMENT,
+                                                PREPROCESS_ROWS * block_d) // block_d), 1)
 #: per (head dimension up to the key, causal), the tiles of the two kernels on Hopper for 16-bit
 #: inputs: dkdv (keys per program BLOCK_N, queries per step BLOCK_M, warps, stages), dq (queries per
 #: program BLOCK_M, keys per step BLOCK_N, warps, stages). Measured on the H200 (bfloat16, B 2,
@@ -647,10 +659,11 @@ def backward_calls(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         ensure_allocator()
     calls = []
     if b * hq * sq:
-        calls.append(KernelCall(attention_bwd_preprocess_kernel, (cdiv(sq, PREPROCESS_ROWS), b * hq), (
+        rows = preprocess_rows(block_d, profile)
+        calls.append(KernelCall(attention_bwd_preprocess_kernel, (cdiv(sq, rows), b * hq), (
             out, dout, lse, dlse if dlse is not None else lse, stats, sq, hq, stats[0].numel(),
             *out.stride(), *dout.stride(), *lse.stride(), *(dlse if dlse is not None else lse).stride(),
-        ), {"HEAD_DIM": d, "BLOCK_D": block_d, "BLOCK_M": PREPROCESS_ROWS, "HAS_DLSE": dlse is not None,
+        ), {"HEAD_DIM": d, "BLOCK_D": block_d, "BLOCK_M": rows, "HAS_DLSE": dlse is not None,
             "num_warps": 4}))
     common = (sq, sk, hq, hk, stats[0].numel(), scale * LOG2E, scale, *q.stride(), *k.stride(), *v.stride(),
               *dout.stride())
