@@ -343,6 +343,26 @@ def test_scan_tile_within_the_npu_unified_buffer():
     assert scan("npu:Ascend910B2") == (1024, 1024, 1)
 
 
+def test_token_blocks_within_the_npu_unified_buffer():
+    """On npu a token block holds at most 4096 gate elements of its tile and 32 tokens (the assign
+    kernel's [BLOCK_S, BLOCK_S] pairs): bishengir-compile 1.2 overflowed the Ascend 910B's unified
+    buffer with 32 tokens of 256 experts in the route and backward kernels, and 64 tokens in the
+    assign kernel, and ran for over ten minutes on the backward's 16 x 256. CUDA keeps the config's."""
+    from dlcore.compiler.lowering import target_profile
+
+    npu, hopper = target_profile("npu:Ascend910B2"), target_profile("cuda:90")
+    assert topk_gating_module.block_tokens({"BLOCK_S": 32}, 4096, 256, npu) == 8
+    assert topk_gating_module.block_tokens({"BLOCK_S": 64}, 4096, 16, npu) == 32
+    assert topk_gating_module.block_tokens({"BLOCK_S": 8}, 4096, 16, npu) == 8
+    assert topk_gating_module.block_tokens({"BLOCK_S": 32}, 5, 16, npu) == 8  # no larger than the tokens
+    assert topk_gating_module.block_tokens({"BLOCK_S": 64}, 4096, 256, hopper) == 64
+    logits = torch.empty(4096, 256, device="meta")
+    config = {"BLOCK_S": 32, "num_warps": 16}
+    with planning_for(npu):
+        forward = TRITON.plan((logits, 8, 1.0, 2), config)
+    assert [forward.calls[i].kwargs["BLOCK_S"] for i in (0, 2)] == [8, 8] and forward.calls[0].grid == (512,)
+
+
 @pytest.mark.parametrize("tokens, experts, k, capacity_factor", [(45, 20, 3, 0.7), (37, 8, 2, 1.0)])
 def test_npu_assign_writes_dropped_choices_to_the_dump_slot(tokens, experts, k, capacity_factor, device, gen):
     """The assign kernel's npu form (DUMP_DROPPED) gives the same outputs; the slot past the E * C

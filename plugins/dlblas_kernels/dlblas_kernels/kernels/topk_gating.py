@@ -86,6 +86,13 @@ SCAN_TILE = 4096
 # it per element of the scan's tile (1589248 bits for 2048 elements, over the 192 KiB of an Ascend
 # 910B); the budget per element leaves headroom.
 UB_BYTES_PER_SCAN_ELEMENT = 128
+# The same for the token blocks: the route kernel asks about 26 bytes per element of its [BLOCK_S,
+# BLOCK_E] tile (213376 for 32 x 256), the backward about 46 (373440), and the assign kernel about
+# 130 per pair of a block's tokens, [BLOCK_S, BLOCK_S] (532864 for 64 tokens). The budgets per
+# element leave headroom: with the backward's 16 x 256 tile (within the buffer by 46 bytes an
+# element) bishengir-compile ran past ten minutes, where 8 x 256 took five seconds.
+UB_BYTES_PER_TILE_ELEMENT = 64
+UB_BYTES_PER_TOKEN_PAIR = 160
 
 
 @triton.jit
@@ -341,9 +348,16 @@ def outputs(logits: torch.Tensor, k: int, capacity_factor: float = 1.0, min_capa
     return training_outputs(logits, k, capacity_factor, min_capacity)[:4]
 
 
-def block_tokens(config: Config, tokens: int) -> int:
-    """The config's token block, no larger than the tokens need."""
-    return min(config["BLOCK_S"], next_power_of_2(tokens))
+def block_tokens(config: Config, tokens: int, block_e: int, profile: DeviceProfile | None = None) -> int:
+    """The config's token block, no larger than the tokens need; on npu no larger than the unified
+    buffer holds, with ``block_e`` experts per token (8 tokens of 256 experts, 32 of 8 on the
+    Ascend 910B)."""
+    block_s = min(config["BLOCK_S"], next_power_of_2(tokens))
+    if on_npu(profile):
+        pairs = buffer_tile(profile, UB_BYTES_PER_TOKEN_PAIR, block_s * block_s)  # a power of two
+        block_s = min(block_s, buffer_tile(profile, UB_BYTES_PER_TILE_ELEMENT, block_s * block_e) // block_e,
+                      1 << ((pairs.bit_length() - 1) // 2))
+    return max(block_s, 1)
 
 
 def scan_tile(profile: DeviceProfile | None) -> int:
@@ -357,7 +371,8 @@ def training_plan(args: tuple, config: Config, profile: DeviceProfile) -> Launch
     tokens, experts, slots = _sizes(logits, k, capacity_factor, min_capacity)
     results = training_outputs(*args)
     l_aux, ec_idx, weights, select, kept_experts, totals = results
-    block_s, block_e = block_tokens(config, tokens), max(next_power_of_2(experts), 16)
+    block_e = max(next_power_of_2(experts), 16)
+    block_s = block_tokens(config, tokens, block_e, profile)
     blocks, device = cdiv(tokens, block_s), logits.device
     rows = k * blocks
     group = min(block_e, SCAN_EXPERTS)
@@ -405,7 +420,8 @@ def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> Launch
     d_l_aux, d_weights, logits, kept_experts, totals, k = args
     tokens, experts = logits.shape
     d_logits = backward_results(*args)
-    block_s, block_e = block_tokens(config, tokens), max(next_power_of_2(experts), 16)
+    block_e = max(next_power_of_2(experts), 16)
+    block_s = block_tokens(config, tokens, block_e, profile)
     call = KernelCall(
         topk_gating_backward_kernel, (cdiv(tokens, block_s),),
         (d_l_aux, d_weights, logits, kept_experts, totals, d_logits, tokens, experts, logits.stride(0),
