@@ -254,6 +254,23 @@ def test_a_transient_failure_is_retried_a_bounded_number_of_times(tmp_path, monk
     assert _runs(tmp_path) == pipeline.ATTEMPTS
 
 
+def test_a_tool_that_does_not_finish_is_stopped_and_named(tmp_path, monkeypatch):
+    """A bishengir-compile that hangs (1.2 has run for over ten minutes on a tile at the edge of the
+    unified buffer) is stopped after DLC_ASCEND_TOOL_TIMEOUT seconds, and the lowering fails saying
+    so, once: a run that timed out is not run again."""
+    monkeypatch.setenv("DLC_ASCEND_BISHENGIR", str(_bishengir(tmp_path, "echo 'still tiling' >&2; sleep 30")))
+    monkeypatch.setenv(invoke.TIMEOUT_VARIABLE, "0.5")
+    with pytest.raises(LoweringError, match=r"bishengir-compile did not finish the hivm stage within 0\.5 s(.|\n)*"
+                                            r"DLC_ASCEND_TOOL_TIMEOUT(.|\n)*still tiling"):
+        pipeline.hivm(ADD_ONE_LINALG, PART, None)
+    assert _runs(tmp_path) == 1
+    monkeypatch.setenv(invoke.TIMEOUT_VARIABLE, "soon")
+    with pytest.raises(LoweringError, match="DLC_ASCEND_TOOL_TIMEOUT='soon' is not a positive number"):
+        invoke.timeout()
+    monkeypatch.delenv(invoke.TIMEOUT_VARIABLE)
+    assert invoke.timeout() == invoke.DEFAULT_TIMEOUT
+
+
 def test_a_deterministic_bishengir_failure_is_not_retried(tmp_path, monkeypatch):
     monkeypatch.setenv("DLC_ASCEND_BISHENGIR", str(_bishengir(tmp_path, "broken", "write")))
     with pytest.raises(LoweringError, match=r"bishengir-compile failed in the hivm stage(.|\n)*linalg\.generic"):

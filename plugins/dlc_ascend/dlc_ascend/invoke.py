@@ -38,6 +38,28 @@ CRASH_SIGNALS = frozenset({signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT})
 #: runs of one input at most while its failures come and go: at a failure rate of a third, eight
 #: runs fail about one lowering in 5000
 ATTEMPTS = 8
+#: seconds a tool run may take before it is stopped and the lowering fails (``DLC_ASCEND_TOOL_TIMEOUT``
+#: overrides it): every kernel of dlblas-kernels lowers in a few seconds a stage, but bishengir-compile
+#: 1.2 has run for over ten minutes on a tile at the edge of the unified buffer
+TIMEOUT_VARIABLE = "DLC_ASCEND_TOOL_TIMEOUT"
+DEFAULT_TIMEOUT = 300.0
+
+
+def timeout() -> float:
+    """The seconds a tool run may take: ``DLC_ASCEND_TOOL_TIMEOUT``, else :data:`DEFAULT_TIMEOUT`.
+
+    :raises LoweringError: the variable is not a positive number.
+    """
+    text = os.environ.get(TIMEOUT_VARIABLE, "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise LoweringError(f"{TIMEOUT_VARIABLE}={text!r} is not a positive number of seconds")
+    return seconds
 
 
 @dataclass(frozen=True)
@@ -86,12 +108,20 @@ def run(found: Found, args: Sequence[str], stage: str, *, step: str = "", cwd: P
     env: Mapping[str, str] | None = None
     if path_prefix:
         env = {**os.environ, "PATH": os.pathsep.join([*map(str, path_prefix), os.environ.get("PATH", "")])}
+    where = f"the {stage} stage ({step})" if step else f"the {stage} stage"
+    limit = timeout()
     start = time.perf_counter()
     try:
         done = subprocess.run([str(found.path), *args], capture_output=True, text=True, errors="replace",
-                              cwd=cwd, env=env, check=False)
+                              cwd=cwd, env=env, check=False, timeout=limit)
+    except subprocess.TimeoutExpired as exc:  # subprocess.run has killed the tool
+        def text(out: bytes | str | None) -> str:
+            return out.decode(errors="replace") if isinstance(out, bytes) else out or ""
+
+        stopped = ToolRun(found.tool.name, stage, -signal.SIGKILL, text(exc.stdout), text(exc.stderr), limit, step)
+        raise LoweringError(f"{found.tool.name} did not finish {where} within {limit:g} s and was stopped "
+                            f"(set {TIMEOUT_VARIABLE} to allow longer); its output ends:\n{stopped.tail()}") from exc
     except OSError as exc:
-        where = f"the {stage} stage ({step})" if step else f"the {stage} stage"
         raise LoweringError(f"{found.tool.name} ({found.path}, found by {found.source.value}) could not be run "
                             f"for {where}: {exc}") from exc
     return ToolRun(found.tool.name, stage, done.returncode, done.stdout, done.stderr, time.perf_counter() - start,
