@@ -316,7 +316,10 @@ def test_backward_plans_are_lowered_too():
     todo, skipped = launches(registry(), "rms_norm", torch.float32, {}, target_profile("cuda:90"), pipeline("cuda"))
     assert [(t.name, t.call.kernel.__name__) for t in todo] == [
         ("rms_norm.triton", "rms_norm_kernel"), ("rms_norm.triton backward", "rms_norm_backward_kernel"),
-        ("rms_norm.triton backward", "column_sum_kernel")] and not skipped
+        ("rms_norm.triton backward", "column_sum_kernel"),
+        ("rms_norm.triton [wide rows]", "rms_norm_kernel"),
+        ("rms_norm.triton [wide rows] backward", "rms_norm_backward_kernel"),
+        ("rms_norm.triton [wide rows] backward", "column_sum_kernel")] and not skipped
     todo, _ = launches(registry(), "add_rms_norm", torch.float32, {}, target_profile("cuda:90"), pipeline("cuda"))
     backward = [t for t in todo if t.backward]
     assert backward and backward[0].call.kwargs["HAS_DRES"], "add_rms_norm's backward adds the residual gradient"

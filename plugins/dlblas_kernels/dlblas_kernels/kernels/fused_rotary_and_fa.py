@@ -253,7 +253,8 @@ OP = Op(
     check=check,
     example=example,
     example_sizes={**flash_attention_v2.OP.example_sizes, "interleaved": 0},
-    example_paths={"prefill": {"seq": 300}},
+    example_paths={"prefill": {"seq": 300},
+                   "causal, heads of 256": {"seq": 300, "heads": 16, "kv_heads": 4, "head_dim": 256, "causal": 1}},
     cost=cost,
     baselines={"composite": lambda: composite},
 )

@@ -452,6 +452,7 @@ OP = Op(
     check=check,
     example=example,
     example_sizes={"tokens": 37, "hidden": 256},
+    example_paths={"wide rows": {"tokens": 4, "hidden": 8192}},
     cost=cost,
     baselines={"torch": lambda: torch_rms_norm, "liger": liger_rms_norm},
 )

@@ -508,7 +508,8 @@ OP = Op(
     check=check,
     example=example,
     example_sizes={"tokens": 37, "experts": 8, "topk": 2},
-    example_paths={"prefill": {"tokens": 300, "experts": 64}},
+    example_paths={"prefill": {"tokens": 300, "experts": 64},
+                   "many experts": {"tokens": 300, "experts": 256, "topk": 8}},
     cost=cost,
     baselines={"torch": lambda: topk_gating_reference},
 )
