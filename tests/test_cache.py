@@ -318,10 +318,11 @@ def test_get_op_remembers_a_measured_selection_across_processes(monkeypatch):
 
 
 def test_the_source_hash_covers_every_module_a_kernel_takes_code_from():
-    """add_rms_norm's plan launches rms_norm's backward kernels: editing rms_norm must change its key."""
+    """add_rms_norm's plan launches rms_norm's backward kernels: editing rms_norm must change its key,
+    and so must editing what rms_norm's backward sizes its npu tile by."""
     add_rms_norm = importlib.import_module("dlblas_kernels.kernels.add_rms_norm")
     modules = [m.__name__ for m in source_modules(add_rms_norm.plan)]
-    assert modules == ["dlblas_kernels.kernels.add_rms_norm", "dlblas_kernels.kernels.rms_norm"]
+    assert modules == ["dlblas_kernels.kernels.add_rms_norm", "dlblas_kernels.kernels.rms_norm", "dlblas_kernels.npu"]
     # The implementation's hash covers the same modules (its plan carries the kernel module's name).
     assert [m.__name__ for m in source_modules(add_rms_norm.KERNEL.implementation.plan)] == modules
 
