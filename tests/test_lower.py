@@ -141,20 +141,15 @@ def test_cli_prints_one_stage_and_dumps_files(tmp_path):
 
 
 @pytest.mark.slow
-def test_cli_dumps_a_kernel_launched_both_ways_into_two_folders(tmp_path):
-    """Rotary's one kernel rotates forward and, transposed, backward: two specializations."""
-    done = lower_cli("apply_rotary_pos_emb", "--target", "cuda:90", "--stage", "ttir", "--dump", str(tmp_path))
+@pytest.mark.parametrize("selector, kernel, suffix", [
+    ("apply_rotary_pos_emb", "rotary_kernel", "-backward"),  # one kernel rotates forward and, transposed, back
+    ("softmax_kernel", "softmax_kernel", "-looped-rows"),  # a path's own form, named after the path
+])
+def test_cli_dumps_each_form_of_a_kernel_into_a_folder_of_its_own(selector, kernel, suffix, tmp_path):
+    done = lower_cli(selector, "--target", "cuda:90", "--stage", "ttir", "--dump", str(tmp_path))
     assert done.returncode == 0, done.stderr
-    forward, backward = (tmp_path / f"rotary_kernel{s}-cuda90" / "01-ttir.ttir" for s in ("", "-backward"))
-    assert forward.read_text() != backward.read_text()
-
-
-@pytest.mark.slow
-def test_cli_dumps_a_path_s_own_form_of_a_kernel_into_a_folder_named_after_the_path(tmp_path):
-    done = lower_cli("softmax_kernel", "--target", "cuda:90", "--stage", "ttir", "--dump", str(tmp_path))
-    assert done.returncode == 0, done.stderr
-    one, looped = (tmp_path / f"softmax_kernel{s}-cuda90" / "01-ttir.ttir" for s in ("", "-looped-rows"))
-    assert one.read_text() != looped.read_text()
+    first, other = (tmp_path / f"{kernel}{s}-cuda90" / "01-ttir.ttir" for s in ("", suffix))
+    assert first.read_text() != other.read_text()
 
 
 @pytest.mark.slow

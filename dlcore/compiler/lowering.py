@@ -21,6 +21,7 @@ import dataclasses
 import inspect
 import shutil
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -479,6 +480,7 @@ def launches(reg: Registry, selector: str | None, dtype: torch.dtype | None, siz
                             if note not in skipped:  # one note, whichever of the paths refused
                                 skipped.append(note)
             launched, lowered_once = set(), set()
+            forms = Counter()  # per (label, backward, kernel): the forms found so far
             for label, backward, plan in plans:
                 lowered = apply_launch_passes(plan, profile, passes)
                 for before, after in zip(plan.calls, lowered.calls):
@@ -489,11 +491,10 @@ def launches(reg: Registry, selector: str | None, dtype: torch.dtype | None, siz
                         continue
                     lowered_once.add(form)
                     # a plan that launches one kernel in two forms (fused_moe's up and down GEMMs): a row each
-                    nth = sum(1 for f in found if f.op == name and f.impl == impl.name and f.backward == backward
-                              and f.label == label and source.kernel_name(f.original) == kernel)
+                    forms[label, backward, kernel] += 1
                     notes = _notes(before, after, passes)
                     found.append(Launch(name, impl.name, impl_dtype, after, before.kernel, notes, backward, label,
-                                        nth + 1))
+                                        forms[label, backward, kernel]))
             for kernel in names:
                 if kernel not in launched and (selector in (None, name, f"{name}.{impl.name}", kernel)):
                     skipped.append(f"{name}.{impl.name}/{kernel}: not launched by the plan for these inputs")

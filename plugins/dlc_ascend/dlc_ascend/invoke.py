@@ -108,7 +108,6 @@ def run(found: Found, args: Sequence[str], stage: str, *, step: str = "", cwd: P
     env: Mapping[str, str] | None = None
     if path_prefix:
         env = {**os.environ, "PATH": os.pathsep.join([*map(str, path_prefix), os.environ.get("PATH", "")])}
-    where = f"the {stage} stage ({step})" if step else f"the {stage} stage"
     limit = timeout()
     start = time.perf_counter()
     try:
@@ -119,9 +118,10 @@ def run(found: Found, args: Sequence[str], stage: str, *, step: str = "", cwd: P
             return out.decode(errors="replace") if isinstance(out, bytes) else out or ""
 
         stopped = ToolRun(found.tool.name, stage, -signal.SIGKILL, text(exc.stdout), text(exc.stderr), limit, step)
-        raise LoweringError(f"{found.tool.name} did not finish {where} within {limit:g} s and was stopped "
+        raise LoweringError(f"{found.tool.name} did not finish {stopped.where} within {limit:g} s and was stopped "
                             f"(set {TIMEOUT_VARIABLE} to allow longer); its output ends:\n{stopped.tail()}") from exc
     except OSError as exc:
+        where = f"the {stage} stage ({step})" if step else f"the {stage} stage"
         raise LoweringError(f"{found.tool.name} ({found.path}, found by {found.source.value}) could not be run "
                             f"for {where}: {exc}") from exc
     return ToolRun(found.tool.name, stage, done.returncode, done.stdout, done.stderr, time.perf_counter() - start,
