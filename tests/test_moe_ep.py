@@ -16,6 +16,7 @@ import socket
 import sys
 import traceback
 import types
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -407,6 +408,7 @@ def worker(rank: int, world: int, port: int, folder: str) -> None:
             report[name] = traceback.format_exc()
         dist.barrier()
     Path(folder, f"rank{rank}.json").write_text(json.dumps(report))
+    dist.barrier()  # every rank's report is written before any rank tears its process group down
     dist.destroy_process_group()
 
 
@@ -417,7 +419,16 @@ def free_port() -> int:
 
 
 def run_world(world: int, folder: Path) -> list[dict]:
-    mp.start_processes(worker, args=(world, free_port(), str(folder)), nprocs=world, start_method="spawn")
+    """Every rank's report. A rank killed by a signal after every report was written (gloo's
+    teardown has aborted a process at exit, \"terminate called without an active exception\",
+    about one run in twenty under Triton 3.9) is warned of, not failed: the cases had all run."""
+    try:
+        mp.start_processes(worker, args=(world, free_port(), str(folder)), nprocs=world, start_method="spawn")
+    except mp.ProcessExitedException as exc:
+        if not all((folder / f"rank{r}.json").exists() for r in range(world)) or exc.exit_code >= 0:
+            raise
+        warnings.warn(f"rank {exc.error_index} of {world} died of signal {-exc.exit_code} after every rank's "
+                      f"report was written (in the process group's teardown)", stacklevel=1)
     return [json.loads((folder / f"rank{r}.json").read_text()) for r in range(world)]
 
 
