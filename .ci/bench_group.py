@@ -5,7 +5,8 @@
 TOKENS, VS and IMPLS may be empty; IMPLS: `dlcore bench --impls`, implementations timed alone beside
 what get_op chooses (e.g. triton,vendor).
 
-After each spec DIR is tarred into TARBALL, so what is done survives a time-out.
+BENCH_ROUNDS (default 2): `dlcore bench --rounds`. After each spec DIR is tarred into TARBALL, so
+what is done survives a time-out.
 """
 
 import os
@@ -25,8 +26,8 @@ for spec in specs:
         print(f"== {op} {mode}: already there", flush=True)
         continue
     start = time.time()
-    args = ["bench", op, "--mode", mode, "--dtype", "bf16", "--shapes", shapes, "--rounds", "2",
-            "--timer", "do_bench", "--json", path]
+    args = ["bench", op, "--mode", mode, "--dtype", "bf16", "--shapes", shapes,
+            "--rounds", os.environ.get("BENCH_ROUNDS", "2"), "--timer", "do_bench", "--json", path]
     if tokens:
         args += ["--tokens", tokens]
     if vs:

@@ -88,7 +88,8 @@ for stage in "$@"; do
     bench|bench-ops|bench-gemm|bench-gemm-bwd|bench-attention|bench-moe)
       # Every op's docs/results JSON (docs/performance.md is rendered from them):
       # OP:MODE:SHAPES:TOKENS:VS[:IMPLS] specs, one `dlcore bench` each, bf16, do_bench, 2 rounds;
-      # results.tgz is rewritten after each, so what is done survives a time-out. BENCH_SPECS replaces the list.
+      # results.tgz is rewritten after each, so what is done survives a time-out. BENCH_SPECS replaces the list,
+      # BENCH_ROUNDS the 2 rounds (more where a baseline's time drifts between rounds, as cuDNN's does).
       ops=(rms_norm:fwd:gqa,deepseek-v3:1,64,4096,16384: rms_norm:bwd:gqa,deepseek-v3:1,64,4096,16384:
            add_rms_norm:fwd:gqa,deepseek-v3:1,64,4096,16384: add_rms_norm:bwd:gqa,deepseek-v3:1,64,4096,16384:
            silu_and_mul:fwd:gqa,deepseek-v3:1,64,4096,16384: silu_and_mul:bwd:gqa,deepseek-v3:1,64,4096,16384:

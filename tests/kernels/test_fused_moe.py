@@ -350,6 +350,10 @@ def test_fp8_heuristic_and_tiles():
         config = heuristic(tokens, 8, 2, 1, None, fp8=True)
         assert config["BLOCK_N"] == 128 and config["BLOCK_K"] == 128 and config["DOWN_BLOCK_N"] <= 128
     assert heuristic(4096, 8, 2, 1, None, fp8=True)["BLOCK_M"] == 128
+    # 16 warps for the gate/up GEMM from FP8_WIDE_ROWS rows an expert (Mixtral's 1024 at 4096 tokens), not below
+    wide, narrow = heuristic(4096, 8, 2, 1, None, fp8=True), heuristic(4096, 256, 8, 1, None, fp8=True)
+    assert (wide["num_warps"], wide["num_stages"], wide["DOWN_WARPS"]) == (16, 3, 8)
+    assert (narrow["num_warps"], narrow["num_stages"]) == (8, 4)
     tiles = moe.fp8_tiles(heuristic(4096, 8, 2, 2, None), 144)  # the bf16 config's 256-column down tiles
     assert (tiles["BLOCK_N"], tiles["DOWN_BLOCK_N"], tiles["BLOCK_K"]) == (16, 128, 64)
     assert moe.fp8_tiles(heuristic(4096, 8, 2, 1, None, fp8=True), 14336)["BLOCK_N"] == 128

@@ -94,6 +94,9 @@ ANY_LAYOUT = ("contiguous", "rows", "strided")
 
 # Mean rows per expert up to which a call counts as decoding: 16-row blocks, weights streamed.
 DECODE_ROWS = 16
+# Mean rows per expert from which fp8 weights' gate/up GEMM runs 16 warps (its two 128 x 128 float32
+# accumulators and each K step's scaled products in 128 registers a thread, where 8 warps spill).
+FP8_WIDE_ROWS = 512
 # Declared for 16-bit inputs; a float32 config that overflows shared memory fails to compile and the
 # tuner records it as failed.
 SPACE_ELEMENT_BYTES = 2
@@ -547,15 +550,21 @@ def heuristic(tokens: int, experts: int, topk: int, element_size: int, profile: 
     (``.ci/bench_fused_moe_fp8.py``) against bf16 weights: 1.41x and 1.32x for Mixtral-8x7B at 4096
     and 16384 tokens (720 TFLOP/s), 1.35x and 1.31x for DeepSeek-V3, 1.70x and 1.88x at 64 tokens;
     64-row blocks or 64-column gate/up tiles (which spill no registers, where 128 x 128 spills 24
-    bytes) were 10 to 28% slower."""
+    bytes) were 10 to 28% slower. From FP8_WIDE_ROWS rows per expert the gate/up GEMM runs 16 warps
+    and 3 stages (128 registers, no spill): Mixtral-8x7B at 4096 tokens 4060 -> 3890 us, at 16384
+    16360 -> 15484 (1.33x and 1.43x bf16's, in one run of 2026-12-05); DeepSeek-V3 at 16384 tokens
+    (512 rows an expert) 19391 -> 19296; at 128 rows an expert (4096 tokens) 16 warps were 0.7% slower,
+    and so was the down GEMM on 16 warps everywhere."""
     rows = tokens * topk / max(experts, 1)
     if fp8:
         if rows <= DECODE_ROWS:
             config = _config(16, (128, 128, 4, 4), (64, 128, 4, 4))
         elif rows <= 64:
             config = _config(64, (128, 128, 4, 4), (128, 128, 4, 4))
-        else:
+        elif rows < FP8_WIDE_ROWS:
             config = _config(128, (128, 128, 8, 4), (128, 128, 8, 4))
+        else:
+            config = _config(128, (128, 128, 16, 3), (128, 128, 8, 4))
     elif rows <= 1:
         config = _config(16, (64, 256, 4, 3), (64, 256, 4, 3))
     elif rows <= DECODE_ROWS:
@@ -633,7 +642,7 @@ def space(profile: DeviceProfile) -> SearchSpace:
             PowerOfTwo("BLOCK_N", 32, 256),
             PowerOfTwo("BLOCK_K", 32, 256),
             Choice("GROUP_M", (1, 8)),
-            num_warps(4, 8),
+            num_warps(4, 8, 16),
             num_stages(2, 3, 4, 5),
             PowerOfTwo("DOWN_BLOCK_N", 32, 256),
             PowerOfTwo("DOWN_BLOCK_K", 32, 256),
