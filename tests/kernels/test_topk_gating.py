@@ -146,6 +146,23 @@ def test_reference_gradcheck(k, gen):
     assert torch.autograd.gradcheck(lambda x: topk_gating_reference(x, k, 0.5, 1)[::2], (logits,))
 
 
+def test_a_missing_output_gradient_keeps_float64_logits_on_the_reference():
+    """An output given no gradient (gradcheck asks one output at a time) takes zeros in the logits'
+    float64: the backward op takes its reference path by its first tensor's dtype, and float32 zeros
+    sent float64 logits (on the CPU) to the compiled kernels on a GPU host."""
+    from types import SimpleNamespace
+
+    from dlblas_kernels.kernels.topk_gating import _gradients
+
+    def dtypes(*args):
+        return args[0].dtype, args[1].dtype
+
+    for dtype in (torch.float64, torch.float32):
+        saved = SimpleNamespace(logits=torch.zeros(6, 16, dtype=dtype), k=3, expert_counts=torch.zeros(16),
+                                kept_experts=torch.zeros(6, 3, dtype=torch.int64))
+        assert _gradients(dtypes, saved, (None, None, None, None), None) == {"logits": (dtype, dtype)}
+
+
 def test_backward_reference_is_autograd_of_the_reference(gen):
     """The backward's closed form (what the backward custom op runs on float64) equals torch
     autograd through the reference; and the custom op's float64 path passes gradcheck."""

@@ -517,10 +517,13 @@ OP = Op(
 
 def _gradients(backward, saved, grads, needs) -> dict:
     d_l_aux, d_weights = grads[0], grads[2]
+    # an output given no gradient takes zeros, float64 with float64 logits: the backward op takes its
+    # reference path by its first tensor's dtype (float32 zeros sent float64 CPU logits to the kernels)
+    dtype = torch.float64 if saved.logits.dtype == torch.float64 else torch.float32
     if d_l_aux is None:
-        d_l_aux = torch.zeros((), dtype=torch.float32, device=saved.logits.device)
+        d_l_aux = torch.zeros((), dtype=dtype, device=saved.logits.device)
     if d_weights is None:
-        d_weights = torch.zeros(saved.kept_experts.shape, dtype=torch.float32, device=saved.logits.device)
+        d_weights = torch.zeros(saved.kept_experts.shape, dtype=dtype, device=saved.logits.device)
     return {"logits": backward(d_l_aux, d_weights, saved.logits, saved.kept_experts, saved.expert_counts, saved.k)}
 
 
