@@ -421,7 +421,7 @@ def free_port() -> int:
 def run_world(world: int, folder: Path) -> list[dict]:
     """Every rank's report. A rank killed by a signal after every report was written (gloo's
     teardown has aborted a process at exit, \"terminate called without an active exception\",
-    about one run in twenty under Triton 3.9) is warned of, not failed: the cases had all run."""
+    once in a Triton 3.9 lane) is warned of, not failed: the cases had all run."""
     try:
         mp.start_processes(worker, args=(world, free_port(), str(folder)), nprocs=world, start_method="spawn")
     except mp.ProcessExitedException as exc:

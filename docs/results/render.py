@@ -586,10 +586,11 @@ def attention_targets(reports: list[dict]) -> list[list[str]]:
     value, text = lowest(ratio_to(decode, SDPA))
     rows.append(["Decode (Sq 1, Sk 1024 to 65536, GQA 32/8): >= 1.0x SDPA every Sk", text, met(value, 1.0)])
     longest = shapes_where(fwd, seq=1, kv_seq=65536)
-    fraction = (longest[0]["results"].get(OWN) or {}).get("copy_fraction") if longest else None
-    same = (longest[0]["results"].get(OWN) or {}).get("same_size_copy_fraction") if longest else None
-    measured = "not measured" if not longest else pct(fraction) + (f" ({pct(same)} of a copy of the same bytes)"
-                                                                  if same else "")
+    own = (longest[0]["results"].get(OWN) or {}) if longest else {}
+    fraction, same = own.get("copy_fraction"), own.get("same_size_copy_fraction")
+    measured = "not measured"
+    if longest:
+        measured = pct(fraction) + (f" ({pct(same)} of a copy of the same bytes)" if same else "")
     rows.append(["Decode at Sk 65536: >= 85% of the copy bandwidth", measured, met(fraction, 0.85)])
     for mode in ("fwd", "bwd"):
         shapes = shapes_where(find(reports, "fused_rotary_and_fa", mode))
