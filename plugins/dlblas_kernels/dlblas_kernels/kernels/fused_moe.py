@@ -552,7 +552,8 @@ def heuristic(tokens: int, experts: int, topk: int, element_size: int, profile: 
     64-row blocks or 64-column gate/up tiles (which spill no registers, where 128 x 128 spills 24
     bytes) were 10 to 28% slower. From FP8_WIDE_ROWS rows per expert the gate/up GEMM runs 16 warps
     and 3 stages (128 registers, no spill): Mixtral-8x7B at 4096 tokens 4060 -> 3890 us, at 16384
-    16360 -> 15484 (1.33x and 1.43x bf16's, in one run of 2026-12-05); DeepSeek-V3 at 16384 tokens
+    16360 -> 15484 (1.33x and 1.43x bf16's, in one run of 2026-12-05:
+    docs/results/fp8_moe/fused_moe_fp8_warps.json); DeepSeek-V3 at 16384 tokens
     (512 rows an expert) 19391 -> 19296; at 128 rows an expert (4096 tokens) 16 warps were 0.7% slower,
     and so was the down GEMM on 16 warps everywhere."""
     rows = tokens * topk / max(experts, 1)
