@@ -22,14 +22,19 @@ from dlcore.runtime.template import device_profile
 
 SHAPES = [(m, n, k) for m in (128, 4096, 16384) for n, k in ((7168, 2048), (2112, 7168), (24576, 1536),
                                                             (7168, 16384), (4096, 7168))]
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K, TMA)
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K, TMA[, WARP_SPECIALIZE])
 CONFIGS = {
     "block": [(128, 128, 128, 8, 4, 1, 1), (128, 128, 128, 4, 4, 1, 1), (64, 128, 128, 4, 5, 1, 1),
               (128, 128, 128, 8, 5, 1, 1), (256, 128, 128, 8, 3, 1, 1), (128, 64, 128, 4, 5, 1, 1),
               (64, 128, 128, 4, 4, 2, 1), (128, 128, 64, 8, 6, 1, 1), (128, 128, 128, 16, 4, 1, 1),
-              (128, 128, 128, 16, 5, 1, 1), (256, 128, 128, 16, 3, 1, 1), (256, 128, 128, 16, 4, 1, 1)],
+              (128, 128, 128, 16, 5, 1, 1), (256, 128, 128, 16, 3, 1, 1), (256, 128, 128, 16, 4, 1, 1),
+              # warp-specialised: a producer and two 4-warp consumer warpgroups (gemm.py's WARP_SPECIALIZE)
+              (128, 128, 128, 4, 4, 1, 1, 1), (128, 128, 128, 4, 5, 1, 1, 1), (128, 128, 64, 4, 6, 1, 1, 1),
+              (128, 64, 128, 4, 6, 1, 1, 1), (256, 128, 64, 4, 4, 1, 1, 1)],
     "tensor": [(128, 256, 128, 8, 3, 1, 1), (128, 128, 128, 8, 4, 1, 1), (256, 128, 128, 8, 3, 1, 1),
-               (64, 128, 128, 4, 5, 1, 1), (128, 256, 64, 8, 4, 1, 1), (64, 256, 128, 4, 4, 1, 1)],
+               (64, 128, 128, 4, 5, 1, 1), (128, 256, 64, 8, 4, 1, 1), (64, 256, 128, 4, 4, 1, 1),
+               (128, 256, 128, 4, 3, 1, 1, 1), (128, 256, 64, 4, 4, 1, 1, 1), (256, 128, 128, 4, 3, 1, 1, 1),
+               (128, 128, 128, 4, 5, 1, 1, 1)],
 }
 CONFIGS["row"] = CONFIGS["tensor"]
 QUANT = {"block": ("block", "block_128x128"), "row": ("row", "row"), "tensor": ("tensor", "tensor")}
@@ -39,7 +44,7 @@ def bench(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
 
 
-KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K", "TMA")
+KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K", "TMA", "WARP_SPECIALIZE")
 
 
 def config(t: tuple) -> dict:
@@ -80,7 +85,7 @@ def main(granularities: list[str]) -> None:
             row = {"granularity": gran, "m": m, "n": n, "k": k}
             heuristic = F.default_config(make_signature(F.OP, args, a.device), profile)
             found = {}
-            chosen = tuple(heuristic[key] for key in KEYS)
+            chosen = tuple(heuristic.get(key, 0) for key in KEYS)
             for t in dict.fromkeys([chosen, *CONFIGS[gran]]):
                 cfg = config(t)
                 try:

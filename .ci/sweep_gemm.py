@@ -8,7 +8,8 @@ output is checked against a float32 product first.
                                                    beside the alternatives the heuristic weighs
 
 SWEEP_M and SWEEP_SHAPES (``NxK,...``) narrow the presets, SWEEP_SET=split sweeps split-K on the
-persistent kernel; compiles run first, in parallel
+persistent kernel, SWEEP_SET=ws its warp-specialised tiles (``WARP_SPECIALIZE``) against the default
+ones; compiles run first, in parallel
 processes that fill Triton's cache.
 """
 
@@ -36,7 +37,7 @@ def cfg(bm, bn, bk, w, s, g=8, **extra):
 
 def canonical(config: dict) -> dict:
     """``config`` with gemm_calls' defaults filled in and the bench's marks dropped."""
-    filled = {"GROUP_M": 8, "SPLIT_K": 1, "TMA": 1, "FLATTEN": 1, **config}
+    filled = {"GROUP_M": 8, "SPLIT_K": 1, "TMA": 1, "FLATTEN": 1, "WARP_SPECIALIZE": 0, **config}
     return {k: v for k, v in filled.items() if k != "default"}
 
 
@@ -57,6 +58,11 @@ def alternatives(m: int) -> list[dict]:
 
 
 def candidates(m: int) -> list[dict]:
+    if os.environ.get("SWEEP_SET") == "ws":  # warp-specialised tiles (4-warp consumers) against the default's
+        ws = {"WARP_SPECIALIZE": 1, "FLATTEN": 0}
+        return [cfg(128, 256, 64, 8, 3), cfg(128, 128, 64, 4, 4), cfg(128, 256, 64, 4, 3, **ws),
+                cfg(128, 256, 64, 4, 4, **ws), cfg(128, 128, 64, 4, 4, **ws), cfg(128, 128, 64, 4, 5, **ws),
+                cfg(256, 128, 64, 4, 3, **ws), cfg(128, 128, 128, 4, 3, **ws)]
     if os.environ.get("SWEEP_SET") == "split":  # the persistent kernel's split-K against its plain tiles
         if m >= 1024:
             return [cfg(128, 256, 64, 8, 3), cfg(128, 128, 64, 4, 4), cfg(128, 256, 64, 8, 3, SPLIT_K=2),

@@ -56,12 +56,15 @@ def assert_product(out, expected, k):
     torch.testing.assert_close(out.double().cpu(), expected.double().cpu(), atol=atol, rtol=rtol)
 
 
-@pytest.fixture(params=["pointers", "descriptors", "split-k pointers", "split-k descriptors"])
+@pytest.fixture(params=["pointers", "descriptors", "split-k pointers", "split-k descriptors",
+                        "warp-specialised descriptors"])
 def path(request, profile, device):
     descriptors = request.param.endswith("descriptors")
     if descriptors:
         profile = dataclasses.replace(profile, arch="sm_90", cores=3 if device == "cpu" else profile.cores)
     extra = {"TMA": int(descriptors), "SPLIT_K": 2 if request.param.startswith("split-k") else 1}
+    if request.param.startswith("warp-specialised"):
+        extra["WARP_SPECIALIZE"] = 1
     return profile, extra, "gemm_tma_kernel" if descriptors else "gemm_kernel"
 
 
@@ -78,6 +81,10 @@ def test_granularity_on_every_path(granularity, path, device, gen):
     plan, out = run_plan((a, b, a_scale, b_scale, torch.float32), {**SMALL, **extra}, profile)
     assert plan.calls[0].kernel.__name__ == kernel
     assert plan.calls[0].kwargs["BLOCK_SCALED"] == (granularity == "block")
+    if kernel == "gemm_tma_kernel":  # a warp-specialised loop is never flattened
+        specialised = bool(extra.get("WARP_SPECIALIZE"))
+        flags = plan.calls[0].kwargs
+        assert (flags["WARP_SPECIALIZE"], flags["FLATTEN"]) == (specialised, not specialised)
     assert_product(out, reference(a, b, a_scale, b_scale), K)
 
 
@@ -184,6 +191,19 @@ def test_heuristic(profile):
             assert F.space(hopper).is_valid(F.heuristic(m, 7168, 7168, granularity, hopper)) is None
             assert gemm.shared_memory_bytes(F.heuristic(m, 7168, 7168, granularity, hopper), 1, out_element_size=2
                                             ) <= shared
+
+
+def test_space_warp_specialises_only_where_triton_does(profile):
+    """WARP_SPECIALIZE in the space only for 4-warp descriptor-kernel programs of 128 rows or more
+    on sm_90 (what Triton specialises: tests/kernels/test_gemm_cubin.py), each of its two consumer
+    warpgroups holding half the accumulator; none on another architecture."""
+    hopper = dataclasses.replace(profile, arch="sm_90", cores=132)
+    space = F.space(hopper)
+    specialised = [c for c in space.configs() if c["WARP_SPECIALIZE"]]
+    assert specialised and all(c["TMA"] == 1 and c["num_warps"] == 4 and c["BLOCK_M"] >= 128 for c in specialised)
+    assert max(gemm.accumulator_per_thread(c) for c in specialised) == gemm.MAX_ACC_PER_THREAD
+    assert "warp-specialises" in space.is_valid(dict(specialised[0], num_warps=8))
+    assert not any(c["WARP_SPECIALIZE"] for c in F.space(dataclasses.replace(hopper, arch="sm_80")).configs())
 
 
 def test_scaled_mm_candidate_declines(profile, gen):

@@ -1,7 +1,9 @@
 """Every launch variant of the GEMM block (dlblas_kernels.gemm) and matmul's backward compiles to a
 cubin for cuda:80, cuda:90 and cuda:100 on a CPU-only machine: plans built on ``meta`` tensors,
 each launch through ``triton.compile`` in a process without ``TRITON_INTERPRET``. The descriptor
-variants are planned for an sm_90 profile (where they run) and compiled for every target."""
+variants are planned for an sm_90 profile (where they run) and compiled for every target; the
+warp-specialised ones for sm_90 alone (the only target whose plans take them; Triton fails them on
+sm_100), where their programs must come out specialised."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from isolated import run_json
 pytestmark = pytest.mark.slow
 
 SCRIPT = """
-import dataclasses, json, torch
+import dataclasses, json, re, torch
 from triton.backends.compiler import GPUTarget
 from dlcore.compiler.lowering import compile_call, target_profile
 from dlblas_kernels import gemm
@@ -42,13 +44,21 @@ def variants():
     yield "matmul backward", matmul.backward_plan((dc, a, w.T, bias, "relu", False), small, hopper).calls
     yield "matmul float32 tf32", gemm.gemm_calls(a.float(), w.T.float(), c.float(), {**small, "BLOCK_K": 32}, hopper,
                                                  input_precision="tf32")[0]
+    ws = {**small, "BLOCK_M": 128, "BLOCK_N": 128, "WARP_SPECIALIZE": 1}
+    yield "warp-specialised descriptors", gemm.gemm_calls(a, w.T, c, ws, hopper, epilogue=epi)[0]
+    yield "warp-specialised, flatten asked", gemm.gemm_calls(a, w.T, c, {**ws, "FLATTEN": 1}, hopper)[0]
+    yield "warp-specialised split-k", gemm.gemm_calls(a, w.T, c, {**ws, "SPLIT_K": 2}, hopper)[0][:1]
+    yield "8 warps, specialisation asked", gemm.gemm_calls(a, w.T, c, {**ws, "num_warps": 8}, hopper)[0]
 
 found = {}
 for name, calls in variants():
     for call in calls:
-        for capability in (80, 90, 100):
+        specialised = "specialis" in name
+        for capability in (90,) if specialised else (80, 90, 100):
             kernel = compile_call(call, GPUTarget("cuda", capability, 32))
             found[f"{name}/{call.kernel.__name__}/sm_{capability}"] = len(kernel.asm.get("cubin", b""))
+            if specialised:
+                found[f"{name}/partitions"] = len(set(re.findall(r"partition[0-9]+\\(", kernel.asm["ttgir"])))
 print(json.dumps(found))
 """
 
@@ -78,3 +88,19 @@ def test_compiles_to_cubin(compiled, variant, capability):
     for kernel in VARIANTS[variant]:
         key = f"{variant}/{kernel}/sm_{capability}"
         assert compiled.get(key, 0) > 0, f"{key} not compiled: {sorted(compiled)}"
+
+
+# warp-specialised variant -> the partitions Triton gives its program on sm_90 (a producer and two
+# consumers; none where it ignores the request)
+SPECIALISED = {
+    "warp-specialised descriptors": 2,
+    "warp-specialised, flatten asked": 2,  # loop_flags turns the flattening off
+    "warp-specialised split-k": 2,
+    "8 warps, specialisation asked": 0,  # what warp_specialize_constraints keeps out of the spaces
+}
+
+
+@pytest.mark.parametrize("variant", SPECIALISED)
+def test_warp_specialised_descriptor_kernel(compiled, variant):
+    assert compiled.get(f"{variant}/gemm_tma_kernel/sm_90", 0) > 0, sorted(compiled)
+    assert compiled[f"{variant}/partitions"] == SPECIALISED[variant]

@@ -12,9 +12,15 @@ K, chosen per call from the config and the device profile:
   through descriptors built on the device (``tl.make_tensor_descriptor``, which asks Triton's
   allocator for 128 bytes of global memory per descriptor and program: dlcore's
   :func:`~dlcore.runtime.allocator.ensure_allocator` installs one backed by torch where none is
-  set, before the plan and before every launch of such a kernel, whatever the thread). No warp
-  specialisation: Triton 3.6 ignores ``tl.range(warp_specialize=True)`` on sm_90 (the cubin is
-  the same as without it) and fails to compile it for sm_100 with this epilogue. The descriptors
+  set, before the plan and before every launch of such a kernel, whatever the thread).
+  ``WARP_SPECIALIZE`` (a config's, default off) warp-specialises the persistent tile loop: Triton
+  (3.6 and 3.9, sm_90) then gives the program a producer partition issuing the copies and two
+  consumer warpgroups of 4 warps, each taking half of the tile's rows, so that one consumer's
+  epilogue or block-scale arithmetic runs while the other's ``wgmma`` does (the ping-pong of
+  FlashAttention-3 and DeepGEMM). Triton does so only for 4-warp programs whose tile loop is not
+  flattened (with ``FLATTEN`` or 8 warps the cubin is the one without it, so a warp-specialised
+  loop is never flattened), and fails to compile 64 x 256 tiles so
+  (:func:`warp_specialize_constraints`). The descriptors
   are made in the kernel, not on the host, because a launch's arguments must stay plain tensors
   and numbers: dlcore's launch templates replay a launch with new tensors in the same slots,
   which a host-side descriptor (holding its tensor) would defeat.
@@ -350,6 +356,7 @@ def gemm_tma_kernel(
     SPLIT_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_COL_SCALE: tl.constexpr, BLOCK_SCALED: tl.constexpr,
     ACTIVATION: tl.constexpr, SWIGLU: tl.constexpr, ACT_GRAD: tl.constexpr, STORE_PRE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     """Persistent: program ``pid`` computes work units ``pid, pid + programs, ...`` (an output
     tile, or with SPLIT_K > 1 one K range of one, summed into the float32 workspace ``c_ptr``
@@ -402,7 +409,8 @@ def gemm_tma_kernel(
     k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
     # The descriptors zero-fill out-of-bounds rows and columns (and K beyond K), so ragged edges
     # and a ragged last K step need no masks.
-    for unit in tl.range(tl.program_id(0), num_pid_m * num_pid_n * SPLIT_K, tl.num_programs(0), flatten=FLATTEN):
+    for unit in tl.range(tl.program_id(0), num_pid_m * num_pid_n * SPLIT_K, tl.num_programs(0), flatten=FLATTEN,
+                         warp_specialize=WARP_SPECIALIZE):
         pid_m, pid_n = grouped_tile(unit // SPLIT_K, num_pid_m, num_pid_n, GROUP_M)
         split = unit % SPLIT_K
         off_m = pid_m * BLOCK_M
@@ -557,9 +565,15 @@ MAX_ACC_PER_THREAD = 128
 MIN_ACC_PER_THREAD = 8
 
 
+#: the consumer warpgroups of a warp-specialised descriptor-kernel program (Triton's split of the tile's rows)
+WS_CONSUMERS = 2
+
+
 def accumulator_per_thread(config: Config) -> float:
-    """The float32 accumulator values each thread of a ``config`` program holds."""
-    return config["BLOCK_M"] * config["BLOCK_N"] / (32 * config["num_warps"])
+    """The float32 accumulator values each thread of a ``config`` program holds (under
+    ``WARP_SPECIALIZE``, each of the :data:`WS_CONSUMERS` warpgroups holds its share of the tile)."""
+    consumers = WS_CONSUMERS if config.get("WARP_SPECIALIZE", 0) else 1
+    return config["BLOCK_M"] * config["BLOCK_N"] / (32 * config["num_warps"] * consumers)
 
 
 def accumulator_constraints() -> list[Constraint]:
@@ -584,6 +598,23 @@ def kernel_constraints() -> list[Constraint]:
     ]
 
 
+def warp_specialize_constraints(profile: DeviceProfile | None) -> list[Constraint]:
+    """A space's rule for ``WARP_SPECIALIZE``: only where Triton specialises the loop (the
+    descriptor kernel, so a profile of :data:`TMA_ARCHS` or none known; 4 warps; rows for two
+    64-row consumer warpgroups: 64 x 256 tiles do not compile so), so that no config repeats
+    another's cubin under another name."""
+    if profile is not None and profile.arch not in TMA_ARCHS:
+        return [Constraint(f"WARP_SPECIALIZE == 0 (only the descriptor kernel of {', '.join(TMA_ARCHS)} takes it)",
+                           lambda c: not c.get("WARP_SPECIALIZE", 0))]
+    return [
+        Constraint("WARP_SPECIALIZE == 0 or (TMA == 1 and num_warps == 4 and BLOCK_M >= 128) (Triton "
+                   "warp-specialises 4-warp descriptor-kernel programs, their rows split between two "
+                   "64-row warpgroups)",
+                   lambda c: not c.get("WARP_SPECIALIZE", 0) or (c["TMA"] == 1 and c["num_warps"] == 4
+                                                                 and c["BLOCK_M"] >= 128)),
+    ]
+
+
 def fit_stages(config: Config, limit: int, footprint: Callable[[Config], int]) -> Config:
     """``config`` with one pipelining stage less at a time, down to 2, while ``footprint(config)``
     (the shared memory one program takes, e.g. :func:`shared_memory_bytes`) passes ``limit``
@@ -592,6 +623,13 @@ def fit_stages(config: Config, limit: int, footprint: Callable[[Config], int]) -
     while limit and config["num_stages"] > 2 and footprint(config) > limit:
         config["num_stages"] -= 1
     return config
+
+
+def loop_flags(config: Config) -> dict[str, bool]:
+    """The descriptor kernel's ``FLATTEN`` and ``WARP_SPECIALIZE`` from ``config`` (defaults 1 and
+    0): a warp-specialised loop is never flattened (Triton would drop the specialisation)."""
+    specialise = bool(config.get("WARP_SPECIALIZE", 0))
+    return {"FLATTEN": bool(config.get("FLATTEN", 1)) and not specialise, "WARP_SPECIALIZE": specialise}
 
 
 def gemm_calls(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Config, profile: DeviceProfile,
@@ -608,7 +646,8 @@ def gemm_calls(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Config
         workspace and a reduce applies the epilogue: not with ``b3`` or pre-activations), ``TMA``
         (default 1: the persistent tensor-descriptor kernel where :func:`takes_tma`, else the
         pointer kernel), ``FLATTEN`` (default 1: the persistent loop's tile and K loops
-        software-pipelined as one).
+        software-pipelined as one), ``WARP_SPECIALIZE`` (default 0: the descriptor kernel's tile
+        loop warp-specialised, and then not flattened: :func:`loop_flags`).
     :param profile: the device's: its architecture picks the kernel, its cores the persistent grid.
     :param b3: a second ``[K, N]`` operand (SwiGLU: ``c = silu(z) * z3``, ``z3`` from ``a @ b3``).
     :param epilogue: see :class:`Epilogue`.
@@ -674,8 +713,7 @@ def gemm_calls(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Config
         gemm = KernelCall(gemm_tma_kernel, (min(tiles * split_k, profile.cores),), (
             a, b, b3_, target, pre, pre3, dc, bias, scale, col, m, n, k, stride_a, stride_b, stride_b3, c.stride(0),
             *scale_strides,
-        ), {"A_M_MAJOR": a_m_major, "B_K_MAJOR": b_k_major, **tile, "FLATTEN": bool(config.get("FLATTEN", 1)),
-            **gemm_flags})
+        ), {"A_M_MAJOR": a_m_major, "B_K_MAJOR": b_k_major, **tile, **loop_flags(config), **gemm_flags})
     else:
         stride_cm, stride_cn = (n, 1) if split_k > 1 else (c.stride(0), c.stride(1))
         gemm = KernelCall(gemm_kernel, (tiles, split_k), (

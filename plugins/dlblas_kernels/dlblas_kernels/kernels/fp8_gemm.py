@@ -154,7 +154,7 @@ def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
 
 def _tile(block_m: int, block_n: int, block_k: int, warps: int, stages: int, **extra: int) -> Config:
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages,
-            "SPLIT_K": 1, "TMA": 1, **extra}
+            "SPLIT_K": 1, "TMA": 1, "WARP_SPECIALIZE": 0, **extra}
 
 
 def heuristic(m: int, n: int, k: int, found: Granularity | None, profile: DeviceProfile | None) -> Config:
@@ -196,8 +196,9 @@ def _shared_memory_bytes(c: Config) -> int:
 
 def space(profile: DeviceProfile) -> SearchSpace:
     """The tiles, warps and pipelining depth of the fp8 GEMM (1-byte operands, a 16-bit output tile
-    staged), descriptor or pointer kernel, split-K; K steps of 32 to 128 (under block scales one
-    step lies in one scale block), the pipelined tiles within the profile's shared memory."""
+    staged), descriptor or pointer kernel, split-K, the descriptor kernel warp-specialised or not;
+    K steps of 32 to 128 (under block scales one step lies in one scale block), the pipelined
+    tiles within the profile's shared memory."""
     shared = profile.shared_memory_per_program
     fits = [Constraint(
         f"the pipelined fp8 a and b tiles and the staged 16-bit output tile fit in {shared} bytes of shared memory",
@@ -212,11 +213,13 @@ def space(profile: DeviceProfile) -> SearchSpace:
             num_stages(3, 4, 5, 6),
             Choice("SPLIT_K", (1, 2, 4)),
             Choice("TMA", (0, 1)),
+            Choice("WARP_SPECIALIZE", (0, 1)),
         ],
         [
             *fits,
             *gemm.accumulator_constraints(),
             *gemm.kernel_constraints(),
+            *gemm.warp_specialize_constraints(profile),
         ],
     )
 
