@@ -164,9 +164,12 @@ def test_space_is_a_real_gemm_space():
     for c in space.configs():
         staged = c["BLOCK_M"] * c["BLOCK_N"] if c["TMA"] and c["SPLIT_K"] == 1 else 0
         assert (c["num_stages"] * (c["BLOCK_M"] + c["BLOCK_N"]) * c["BLOCK_K"] + staged) * 2 <= 232448
-        assert 8 <= c["BLOCK_M"] * c["BLOCK_N"] / (32 * c["num_warps"]) <= 128
+        consumers = 2 if c["WARP_SPECIALIZE"] else 1  # each warp-specialised consumer holds half the tile
+        assert 8 <= c["BLOCK_M"] * c["BLOCK_N"] / (32 * c["num_warps"] * consumers) <= 128
         assert c["TMA"] == 0 or c["BLOCK_M"] >= 64
-    too_big = dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4, SPLIT_K=1, TMA=0)
+        assert not c["WARP_SPECIALIZE"] or (c["TMA"], c["num_warps"], c["BLOCK_M"] >= 128) == (1, 4, True)
+    too_big = dict(BLOCK_M=256, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4, SPLIT_K=1, TMA=0,
+                   WARP_SPECIALIZE=0)
     assert "shared memory" in space.is_valid(too_big)
     assert TRITON.space().is_valid(too_big) is None
     assert TRITON.space(dataclasses.replace(h100, shared_memory_per_program=99 * 1024)).size() < space.size()

@@ -218,7 +218,7 @@ def matmul_backward_reference(dc: torch.Tensor, a: torch.Tensor, b: torch.Tensor
 
 def _tile(block_m: int, block_n: int, block_k: int, warps: int, stages: int, **extra: int) -> Config:
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages,
-            "SPLIT_K": 1, "TMA": 1, **extra}
+            "SPLIT_K": 1, "TMA": 1, "WARP_SPECIALIZE": 0, **extra}
 
 
 def heuristic(m: int, n: int, k: int, profile: DeviceProfile | None, element_size: int = 2) -> Config:
@@ -297,8 +297,9 @@ def space(profile: DeviceProfile) -> SearchSpace:
     """The tile shapes, warps and pipelining depth of the GEMM (the grouped program order fixed at
     groups of 8 row blocks, :data:`dlblas_kernels.gemm.GROUP_M`), the persistent
     descriptor kernel or the pointer kernel (``TMA``; the descriptor kernel runs on sm_90 only,
-    elsewhere TMA=1 runs the pointer kernel) and split-K; the pipelined tiles within the shared
-    memory a program may use on the device (no bound where the profile knows none)."""
+    elsewhere TMA=1 runs the pointer kernel), the descriptor kernel warp-specialised or not, and
+    split-K; the pipelined tiles within the shared memory a program may use on the device (no
+    bound where the profile knows none)."""
     shared = profile.shared_memory_per_program
     fits = [Constraint(
         f"(num_stages * (BLOCK_M + BLOCK_N) * BLOCK_K + TMA * BLOCK_M * BLOCK_N * (2 if SPLIT_K > 1 else 1)) * "
@@ -315,6 +316,7 @@ def space(profile: DeviceProfile) -> SearchSpace:
             num_stages(3, 4, 5),
             Choice("SPLIT_K", (1, 2, 4, 8)),
             Choice("TMA", (0, 1)),
+            Choice("WARP_SPECIALIZE", (0, 1)),
         ],
         [
             *fits,
@@ -322,6 +324,7 @@ def space(profile: DeviceProfile) -> SearchSpace:
             Constraint("BLOCK_K <= 128 or BLOCK_M <= 32 (K steps of 256 only for the thin tiles of decoding)",
                        lambda c: c["BLOCK_K"] <= 128 or c["BLOCK_M"] <= 32),
             *gemm.kernel_constraints(),
+            *gemm.warp_specialize_constraints(profile),
         ],
     )
 
