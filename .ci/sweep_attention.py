@@ -28,12 +28,16 @@ def cfg(bm, bn, w, s, **extra):
     return {"BLOCK_M": bm, "BLOCK_N": bn, "num_warps": w, "num_stages": s, **extra}
 
 
+# WARP_SPECIALIZE: the one warp-specialised loop (a producer, two 64-row consumer warpgroups of 4 warps)
+WS = {"WARP_SPECIALIZE": 1}
 CANDIDATES = {
     64: [cfg(128, 128, 8, 3), cfg(128, 64, 4, 4), cfg(128, 64, 8, 4), cfg(128, 128, 4, 3), cfg(64, 64, 4, 4),
-         cfg(128, 64, 4, 4, TMA=0)],
+         cfg(128, 64, 4, 4, TMA=0), cfg(128, 128, 4, 3, **WS), cfg(128, 128, 4, 4, **WS), cfg(128, 64, 4, 5, **WS)],
     128: [cfg(128, 128, 8, 3), cfg(128, 128, 8, 2), cfg(128, 64, 8, 3), cfg(128, 64, 8, 4), cfg(64, 128, 4, 3),
-          cfg(64, 64, 4, 4), cfg(128, 128, 8, 3, TMA=0), cfg(128, 64, 8, 4, TMA=0)],
-    256: [cfg(128, 64, 8, 2), cfg(64, 64, 4, 2), cfg(128, 32, 8, 3), cfg(64, 32, 4, 3), cfg(64, 64, 4, 3)],
+          cfg(64, 64, 4, 4), cfg(128, 128, 8, 3, TMA=0), cfg(128, 64, 8, 4, TMA=0), cfg(128, 128, 4, 2, **WS),
+          cfg(128, 64, 4, 3, **WS), cfg(128, 64, 4, 4, **WS), cfg(128, 64, 4, 5, **WS)],
+    256: [cfg(128, 64, 8, 2), cfg(64, 64, 4, 2), cfg(128, 32, 8, 3), cfg(64, 32, 4, 3), cfg(64, 64, 4, 3),
+          cfg(128, 32, 4, 2, **WS), cfg(128, 32, 4, 3, **WS)],
 }
 
 

@@ -111,6 +111,32 @@ def test_both_load_paths(shape, profile_of_path, dtype, device, gen):
     check(*forward(q, k, v, causal, profile_of_path), q, k, v, causal)
 
 
+@pytest.mark.parametrize("shape", [(1, 37, 37, 2, 1, 64, False), (1, 37, 37, 2, 1, 64, True),
+                                   (2, 20, 45, 4, 2, 96, True), (1, 45, 20, 2, 2, 128, True),
+                                   (2, 17, 9, 4, 1, 256, False)],
+                         ids=["q37-k37-d64", "q37-k37-d64-causal", "q20-k45-d96-causal", "q45-k20-d128-causal",
+                              "q17-k9-d256"])
+def test_warp_specialised_loop(shape, dtype, device, gen, profile):
+    """WARP_SPECIALIZE: one loop over every key block, each masked (Triton specialises one loop a
+    kernel, without a branch in it), on the descriptor path; rows that see no key still get 0 and
+    -inf. Pointer loads and the rotary kernel keep the two loops."""
+    *sizes, causal = shape
+    q, k, v = inputs(*sizes, dtype, device, gen)
+    hopper = dataclasses.replace(profile, arch="sm_90")
+    config = dict(SMALL, WARP_SPECIALIZE=1)
+    for where, specialised in ((hopper, True), (dataclasses.replace(profile, arch="sm_80"), False)):
+        calls = attention.forward_calls(q, k, v, torch.empty_like(q), torch.empty(0), causal=causal, scale=1.0,
+                                        config=config, profile=where)
+        assert calls[0].kwargs["WARP_SPECIALIZE"] is specialised
+        out, lse = forward(q, k, v, causal, where, config)
+        assert not out.isnan().any()
+        check(out, lse, q, k, v, causal)
+    cos = sin = torch.ones(k.shape[1], q.shape[-1], dtype=dtype, device=device)
+    rotary = attention.forward_calls(q, k, v, torch.empty_like(q), torch.empty(0), causal=causal, scale=1.0,
+                                     config=config, profile=hopper, rotary=(cos, sin, False))
+    assert rotary[0].kwargs["WARP_SPECIALIZE"] is False
+
+
 def test_rows_that_see_no_key(dtype, device, gen, profile):
     """Causal with Sq > Sk: the first Sq - Sk rows see no key: out 0, lse -inf, no NaN anywhere."""
     q, k, v = inputs(1, 40, 7, 2, 1, 64, dtype, device, gen)
@@ -312,7 +338,7 @@ def test_blocks_within_the_npu_unified_buffer():
 # --- compiled ------------------------------------------------------------------------------------
 
 CUBIN_SCRIPT = """
-import json, torch
+import json, re, torch
 from triton.backends.compiler import GPUTarget
 from dlcore.compiler.lowering import compile_call, target_profile
 from dlblas_kernels.attention import forward_calls
@@ -333,14 +359,22 @@ def variants():
         else:
             yield "rotary", forward_calls(q, k, k, out, lse, causal=causal, scale=0.1, config=config,
                                           profile=hopper, rotary=(e(300, d), e(300, d), True))
+        specialised = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 2, "WARP_SPECIALIZE": 1}
+        yield f"warp-specialised d{d}", forward_calls(q, k, k, out, lse, causal=causal, scale=0.1,
+                                                      config=specialised, profile=hopper)
 
 found = {}
 for name, calls in variants():
     for call in calls:
-        assert call.kwargs["TMA"] == (name.startswith("descriptors") or name.startswith("rotary")), name
-        for capability in (80, 90, 100):
+        assert call.kwargs["TMA"] == (not name.startswith("pointers")), name
+        assert call.kwargs["WARP_SPECIALIZE"] == name.startswith("warp-specialised"), name
+        # the specialised loop only for sm_90, whose plans alone take it
+        for capability in (90,) if call.kwargs["WARP_SPECIALIZE"] else (80, 90, 100):
             kernel = compile_call(call, GPUTarget("cuda", capability, 32))
             found[f"{name}/sm_{capability}"] = len(kernel.asm.get("cubin", b""))
+            if call.kwargs["WARP_SPECIALIZE"]:
+                found[f"{name}/partitions"] = len(set(re.findall(r"partition[0-9]+\\(", kernel.asm["ttgir"])))
+                found[f"{name}/shared"] = kernel.metadata.shared
 print(json.dumps(found))
 """
 
@@ -348,8 +382,15 @@ print(json.dumps(found))
 @pytest.mark.slow
 def test_forward_compiles_to_cubin():
     compiled = run_json(CUBIN_SCRIPT, None, TRITON_INTERPRET="0")
+    specialised = ("warp-specialised d128", "warp-specialised d96")
+    model = attention.shared_memory_bytes(
+        {"BLOCK_M": 128, "BLOCK_N": 128, "num_stages": 2, "WARP_SPECIALIZE": 1}, 128, 2)
+    for name in specialised:  # a producer and two consumer warpgroups; the model to within the barriers
+        assert compiled.pop(f"{name}/partitions") == 2, name
+        assert 0 <= compiled.pop(f"{name}/shared") - model <= 1024, name
     expected = {f"{name}/sm_{capability}" for name in ("descriptors d128", "descriptors d96", "pointers", "rotary")
                 for capability in (80, 90, 100)}
+    expected |= {f"{name}/sm_90" for name in specialised}
     assert set(compiled) == expected
     assert all(size > 0 for size in compiled.values()), compiled
 

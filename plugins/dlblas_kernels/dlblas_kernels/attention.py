@@ -43,6 +43,15 @@ rows split into their even and odd lanes), and are pipelined with v: each stage 
 sin and v tile, so the rotary kernel takes 2 stages of 128 x 128 blocks where the plain one takes 3
 (:func:`shared_memory_bytes`).
 
+``WARP_SPECIALIZE`` (a config's, default off; descriptor loads, no rotary) runs the key blocks in one
+warp-specialised loop: Triton (3.6 and 3.9, sm_90, 4-warp programs of 128 query rows) gives the
+program a producer partition issuing the copies and two consumer warpgroups of 64 query rows
+each, so that one's softmax runs while the other's products do (FlashAttention-3's ping-pong).
+Triton specialises one loop a kernel and no loop holding a branch (a second loop fails to compile,
+a branch in the loop leaves it unspecialised), so that loop masks every block, the unmasked ones
+included (a compare and a select per score), and the rotary kernel, whose loop does not compile
+specialised, keeps its two loops.
+
 Precision: float16 / bfloat16 products on the tensor cores with float32 accumulation; float32
 inputs exact (``input_precision="ieee"``), the path the interpreter tests take.
 """
@@ -157,14 +166,15 @@ def _attend(acc, l_i, m_i, q, q_b, start, end,
             stride_cos_s, stride_cos_d, stride_sin_s, stride_sin_d,
             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
             MASKED: tl.constexpr, CAUSAL: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
-            TMA: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+            TMA: tl.constexpr, INPUT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False):
     """The online softmax over key blocks ``start, start + BLOCK_N, ... < end``: ``(acc, l, m)``
     updated, ``m`` in base 2. MASKED: scores of keys past SK, and with CAUSAL of keys past the
     diagonal (key ``j`` > row ``i + diagonal``), are -inf; otherwise every score counts. With TMA
     the ``*_src`` are tensor descriptors (:func:`_pair_sources` for the rotary ones: ``k_src2``,
-    ``cos_src2``, ``sin_src2`` the second pair halves), otherwise base pointers."""
+    ``cos_src2``, ``sin_src2`` the second pair halves), otherwise base pointers. WARP_SPECIALIZE:
+    the loop warp-specialised (a producer partition for the copies, two consumer warpgroups)."""
     d_mask = offs_d < HEAD_DIM
-    for n in range(start, end, BLOCK_N):
+    for n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         n = tl.multiple_of(n, BLOCK_N)
         keys = n + offs_n
         key_mask = keys < SK
@@ -222,12 +232,13 @@ def attention_forward_kernel(
     stride_sin_b, stride_sin_s, stride_sin_d,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_P: tl.constexpr, CAUSAL: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
-    TMA: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr, INPUT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     """``BLOCK_M`` query rows of one (batch, query head) per program, over a 1-D grid (see the
     module doc for the order). ``qk_scale`` is ``scale * log2(e)``; query head ``h`` reads kv head
     ``h // GROUP``; ``out`` has a unit D stride; ``lse`` is ``[B, HQ, SQ]`` contiguous. BLOCK_P is
-    the width of a rotary pair half (ROTARY only)."""
+    the width of a rotary pair half (ROTARY only). WARP_SPECIALIZE: one warp-specialised loop over
+    every key block, each masked (see the module doc)."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(SQ, BLOCK_M)
     heads = tl.num_programs(0) // num_m
@@ -300,18 +311,26 @@ def attention_forward_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_b, 0, full, k_src, k_src2, v_src, cos_src, cos_src2, sin_src,
-                            sin_src2, offs_m, offs_n, offs_d, p, SK, diagonal, qk_scale,
-                            stride_ks, stride_kd, stride_vs, stride_vd,
-                            stride_cos_s, stride_cos_d, stride_sin_s, stride_sin_d,
-                            HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_P, False, CAUSAL, ROTARY, INTERLEAVED, TMA,
-                            INPUT_PRECISION)
-    acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_b, full, end, k_src, k_src2, v_src, cos_src, cos_src2, sin_src,
-                            sin_src2, offs_m, offs_n, offs_d, p, SK, diagonal, qk_scale,
-                            stride_ks, stride_kd, stride_vs, stride_vd,
-                            stride_cos_s, stride_cos_d, stride_sin_s, stride_sin_d,
-                            HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_P, True, CAUSAL, ROTARY, INTERLEAVED, TMA,
-                            INPUT_PRECISION)
+    if WARP_SPECIALIZE:
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_b, 0, end, k_src, k_src2, v_src, cos_src, cos_src2, sin_src,
+                                sin_src2, offs_m, offs_n, offs_d, p, SK, diagonal, qk_scale,
+                                stride_ks, stride_kd, stride_vs, stride_vd,
+                                stride_cos_s, stride_cos_d, stride_sin_s, stride_sin_d,
+                                HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_P, True, CAUSAL, ROTARY, INTERLEAVED, TMA,
+                                INPUT_PRECISION, True)
+    else:
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_b, 0, full, k_src, k_src2, v_src, cos_src, cos_src2, sin_src,
+                                sin_src2, offs_m, offs_n, offs_d, p, SK, diagonal, qk_scale,
+                                stride_ks, stride_kd, stride_vs, stride_vd,
+                                stride_cos_s, stride_cos_d, stride_sin_s, stride_sin_d,
+                                HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_P, False, CAUSAL, ROTARY, INTERLEAVED, TMA,
+                                INPUT_PRECISION)
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_b, full, end, k_src, k_src2, v_src, cos_src, cos_src2, sin_src,
+                                sin_src2, offs_m, offs_n, offs_d, p, SK, diagonal, qk_scale,
+                                stride_ks, stride_kd, stride_vs, stride_vd,
+                                stride_cos_s, stride_cos_d, stride_sin_s, stride_sin_d,
+                                HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_P, True, CAUSAL, ROTARY, INTERLEAVED, TMA,
+                                INPUT_PRECISION)
 
     # Rows that saw no key: l = 0, acc = 0 -> out 0, lse -inf.
     seen = l_i > 0.0
@@ -379,11 +398,14 @@ def shared_memory_bytes(config: Config, head_dim: int, element_size: int, rotary
     tile per stage but the last (the loop's loads are consumed in registers, one stage less
     buffered), and two k tiles for the rotated k the products read (BLOCK_M 128, D 128, bfloat16:
     BLOCK_N 128 with 2 stages 229 408 bytes, BLOCK_N 64 with 3 stages 196 656, pointer loads or
-    descriptors alike)."""
+    descriptors alike). Warp-specialised (``WARP_SPECIALIZE``, plain only): a second q tile (BLOCK_M
+    128, D 128: BLOCK_N 128 with 2 stages 197 024 bytes, 3 stages 262 680)."""
     if rotary:
         block = config["BLOCK_M"] + (4 * max(config["num_stages"] - 1, 1) + 2) * config["BLOCK_N"]
     else:
         block = config["BLOCK_M"] + 2 * config["num_stages"] * config["BLOCK_N"]
+        if config.get("WARP_SPECIALIZE", 0):  # the q tile twice (D 64, 128, 256: 16, 32, 64 KiB more)
+            block += config["BLOCK_M"]
     return block * block_d(head_dim) * element_size
 
 
@@ -432,7 +454,8 @@ def forward_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     (float32, contiguous) from q ``[B, Sq, Hq, D]`` and k, v ``[B, Sk, Hk, D]`` of any strides.
 
     :param config: ``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``; optional ``TMA`` (default
-        1: descriptor loads where :func:`takes_tma`; 0: pointer loads always). Fitted to the
+        1: descriptor loads where :func:`takes_tma`; 0: pointer loads always), ``WARP_SPECIALIZE``
+        (default 0; taken with descriptor loads and no rotary, see the module doc). Fitted to the
         device's shared memory first (:func:`fit`: the rotary tiles take twice the pipeline's), on
         an npu to its unified buffer (:func:`fit_npu`).
     :param rotary: ``(cos, sin, interleaved)``: apply_rotary_pos_emb's rotation to the q and k tiles
@@ -455,6 +478,7 @@ def forward_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     tma = bool(config.get("TMA", 1)) and takes_tma(profile, q, k, v, out)
     if rotary is not None:
         tma = tma and tables_take_tma(cos, sin, interleaved, q, k)
+    specialise = tma and rotary is None and bool(config.get("WARP_SPECIALIZE", 0))
     if tma:
         ensure_allocator()
     precision = "ieee"
@@ -465,5 +489,6 @@ def forward_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
         {"HEAD_DIM": d, "BLOCK_M": block_m, "BLOCK_N": block_n,
          "BLOCK_D": block_d(d), "BLOCK_P": max(next_power_of_2(d // 2), MIN_DOT_K),
          "CAUSAL": bool(causal), "ROTARY": rotary is not None, "INTERLEAVED": bool(interleaved), "TMA": tma,
-         "INPUT_PRECISION": precision, "num_warps": config["num_warps"], "num_stages": config["num_stages"]},
+         "INPUT_PRECISION": precision, "num_warps": config["num_warps"], "num_stages": config["num_stages"],
+         "WARP_SPECIALIZE": specialise},
     )]

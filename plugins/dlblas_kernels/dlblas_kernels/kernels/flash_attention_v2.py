@@ -27,13 +27,14 @@ from torch.nn.attention import SDPBackend
 
 from dlblas_kernels import attention_decode, attention_grad
 from dlblas_kernels.attention import FORWARD_KERNELS, block_d, fit, forward_calls, shared_memory_bytes
+from dlblas_kernels.gemm import TMA_ARCHS
 from dlblas_kernels.sdpa import sdpa_attention
 from dlcore import InvalidInputError
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, LaunchPlan
 from dlcore.declarations.op import Op, ScalarArg, TensorArg
 from dlcore.declarations.signature import Signature
-from dlcore.declarations.space import Constraint, PowerOfTwo, SearchSpace, num_stages, num_warps
+from dlcore.declarations.space import Choice, Constraint, PowerOfTwo, SearchSpace, num_stages, num_warps
 from dlcore.runtime.template import Backward, Residuals, define_kernel
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -149,33 +150,49 @@ def default_config(sig: Signature, profile: DeviceProfile) -> Config:
     _, sq, _, d = sig.tensor("q").shape
     width = block_d(d)
     if width <= 64:
-        config = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3}
+        config = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3, "WARP_SPECIALIZE": 0}
     elif width <= 128:
-        config = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3}
+        config = {"BLOCK_M": 128, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3, "WARP_SPECIALIZE": 0}
     else:
-        config = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2}
+        config = {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 2, "WARP_SPECIALIZE": 0}
     config["BLOCK_M"] = min(config["BLOCK_M"], max(sq, 16))
     return fit(config, d, sig.dtype.itemsize, profile)
 
 
-def space(profile: DeviceProfile) -> SearchSpace:
-    """Query and key block heights, warps and pipelining depth; the tiles within the shared memory
-    of the device for 16-bit heads of 128 (wider heads: the plan fits the config, see :func:`fit`),
-    the accumulator and the scores within half a thread's registers."""
+def _threads(c: Config) -> int:
+    """The threads holding a program's rows: its warps, twice over when warp-specialised (two
+    consumer warpgroups of ``num_warps`` each, 64 rows apiece)."""
+    return 32 * c["num_warps"] * (2 if c.get("WARP_SPECIALIZE", 0) else 1)
+
+
+def space(profile: DeviceProfile, *, warp_specialize: bool = True) -> SearchSpace:
+    """Query and key block heights, warps and pipelining depth, the warp-specialised loop or the
+    two plain ones (``warp_specialize``: offered at all; only for 4-warp programs of 128 query rows
+    on sm_90, what Triton specialises); the tiles within the shared memory of the device for
+    16-bit heads of 128 (wider heads: the plan fits the config, see :func:`fit`), the accumulator
+    and the scores within half a thread's registers."""
     shared = profile.shared_memory_per_program
     fits = [Constraint(
-        f"(BLOCK_M + 2 * num_stages * BLOCK_N) * {SPACE_HEAD_DIM} * {SPACE_ELEMENT_BYTES} bytes <= {shared} "
-        f"(the q tile and the pipelined k and v tiles fit in shared memory)",
+        f"(BLOCK_M * (1 + WARP_SPECIALIZE) + 2 * num_stages * BLOCK_N) * {SPACE_HEAD_DIM} * {SPACE_ELEMENT_BYTES} "
+        f"bytes <= {shared} (the q tile (twice when warp-specialised) and the pipelined k and v tiles fit in "
+        f"shared memory)",
         lambda c: shared_memory_bytes(c, SPACE_HEAD_DIM, SPACE_ELEMENT_BYTES) <= shared,
     )] if shared else []
+    specialise = warp_specialize and profile.arch in TMA_ARCHS
     return SearchSpace(
-        [PowerOfTwo("BLOCK_M", 16, 256), PowerOfTwo("BLOCK_N", 16, 256), num_warps(4, 8), num_stages(1, 2, 3, 4, 5)],
+        [PowerOfTwo("BLOCK_M", 16, 256), PowerOfTwo("BLOCK_N", 16, 256), num_warps(4, 8), num_stages(1, 2, 3, 4, 5),
+         Choice("WARP_SPECIALIZE", (0, 1) if specialise else (0,))],
         [
             *fits,
-            Constraint(f"BLOCK_M * {SPACE_HEAD_DIM} / (32 * num_warps) <= {MAX_PER_THREAD} (the accumulator fits)",
-                       lambda c: c["BLOCK_M"] * SPACE_HEAD_DIM / (32 * c["num_warps"]) <= MAX_PER_THREAD),
-            Constraint(f"BLOCK_M * BLOCK_N / (32 * num_warps) <= {MAX_PER_THREAD} (the scores fit)",
-                       lambda c: c["BLOCK_M"] * c["BLOCK_N"] / (32 * c["num_warps"]) <= MAX_PER_THREAD),
+            Constraint(f"BLOCK_M * {SPACE_HEAD_DIM} / (32 * num_warps * (1 + WARP_SPECIALIZE)) <= {MAX_PER_THREAD} "
+                       f"(the accumulator fits)",
+                       lambda c: c["BLOCK_M"] * SPACE_HEAD_DIM / _threads(c) <= MAX_PER_THREAD),
+            Constraint(f"BLOCK_M * BLOCK_N / (32 * num_warps * (1 + WARP_SPECIALIZE)) <= {MAX_PER_THREAD} "
+                       f"(the scores fit)",
+                       lambda c: c["BLOCK_M"] * c["BLOCK_N"] / _threads(c) <= MAX_PER_THREAD),
+            Constraint("WARP_SPECIALIZE == 0 or (num_warps == 4 and BLOCK_M == 128) (Triton specialises 4-warp "
+                       "programs into two 64-row consumer warpgroups)",
+                       lambda c: not c["WARP_SPECIALIZE"] or (c["num_warps"] == 4 and c["BLOCK_M"] == 128)),
         ],
     )
 

@@ -49,6 +49,7 @@ from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, LaunchPlan, LoweringLimit
 from dlcore.declarations.op import Op, ScalarArg, TensorArg
 from dlcore.declarations.signature import Signature
+from dlcore.declarations.space import SearchSpace
 from dlcore.runtime.template import Backward, Residuals, define_kernel
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -164,6 +165,12 @@ def default_config(sig: Signature, profile: DeviceProfile | None) -> Config:
     return attention.fit(config, d, sig.dtype.itemsize, profile, rotary=True)
 
 
+def space(profile: DeviceProfile) -> SearchSpace:
+    """flash_attention_v2's space without the warp-specialised loop, which the rotary kernel's loop
+    does not compile to (:mod:`dlblas_kernels.attention`)."""
+    return flash_attention_v2.space(profile, warp_specialize=False)
+
+
 def check(op: Op, args: dict[str, Any]) -> None:
     """flash_attention_v2's checks of q, k and v; an even D; tables of one row per key; Sq <= Sk
     unless causal (see the module doc)."""
@@ -271,7 +278,7 @@ KERNEL = define_kernel(
     kernels=(*attention.FORWARD_KERNELS, *attention_grad.BACKWARD_KERNELS),
     results=results,
     default_config=default_config,
-    space=flash_attention_v2.space,
+    space=space,
     backward=Backward(
         _gradients, saved=("q", "k", "v", "cos", "sin", "out", "lse", "causal", "softmax_scale", "interleaved"),
         plan=attention_grad.rotary_backward_plan, reference=attention_grad.rotary_backward_reference,
