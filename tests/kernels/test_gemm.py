@@ -21,7 +21,7 @@ SMALL = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, GROUP_M=2, num_warps=1, num_sta
 ACT = {None: lambda z: z, "relu": torch.relu, "silu": F.silu, "gelu_tanh": lambda z: F.gelu(z, approximate="tanh")}
 
 
-PATHS = ["pointers", "descriptors", "split-k pointers", "split-k descriptors"]
+PATHS = ["pointers", "descriptors", "split-k pointers", "split-k descriptors", "warp-specialised descriptors"]
 
 
 @pytest.fixture(params=PATHS)
@@ -30,7 +30,8 @@ def path(request, profile, device):
     descriptors = request.param.endswith("descriptors")
     if descriptors:
         profile = dataclasses.replace(profile, arch="sm_90", cores=3 if device == "cpu" else profile.cores)
-    extra = {"TMA": int(descriptors), **({"SPLIT_K": 3} if request.param.startswith("split-k") else {})}
+    extra = {"TMA": int(descriptors), **({"SPLIT_K": 3} if request.param.startswith("split-k") else {}),
+             **({"WARP_SPECIALIZE": 1} if request.param.startswith("warp") else {})}
     return profile, extra, "gemm_tma_kernel" if descriptors else "gemm_kernel"
 
 
@@ -133,6 +134,24 @@ def test_descriptor_path_only_where_the_copy_engine_can_go(profile, device):
     assert not gemm.takes_tma(hopper, a, b[:, ::2], c[:, :16])  # no unit stride in b
     calls, _ = gemm.gemm_calls(a, b, c, {**SMALL, "TMA": 0}, hopper)
     assert calls[0].kernel.__name__ == "gemm_kernel"
+
+
+def test_warp_specialised_loop_flags():
+    """WARP_SPECIALIZE turns the flattening off (Triton would drop the specialisation) and is dropped
+    where pre-activations are stored (their staging buffers would overflow the shared memory)."""
+    from dlcore.compiler.lowering import target_profile
+
+    hopper = target_profile("cuda:90")
+    config = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3, WARP_SPECIALIZE=1)
+    a, w, c = (torch.empty(*s, device="meta", dtype=torch.bfloat16) for s in ((512, 256), (512, 256), (512, 512)))
+
+    def flags(**epilogue):
+        calls, _ = gemm.gemm_calls(a, w.T, c, config, hopper, epilogue=gemm.Epilogue(**epilogue))
+        return calls[0].kwargs["WARP_SPECIALIZE"], calls[0].kwargs["FLATTEN"]
+
+    assert flags() == (True, False)
+    assert flags(activation="silu", pre=c) == (False, True)
+    assert gemm.loop_flags({}) == {"FLATTEN": True, "WARP_SPECIALIZE": False}
 
 
 def test_bad_epilogues_raise(profile, device):

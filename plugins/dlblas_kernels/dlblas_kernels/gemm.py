@@ -625,10 +625,13 @@ def fit_stages(config: Config, limit: int, footprint: Callable[[Config], int]) -
     return config
 
 
-def loop_flags(config: Config) -> dict[str, bool]:
+def loop_flags(config: Config, store_pre: bool = False) -> dict[str, bool]:
     """The descriptor kernel's ``FLATTEN`` and ``WARP_SPECIALIZE`` from ``config`` (defaults 1 and
-    0): a warp-specialised loop is never flattened (Triton would drop the specialisation)."""
-    specialise = bool(config.get("WARP_SPECIALIZE", 0))
+    0): a warp-specialised loop is never flattened (Triton would drop the specialisation), and
+    never stores pre-activations (``store_pre``: a specialised program stages those stores apart,
+    64 KiB more shared memory at 128 x 128 than :func:`shared_memory_bytes` counts; 197 080 bytes
+    in 2 stages, 262 808 in 3)."""
+    specialise = bool(config.get("WARP_SPECIALIZE", 0)) and not store_pre
     return {"FLATTEN": bool(config.get("FLATTEN", 1)) and not specialise, "WARP_SPECIALIZE": specialise}
 
 
@@ -647,7 +650,7 @@ def gemm_calls(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Config
         (default 1: the persistent tensor-descriptor kernel where :func:`takes_tma`, else the
         pointer kernel), ``FLATTEN`` (default 1: the persistent loop's tile and K loops
         software-pipelined as one), ``WARP_SPECIALIZE`` (default 0: the descriptor kernel's tile
-        loop warp-specialised, and then not flattened: :func:`loop_flags`).
+        loop warp-specialised, and then not flattened; not with pre-activations: :func:`loop_flags`).
     :param profile: the device's: its architecture picks the kernel, its cores the persistent grid.
     :param b3: a second ``[K, N]`` operand (SwiGLU: ``c = silu(z) * z3``, ``z3`` from ``a @ b3``).
     :param epilogue: see :class:`Epilogue`.
@@ -713,7 +716,8 @@ def gemm_calls(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Config
         gemm = KernelCall(gemm_tma_kernel, (min(tiles * split_k, profile.cores),), (
             a, b, b3_, target, pre, pre3, dc, bias, scale, col, m, n, k, stride_a, stride_b, stride_b3, c.stride(0),
             *scale_strides,
-        ), {"A_M_MAJOR": a_m_major, "B_K_MAJOR": b_k_major, **tile, **loop_flags(config), **gemm_flags})
+        ), {"A_M_MAJOR": a_m_major, "B_K_MAJOR": b_k_major, **tile, **loop_flags(config, e.pre is not None),
+            **gemm_flags})
     else:
         stride_cm, stride_cn = (n, 1) if split_k > 1 else (c.stride(0), c.stride(1))
         gemm = KernelCall(gemm_kernel, (tiles, split_k), (
