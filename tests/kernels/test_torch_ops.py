@@ -79,7 +79,7 @@ def test_opcheck_backward(name, device, gen):
         op, args = ops.apply_rotary_pos_emb_backward.default, (r(*q.shape), r(*k.shape), cos, sin, True, 2, 1)
     elif name == "matmul":
         a, b, *_ = example(name, torch.float32, device, gen)
-        op, args = ops.matmul_backward.default, (r(5, 8), a, b, r(8), "silu", False, 16, 16, 16, 1, 1, 1, 1)
+        op, args = ops.matmul_backward.default, (r(5, 8), a, b, r(8), "silu", False, 16, 16, 16, 1, 1, 1, 1, 0)
     else:
         q, k_pe, kv, cos, sin, *dims = example(name, torch.float32, device, gen)
         op = ops.partial_rotary_emb_backward.default
