@@ -28,6 +28,9 @@
 #              forward + backward (gating preset, vs its torch reference), fused_moe forward and backward
 #              (moe preset, vs the grouped_mm composite, the Triton kernel alone beside get_op's choice), and
 #              fused_moe with fp8 weights (moe-fp8 preset, vs its own bf16 path): about 4 minutes
+#   warp-specialize  the warp-specialised kernels (WARP_SPECIALIZE configs) against the defaults: fp8_gemm at
+#              DeepSeek-V3's shapes (block and tensor scales), the bf16 GEMM at M 4096 and 16384, the attention
+#              forward at D 128 (S 8192, causal and not); JSON lines in $OUT/ws_*.jsonl, each written as it goes
 #   first-call the first call in new processes with Triton's cache warm: docs/results/first_call.json
 #   compiler   grid folding measurements and the `dlcore lower --all --report` table
 # e.g. bash .ci/gpu.sh tests overhead. Results land under $OUT.
@@ -65,7 +68,8 @@ for stage in "$@"; do
       # docs/results/overhead.json: python3 docs/results/render.py import-overhead overhead.txt
       python3 -m dlcore.bench.overhead warm train hot cold first 2>&1 | tee "$OUT/overhead.txt" ;;
     landscape-matmul)
-      # the GEMM block's space has 1417 configs on an H200: a seeded sample of LANDSCAPE_LIMIT, compiled and timed
+      # matmul's space (1417 configs on an H200 when landscape_matmul.json was recorded, before WARP_SPECIALIZE):
+      # a seeded sample of LANDSCAPE_LIMIT, compiled and timed
       python3 -m dlcore.bench.landscape record matmul --shape tokens=4096,hidden=4096,inter=4096 \
           --dtype bfloat16 --workers 14 --limit "${LANDSCAPE_LIMIT:-400}" --out "$OUT/landscape_matmul.json" \
           2>&1 | tail -1 ;;
@@ -121,6 +125,10 @@ for stage in "$@"; do
       esac
       [ -n "$BENCH_SPECS" ] && read -r -a specs <<< "$BENCH_SPECS"
       python3 .ci/bench_group.py /tmp/results "$OUT/results.tgz" "${specs[@]}" 2>&1 | tee -a "$OUT/bench.log" | grep -E '^== |geomean' ;;
+    warp-specialize)
+      python3 .ci/sweep_fp8_gemm.py block tensor 2>&1 | tee "$OUT/ws_fp8.jsonl" | grep -E 'summary' ;
+      SWEEP_SET=ws SWEEP_M=4096,16384 python3 .ci/sweep_gemm.py sweep "$OUT/ws_gemm.jsonl" 2>&1 | tail -3
+      SWEEP_D=128 python3 .ci/sweep_attention.py sweep "$OUT/ws_attention.jsonl" 2>&1 | tail -3 ;;
     first-call)
       # the first call in new processes, Triton's cache warm: docs/results/first_call.json
       python3 .ci/first_call.py all --runs 3 --json "$OUT/first_call.json" 2>&1 | tail -20 ;;
