@@ -415,6 +415,10 @@ def test_implementations_alone_get_columns_and_the_choice_is_named(monkeypatch, 
     data = report.to_json()
     assert data["dlcore_columns"] == ["dlcore[reference]"] and data["baselines"] == ["torch"]
     assert data["shapes"][0]["chosen_impl"] == "alt" and data["shapes"][0]["speedup_vs_best"] == 2.0
+    # why get_op chose it (the reference is the oracle, a candidate only where no other accepts the inputs)
+    assert data["shapes"][0]["selection"] == {
+        "how": "only candidate", "measured": {}, "failed": {},
+        "declined": {"reference": "fallback only; a dedicated implementation accepts these inputs"}}
     assert data["shapes"][0]["speedup_of"] == {"dlcore[reference]": {"torch": 2.0}}
     assert data["geomean_speedup_of"] == {OWN: {"torch": pytest.approx(8.0), "best": 2.0},
                                           "dlcore[reference]": {"torch": pytest.approx(4.0)}}

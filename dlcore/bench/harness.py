@@ -108,6 +108,9 @@ class ShapeResult:
     chosen: str = ""
     #: the name of the implementation ``get_op`` chose
     impl: str = ""
+    #: how ``get_op`` chose: its selection's ``how``, each candidate's measured ms (forward and
+    #: backward for a training call) and why any failed or declined (``Selection.to_json``)
+    selection: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     #: ms of a device-to-device copy moving ``nbytes`` (read + written), timed in the same run
     copy_ms: float | None = None
@@ -330,6 +333,7 @@ class Report:
             "same_size_copy_ms": r.copy_ms,
             "chosen": r.chosen,
             "chosen_impl": r.impl,
+            "selection": r.selection,
             "results": {name: {"ms": r.ms(name), "rounds_ms": times, "gbps": r.gbps(name),
                                "tflops": r.tflops(name), "copy_fraction": r.copy_fraction(name, copy),
                                "same_size_copy_fraction": r.same_size_copy_fraction(name)}
@@ -515,6 +519,8 @@ class Bench:
         bound = get_op(self.op.name, args)
         result.chosen = f"{bound.impl.name} {bound.config}"
         result.impl = bound.impl.name
+        result.selection = {key: value for key, value in bound.selection.to_json().items()
+                            if key in ("how", "measured", "failed", "declined")}
         if getattr(bound.impl, "fallback_only", False):
             result.notes.append(f"{OWN} ran {bound.impl.name}: no dedicated kernel accepts these inputs here")
         impls: dict[str, Callable[..., Any]] = {OWN: bound}
