@@ -28,9 +28,9 @@
 #              forward + backward (gating preset, vs its torch reference), fused_moe forward and backward
 #              (moe preset, vs the grouped_mm composite, the Triton kernel alone beside get_op's choice), and
 #              fused_moe with fp8 weights (moe-fp8 preset, vs its own bf16 path): about 4 minutes
-#   warp-specialize  the warp-specialised kernels (WARP_SPECIALIZE configs) against the defaults: fp8_gemm at
-#              DeepSeek-V3's shapes (block and tensor scales), the bf16 GEMM at M 4096 and 16384, the attention
-#              forward at D 128 (S 8192, causal and not); JSON lines in $OUT/ws_*.jsonl, each written as it goes
+#   warp-specialize  the warp-specialised kernels (WARP_SPECIALIZE configs) against the defaults: the bf16 GEMM
+#              at M 4096 and 16384, the attention forward at D 128 (S 8192, causal and not); JSON lines in
+#              $OUT/ws_*.jsonl, each written as it goes (fp8_gemm never specialises: its space says why)
 #   first-call the first call in new processes with Triton's cache warm: docs/results/first_call.json
 #   compiler   grid folding measurements and the `dlcore lower --all --report` table
 # e.g. bash .ci/gpu.sh tests overhead. Results land under $OUT.
@@ -126,7 +126,6 @@ for stage in "$@"; do
       [ -n "$BENCH_SPECS" ] && read -r -a specs <<< "$BENCH_SPECS"
       python3 .ci/bench_group.py /tmp/results "$OUT/results.tgz" "${specs[@]}" 2>&1 | tee -a "$OUT/bench.log" | grep -E '^== |geomean' ;;
     warp-specialize)
-      python3 .ci/sweep_fp8_gemm.py block tensor 2>&1 | tee "$OUT/ws_fp8.jsonl" | grep -E 'summary' ;
       SWEEP_SET=ws SWEEP_M=4096,16384 python3 .ci/sweep_gemm.py sweep "$OUT/ws_gemm.jsonl" 2>&1 | tail -3
       SWEEP_D=128 python3 .ci/sweep_attention.py sweep "$OUT/ws_attention.jsonl" 2>&1 | tail -3 ;;
     first-call)
