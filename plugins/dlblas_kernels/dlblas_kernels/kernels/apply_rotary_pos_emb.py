@@ -295,6 +295,15 @@ def _launch(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.
     )]
 
 
+def rotation_calls(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor, interleaved: bool, backward: bool = False) -> list[KernelCall]:
+    """The launch that writes the rotation of ``q`` and ``k`` (``[..., S, H, D]``, one ``S``) into
+    ``q_out`` and ``k_out`` (``backward``: the transposed rotation, what the gradients take), with
+    :func:`default_config`'s steps: for an op that rotates inside its own plan."""
+    tokens = math.prod(q.shape[:-2])
+    return _launch(q, k, q_out, k_out, cos, sin, interleaved, backward, config_for(tokens, q.shape[-2], q.shape[-1]))
+
+
 def _step(rows: int, heads: int, tokens: int) -> tuple[int, int]:
     """(heads, tokens) per step of ``rows`` (token, head) rows for a tensor of ``heads`` heads."""
     block_h = min(rows, next_power_of_2(max(heads, 1)))
@@ -356,6 +365,13 @@ def default_config(sig: Signature, profile: DeviceProfile) -> Config:
     of q's heads in one step; up to :data:`SOME_TOKENS`, steps of twice the tile; as many elements
     per thread, with more warps."""
     tokens, heads, d = sig.tensor("q").shape  # tokens rounded up to a power of two
+    return config_for(tokens, heads, d)
+
+
+def config_for(tokens: int, heads: int, d: int) -> Config:
+    """:func:`default_config` for ``tokens`` tokens (rounded up to a power of two) of ``heads`` q
+    heads of ``d``."""
+    tokens = next_power_of_2(max(tokens, 1))
     width = next_power_of_2(d)
     rows = TILE // width
     if tokens <= FEW_TOKENS:
