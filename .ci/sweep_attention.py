@@ -109,7 +109,8 @@ def baselines(q, k, v, causal) -> dict:
 
 
 def main() -> None:
-    from dlblas_kernels.kernels.flash_attention_v2 import OP, cost, default_config, sdpa
+    from dlblas_kernels.kernels.flash_attention_v2 import OP, cost, default_config
+    from dlblas_kernels.sdpa import sdpa_attention as sdpa
     from torch.nn.attention import SDPBackend
 
     from dlcore.declarations.signature import make_signature
