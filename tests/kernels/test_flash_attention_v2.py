@@ -310,6 +310,17 @@ def test_default_config_fits_the_device():
     assert attention.fit(config, 128, 2, hopper, rotary=True) == {**config, "num_stages": 2}
 
 
+def test_space_offers_no_warp_specialised_loop_unless_asked():
+    """Triton 3.6.0's specialised loop gave wrong outputs on sm_90 at S 8192 (space's docstring):
+    the space a tuner searches holds none; asked for, only 4-warp programs of 128 rows on sm_90."""
+    hopper = target_profile("cuda:90")
+    assert not any(c["WARP_SPECIALIZE"] for c in space(hopper).configs())
+    assert "WARP_SPECIALIZE" in space(hopper).is_valid(dict(BLOCK_M=128, BLOCK_N=128, num_warps=4, num_stages=2,
+                                                            WARP_SPECIALIZE=1))
+    asked = [c for c in space(hopper, warp_specialize=True).configs() if c["WARP_SPECIALIZE"]]
+    assert asked and all(c["num_warps"] == 4 and c["BLOCK_M"] == 128 for c in asked)
+
+
 def test_blocks_within_the_npu_unified_buffer():
     """On npu the forward's blocks are at most :data:`attention.NPU_BLOCKS`: bishengir-compile 1.2
     overflowed the Ascend 910B's 192 KiB unified buffer with 128 x 128 causal blocks (D 64 and 128)

@@ -177,7 +177,7 @@ def default_config(sig: Signature, profile: DeviceProfile | None) -> Config:
 def space(profile: DeviceProfile) -> SearchSpace:
     """flash_attention_v2's space without the warp-specialised loop, which the rotary kernel's loop
     does not compile to (:mod:`dlblas_kernels.attention`)."""
-    return flash_attention_v2.space(profile, warp_specialize=False)
+    return flash_attention_v2.space(profile)
 
 
 def check(op: Op, args: dict[str, Any]) -> None:
