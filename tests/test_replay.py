@@ -653,3 +653,25 @@ def test_kernels_without_scratch_leave_the_allocator_alone(triton_runtime):
 
     _without_allocator(calls)
     assert len(kernel.replays) == 1 and isinstance(seen[0], _allocation.NullAllocator)
+
+
+def test_public_function_works_out_its_config_once_per_exact_input(monkeypatch):
+    """A kernel's public function takes its heuristic config from a memo keyed like the launch
+    templates: the signature and the heuristic run on the first call of an exact input only."""
+    from dlblas_kernels.kernels.rms_norm import rms_norm
+
+    from dlcore.runtime import template
+
+    made = []
+    real = template.make_signature
+    monkeypatch.setattr(template, "make_signature", lambda *a, **k: made.append(1) or real(*a, **k))
+    # shapes no other test uses: the memo lives as long as the process
+    x, w = torch.randn(5, 1013), torch.randn(1013)
+    first = rms_norm(x, w)
+    torch.testing.assert_close(rms_norm(x, w), first)
+    assert len(made) == 1
+    rms_norm(torch.randn(6, 1013), w)  # another shape: worked out again
+    rms_norm(x.half(), w.half())  # another dtype
+    assert len(made) == 3
+    rms_norm(torch.randn(5, 1013), w)  # the first key again
+    assert len(made) == 3
