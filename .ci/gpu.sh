@@ -31,6 +31,8 @@
 #   warp-specialize  the warp-specialised kernels (WARP_SPECIALIZE configs) against the defaults: the bf16 GEMM
 #              at M 4096 and 16384, the attention forward at D 128 (S 8192, causal and not); JSON lines in
 #              $OUT/ws_*.jsonl, each written as it goes (fp8_gemm never specialises: its space says why)
+#   rotary     fused_rotary_and_fa's two backward paths side by side (.ci/rotary_backward.py) and its training
+#              step's host and GPU time against the composite's (.ci/training_step_host.py): $OUT/rotary_*.jsonl
 #   first-call the first call in new processes with Triton's cache warm: docs/results/first_call.json
 #   compiler   grid folding measurements and the `dlcore lower --all --report` table
 # e.g. bash .ci/gpu.sh tests overhead. Results land under $OUT.
@@ -128,6 +130,9 @@ for stage in "$@"; do
     warp-specialize)
       SWEEP_SET=ws SWEEP_M=4096,16384 python3 .ci/sweep_gemm.py sweep "$OUT/ws_gemm.jsonl" 2>&1 | tail -3
       SWEEP_D=128 python3 .ci/sweep_attention.py sweep "$OUT/ws_attention.jsonl" 2>&1 | tail -3 ;;
+    rotary)
+      python3 .ci/rotary_backward.py 2>&1 | tee "$OUT/rotary_backward.jsonl" | tail -8
+      python3 .ci/training_step_host.py 2>&1 | tee "$OUT/rotary_training_step.jsonl" | tail -3 ;;
     first-call)
       # the first call in new processes, Triton's cache warm: docs/results/first_call.json
       python3 .ci/first_call.py all --runs 3 --json "$OUT/first_call.json" 2>&1 | tail -20 ;;
