@@ -583,16 +583,17 @@ def _public_function(op: Op, implementation: CustomOpTritonImplementation,
             return call_custom_op(bound, None)
         if device.type == "cpu" and not on_cpu:
             raise _on_the_cpu(op, bound)
-        key = exact_key(bound)
+        key: tuple | None = exact_key(bound)
         try:
             config = configs.get(key)
         except TypeError:  # an argument that cannot be a key (a list, say): worked out each call
-            return run(bound, default_config(make_signature(op, bound, device), device_profile(device)))
+            key = config = None
         if config is None:
             config = default_config(make_signature(op, bound, device), device_profile(device))
-            if len(configs) >= LIMIT:
-                del configs[next(iter(configs))]
-            configs[key] = config
+            if key is not None:
+                if len(configs) >= LIMIT:
+                    del configs[next(iter(configs))]
+                configs[key] = config
         return run(bound, config)
 
     # Python's rule: a parameter keeps its default only if every later one has one too (ffn's optional

@@ -81,7 +81,7 @@ def test_granularity_on_every_path(granularity, path, device, gen):
     plan, out = run_plan((a, b, a_scale, b_scale, torch.float32), {**SMALL, **extra}, profile)
     assert plan.calls[0].kernel.__name__ == kernel
     assert plan.calls[0].kwargs["BLOCK_SCALED"] == (granularity == "block")
-    if kernel == "gemm_tma_kernel":  # never warp-specialised, even when the config asks (fp8_gemm.space)
+    if kernel == "gemm_tma_kernel":  # never warp-specialised, even when the config asks (gemm.loop_flags)
         flags = plan.calls[0].kwargs
         assert (flags["WARP_SPECIALIZE"], flags["FLATTEN"]) == (False, True)
     assert_product(out, reference(a, b, a_scale, b_scale), K)

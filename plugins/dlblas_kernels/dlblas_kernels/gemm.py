@@ -625,13 +625,16 @@ def fit_stages(config: Config, limit: int, footprint: Callable[[Config], int]) -
     return config
 
 
-def loop_flags(config: Config, store_pre: bool = False) -> dict[str, bool]:
+def loop_flags(config: Config, store_pre: bool = False, eight_bit: bool = False) -> dict[str, bool]:
     """The descriptor kernel's ``FLATTEN`` and ``WARP_SPECIALIZE`` from ``config`` (defaults 1 and
-    0): a warp-specialised loop is never flattened (Triton would drop the specialisation), and
-    never stores pre-activations (``store_pre``: a specialised program stages those stores apart,
-    64 KiB more shared memory at 128 x 128 than :func:`shared_memory_bytes` counts; 197 080 bytes
-    in 2 stages, 262 808 in 3)."""
-    specialise = bool(config.get("WARP_SPECIALIZE", 0)) and not store_pre
+    0): a warp-specialised loop is never flattened (Triton would drop the specialisation), never
+    stores pre-activations (``store_pre``: a specialised program stages those stores apart, 64 KiB
+    more shared memory at 128 x 128 than :func:`shared_memory_bytes` counts; 197 080 bytes in 2
+    stages, 262 808 in 3), and never takes 8-bit operands (``eight_bit``: on the H200 with Triton
+    3.6.0 the specialised loop over fp8 tiles gave wrong products at every DeepSeek-V3 shape of
+    ``.ci/sweep_fp8_gemm.py``, relative error 0.78 to 1.0 or NaN, where over bf16 tiles it matched
+    cuBLAS to 1.7e-3)."""
+    specialise = bool(config.get("WARP_SPECIALIZE", 0)) and not store_pre and not eight_bit
     return {"FLATTEN": bool(config.get("FLATTEN", 1)) and not specialise, "WARP_SPECIALIZE": specialise}
 
 
@@ -716,8 +719,8 @@ def gemm_calls(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Config
         gemm = KernelCall(gemm_tma_kernel, (min(tiles * split_k, profile.cores),), (
             a, b, b3_, target, pre, pre3, dc, bias, scale, col, m, n, k, stride_a, stride_b, stride_b3, c.stride(0),
             *scale_strides,
-        ), {"A_M_MAJOR": a_m_major, "B_K_MAJOR": b_k_major, **tile, **loop_flags(config, e.pre is not None),
-            **gemm_flags})
+        ), {"A_M_MAJOR": a_m_major, "B_K_MAJOR": b_k_major, **tile,
+            **loop_flags(config, e.pre is not None, a.element_size() == 1), **gemm_flags})
     else:
         stride_cm, stride_cn = (n, 1) if split_k > 1 else (c.stride(0), c.stride(1))
         gemm = KernelCall(gemm_kernel, (tiles, split_k), (

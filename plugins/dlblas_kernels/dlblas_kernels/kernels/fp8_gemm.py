@@ -148,8 +148,6 @@ def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
         epilogue = gemm.Epilogue(row_scale=a_scale[:, 0], col_scale=b_scale[:, 0])
     else:
         epilogue = gemm.Epilogue(row_scale=a_scale, col_scale=b_scale)
-    # Never warp-specialised: Triton 3.6's specialised fp8 loop computes wrong products on sm_90 (see space()).
-    config = {**config, "WARP_SPECIALIZE": 0}
     calls, scratch = gemm.gemm_calls(a, b.T, out, config, profile, epilogue=epilogue, block_scales=block_scales)
     return LaunchPlan(calls=calls, result=out, scratch=scratch)
 
@@ -201,11 +199,12 @@ def space(profile: DeviceProfile) -> SearchSpace:
     staged), descriptor or pointer kernel, split-K; K steps of 32 to 128 (under block scales one
     step lies in one scale block), the pipelined tiles within the profile's shared memory.
 
-    Never warp-specialised (``WARP_SPECIALIZE`` 0 only, and :func:`plan` runs a config that asks
-    for it unspecialised): on the H200 with Triton 3.6.0 the specialised descriptor loop over fp8
-    operands gives wrong products at every DeepSeek-V3 shape of ``.ci/sweep_fp8_gemm.py``
-    (relative error 0.78 to 1.0 or NaN, block, row and tensor scales alike), where the same loop
-    over bf16 operands matches cuBLAS to 1.7e-3. It compiles, so only a GPU run shows it."""
+    Never warp-specialised (``WARP_SPECIALIZE`` 0 only; the GEMM block runs a config that asks for
+    it unspecialised, :func:`dlblas_kernels.gemm.loop_flags`): on the H200 with Triton 3.6.0 the
+    specialised descriptor loop over fp8 operands gives wrong products at every DeepSeek-V3 shape
+    of ``.ci/sweep_fp8_gemm.py`` (relative error 0.78 to 1.0 or NaN, block, row and tensor scales
+    alike), where the same loop over bf16 operands matches cuBLAS to 1.7e-3. It compiles, so only
+    a GPU run shows it."""
     shared = profile.shared_memory_per_program
     fits = [Constraint(
         f"the pipelined fp8 a and b tiles and the staged 16-bit output tile fit in {shared} bytes of shared memory",
