@@ -16,11 +16,13 @@ from dlblas_kernels.kernels.apply_rotary_pos_emb import (
     bshd_strides,
     flat_stride,
     llama_cos_sin,
+    plan,
     torch_apply_rotary_pos_emb,
 )
 from gradients import check_backward
 
 from dlcore import InvalidInputError
+from dlcore.compiler.lowering import target_profile
 from dlcore.declarations.signature import make_signature
 from dlcore.testing import assert_close, randn, upcast
 
@@ -183,6 +185,19 @@ def test_default_config_rotates_a_token_per_program_in_steps_of_one_warp():
     assert (call.kwargs["BLOCK_TQ"], call.kwargs["BLOCK_HQ"], call.kwargs["BLOCK_HK"], call.kwargs["BLOCK_TK"],
             call.kwargs["num_warps"]) == (1, 16, 8, 2, 1)
     assert TRITON.space().is_valid(config) is None
+
+
+def test_steps_fit_the_npu_unified_buffer():
+    # 64 rows of 64 (fused_rotary_and_fa's backward at 74 tokens): 4096 elements a step, more than
+    # bishengir-compile fits in the Ascend 910B's unified buffer; there, steps of 2048
+    q, k = torch.empty(2, 37, 4, 64, device="meta"), torch.empty(2, 37, 2, 64, device="meta")
+    cos = torch.empty(2, 37, 64, device="meta")
+    steps = {}
+    for target in ("npu:Ascend910B2", "cuda:90"):
+        (call,) = plan((q, k, cos, cos, False, False), {"BLOCK_H": 64, "num_warps": 2}, target_profile(target)).calls
+        kw = call.kwargs
+        steps[target] = max(kw["BLOCK_TQ"] * kw["BLOCK_HQ"], kw["BLOCK_TK"] * kw["BLOCK_HK"]) * 2 * kw["BLOCK_P"]
+    assert steps == {"npu:Ascend910B2": 2048, "cuda:90": 4096}
 
 
 @pytest.mark.parametrize("tokens, heads, kv_heads, expected", [

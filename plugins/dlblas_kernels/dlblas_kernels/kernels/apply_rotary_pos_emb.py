@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 import dlcore.language as dl
+from dlblas_kernels.npu import buffer_tile
 from dlcore import InvalidInputError
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
@@ -60,6 +61,9 @@ MIN_PER_THREAD = 8
 # steps of 2 * TILE 2.4 to 3.3 us at 256 tokens, against 2.6 to 3.7 us.
 FEW_TOKENS = 64
 SOME_TOKENS = 256
+# Unified-buffer bytes a step takes per element of its tile on an npu (bishengir-compile 1.2, float16,
+# Ascend910B2's 192 KiB): steps of 2048 elements lower; 4096 (64 rows of 64) need 427008 bytes.
+UB_BYTES_PER_ELEMENT = 96
 
 
 @triton.jit
@@ -265,7 +269,8 @@ def token_layout(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int, in
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor, cos: torch.Tensor,
-            sin: torch.Tensor, interleaved: bool, backward: bool, config: Config) -> list[KernelCall]:
+            sin: torch.Tensor, interleaved: bool, backward: bool, config: Config,
+            profile: DeviceProfile | None) -> list[KernelCall]:
     shape = q.shape
     *batch, seq, hq, d = shape
     hk = k.shape[-2]
@@ -277,8 +282,8 @@ def _launch(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.
     batch = tuple(batch)
     block_p = next_power_of_2(d // 2)
     # BLOCK_H (token, head) rows per step for each tensor: its heads (up to BLOCK_H), and more tokens
-    # per program when it has fewer heads than that.
-    rows = config["BLOCK_H"]
+    # per program when it has fewer heads than that; on an npu, no more than its unified buffer holds.
+    rows = max(buffer_tile(profile, UB_BYTES_PER_ELEMENT, config["BLOCK_H"] * 2 * block_p) // (2 * block_p), 1)
     block_hq, block_tq = _step(rows, hq, tokens)
     block_hk, block_tk = _step(rows, hk, tokens)
     programs_q = cdiv(tokens, block_tq) if hq else 0
@@ -296,12 +301,14 @@ def _launch(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.
 
 
 def rotation_calls(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor, interleaved: bool, backward: bool = False) -> list[KernelCall]:
+                   sin: torch.Tensor, interleaved: bool, profile: DeviceProfile,
+                   backward: bool = False) -> list[KernelCall]:
     """The launch that writes the rotation of ``q`` and ``k`` (``[..., S, H, D]``, one ``S``) into
     ``q_out`` and ``k_out`` (``backward``: the transposed rotation, what the gradients take), with
     :func:`default_config`'s steps: for an op that rotates inside its own plan."""
     tokens = math.prod(q.shape[:-2])
-    return _launch(q, k, q_out, k_out, cos, sin, interleaved, backward, config_for(tokens, q.shape[-2], q.shape[-1]))
+    return _launch(q, k, q_out, k_out, cos, sin, interleaved, backward, config_for(tokens, q.shape[-2], q.shape[-1]),
+                   profile)
 
 
 def _step(rows: int, heads: int, tokens: int) -> tuple[int, int]:
@@ -317,14 +324,14 @@ def outputs(q: torch.Tensor, k: torch.Tensor, *_: Any) -> tuple[torch.Tensor, to
 def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     q, k, cos, sin, interleaved, inplace = args
     q_out, k_out = (q, k) if inplace else outputs(q, k)
-    return LaunchPlan(_launch(q, k, q_out, k_out, cos, sin, interleaved, False, config), (q_out, k_out))
+    return LaunchPlan(_launch(q, k, q_out, k_out, cos, sin, interleaved, False, config, profile), (q_out, k_out))
 
 
 def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     """The launch for ``(dq, dk)`` from ``args = (dq_out, dk_out, cos, sin, interleaved)``."""
     dq_out, dk_out, cos, sin, interleaved = args
     dq, dk = outputs(dq_out, dk_out)
-    return LaunchPlan(_launch(dq_out, dk_out, dq, dk, cos, sin, interleaved, True, config), (dq, dk))
+    return LaunchPlan(_launch(dq_out, dk_out, dq, dk, cos, sin, interleaved, True, config, profile), (dq, dk))
 
 
 # -- reference, op ---------------------------------------------------------------------------------

@@ -294,11 +294,11 @@ def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> Launch
     dq, dk, dv = attention_grad.backward_results(dout, q, k, v)
     q_rot, k_rot, dq_rot, dk_rot = (t.new_empty(t.shape) for t in (q, k, q, k))
     stats = attention_grad.stats_scratch(q)
-    calls = [*rotation_calls(q, k, q_rot, k_rot, cos, sin, interleaved),
+    calls = [*rotation_calls(q, k, q_rot, k_rot, cos, sin, interleaved, profile),
              *attention_grad.backward_calls(dout, q_rot, k_rot, v, out, lse, None, dq_rot, dk_rot, dv,
                                             causal=causal, scale=scale_of(q, softmax_scale), profile=profile,
                                             stats=stats),
-             *rotation_calls(dq_rot, dk_rot, dq, dk, cos, sin, interleaved, backward=True)]
+             *rotation_calls(dq_rot, dk_rot, dq, dk, cos, sin, interleaved, profile, backward=True)]
     return LaunchPlan(calls, (dq, dk, dv), scratch=(q_rot, k_rot, dq_rot, dk_rot, stats))
 
 
