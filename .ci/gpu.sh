@@ -31,7 +31,7 @@
 #   warp-specialize  the warp-specialised kernels (WARP_SPECIALIZE configs) against the defaults: the bf16 GEMM
 #              at M 4096 and 16384, the attention forward at D 128 (S 8192, causal and not); JSON lines in
 #              $OUT/ws_*.jsonl, each written as it goes (fp8_gemm never specialises: its space says why)
-#   rotary     fused_rotary_and_fa's two backward paths side by side (.ci/rotary_backward.py) and its training
+#   rotary     fused_rotary_and_fa's backward against the attention backward alone (.ci/rotary_backward.py) and its training
 #              step's host and GPU time against the composite's (.ci/training_step_host.py): $OUT/rotary_*.jsonl
 #   first-call the first call in new processes with Triton's cache warm: docs/results/first_call.json
 #   compiler   grid folding measurements and the `dlcore lower --all --report` table

@@ -88,7 +88,8 @@ class LoweringLimit:
 
     def describe(self) -> str:
         where = self.backend + (":" + ",".join(self.archs) if self.archs else "")
-        return f"{where}: {', '.join(self.kernels)} stop before {self.stage}: {self.reason}"
+        verb = "stops" if len(self.kernels) == 1 else "stop"
+        return f"{where}: {', '.join(self.kernels)} {verb} before {self.stage}: {self.reason}"
 
     def concerns(self, backend: str, kernel: str, arch: str | None = None) -> bool:
         """Whether this limit holds for ``kernel`` on ``backend`` (and target ``arch``, if given)."""

@@ -17,6 +17,7 @@ from dlblas_kernels.kernels.apply_rotary_pos_emb import (
     flat_stride,
     llama_cos_sin,
     plan,
+    rotation_calls,
     torch_apply_rotary_pos_emb,
 )
 from gradients import check_backward
@@ -24,7 +25,7 @@ from gradients import check_backward
 from dlcore import InvalidInputError
 from dlcore.compiler.lowering import target_profile
 from dlcore.declarations.signature import make_signature
-from dlcore.testing import assert_close, randn, upcast
+from dlcore.testing import assert_close, poison, randn, upcast
 
 TRITON = KERNEL.implementation
 
@@ -167,8 +168,9 @@ def test_plan_on_meta_tensors_reads_no_data():
     assert {k: call.kwargs[k] for k in ("BLOCK_TQ", "BLOCK_HQ", "BLOCK_TK", "BLOCK_HK", "BLOCK_P", "HEAD_DIM",
                                         "num_warps")} == {
         "BLOCK_TQ": 1, "BLOCK_HQ": 16, "BLOCK_TK": 2, "BLOCK_HK": 8, "BLOCK_P": 64, "HEAD_DIM": 128, "num_warps": 8}
-    assert call.args[6:11] == (30, 10, 32, 8, 30)
-    assert call.args[27:30] == (0, 128, 1)  # cos shared by the batch: batch stride 0
+    # q's tokens, sequence and first table row; k's tokens and sequence; heads; q's programs
+    assert call.args[6:14] == (30, 10, 0, 30, 10, 32, 8, 30)
+    assert call.args[30:33] == (0, 128, 1)  # cos shared by the batch: batch stride 0
     (call,) = TRITON.plan((q[:, :, :4], k[:, :, :2], cos, cos, False, False), {"BLOCK_H": 8, "num_warps": 8}).calls
     # 4 q heads: 2 tokens per program (15 programs); 2 k heads: 4 tokens per program (8 programs)
     assert call.grid == (15 + 8,) and (call.kwargs["BLOCK_TQ"], call.kwargs["BLOCK_TK"]) == (2, 4)
@@ -185,6 +187,25 @@ def test_default_config_rotates_a_token_per_program_in_steps_of_one_warp():
     assert (call.kwargs["BLOCK_TQ"], call.kwargs["BLOCK_HQ"], call.kwargs["BLOCK_HK"], call.kwargs["BLOCK_TK"],
             call.kwargs["num_warps"]) == (1, 16, 8, 2, 1)
     assert TRITON.space().is_valid(config) is None
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+@pytest.mark.parametrize("interleaved", INTERLEAVED, ids=["half", "interleaved"])
+@pytest.mark.parametrize("sq", [5, 11, 9], ids=["Sq<Sk", "Sq>Sk", "Sq=Sk"])
+def test_rotation_calls_rotate_queries_with_the_last_rows(sq, interleaved, backward, device, gen, profile):
+    """rotation_calls (what fused_rotary_and_fa's backward launches): q [B, Sq] and k [B, Sk] (Sk 9)
+    with tables of Sk rows, query i taking row Sk - Sq + i (row 0 where that is negative)."""
+    q = randn(2, sq, 3, 10, device=device, generator=gen)
+    k, _, cos, sin = inputs((2,), 9, 2, 0, 10, torch.float32, device, gen)
+    q_out, k_out = poison(torch.empty_like(q)), poison(torch.empty_like(k))
+    for call in rotation_calls(q, k, q_out, k_out, cos, sin, interleaved, profile, backward=backward):
+        call.launch()
+    rows = (torch.arange(sq, device=device) + 9 - sq).clamp(min=0)
+    rotate = apply_rotary_pos_emb_backward_reference if backward else apply_rotary_pos_emb_reference
+    q_want, _ = rotate(q, q, cos[:, rows], sin[:, rows], interleaved)
+    _, k_want = rotate(k, k, cos, sin, interleaved)
+    assert_close(q_out, q_want, torch.float32)
+    assert_close(k_out, k_want, torch.float32)
 
 
 def test_steps_fit_the_npu_unified_buffer():

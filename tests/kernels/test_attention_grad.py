@@ -26,7 +26,8 @@ def attention64(q, k, v, causal, scale, tables=None, interleaved=False, rounding
     if tables is not None:
         cos, sin = (t if t.dim() == 3 else t[None] for t in tables)
         cos, sin = cos[:, :, None], sin[:, :, None]
-        q = q * cos[:, sk - sq:] + ag._rotate_half(q, interleaved) * sin[:, sk - sq:]
+        rows = (torch.arange(sq, device=q.device) + sk - sq).clamp(min=0)  # queries that see no key: row 0
+        q = q * cos[:, rows] + ag._rotate_half(q, interleaved) * sin[:, rows]
         k = k * cos + ag._rotate_half(k, interleaved) * sin
         q, k = (x + (x.to(rounding).double() - x).detach() for x in (q, k))
     k, v = k.repeat_interleave(hq // hk, dim=2), v.repeat_interleave(hq // hk, dim=2)
@@ -62,14 +63,25 @@ class Case:
         self.out, self.lse, self.lse64 = out.detach().to(dtype), lse.detach().float(), lse.detach()
 
     def run(self, profile, config=None, dq=None, dk=None, dv=None, **inputs):
-        """The block's launches into NaN-filled dq, dk, dv (new, or the given views); returns them."""
+        """The block's launches into NaN-filled dq, dk, dv (new, or the given views); returns them.
+        With tables, :func:`ag.rotary_backward_plan`'s launches (its results and scratch poisoned),
+        whose results are copied into dq, dk, dv."""
         dq, dk, dv = (poison(t if t is not None else torch.empty_like(x))
                       for t, x in ((dq, self.q), (dk, self.k), (dv, self.v)))
         args = {name: inputs.get(name, getattr(self, name)) for name in ("dout", "q", "k", "v", "out")}
-        rotary = None if self.tables is None else (*self.tables, self.interleaved)
+        if self.tables is not None:
+            plan = ag.rotary_backward_plan((args["dout"], args["q"], args["k"], args["v"], *self.tables, args["out"],
+                                            self.lse, self.causal, self.scale, self.interleaved), config or {}, profile)
+            for t in (*plan.result, *plan.scratch):
+                poison(t)
+            for call in plan.calls:
+                call.launch()
+            for into, got in zip((dq, dk, dv), plan.result):
+                into.copy_(got)
+            return dq, dk, dv
         for call in ag.backward_calls(args["dout"], args["q"], args["k"], args["v"], args["out"], self.lse, self.dlse,
                                       dq, dk, dv, causal=self.causal, scale=self.scale, profile=profile,
-                                      rotary=rotary, config=config):
+                                      config=config):
             call.launch()
         return dq, dk, dv
 
@@ -149,6 +161,8 @@ ROTARY = [
     pytest.param(29, 45, 4, 2, 64, True, False, (), id="half-D64-gqa-causal-Sq<Sk"),
     pytest.param(37, 37, 2, 2, 96, False, True, (2,), id="interleaved-D96-batched-tables"),
     pytest.param(40, 40, 4, 1, 128, True, False, (1,), id="half-D128-mqa-causal"),
+    pytest.param(45, 29, 2, 1, 64, True, True, (2,), id="interleaved-D64-batched-causal-Sq>Sk"),
+    pytest.param(21, 50, 2, 2, 32, False, True, (), id="interleaved-D32-Sq<Sk"),
 ]
 
 
@@ -160,23 +174,20 @@ def test_rotary_gradients_match_autograd(sq, sk, hq, hk, d, causal, interleaved,
     case.check(case.run(profile))
 
 
-@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
-@pytest.mark.parametrize("sq, sk, causal, element, descriptors", [
-    (29, 45, True, torch.float32, True),    # halves of 12 in tiles of 16, ragged blocks, Sq < Sk
-    (40, 61, False, torch.float32, True),   # no mask but the ragged last key block
-    (37, 37, False, torch.float16, False),  # fp16 halves of 12 start off 16 bytes: pointers (rotate-half)
-], ids=["q29-k45-causal", "q40-k61", "q37-k37-fp16"])
-def test_rotary_descriptor_loads(sq, sk, causal, element, descriptors, interleaved, device, gen, profile):
-    """The streamed q (dkdv) and k (dq) tiles and their table rows through tensor descriptors, as
-    pair halves (rotate-half) or whole rows split (interleaved), against autograd."""
-    config = {**ag.backward_config(torch.empty(1, 1, 1, 24), causal, profile), "DKDV_TMA": 1, "DQ_TMA": 1}
-    case = Case(1, sq, sk, 4, 2, 24, causal, element, device, gen, tables=(), interleaved=interleaved)
-    rotary = (*case.tables, interleaved)
-    calls = ag.backward_calls(case.dout, case.q, case.k, case.v, case.out, case.lse, None, *map(torch.empty_like,
-                              (case.q, case.k, case.v)), causal=causal, scale=case.scale, profile=profile,
-                              rotary=rotary, config=config)
-    assert [c.kwargs["TMA"] for c in calls[1:]] == [descriptors or interleaved] * 2
-    case.check(case.run(profile, config))
+def test_rotary_plan_rotates_into_scratch(device, gen, profile):
+    """rotary_backward_plan: q and k rotated into scratch by apply_rotary_pos_emb's kernel (q from the
+    tables' last Sq rows), the plain backward launches on the scratch, dq' and dk' rotated back."""
+    case = Case(2, 13, 21, 4, 2, 16, True, torch.float32, device, gen, tables=(), interleaved=False)
+    plan = ag.rotary_backward_plan((case.dout, case.q, case.k, case.v, *case.tables, case.out, case.lse, True, None,
+                                    False), {}, profile)
+    names = [call.kernel.__name__ for call in plan.calls]
+    assert names == ["rotary_kernel", *(k.__name__ for k in ag.BACKWARD_KERNELS), "rotary_kernel"]
+    q_rot, k_rot, dq_rot, dk_rot, stats = plan.scratch
+    first, *attention_calls, last = plan.calls
+    assert first.args[:4] == (case.q, case.k, q_rot, k_rot) and not first.kwargs["BACKWARD"]
+    assert first.args[6:9] == (2 * 13, 13, 21 - 13)  # q's tokens, its sequence, its first table row
+    assert attention_calls[1].args[:2] == (q_rot, k_rot)
+    assert last.args[:4] == (dq_rot, dk_rot, *plan.result[:2]) and last.kwargs["BACKWARD"]
 
 
 # -- what the op modules call: the torch references, results and plans ------------------------------------
@@ -237,18 +248,16 @@ def e(*shape, dtype):
 
 def variants():
     hopper, ampere = target_profile("cuda:90"), target_profile("cuda:80")
-    for name, dtype, d, hk, causal, rotary, dlse, profile in (
-            ("descriptors", torch.bfloat16, 128, 16, False, None, False, hopper),
-            ("descriptors gqa causal dlse", torch.bfloat16, 128, 4, True, None, True, hopper),
-            ("pointers D96 causal", torch.float16, 96, 4, True, None, True, ampere),
-            ("rotary half D64", torch.bfloat16, 64, 4, True, False, False, hopper),
-            ("rotary interleaved D192", torch.float16, 192, 16, False, True, False, ampere),
-            ("float32", torch.float32, 64, 16, True, None, False, hopper)):
+    for name, dtype, d, hk, causal, dlse, profile in (
+            ("descriptors", torch.bfloat16, 128, 16, False, False, hopper),
+            ("descriptors gqa causal dlse", torch.bfloat16, 128, 4, True, True, hopper),
+            ("pointers D96 causal", torch.float16, 96, 4, True, True, ampere),
+            ("descriptors D192", torch.float16, 192, 16, False, False, hopper),
+            ("float32", torch.float32, 64, 16, True, False, hopper)):
         q, k = e(2, 300, 16, d, dtype=dtype), e(2, 300, hk, d, dtype=dtype)
         lse = e(2, 16, 300, dtype=torch.float32)
-        tables = None if rotary is None else (e(300, d, dtype=dtype), e(300, d, dtype=dtype), rotary)
         yield name, ag.backward_calls(q, q, k, k, q, lse, lse if dlse else None, q, k, k, causal=causal, scale=0.1,
-                                      profile=profile, rotary=tables, stats=e(2, 2, 16, 300, dtype=torch.float32))
+                                      profile=profile, stats=e(2, 2, 16, 300, dtype=torch.float32))
 
 found = {}
 for name, calls in variants():
@@ -263,8 +272,8 @@ print(json.dumps(found))
 
 @pytest.mark.slow
 def test_every_kernel_compiles_to_cubin():
-    """Each backward kernel, with descriptors and pointers, causal or not, rotary either way, padded
-    D, float32, for cuda:80, cuda:90 and cuda:100 on a CPU-only machine."""
+    """Each backward kernel, with descriptors and pointers, causal or not, padded D, float32, for
+    cuda:80, cuda:90 and cuda:100 on a CPU-only machine."""
     compiled = run_json(CUBIN_SCRIPT, None, TRITON_INTERPRET="0")
     kernels = {k.__name__ for k in ag.BACKWARD_KERNELS}
     assert {key.split("/")[1] for key in compiled} == kernels

@@ -8,12 +8,11 @@ import dlblas_kernels
 import pytest
 import torch
 from conftest import ON_GPU
-from dlblas_kernels import attention, vendor
+from dlblas_kernels import attention, attention_grad, vendor
 from dlblas_kernels.kernels.apply_rotary_pos_emb import apply_rotary_pos_emb_reference
 from dlblas_kernels.kernels.fused_rotary_and_fa import (
     KERNEL,
     OP,
-    backward_plan,
     composite,
     fused_rotary_and_fa,
     fused_rotary_and_fa_reference,
@@ -181,26 +180,23 @@ def test_backward_matches_reference(shape, causal, interleaved, dtype, device, g
                    reduce_dim=gradient_terms(sq, sk, hq // hk, d))
 
 
-@pytest.mark.parametrize("sq", [9, 6])
-def test_backward_rotates_into_scratch_when_queries_match_keys(sq, device, gen):
-    """Sq == Sk: q and k rotated into scratch, the attention backward without rotation, dq' and dk'
-    rotated back (the transposed rotation); Sq != Sk: the rotation inside the backward's loops.
-    Either way every tensor a launch writes beyond the gradients is declared scratch, so the plan
-    replays."""
+@pytest.mark.parametrize("sq", [9, 6, 12])
+def test_backward_rotates_into_scratch(sq, device, gen):
+    """Any Sq: q and k rotated into scratch (q from the tables' last Sq rows), the attention backward
+    without rotation, dq' and dk' rotated back (the transposed rotation). Every tensor a launch
+    writes beyond the gradients is declared scratch, so the plan replays."""
     q, k, v, cos, sin = inputs(1, sq, 9, 2, 1, 16, torch.float32, device, gen)
     out, lse = torch.empty_like(q), torch.empty(1, 2, sq, device=device)
-    plan = backward_plan((torch.empty_like(q), q, k, v, cos, sin, out, lse, True, None, False), {},
-                         device_profile(q.device))
+    assert KERNEL.backward.plan is attention_grad.rotary_backward_plan
+    plan = attention_grad.rotary_backward_plan((torch.empty_like(q), q, k, v, cos, sin, out, lse, True, None, False),
+                                               {}, device_profile(q.device))
     names = [call.kernel.__name__ for call in plan.calls]
     attention_kernels = ["attention_bwd_preprocess_kernel", "attention_dkdv_kernel", "attention_dq_kernel"]
-    if sq == 9:
-        assert names == ["rotary_kernel", *attention_kernels, "rotary_kernel"]
-        forward, *attention_calls, backward = plan.calls
-        assert not forward.kwargs["BACKWARD"] and backward.kwargs["BACKWARD"]
-        assert not any(call.kwargs.get("ROTARY") for call in attention_calls)
-        assert len(plan.scratch) == 5 and {t.shape for t in plan.scratch[:4]} == {q.shape, k.shape}
-    else:
-        assert names == attention_kernels and all(call.kwargs.get("ROTARY") for call in plan.calls[1:])
+    assert names == ["rotary_kernel", *attention_kernels, "rotary_kernel"]
+    forward, *attention_calls, backward = plan.calls
+    assert not forward.kwargs["BACKWARD"] and backward.kwargs["BACKWARD"]
+    assert forward.args[8] == 9 - sq  # q's first table row
+    assert len(plan.scratch) == 5 and {t.shape for t in plan.scratch[:4]} == {q.shape, k.shape}
 
 
 def test_backward_non_contiguous_inputs(dtype, device, gen):

@@ -118,7 +118,7 @@ def _rotate_heads(
 
 @triton.jit
 def _rotate_tokens(
-    x_ptr, o_ptr, cos_ptr, sin_ptr, block, T, S, H,
+    x_ptr, o_ptr, cos_ptr, sin_ptr, block, T, S, ROW0, H,
     stride_x_b, stride_x_s, stride_x_h, stride_x_d,
     stride_o_b, stride_o_s, stride_o_h, stride_o_d,
     stride_cos_b, stride_cos_s, stride_cos_d,
@@ -126,15 +126,17 @@ def _rotate_tokens(
     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
     INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
 ):
-    # Tokens block * BLOCK_T .. (block + 1) * BLOCK_T of one tensor (q or k), every head, with the
-    # tokens' cos and sin loaded once.
+    # Tokens block * BLOCK_T .. (block + 1) * BLOCK_T of one tensor (q or k, T tokens in sequences of
+    # S), every head, with the tokens' cos and sin loaded once: position s takes table row ROW0 + s
+    # (row 0 where that is negative).
     tokens = block * BLOCK_T + tl.arange(0, BLOCK_T)
     token_mask = (tokens < T)[:, None, None]
     # 64-bit offsets: batch * batch stride may pass 2**31 elements.
     b = (tokens // S).to(tl.int64)[:, None, None]
     s = (tokens % S).to(tl.int64)[:, None, None]
-    cos_t = cos_ptr + b * stride_cos_b + s * stride_cos_s
-    sin_t = sin_ptr + b * stride_sin_b + s * stride_sin_s
+    row = tl.maximum(s + ROW0, 0)
+    cos_t = cos_ptr + b * stride_cos_b + row * stride_cos_s
+    sin_t = sin_ptr + b * stride_sin_b + row * stride_sin_s
     if INTERLEAVED:
         cols = tl.arange(0, 2 * BLOCK_P)[None, None, :]
         table_mask = token_mask & (cols < HEAD_DIM)
@@ -160,7 +162,7 @@ def _rotate_tokens(
 @triton.jit
 def rotary_kernel(
     q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr,
-    T, S, HQ, HK, PROGRAMS_Q,
+    TQ, SQ, ROW0_Q, TK, SK, HQ, HK, PROGRAMS_Q,
     stride_q_b, stride_q_s, stride_q_h, stride_q_d,
     stride_k_b, stride_k_s, stride_k_h, stride_k_d,
     stride_qo_b, stride_qo_s, stride_qo_h, stride_qo_d,
@@ -171,16 +173,18 @@ def rotary_kernel(
     BLOCK_HK: tl.constexpr, BLOCK_P: tl.constexpr, INTERLEAVED: tl.constexpr, BACKWARD: tl.constexpr,
 ):
     # Programs 0 .. PROGRAMS_Q rotate q, BLOCK_TQ tokens each; the others k, BLOCK_TK tokens each: each
-    # tensor in steps of about the same number of (token, head) rows, however few heads k has.
+    # tensor in steps of about the same number of (token, head) rows, however few heads k has. q's
+    # positions take the table rows from ROW0_Q (fewer queries than keys: the last positions), k's
+    # from row 0.
     pid = tl.program_id(0)
     if pid < PROGRAMS_Q:
-        _rotate_tokens(q_ptr, q_out_ptr, cos_ptr, sin_ptr, pid, T, S, HQ,
+        _rotate_tokens(q_ptr, q_out_ptr, cos_ptr, sin_ptr, pid, TQ, SQ, ROW0_Q, HQ,
                        stride_q_b, stride_q_s, stride_q_h, stride_q_d,
                        stride_qo_b, stride_qo_s, stride_qo_h, stride_qo_d,
                        stride_cos_b, stride_cos_s, stride_cos_d, stride_sin_b, stride_sin_s, stride_sin_d,
                        HEAD_DIM, BLOCK_TQ, BLOCK_HQ, BLOCK_P, INTERLEAVED, BACKWARD)
     else:
-        _rotate_tokens(k_ptr, k_out_ptr, cos_ptr, sin_ptr, pid - PROGRAMS_Q, T, S, HK,
+        _rotate_tokens(k_ptr, k_out_ptr, cos_ptr, sin_ptr, pid - PROGRAMS_Q, TK, SK, 0, HK,
                        stride_k_b, stride_k_s, stride_k_h, stride_k_d,
                        stride_ko_b, stride_ko_s, stride_ko_h, stride_ko_d,
                        stride_cos_b, stride_cos_s, stride_cos_d, stride_sin_b, stride_sin_s, stride_sin_d,
@@ -271,11 +275,10 @@ def token_layout(t: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int, in
 def _launch(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor, cos: torch.Tensor,
             sin: torch.Tensor, interleaved: bool, backward: bool, config: Config,
             profile: DeviceProfile | None) -> list[KernelCall]:
-    shape = q.shape
-    *batch, seq, hq, d = shape
-    hk = k.shape[-2]
-    tokens = math.prod(batch) * seq
-    if tokens == 0 or d == 0 or hq + hk == 0:
+    *batch, seq_q, hq, d = q.shape
+    seq_k, hk = k.shape[-3], k.shape[-2]
+    tokens_q, tokens_k = math.prod(batch) * seq_q, math.prod(batch) * seq_k
+    if d == 0 or tokens_q * hq + tokens_k * hk == 0:
         return []
     q, q_strides = token_layout(q)
     k, k_strides = token_layout(k)
@@ -284,15 +287,15 @@ def _launch(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.
     # BLOCK_H (token, head) rows per step for each tensor: its heads (up to BLOCK_H), and more tokens
     # per program when it has fewer heads than that; on an npu, no more than its unified buffer holds.
     rows = max(buffer_tile(profile, UB_BYTES_PER_ELEMENT, config["BLOCK_H"] * 2 * block_p) // (2 * block_p), 1)
-    block_hq, block_tq = _step(rows, hq, tokens)
-    block_hk, block_tk = _step(rows, hk, tokens)
-    programs_q = cdiv(tokens, block_tq) if hq else 0
-    programs_k = cdiv(tokens, block_tk) if hk else 0
+    block_hq, block_tq = _step(rows, hq, tokens_q)
+    block_hk, block_tk = _step(rows, hk, tokens_k)
+    programs_q = cdiv(tokens_q, block_tq) if hq else 0
+    programs_k = cdiv(tokens_k, block_tk) if hk else 0
     tile = max(block_tq * block_hq, block_tk * block_hk) * 2 * block_p
     warps = min(config["num_warps"], max(tile // (32 * MIN_PER_THREAD), 1))
     return [KernelCall(
         rotary_kernel, (programs_q + programs_k,),
-        (q, k, q_out, k_out, cos, sin, tokens, seq, hq, hk, programs_q,
+        (q, k, q_out, k_out, cos, sin, tokens_q, seq_q, cos.shape[-2] - seq_q, tokens_k, seq_k, hq, hk, programs_q,
          *q_strides, *k_strides, *bshd_strides(q_out), *bshd_strides(k_out),
          *bsd_strides(cos, batch), *bsd_strides(sin, batch)),
         {"HEAD_DIM": d, "BLOCK_TQ": block_tq, "BLOCK_HQ": block_hq, "BLOCK_TK": block_tk, "BLOCK_HK": block_hk,
@@ -303,9 +306,11 @@ def _launch(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.
 def rotation_calls(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, interleaved: bool, profile: DeviceProfile,
                    backward: bool = False) -> list[KernelCall]:
-    """The launch that writes the rotation of ``q`` and ``k`` (``[..., S, H, D]``, one ``S``) into
+    """The launch that writes the rotation of ``q [..., Sq, Hq, D]`` and ``k [..., Sk, Hk, D]`` into
     ``q_out`` and ``k_out`` (``backward``: the transposed rotation, what the gradients take), with
-    :func:`default_config`'s steps: for an op that rotates inside its own plan."""
+    :func:`default_config`'s steps: for an op that rotates inside its own plan. The tables
+    ``[..., Sk, D]`` have a row per key position; query ``i`` takes row ``Sk - Sq + i`` (row 0 where
+    that is negative: a query before the first key, which sees none under a causal mask)."""
     tokens = math.prod(q.shape[:-2])
     return _launch(q, k, q_out, k_out, cos, sin, interleaved, backward, config_for(tokens, q.shape[-2], q.shape[-1]),
                    profile)

@@ -18,14 +18,14 @@ The forward is the attention block's (:func:`dlblas_kernels.attention.forward_ca
 k tile as it streams through, so the rotated q and k never reach memory; that saves the composite's
 rotary kernel, a read and a write of q and k (``apply_rotary_pos_emb`` then attention). It also
 writes the log-sum-exp ``lse [B, Hq, Sq]`` (float32), which the backward needs and callers do not
-see (:class:`~dlcore.runtime.template.Residuals`). The backward (:func:`backward_plan`) computes the
-attention gradients of the rotated q' and k' and applies the transposed rotation to dq' and dk':
-``dq = dq' * cos_q - rotate(dq' * sin_q)`` (the rotation is linear, its gradient its transpose).
-With ``Sq == Sk`` it writes q' and k' to scratch with :mod:`apply_rotary_pos_emb`'s kernel, runs
+see (:class:`~dlcore.runtime.template.Residuals`). The backward
+(:func:`dlblas_kernels.attention_grad.rotary_backward_plan`) computes the attention gradients of the
+rotated q' and k' and applies the transposed rotation to dq' and dk': ``dq = dq' * cos_q -
+rotate(dq' * sin_q)`` (the rotation is linear, its gradient its transpose). It writes q' and k' to
+scratch with :mod:`apply_rotary_pos_emb`'s kernel (q' from the tables' last Sq rows), runs
 flash_attention_v2's backward on them and rotates dq' and dk' back with the same kernel: rotating
-inside the backward's loops would rotate each streamed tile again for every block it meets.
-Otherwise (:func:`dlblas_kernels.attention_grad.backward_calls` with the same ``rotary``) it rotates
-q and k after loading them, as the forward does. cos and sin are tables: no gradient.
+inside the backward's loops would rotate each streamed tile again for every block it meets. cos and
+sin are tables: no gradient.
 
 The baseline ``composite`` is what a model runs unfused: dlblas ``apply_rotary_pos_emb``, then
 ``F.scaled_dot_product_attention`` with the fastest backend that accepts the inputs (cuDNN, then
@@ -50,7 +50,6 @@ from dlblas_kernels.kernels.apply_rotary_pos_emb import (
     llama_cos_sin,
     rotary_kernel,
     rotate,
-    rotation_calls,
 )
 from dlblas_kernels.kernels.flash_attention_v2 import scale_of, training_outputs
 from dlcore import InvalidInputError
@@ -276,32 +275,6 @@ OP = Op(
 )
 
 
-def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
-    """The launches for ``(dq, dk, dv)`` from ``args`` as
-    :func:`~dlblas_kernels.attention_grad.rotary_backward_reference` takes them.
-
-    With as many queries as keys (training's case): q and k rotated into scratch by
-    :mod:`apply_rotary_pos_emb`'s kernel, flash_attention_v2's backward on them, and dq', dk'
-    taken back through the transposed rotation by the same kernel; O(S) memory traffic where
-    rotating inside the backward's loops (:func:`attention_grad.rotary_backward_plan`, kept for
-    ``Sq != Sk``, whose queries take other table rows than the keys) rotates every streamed q and
-    k tile again for each block it meets, O(S^2) work. On an H100 (bf16, B 2, H 16, D 128,
-    ``python3 .ci/rotary_backward.py``) this is 1.78x to 1.96x faster than the rotation in the loops
-    at S 2048 to 16384, 1.41x to 1.51x causal (418 against 591 us at S 2048 causal)."""
-    dout, q, k, v, cos, sin, out, lse, causal, softmax_scale, interleaved = args
-    if q.shape[1] != k.shape[1]:
-        return attention_grad.rotary_backward_plan(args, config, profile)
-    dq, dk, dv = attention_grad.backward_results(dout, q, k, v)
-    q_rot, k_rot, dq_rot, dk_rot = (t.new_empty(t.shape) for t in (q, k, q, k))
-    stats = attention_grad.stats_scratch(q)
-    calls = [*rotation_calls(q, k, q_rot, k_rot, cos, sin, interleaved, profile),
-             *attention_grad.backward_calls(dout, q_rot, k_rot, v, out, lse, None, dq_rot, dk_rot, dv,
-                                            causal=causal, scale=scale_of(q, softmax_scale), profile=profile,
-                                            stats=stats),
-             *rotation_calls(dq_rot, dk_rot, dq, dk, cos, sin, interleaved, profile, backward=True)]
-    return LaunchPlan(calls, (dq, dk, dv), scratch=(q_rot, k_rot, dq_rot, dk_rot, stats))
-
-
 def _gradients(backward, saved, grads, needs) -> dict:
     dq, dk, dv = backward(grads[0], saved.q, saved.k, saved.v, saved.cos, saved.sin, saved.out, saved.lse,
                           saved.causal, saved.softmax_scale, saved.interleaved)
@@ -316,18 +289,17 @@ KERNEL = define_kernel(
     space=space,
     backward=Backward(
         _gradients, saved=("q", "k", "v", "cos", "sin", "out", "lse", "causal", "softmax_scale", "interleaved"),
-        plan=backward_plan, reference=attention_grad.rotary_backward_reference,
+        plan=attention_grad.rotary_backward_plan, reference=attention_grad.rotary_backward_reference,
         results=attention_grad.rotary_backward_results,
         residuals=Residuals(("lse",), training_plan, training_outputs, fused_rotary_and_fa_training_reference)),
     doc="flash attention with q and k rotated in registers after loading (never written); backward: q and k "
-        "rotated into scratch, the attention backward, dq and dk rotated back (Sq != Sk: the rotation inside "
-        "the backward's loops)",
+        "rotated into scratch, the attention backward, dq and dk rotated back",
     limits=(LoweringLimit(
-        "npu", ("attention_forward_kernel", "attention_dkdv_kernel", "attention_dq_kernel"), "hivm",
+        "npu", ("attention_forward_kernel",), "hivm",
         "bishengir-compile 1.2 aborts in its tile-cube-vector-loop pass ('getIndexingMaps not implemented') on "
-        "the interleaved rotation (interleaved=True: its tl.gather of lanes inside the mixed cube/vector loops), "
-        "forward and backward; the half-split rotation (interleaved=False), the same kernels without rotation "
-        "(flash_attention_v2) and tl.gather in small kernels reach HIVM IR"),),
+        "the interleaved rotation (interleaved=True: its tl.gather of lanes inside the mixed cube/vector loops); "
+        "the half-split rotation (interleaved=False), the same kernel without rotation (flash_attention_v2) and "
+        "tl.gather in small kernels (the backward's rotary_kernel) reach HIVM IR"),),
 )
 fused_rotary_and_fa = KERNEL.function
 dlcore_ops, dlcore_implementations = KERNEL.dlcore_ops, KERNEL.dlcore_implementations
