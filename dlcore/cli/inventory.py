@@ -19,6 +19,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
 
 
 def run_plugins(args: argparse.Namespace) -> int:
+    from dlcore.plugins.discovery import unread_groups
     from dlcore.plugins.registry import registry
 
     reg = registry()
@@ -31,6 +32,8 @@ def run_plugins(args: argparse.Namespace) -> int:
         status = f"{r.status}: {r.error}" if r.error else str(r.status)
         if r.ignored:
             status += f" (ignored {'; '.join(r.ignored)})"
+        if r.empty:
+            status += f" (provides nothing: {r.value} defines no dlcore_* hook function; see docs/plugins.md)"
         if r.clashes:
             status += f" (name also used by {'; '.join(r.clashes)}: rename one entry point)"
         if r.id in availability:
@@ -43,6 +46,11 @@ def run_plugins(args: argparse.Namespace) -> int:
             print(f"\n{r.id} ({r.distribution}):\n{r.traceback}")
     if any(r.traceback for r in records) and not args.verbose:
         print("\n(run `dlcore plugins -v` for the tracebacks)")
+    unread = unread_groups()
+    if unread:
+        print("\nentry points in groups dlcore does not read (never loaded):")
+        for line in unread:
+            print(f"  {line}")
     return 0
 
 
@@ -98,6 +106,8 @@ def describe_op(reg, name: str) -> str:
             kinds = ",".join(t.__name__ for t in a.types)
             notes = [] if a.default is REQUIRED else [f"default {a.default!r}"]
             notes += [f"one of {', '.join(map(repr, a.choices))}"] if a.choices else []
+            notes += ["finite"] if a.finite else []
+            notes += [f">= {a.minimum!r}"] if a.minimum is not None else []
             notes += ["keyed (its value selects the kernel)"] if a.keyed else []
             rows.append((a.name, "scalar", kinds, "", "; ".join(notes)))
     lines.append(table(rows, ("name", "kind", "dtypes / types", "layouts", "notes")))

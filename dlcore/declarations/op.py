@@ -6,6 +6,7 @@ An :class:`Op` is what ``get_op`` looks up by name. Its implementations are decl
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,6 +18,11 @@ from dlcore.declarations.overlap import Overlap, overlap, overlaps_itself
 from dlcore.errors import DeclarationError, InvalidInputError
 
 REQUIRED = object()
+
+
+def _article(noun: str) -> str:
+    """``noun`` after "a" or "an" (by its first letter)."""
+    return ("an " if noun[:1].lower() in "aeiou" else "a ") + noun
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -60,13 +66,16 @@ class TensorArg:
 class ScalarArg:
     """A Python scalar argument. ``keyed``: its value (not only its type) selects the kernel.
     ``choices``: the values accepted, if only some are (an activation's name); ``types`` may then
-    include ``str`` and ``type(None)``."""
+    include ``str`` and ``type(None)``. ``finite``: NaN and infinities refused; ``minimum``: the
+    smallest number accepted (NaN refused too). Both are checked on the host, before any launch."""
 
     name: str
     types: tuple[type, ...] = (float, int)
     default: Any = REQUIRED
     keyed: bool = False
     choices: tuple[Any, ...] | None = None
+    finite: bool = False
+    minimum: float | None = None
     #: a ``bool`` argument that, when true, makes the op write its results into these tensor
     #: arguments (``inplace``): each is then checked to overlap neither itself nor another argument
     writes: tuple[str, ...] = ()
@@ -211,7 +220,8 @@ class Op:
             isinstance(value, bool) and bool not in spec.types
         ):
             names = " or ".join("None" if t is type(None) else t.__name__ for t in spec.types)
-            raise InvalidInputError(self.name, spec.name, f"is a {type(value).__name__}", f"a {names} for {spec.name}")
+            raise InvalidInputError(self.name, spec.name, f"is {_article(type(value).__name__)}",
+                                    f"{_article(names)} for {spec.name}")
         if float in spec.types and isinstance(value, int) and not isinstance(value, bool):
             try:
                 float(value)
@@ -222,6 +232,11 @@ class Op:
         if spec.choices is not None and value not in spec.choices:
             raise InvalidInputError(self.name, spec.name, f"is {value!r}",
                                     f"one of {', '.join(repr(c) for c in spec.choices)}")
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if spec.finite and not math.isfinite(value):
+                raise InvalidInputError(self.name, spec.name, f"is {value!r}", f"a finite number for {spec.name}")
+            if spec.minimum is not None and not value >= spec.minimum:
+                raise InvalidInputError(self.name, spec.name, f"is {value!r}", f"{spec.name} >= {spec.minimum!r}")
 
     def _check_tensor(self, spec: TensorArg, value: Any, bound: tuple) -> None:
         if not isinstance(value, torch.Tensor):

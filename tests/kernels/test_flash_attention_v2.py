@@ -257,6 +257,17 @@ def test_public_function_and_get_op(device, gen):
     check(out, lse, q, k, v, False)
 
 
+@pytest.mark.parametrize("batch, sq, sk, hq", [(0, 1, 9, 4), (0, 5, 9, 4), (2, 0, 9, 4), (2, 5, 0, 4), (2, 5, 9, 0)],
+                         ids=["no-batch-decode", "no-batch", "no-queries", "no-keys", "no-heads"])
+def test_empty_inputs(batch, sq, sk, hq, device, gen):
+    """Empty inputs give empty (or, without keys, zero) outputs: no launch divides by a count of 0."""
+    q, k, v = inputs(batch, sq, sk, hq, 2, 16, torch.float32, device, gen)
+    out, lse = dlblas_kernels.flash_attention_v2(q, k, v, return_lse=True)
+    assert out.shape == q.shape and lse.shape == (batch, hq, sq)
+    if sk == 0:
+        assert (out == 0).all()
+
+
 @pytest.mark.parametrize("change, name", [
     (lambda q, k, v: (q, k[:1], v[:1]), "k"),                    # batch
     (lambda q, k, v: (q, k[..., :32], v[..., :32]), "k"),        # head dimension

@@ -326,7 +326,7 @@ def test_plan_on_meta_tensors_reads_no_data():
 
 
 BAD = ["K mismatch", "int32 a", "int32 b", "b dtype", "rank-1 a", "3-D b", "1-D b", "interleaved rows",
-       "bias shape", "bias dtype", "activation"]
+       "bias shape", "bias dtype", "strided bias", "expanded bias", "activation"]
 
 
 @pytest.mark.parametrize("case", BAD)
@@ -354,6 +354,10 @@ def test_bad_inputs_raise_before_launch(case, device, no_launch):
         bias = torch.randn(15, device=device, dtype=torch.float16)
     elif case == "bias dtype":
         bias = torch.randn(16, device=device)
+    elif case == "strided bias":  # the epilogue reads the bias at unit stride
+        bias = torch.randn(32, device=device, dtype=torch.float16)[::2]
+    elif case == "expanded bias":
+        bias = torch.ones(1, device=device, dtype=torch.float16).expand(16)
     elif case == "activation":
         activation = "tanh"
     with pytest.raises(InvalidInputError):

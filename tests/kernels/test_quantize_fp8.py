@@ -89,6 +89,16 @@ def test_all_zero_and_empty(device):
     assert q.shape == (0, 64) and scale.shape == (0, 1)
 
 
+@pytest.mark.parametrize("granularity", ["row", "block", "block_128x128", "tensor"])
+def test_rows_without_columns_have_scale_one(granularity, device):
+    """K 0: a scale of 1 for every group there is (a row's one scale included), as the reference."""
+    x = torch.empty(5, 0, device=device)
+    q, scale = quantize_fp8(x, granularity)
+    _, want_scale = Q.quantize_fp8_reference(x, granularity)
+    assert q.shape == (5, 0) and scale.shape == want_scale.shape
+    assert torch.equal(scale, want_scale) and (scale == 1).all()
+
+
 @pytest.mark.skipif(not ON_GPU, reason="the interpreter's carry error halves some values")
 def test_round_trip(device, gen):
     x = randn(33, 256, device=device, generator=gen)

@@ -218,7 +218,7 @@ def default_config(q: torch.Tensor, k: torch.Tensor, profile: DeviceProfile) -> 
     while stages > 1 and shared and stages * tile_bytes > shared:
         stages -= 1
     resident = max(1, shared // (stages * tile_bytes)) if shared else PROGRAMS_PER_CORE
-    units = batch * hk
+    units = max(batch * hk, 1)  # no batch: nothing launches, any count will do
     splits = max(1, profile.cores * (resident if sk >= LONG_CACHE else 1) // units)
     return {"SPLITS": splits, "BLOCK_N": block_n, "num_warps": 8 if block_m * block_d >= 64 * 256 else 4,
             "num_stages": stages}

@@ -185,7 +185,7 @@ OP = Op(
         TensorArg("x", DTYPES, bucket="rows"),
         TensorArg("weight", DTYPES, max_rank=1),
         TensorArg("residual", DTYPES, same_dtype_as="x", bucket="rows"),
-        ScalarArg("eps", (float, int), default=1e-6),
+        ScalarArg("eps", (float, int), default=1e-6, finite=True, minimum=0.0),
     ),
     reference=add_rms_norm_reference,
     doc="(rms_norm(x + residual, weight, eps), x + residual) in one pass",

@@ -715,7 +715,7 @@ OP = Op(
         TensorArg("w1", DTYPES, min_rank=2, max_rank=2, same_dtype_as="x", optional=True),
         TensorArg("w3", DTYPES, min_rank=2, max_rank=2, same_dtype_as="x", optional=True),
         TensorArg("rms_w", DTYPES, max_rank=1),
-        ScalarArg("eps", (float, int), default=1e-6),
+        ScalarArg("eps", (float, int), default=1e-6, finite=True, minimum=0.0),
         TensorArg("w13", DTYPES, min_rank=2, max_rank=2, same_dtype_as="x", optional=True),
     ),
     reference=ffn_reference,

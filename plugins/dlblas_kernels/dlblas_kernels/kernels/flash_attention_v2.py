@@ -294,7 +294,7 @@ OP = Op(
         TensorArg("k", DTYPES, min_rank=4, max_rank=4, layouts=ANY_LAYOUT, same_dtype_as="q", bucket="sequence"),
         TensorArg("v", DTYPES, min_rank=4, max_rank=4, layouts=ANY_LAYOUT, same_dtype_as="q", bucket="sequence"),
         ScalarArg("causal", (bool,), default=False, keyed=True),
-        ScalarArg("softmax_scale", (float, int, type(None)), default=None),
+        ScalarArg("softmax_scale", (float, int, type(None)), default=None, finite=True),
         ScalarArg("return_lse", (bool,), default=False, keyed=True),
     ),
     reference=flash_attention_v2_reference,

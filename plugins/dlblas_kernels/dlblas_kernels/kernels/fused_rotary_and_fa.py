@@ -259,7 +259,7 @@ OP = Op(
         TensorArg("cos", DTYPES, min_rank=2, max_rank=3, layouts=ANY_LAYOUT, bucket="rows", differentiable=False),
         TensorArg("sin", DTYPES, min_rank=2, max_rank=3, layouts=ANY_LAYOUT, bucket="rows", differentiable=False),
         ScalarArg("causal", (bool,), default=False, keyed=True),
-        ScalarArg("softmax_scale", (float, int, type(None)), default=None),
+        ScalarArg("softmax_scale", (float, int, type(None)), default=None, finite=True),
         ScalarArg("interleaved", (bool,), default=False, keyed=True),
     ),
     reference=fused_rotary_and_fa_reference,

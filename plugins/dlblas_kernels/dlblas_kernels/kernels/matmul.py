@@ -366,7 +366,7 @@ OP = Op(
     args=(
         TensorArg("a", DTYPES, min_rank=2, bucket="rows"),
         TensorArg("b", DTYPES, min_rank=2, max_rank=2, same_dtype_as="a"),
-        TensorArg("bias", DTYPES, max_rank=1, same_dtype_as="a", optional=True),
+        TensorArg("bias", DTYPES, max_rank=1, same_dtype_as="a", optional=True, layouts=("contiguous",)),
         ScalarArg("activation", (str, type(None)), default=None, keyed=True, choices=ACTIVATIONS),
         ScalarArg("allow_tf32", (bool,), default=False, keyed=True),
     ),

@@ -152,7 +152,7 @@ def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     q, scale = outputs(x, granularity)
     (m, k) = x.shape
     if x.numel() == 0:
-        return LaunchPlan(calls=[], result=(q, scale.fill_(1.0) if scale.dim() == 0 else scale))
+        return LaunchPlan(calls=[], result=(q, scale.fill_(1.0)))  # groups of no element (K 0): scale 1
     strides = (x.stride(0), x.stride(1), q.stride(0))
     warps = {"num_warps": config["num_warps"]}
     if granularity in ("block", "block_128x128"):
@@ -209,7 +209,8 @@ def quantize_fp8_reference(x: torch.Tensor, granularity: str = "block") -> tuple
         rows, cols = m, k
     else:
         rows, cols = {"block": (1, GROUP), "block_128x128": (GROUP, GROUP), "row": (1, max(k, 1))}[granularity]
-        amax = _group_amax(x, rows, cols)
+        # a row's scale even without columns (K 0), as the plan allocates one
+        amax = x.new_zeros(m, 1) if granularity == "row" and k == 0 else _group_amax(x, rows, cols)
     # A tensor divisor: torch divides a CUDA tensor by a Python number as a product with its
     # reciprocal, which is not the correctly rounded quotient the kernels compute.
     scale = torch.where(amax > 0, amax / torch.full_like(amax, FP8_MAX), torch.ones_like(amax))

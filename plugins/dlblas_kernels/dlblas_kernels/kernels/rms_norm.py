@@ -445,7 +445,7 @@ OP = Op(
     args=(
         TensorArg("x", DTYPES, bucket="rows"),
         TensorArg("weight", DTYPES, max_rank=1),
-        ScalarArg("eps", (float, int), default=1e-6),
+        ScalarArg("eps", (float, int), default=1e-6, finite=True, minimum=0.0),
     ),
     reference=rms_norm_reference,
     doc="x * rsqrt(mean(x**2, -1) + eps) * weight over the last dimension",
