@@ -24,7 +24,7 @@ class UnknownOpError(DlcoreError, LookupError):
             super().__init__(f"op {name!r} is provided by {disabled}. Registered ops: {', '.join(sorted(known))}.")
             return
         hint = f" Did you mean {', '.join(repr(c) for c in closest)}?" if closest else ""
-        listing = ", ".join(sorted(known)) or "none (is dlblas-kernels installed?)"
+        listing = ", ".join(sorted(known)) or "none (is dlblas-kernels installed? `dlcore plugins` lists what loaded)"
         super().__init__(f"unknown op {name!r}.{hint} Registered ops: {listing}.")
 
 

@@ -106,3 +106,26 @@ def test_cuda_profile():
 def test_cpu_profile():
     profile = CpuBackend().profile(torch.device("cpu"))
     assert profile.backend == "cpu" and profile.cores >= 1 and profile.arch
+
+
+@pytest.mark.parametrize("triton_version, numpy_version, declines", [
+    ("3.6.0", "2.4.1", True), ("3.6.0", "2.3.5", False), ("3.9.0", "2.4.1", False), ("3.6.0", "1.26.4", False),
+])
+def test_cpu_names_an_interpreter_that_cannot_run(monkeypatch, triton_version, numpy_version, declines):
+    """Triton 3.6's interpreter fails on numpy 2.4 and newer: the cpu backend says so, with the fix,
+    rather than letting some kernels raise a TypeError from inside the interpreter."""
+    import numpy
+    import triton
+
+    from dlcore.backends import cpu
+
+    monkeypatch.setattr(triton, "__version__", triton_version)
+    monkeypatch.setattr(numpy, "__version__", numpy_version)
+    cpu.interpreter_problem.cache_clear()
+    try:
+        problem = cpu.interpreter_problem()
+    finally:
+        cpu.interpreter_problem.cache_clear()
+    assert (problem is not None) == declines
+    if declines:
+        assert "pip install 'numpy<2.4'" in problem and numpy_version in problem

@@ -72,3 +72,30 @@ def test_clear_forgets_the_choices_of_this_process_only(tmp_path):
     dispatcher.clear()
     again = dispatcher.get_op("double", (x,))
     assert again is not bound and again.selection == bound.selection  # from the disk store
+
+
+def test_a_triton_implementation_checks_its_callables_as_it_is_declared():
+    """define_kernel's plan and space take the device profile, a TritonImplementation's do not: a
+    plugin that mixes them up is told so when it declares, naming the implementation and the
+    callable, rather than every selection of the op failing later."""
+    import pytest
+
+    from dlcore.declarations.implementation import TritonImplementation
+    from dlcore.declarations.space import PowerOfTwo, SearchSpace
+    from dlcore.errors import DeclarationError
+
+    def plan(args, config):
+        raise AssertionError("not called")
+
+    def default_config(signature, profile):
+        return {}
+
+    ok = TritonImplementation("softcap", "t", plan=plan, kernels=(), default_config=default_config,
+                              space=lambda: SearchSpace([PowerOfTwo("BLOCK", 16, 64)]))
+    assert ok.space() is not None
+    with pytest.raises(DeclarationError, match=r"softcap.t: space is called as space\(\)"):
+        TritonImplementation("softcap", "t", plan=plan, kernels=(), default_config=default_config,
+                             space=lambda profile: SearchSpace([PowerOfTwo("BLOCK", 16, 64)]))
+    with pytest.raises(DeclarationError, match=r"plan is called as plan\(args, config\).*define_kernel's do"):
+        TritonImplementation("softcap", "t", plan=lambda args, config, profile: None, kernels=(),
+                             default_config=default_config)

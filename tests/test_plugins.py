@@ -12,9 +12,10 @@ with warnings.catch_warnings(record=True) as caught:
     from dlcore.plugins.registry import registry
     reg = registry()
     registry()
-records = {r.id: [r.status, r.error, r.distribution] for r in reg.plugins.records}
+records = {r.id: [r.status, r.error, r.distribution, r.empty] for r in reg.plugins.records}
+from dlcore.plugins.discovery import unread_groups
 print(json.dumps({"records": records, "warnings": [str(w.message) for w in caught],
-                  "ops": sorted(reg.ops), "backends": sorted(reg.backends)}))
+                  "ops": sorted(reg.ops), "backends": sorted(reg.backends), "unread": unread_groups()}))
 """
 
 
@@ -81,6 +82,12 @@ def test_broken_plugins_are_isolated_and_reported(plugin_site):
     assert records["dlcore.backends:steals_cpu"][0] == "failed"
     assert "already owned by cpu" in records["dlcore.backends:steals_cpu"][1]
     assert records["dlcore.kernels:raises_on_import"][2] == "dlc-broken-demo"
+    # a module without hook functions loads, and is marked as providing nothing
+    assert records["dlcore.kernels:provides_nothing"][0] == "loaded" and records["dlcore.kernels:provides_nothing"][3]
+    assert not any(r[3] for name, r in records.items() if name != "dlcore.kernels:provides_nothing")
+    # an entry point in a misspelt group is never loaded: `dlcore plugins` names it and the group meant
+    assert result["unread"] == ["dlcore.kernel: misspelt_group = dlc_broken_demo.provides_nothing "
+                                "(dlc-broken-demo); did you mean dlcore.kernels?"]
     # everything else works
     assert {"rms_norm", "ffn", "silu_and_mul", "softcap"} <= set(result["ops"])
     assert "impostor" not in result["backends"]
@@ -154,6 +161,34 @@ def test_an_op_of_a_disabled_plugin_says_by_what(plugin_site):
     assert "Did you mean" not in result["message"]
     result = run_json(UNKNOWN_OP, plugin_site, DLCORE_PLUGINS="softcap")
     assert "left out: DLCORE_PLUGINS=softcap does not name it" in result["message"], result
+
+
+FAILED_OP = """
+import json
+import torch
+import dlcore
+from dlcore.errors import UnknownOpError
+messages = {}
+for name in ("raises_on_import", "provides_nothing"):
+    try:
+        dlcore.get_op(name, (torch.randn(2, 8),))
+    except UnknownOpError as exc:
+        messages[name] = str(exc)
+print(json.dumps(messages))
+"""
+
+
+@pytest.mark.slow
+def test_an_op_of_a_plugin_that_failed_to_load_says_why(plugin_site):
+    """The entry point named after the op failed to import, or loaded without hook functions: the
+    error says so, and why, rather than that the op is unknown."""
+    messages = run_json(FAILED_OP, plugin_site)
+    message = messages["raises_on_import"]
+    assert "dlcore.kernels:raises_on_import" in message and "installed but it failed to load: ImportError: " \
+        "this plugin needs a library" in message, message
+    assert "`dlcore plugins` shows the traceback" in message
+    assert "loaded but it provides nothing: dlc_broken_demo.provides_nothing defines no dlcore_* hook" in \
+        messages["provides_nothing"], messages
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ would win every selection, and the tests of the kernels would time the interpret
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 
@@ -20,6 +21,21 @@ from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Implementation
 from dlcore.declarations.signature import Signature
 from dlcore.plugins.hookspecs import hookimpl
+
+
+@functools.cache
+def interpreter_problem() -> str | None:
+    """Why the installed Triton's interpreter cannot run kernels here, if it cannot: Triton 3.6's
+    fails on numpy 2.4 and newer (a TypeError converting arrays to scalars, raised deep in some
+    kernels and not others)."""
+    import numpy
+    import triton
+
+    numpy_version = tuple(int(p) for p in numpy.__version__.split(".")[:2] if p.isdigit())
+    if triton.__version__.startswith("3.6.") and numpy_version >= (2, 4):
+        return (f"Triton {triton.__version__}'s interpreter fails with numpy {numpy.__version__}: "
+                "pip install 'numpy<2.4' (or a newer Triton)")
+    return None
 
 
 def _memory_bytes() -> int:
@@ -58,7 +74,7 @@ class CpuBackend(Backend):
                     "set TRITON_INTERPRET=1 before importing triton")
         if any(spec.dtype == torch.bfloat16 for _, spec in signature.tensors):
             return "the Triton interpreter computes bfloat16 wrongly; run bfloat16 on an accelerator"
-        return None
+        return interpreter_problem()
 
 
 @hookimpl

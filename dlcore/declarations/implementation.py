@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dlcore.errors import DeclarationError
+
 if TYPE_CHECKING:
     from dlcore.declarations.device import DeviceProfile
     from dlcore.declarations.op import Op
@@ -256,6 +258,24 @@ class VendorImplementation(TorchImplementation):
         return f"{self.kind}: {self.library}"
 
 
+def _check_callable(where: str, param: str, fn: Callable[..., Any] | None, form: str) -> None:
+    """Raise :class:`DeclarationError` when ``fn`` cannot be called as ``form`` (its positional
+    arguments counted): a plugin's slip caught as it declares, not inside a later selection."""
+    if fn is None:
+        return
+    count = form.count(",") + 1 if "()" not in form else 0
+    try:
+        signature = inspect.signature(fn, follow_wrapped=False)  # a functools.wraps wrapper is what is called
+    except (TypeError, ValueError):  # no signature to read (a builtin): trusted
+        return
+    try:
+        signature.bind(*range(count))
+    except TypeError:
+        raise DeclarationError(
+            f"{where}: {param} is called as {form}, which {getattr(fn, '__qualname__', fn)}{signature} cannot take "
+            "(a TritonImplementation's plan and space take no device profile; define_kernel's do)") from None
+
+
 class TritonImplementation(Implementation):
     """An implementation made of Triton kernels.
 
@@ -291,6 +311,11 @@ class TritonImplementation(Implementation):
         **kwargs: Any,
     ):
         super().__init__(op, name, **kwargs)
+        for param, fn, form in (("plan", plan, "plan(args, config)"),
+                                ("default_config", default_config, "default_config(signature, profile)"),
+                                ("supports", supports, "supports(signature, profile)"), ("space", space, "space()"),
+                                ("backward_plan", backward_plan, "backward_plan(args, config)")):
+            _check_callable(f"{op}.{name}", param, fn, form)
         self.plan = plan
         self.backward_plan = backward_plan
         self.replayable = replayable

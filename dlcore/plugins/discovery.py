@@ -77,6 +77,8 @@ class PluginRecord:
     qualifier: str = ""
     #: those other distributions' entry points, ``distribution version (value)``
     clashes: list[str] = field(default_factory=list)
+    #: loaded, but its object implements no hook (a module that forgot its ``dlcore_*`` functions)
+    empty: bool = False
 
     @property
     def id(self) -> str:
@@ -189,6 +191,24 @@ def _distributions() -> dict[tuple[str, str, str], tuple[str, str]]:
     return found
 
 
+def unread_groups() -> list[str]:
+    """Entry points in ``dlcore.*`` groups that dlcore does not read (a misspelt ``dlcore.kernel``,
+    say), as ``group: name = value (distribution)``, each with the closest group it reads: for
+    ``dlcore plugins``, since such a plugin is otherwise silently absent. Scans every installed
+    distribution: for display only."""
+    import difflib
+    from importlib.metadata import distributions
+
+    found = []
+    for dist in distributions():
+        for ep in dist.entry_points:
+            if ep.group.startswith("dlcore.") and ep.group not in GROUPS:
+                close = difflib.get_close_matches(ep.group, GROUPS, n=1)
+                hint = f"; did you mean {close[0]}?" if close else f"; dlcore reads {', '.join(GROUPS)}"
+                found.append(f"{ep.group}: {ep.name} = {ep.value} ({dist.metadata['Name']}){hint}")
+    return sorted(set(found))
+
+
 def _qualify_clashes(group: str, records: list[PluginRecord]) -> None:
     """Give the records of an entry-point name several distributions use ids of their own; warn once."""
     by_name: dict[str, list[PluginRecord]] = {}
@@ -286,3 +306,4 @@ def _register(manager: pluggy.PluginManager, record: PluginRecord, plugin: objec
         _warn(record)
         return
     record.status = PluginStatus.LOADED
+    record.empty = not manager.get_hookcallers(plugin)

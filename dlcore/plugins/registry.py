@@ -187,14 +187,23 @@ class Registry:
                                  self._disabled_provider(name)) from None
 
     def _disabled_provider(self, op: str) -> str:
-        """Which installed but disabled kernel plugin provides ``op``, and why it is off ('' if none):
-        known from the plugin index, or from the convention that a kernel entry point is named after its op."""
+        """Which installed but disabled (or broken) kernel plugin provides ``op``, and why it is off
+        ('' if none): known from the plugin index, or from the convention that a kernel entry point
+        is named after its op."""
+        off = (PluginStatus.DISABLED, PluginStatus.FAILED, PluginStatus.REJECTED)
         for r in self.plugins.records:
-            if r.group != DEFERRABLE_GROUP or r.status is not PluginStatus.DISABLED:
+            if r.group == DEFERRABLE_GROUP and r.empty and r.name == op:
+                return (f"plugin {r.id} ({r.distribution} {r.version}), loaded but it provides nothing: {r.value} "
+                        "defines no dlcore_* hook function (dlcore_ops, dlcore_implementations)")
+            if r.group != DEFERRABLE_GROUP or r.status not in off:
                 continue
             entry = self.index.entries.get(r.id) if self.index is not None else None
             if r.name == op or (entry is not None and op in entry.ops):
-                return f"plugin {r.id} ({r.distribution}), installed but {r.error}"
+                if r.status is PluginStatus.DISABLED:
+                    return f"plugin {r.id} ({r.distribution}), installed but {r.error}"
+                what = "failed to load" if r.status is PluginStatus.FAILED else "was rejected"
+                return (f"plugin {r.id} ({r.distribution} {r.version}), installed but it {what}: {r.error} "
+                        "(`dlcore plugins` shows the traceback)")
         return ""
 
     def implementations_of(self, op: str) -> list[Implementation]:

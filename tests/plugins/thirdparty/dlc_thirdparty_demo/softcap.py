@@ -88,6 +88,7 @@ OP = Op(
         30.0),
     example_sizes={"tokens": 37, "hidden": 1000},
     cost=_cost,
+    baselines={"torch": lambda: softcap_reference},
 )
 
 KERNEL = define_kernel(
