@@ -23,6 +23,10 @@ For ``logits [S, E]`` (math in float32)::
 ``l_aux`` and ``token_exp_weights`` are differentiable in the logits (the choices and slots are
 constants of the backward); the index outputs are not.
 
+Logits must be finite or ``-inf``: a NaN logit is not checked for (that would read the logits back
+to the host on every call), and its token's choices, which then take capacity from other tokens,
+may differ between this kernel and the reference.
+
 Forward, three launches, deterministic (no atomics):
 
 1. **route**, a program per block of ``BLOCK_S`` tokens (the whole row of experts in registers):
