@@ -457,10 +457,11 @@ def test_the_portability_page_has_a_cell_per_kernel_and_target_and_says_why_one_
 
 @pytest.mark.slow
 def test_stage_hivm_names_declared_limits_apart_and_does_not_fail_on_them(tmp_path):
-    """attention_dkdv_kernel is launched by flash_attention_v2's backward (no limit declared) and by
+    """attention_forward_kernel is launched by flash_attention_v2's forward (no limit declared) and by
     fused_rotary_and_fa's (declared unable on npu): with a bishengir that fails, only the first fails the run."""
-    done = _cli(tmp_path, "attention_dkdv_kernel", "--target", "npu:Ascend910B2", "--stage", "hivm", "--report",
+    done = _cli(tmp_path, "attention_forward_kernel", "--target", "npu:Ascend910B2", "--stage", "hivm", "--report",
                 **_fake_tools(tmp_path, bishengir="broken"))
     assert done.returncode == 1
-    assert "declared unable to reach hivm (see `dlcore ops`): fused_rotary_and_fa.triton backward" in done.stderr
-    assert "did not reach hivm: flash_attention_v2.triton backward/attention_dkdv_kernel" in done.stderr
+    assert "declared unable to reach hivm (see `dlcore ops`): fused_rotary_and_fa.triton/attention_forward_kernel" \
+        in done.stderr, done.stderr
+    assert "did not reach hivm: flash_attention_v2.triton/attention_forward_kernel" in done.stderr, done.stderr
