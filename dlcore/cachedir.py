@@ -19,8 +19,8 @@ from typing import Any
 
 def default_directory() -> Path:
     configured = os.environ.get("DLCORE_CACHE_DIR")
-    if configured:
-        return Path(configured)
+    if configured:  # ~ expanded and made absolute: a relative path would move with the working directory
+        return Path(configured).expanduser().absolute()
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "dlcore"
 

@@ -17,7 +17,7 @@ import dlcore.dispatch.dispatcher
 from dlcore.declarations.call import Call
 from dlcore.declarations.implementation import source_modules
 from dlcore.declarations.signature import make_signature
-from dlcore.dispatch.key import Key
+from dlcore.dispatch.key import SCHEMA_VERSION, Key
 from dlcore.dispatch.store import CacheWarning, DiskCache, make_record
 from dlcore.errors import CacheFileError
 from dlcore.plugins.registry import registry
@@ -130,10 +130,17 @@ def test_concurrent_writers_lose_nothing(tmp_path):
     assert keys["op:3-39"]["selection"]["config"] == {"i": 39, "writer": "3"}
 
 
+def digest(rec):
+    """The store's key of a record: the digest of its op and parts, the only key an import takes."""
+    return Key(rec["op"], tuple(sorted(rec["parts"].items()))).digest
+
+
 def test_export_import_round_trip(tmp_path):
     source = DiskCache(tmp_path / "a")
     for i in range(3):
-        source.put(f"rms_norm:{i}", record(BLOCK_N=2**i))
+        rec = record(BLOCK_N=2**i)
+        rec["parts"]["signature"] = f"s{i}"
+        source.put(digest(rec), rec)
     assert source.export(tmp_path / "tuned.json") == 3
     target = DiskCache(tmp_path / "b")
     assert target.import_(tmp_path / "tuned.json") == (3, 0)
@@ -142,12 +149,23 @@ def test_export_import_round_trip(tmp_path):
 
 def test_import_rejects_bad_entries(tmp_path):
     path = tmp_path / "bad.json"
-    path.write_text(json.dumps({"format": "dlcore-cache", "entries": {"a": record(), "b": {"selection": 3}}}))
-    assert DiskCache(tmp_path / "c").import_(path) == (1, 1)
-    for text in ("[1, 2]", "not json"):
+    good = record()
+    bad_time, negative = record(), record()
+    bad_time["selection"]["time_ms"], bad_time["parts"]["signature"] = "fast", "t"
+    negative["selection"]["time_ms"], negative["parts"]["signature"] = -1e9, "n"
+    entries = {digest(good): good, "b": {"selection": 3}, "../evil": good, digest(bad_time): bad_time,
+               digest(negative): negative}
+    path.write_text(json.dumps({"format": "dlcore-cache", "schema": SCHEMA_VERSION, "entries": entries}))
+    target = DiskCache(tmp_path / "c")
+    assert target.import_(path) == (1, 4)  # only the record under its own key, of the right field types
+    assert target.keys() == [digest(good)]
+    for text in ("[1, 2]", "not json", "[" * 100000 + "]" * 100000):
         path.write_text(text)
         with pytest.raises(CacheFileError, match="not a dlcore cache export"):
             DiskCache(tmp_path / "c").import_(path)
+    path.write_text(json.dumps({"format": "dlcore-cache", "schema": 99, "entries": {digest(good): good}}))
+    with pytest.raises(CacheFileError, match="holds cache schema 99"):
+        DiskCache(tmp_path / "c").import_(path)
 
 
 def test_a_corrupt_database_is_set_aside_and_rebuilt(tmp_path):
@@ -357,3 +375,17 @@ def test_a_cached_config_outside_the_space_is_ignored(tmp_path, monkeypatch):
         bound = dispatcher.get_op("rms_norm", (x, w))
     assert bound.selection.config == default
     torch.testing.assert_close(bound(x, w), x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w)
+
+
+def test_a_directory_that_cannot_be_read_means_no_disk_cache(tmp_path, monkeypatch):
+    """Permissions that deny reading the directory or its database: one warning, no disk cache,
+    never a PermissionError from the first lookup (root ignores permission bits: os.access is
+    made to answer as for another user)."""
+    directory = tmp_path / "c"
+    DiskCache(directory).put("rms_norm:x", record())
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: False if mode & os.R_OK else real(path, mode))
+    cache = DiskCache(directory)
+    with pytest.warns(CacheWarning, match="cannot read the kernel cache"):
+        assert cache.get("rms_norm:x") is None
+    assert cache.keys() == [] and not cache.writable

@@ -60,6 +60,17 @@ def test_tune_plot_without_matplotlib_fails_before_the_search(capsys, monkeypatc
     assert "pip install 'dlc-core[plot]'" in err
 
 
+@pytest.mark.parametrize("command", ["tune", "bench"])
+def test_a_plot_path_that_cannot_be_written_fails_before_the_work(capsys, monkeypatch, tmp_path, command):
+    pytest.importorskip("matplotlib")
+    from dlcore.dispatch import dispatcher
+
+    monkeypatch.setattr(dispatcher.Dispatcher, "tune_op", lambda *a, **k: pytest.fail("the search ran"))
+    path = tmp_path / "missing" / "p.png"
+    err = error_line(capsys, [command, "rms_norm", "--shape", "tokens=2,hidden=16", "--plot", str(path)])
+    assert f"--plot {path}: the folder {path.parent} does not exist or cannot be written" in err
+
+
 @pytest.mark.parametrize("argv", [["check", "silu_and_mul", "--shape", "tokens=2,hidden=8"],
                                   ["tune", "silu_and_mul", "--shape", "foo=3", "--budget", "1"]])
 def test_an_unknown_size_name_lists_the_op_s(capsys, argv):

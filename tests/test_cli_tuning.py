@@ -58,3 +58,25 @@ def test_all_tunes_the_preset_model_shapes():
     assert {"tokens": 4096, "hidden": 4096} in shapes  # LLaMA-3-8B prefill
     assert {"tokens": 1, "hidden": 8192} in shapes  # LLaMA-3-70B decoding
     assert {s["tokens"] for s in shapes} == set(ALL_TOKENS)
+
+
+def test_a_tune_replaces_a_time_read_from_elsewhere_and_refuses_empty_inputs(capsys, tmp_path):
+    """A stored time came from other inputs of the key, perhaps another machine (an import): a new
+    `dlcore tune` is never compared with it, so a tampered or stale entry cannot pin its config."""
+    args = ["tune", "rms_norm", "--shape", "tokens=4,hidden=64", "--dtype", "fp32", "--strategy", "grid",
+            "--budget", "2"]
+    assert main(args) == 0
+    assert main(["cache", "export", str(tmp_path / "tuned.json")]) == 0
+    capsys.readouterr()
+    data = json.loads((tmp_path / "tuned.json").read_text())
+    ((key, record),) = data["entries"].items()
+    record["selection"]["time_ms"] = 1e-9  # faster than anything this machine measures
+    record["selection"]["config"] = {**record["selection"]["config"], "num_warps": 16}
+    (tmp_path / "tuned.json").write_text(json.dumps(data))
+    assert main(["cache", "import", str(tmp_path / "tuned.json")]) == 0
+    assert main(args) == 0
+    capsys.readouterr()
+    assert main(["cache", "show", key]) == 0
+    assert json.loads(capsys.readouterr().out)["selection"]["time_ms"] > 1e-9
+    assert main(["tune", "rms_norm", "--shape", "tokens=0,hidden=64", "--dtype", "fp32", "--budget", "2"]) == 2
+    assert "nothing to tune: x has no elements" in capsys.readouterr().err

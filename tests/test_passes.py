@@ -78,6 +78,14 @@ def test_unknown_pass_names_are_refused():
         passes.pipeline("cuda", enable=["nope"])
 
 
+def test_a_variable_naming_no_pass_is_warned_about(monkeypatch):
+    """A misspelt DLCORE_DISABLE_PASSES would leave the pass on without a word: a warning names it
+    (not an error: the variable may name a pass of a plugin not installed here)."""
+    monkeypatch.setenv("DLCORE_DISABLE_PASSES", "grid_foldnig")
+    with pytest.warns(passes.PassWarning, match="DLCORE_DISABLE_PASSES names no registered pass: grid_foldnig"):
+        assert "grid_folding" in passes.pipeline("npu").names
+
+
 def test_malformed_passes_are_left_out_with_a_warning():
     good = Pass("good", "ttir", noop)
     with pytest.warns(passes.PassWarning) as warned:

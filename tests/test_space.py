@@ -254,3 +254,12 @@ def test_to_dict_is_json_ready():
         "fixed": {"GROUP_M": 8},
         "size": 34,
     }
+
+
+def test_a_value_of_another_type_is_not_in_the_space():
+    """16.0 == 16 and True == 1 in Python; a kernel takes neither: a config read from a tampered
+    cache with them is not in the space."""
+    space = SearchSpace([PowerOfTwo("BLOCK", 16, 64), num_warps(1, 2, 4)])
+    assert space.is_valid({"BLOCK": 16, "num_warps": 1}) is None
+    assert "BLOCK=16.0" in space.is_valid({"BLOCK": 16.0, "num_warps": 1})
+    assert "num_warps=True" in space.is_valid({"BLOCK": 16, "num_warps": True})

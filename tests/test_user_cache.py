@@ -29,3 +29,13 @@ def test_interpreters_the_tests_start_use_the_test_s_cache(tmp_path):
 def test_collection_already_has_a_cache_directory_that_is_not_the_user_s():
     assert AT_COLLECTION is not None, "collection would use the user's cache"
     assert not Path(AT_COLLECTION).resolve().is_relative_to(USER_CACHE.resolve())
+
+
+def test_a_relative_or_home_cache_directory_is_made_absolute(monkeypatch, tmp_path):
+    """A relative DLCORE_CACHE_DIR would move with the working directory (and SQLite's URI of the
+    database needs an absolute path); ~ is the user's home, not a folder named ~."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("DLCORE_CACHE_DIR", "relative")
+    assert default_directory() == tmp_path / "relative"
+    monkeypatch.setenv("DLCORE_CACHE_DIR", "~/somewhere")
+    assert default_directory() == Path.home() / "somewhere"

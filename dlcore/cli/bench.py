@@ -93,7 +93,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     args.device = str(device)
     if args.plot:
-        require_plotting()
+        require_plotting(args.plot)
     try:
         op = registry().op(args.op)
         if device.type == "cpu" and args.shapes is None and args.tokens is None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from dlcore.bench.presets import parse_sizes
@@ -38,13 +40,18 @@ def resolve_device(requested: str | None) -> torch.device:
     return device
 
 
-def require_plotting(option: str = "--plot") -> None:
-    """Fail before any work when ``option`` is given and matplotlib is not installed."""
+def require_plotting(path: str | None = None, option: str = "--plot") -> None:
+    """Fail before any work when ``option`` is given and matplotlib is not installed, or when the
+    folder of ``path`` (the plot's file) does not exist or cannot be written."""
     try:
         import matplotlib  # noqa: F401
     except ImportError as exc:
         raise InvalidOptionError(f"{option} needs matplotlib, which is not installed: "
                                  f"pip install 'dlc-core[plot]' (or leave out {option})") from exc
+    if path is not None:
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise InvalidOptionError(f"{option} {path}: the folder {folder} does not exist or cannot be written")
 
 
 def default_dtype(requested: str | None, device: torch.device) -> str:

@@ -69,7 +69,7 @@ def run_tune(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     dtype = DTYPES[default_dtype(args.dtype, device)]
     if args.plot:
-        require_plotting()
+        require_plotting(args.plot)
     rows, curves = [], {}
     for name in ops:
         op = reg.op(name)

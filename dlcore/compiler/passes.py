@@ -218,10 +218,17 @@ def pipeline(backend: str, enable: Iterable[str] = (), disable: Iterable[str] = 
     :raises PassError: a name in ``enable`` or ``disable`` is no registered pass.
     """
     passes = registered()
-    unknown = (set(enable) | set(disable)) - {p.name for p in passes}
+    names = {p.name for p in passes}
+    known = ", ".join(sorted(names)) or "none"
+    unknown = (set(enable) | set(disable)) - names
     if unknown:
-        known = ", ".join(sorted(p.name for p in passes)) or "none"
         raise PassError(f"no pass named {', '.join(sorted(unknown))}; registered passes: {known}")
+    for variable in (ENABLE_VARIABLE, DISABLE_VARIABLE):
+        # a warning, not an error: the variable may name a pass of a plugin not installed here
+        unset = names_from_env(variable) - names
+        if unset:
+            warnings.warn(f"dlcore: {variable} names no registered pass: {', '.join(sorted(unset))} "
+                          f"(registered: {known}); it has no effect", PassWarning, stacklevel=3)
     return select(passes, backend, enable, disable)
 
 

@@ -188,8 +188,10 @@ class SearchSpace:
         for param in self.params:
             if param.name not in config:
                 return f"missing parameter {param.name!r}"
-            if config[param.name] not in param.values:
-                return f"{param.name}={config[param.name]!r} is not {param.describe()}"
+            value = config[param.name]
+            # of the values' own type: 16.0 == 16 and True == 1 in Python, but a kernel takes neither for 16 or 1
+            if not any(value == v and type(value) is type(v) for v in param.values):
+                return f"{param.name}={value!r} is not {param.describe()}"
         for name, value in self.fixed.items():
             if name in config and config[name] != value:
                 return f"{name}={config[name]!r}, but the space fixes {name}={value!r}"

@@ -57,6 +57,8 @@ class Dispatcher:
         self._bound: dict[tuple, BoundOp] = {}
         #: key digest -> the selection made or read in this process
         self._selections: dict[str, Selection] = {}
+        #: key digest -> the selection tune_op made in this process: times measured here, comparable
+        self._tuned: dict[str, Selection] = {}
 
     @property
     def store(self) -> DiskCache:
@@ -70,6 +72,7 @@ class Dispatcher:
         self._exact.clear()
         self._bound.clear()
         self._selections.clear()
+        self._tuned.clear()
         if self._store is not None:
             self._store.close()
             self._store = None
@@ -129,16 +132,31 @@ class Dispatcher:
 
     def tune_op(self, name: str, args: tuple | list, *, strategy: str, budget: int | None = None, tune: str = "full",
                 progress: Callable[[Evaluation], None] | None = None) -> tuple[BoundOp, dict[str, SearchResult]]:
-        """Tune now, whatever is cached, and remember the result: what ``dlcore tune`` runs."""
+        """Tune now, whatever is cached, and remember the result: what ``dlcore tune`` runs.
+
+        The result replaces what the cache holds for the key, unless that is better: a faster
+        selection tuned in this process (another strategy's search on these inputs, timed by this
+        process), or one of a higher level (a full search, against this quick one). A time read from
+        the disk or an import is never compared with this one: it was measured on other inputs of
+        the key, perhaps on another machine. Inputs without elements are refused: there is
+        nothing to time."""
         check_request(name, args, None)
         call = self.prepare(name, args)
+        empty = [spec.name for spec, value in zip(call.op.args, call.args)
+                 if callable(getattr(value, "numel", None)) and value.numel() == 0]
+        if empty:
+            raise InvalidOptionError(f"{name}: nothing to tune: {', '.join(empty)} has no elements (give sizes "
+                                     "above 0; a tuned config of empty inputs would serve their whole shape bucket)")
         key = self.key_of(call)
         policy = resolve(tune, strategy, budget)
         selection, results = self._search(call, policy, progress)
-        known = self._remembered(key)
-        if known is not None and known.time_ms is not None and known.time_ms < selection.time_ms \
-                and satisfies(known, policy):
+        here, known = self._tuned.get(key.digest), self._remembered(key)
+        if here is not None and here.time_ms is not None and here.time_ms < selection.time_ms \
+                and satisfies(here, policy):
+            selection = here
+        elif known is not None and known.level > selection.level:
             selection = known
+        self._tuned[key.digest] = selection
         return self._bind(call, key, self.remember(key, selection)), results
 
     def prepare(self, name: str, args: tuple | list, kwargs: dict[str, Any] | None = None,
@@ -220,7 +238,9 @@ def config_problem(impl: Implementation, config: Any, call: Call) -> str:
     heuristic default, or a member of its declared search space."""
     if not isinstance(config, dict):
         return f"the config is a {type(config).__name__}, not a mapping"
-    if config == impl.default_config(call.signature, call.profile):
+    default = impl.default_config(call.signature, call.profile)
+    # of the same types too: 16.0 == 16 and True == 1, but a kernel takes neither for 16 or 1
+    if config == default and all(type(config[k]) is type(default[k]) for k in default):
         return ""
     space = impl.space(call.profile)
     if space is None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dlcore.cachedir import default_directory, write_text
-from dlcore.dispatch.key import SCHEMA_VERSION
+from dlcore.dispatch.key import SCHEMA_VERSION, Key
 from dlcore.errors import CacheFileError
 from dlcore.tuning.selection import Selection
 
@@ -46,7 +46,7 @@ def parse_record(text: Any) -> dict[str, Any] | None:
     try:
         record = json.loads(text)
         Selection.from_json(record["selection"])
-    except (ValueError, TypeError, KeyError):
+    except (ValueError, TypeError, KeyError, RecursionError):
         return None
     if not isinstance(record.get("parts"), dict) or not isinstance(record.get("op"), str):
         return None
@@ -102,6 +102,9 @@ class DiskCache:
             self._warn(f"cannot create the kernel cache directory {directory} ({exc}); running without a disk cache")
             return StoreMode.ABSENT, _Absent()
         database = directory / DATABASE
+        if not os.access(directory, os.R_OK | os.X_OK) or (database.exists() and not os.access(database, os.R_OK)):
+            self._warn(f"cannot read the kernel cache at {directory} (permissions); running without a disk cache")
+            return StoreMode.ABSENT, _Absent()
         if not os.access(directory, os.W_OK) or (database.exists() and not os.access(database, os.W_OK)):
             reader = _ReadOnly(database)
             self._warn(f"the kernel cache at {directory} is read-only: serving its selections, storing no new ones")
@@ -211,17 +214,20 @@ class DiskCache:
             data = json.loads(Path(path).read_text())
         except OSError as exc:
             raise CacheFileError(f"cannot read {path}: {exc.strerror or exc}") from None
-        except ValueError as exc:  # not JSON, or not text
-            raise CacheFileError(f"{path} is not a dlcore cache export: {exc}") from None
+        except (ValueError, RecursionError) as exc:  # not JSON, not text, or nested past the parser's depth
+            raise CacheFileError(f"{path} is not a dlcore cache export: {type(exc).__name__}: {exc}") from None
         if not isinstance(data, dict) or data.get("format") != EXPORT_FORMAT:
             raise CacheFileError(f"{path} is not a dlcore cache export (no \"format\": \"{EXPORT_FORMAT}\")")
+        if data.get("schema") != SCHEMA_VERSION:
+            raise CacheFileError(f"{path} holds cache schema {data.get('schema')!r}; this dlcore reads schema "
+                                 f"{SCHEMA_VERSION} (export it again with this dlcore's version)")
         imported = rejected = 0
         self._require_writable(f"import {path}")
         entries = data.get("entries")
         if not isinstance(entries, dict):
             raise CacheFileError(f"{path} is not a dlcore cache export (its \"entries\" is not an object)")
         for key, record in entries.items():
-            if isinstance(key, str) and parse_record(json.dumps(record)) is not None:
+            if isinstance(key, str) and parse_record(json.dumps(record)) is not None and _keyed_by(key, record):
                 self.put(key, record)
                 imported += 1
             else:
@@ -232,6 +238,14 @@ class DiskCache:
         if self._cache is not None:
             self._cache.close()
             self._cache = None
+
+
+def _keyed_by(key: str, record: dict[str, Any]) -> bool:
+    """Whether ``key`` is the digest of ``record``'s op and parts (an import takes no other key)."""
+    parts = record["parts"]
+    if not all(isinstance(v, str) for v in parts.values()):
+        return False
+    return key == Key(record["op"], tuple(sorted(parts.items()))).digest
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -260,7 +274,10 @@ def _text_keys(database: Path, immutable: bool) -> tuple[list[str], int]:
     """The text keys of diskcache's table, in insertion order, and how many rows are keyed otherwise."""
     if not database.exists():
         return [], 0
-    connection = _connect(database, immutable)
+    try:
+        connection = _connect(database, immutable)
+    except sqlite3.DatabaseError:
+        return [], 0
     try:
         rows = connection.execute("SELECT key, raw FROM Cache ORDER BY rowid").fetchall()
     except sqlite3.DatabaseError:
@@ -281,7 +298,10 @@ class _ReadOnly:
     def get(self, key: str) -> str | None:
         if not self.database.exists():
             return None
-        connection = _connect(self.database, immutable=True)
+        try:
+            connection = _connect(self.database, immutable=True)
+        except sqlite3.DatabaseError as exc:
+            raise ValueError(f"unreadable database: {exc}") from None
         try:
             row = connection.execute("SELECT mode, filename, value FROM Cache WHERE key = ? AND raw = 1",
                                      (key,)).fetchone()

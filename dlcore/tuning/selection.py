@@ -72,8 +72,25 @@ class Selection:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Selection:
-        """The selection ``to_json`` wrote; ValueError, KeyError or TypeError if ``data`` is not one."""
-        return cls(**data)
+        """The selection ``to_json`` wrote; ValueError, KeyError or TypeError if ``data`` is not one
+        (each field of its type: a stored or imported entry is checked as it is read)."""
+        selection = cls(**data)
+        number = (int, float)
+        fields = (("impl", selection.impl, str), ("config", selection.config, dict),
+                  ("time_ms", selection.time_ms, (*number, type(None))), ("measured", selection.measured, dict),
+                  ("failed", selection.failed, dict), ("declined", selection.declined, dict),
+                  ("strategy", selection.strategy, (str, type(None))), ("evaluations", selection.evaluations, int),
+                  ("when", selection.when, str))
+        for name, value, kind in fields:
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise TypeError(f"selection field {name} is {type(value).__name__}")
+        if selection.time_ms is not None and not selection.time_ms >= 0:
+            raise ValueError(f"selection time_ms is {selection.time_ms}: a time is not negative")
+        if not all(isinstance(t, number) and not isinstance(t, bool) for t in selection.measured.values()):
+            raise TypeError("selection field measured holds a time that is not a number")
+        if not all(isinstance(k, str) for k in selection.config):
+            raise TypeError("selection field config has a key that is not a string")
+        return selection
 
 
 #: rounds :func:`select` times the candidates in
