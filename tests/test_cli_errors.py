@@ -113,3 +113,19 @@ def test_tune_says_why_it_kept_the_reference(capsys):
                  "--device", "cpu"]) == 0
     err = capsys.readouterr().err
     assert "kept the reference, since every implementation declined" in err and "bfloat16" in err, err
+
+
+def test_tune_into_a_cache_it_cannot_write_fails_before_the_search(capsys, monkeypatch, tmp_path):
+    from dlcore.dispatch import dispatcher
+
+    monkeypatch.setattr(dispatcher.Dispatcher, "tune_op", lambda *a, **k: pytest.fail("the search ran"))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("DLCORE_CACHE_DIR", str(blocker))
+    dispatcher.default().clear()
+    with pytest.warns(UserWarning, match="not a directory"):
+        err = error_line(capsys, ["tune", "rms_norm", "--shape", "tokens=2,hidden=16", "--budget", "1"])
+    assert "cannot keep tuned configs" in err and "absent" in err
+    monkeypatch.setenv("DLCORE_CACHE_DIR", str(tmp_path / "writable"))
+    dispatcher.default().clear()
+    assert "names no strategy" in error_line(capsys, ["tune", "rms_norm", "--strategy", ",", "--budget", "1"])

@@ -8,6 +8,7 @@ import sys
 
 from dlcore.bench.table import table
 from dlcore.cli.options import DTYPES, check_sizes, default_dtype, parse_sizes, require_plotting, resolve_device
+from dlcore.errors import CacheFileError, InvalidOptionError
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -70,6 +71,12 @@ def run_tune(args: argparse.Namespace) -> int:
     dtype = DTYPES[default_dtype(args.dtype, device)]
     if args.plot:
         require_plotting(args.plot)
+    store = default().store
+    if not store.writable:  # before the search: its results would be measured for nothing
+        raise CacheFileError(f"cannot keep tuned configs: the kernel cache at {store.directory} is "
+                             f"{store.mode.value} (point DLCORE_CACHE_DIR at a directory this user can write)")
+    if not strategies:
+        raise InvalidOptionError(f"--strategy {args.strategy!r} names no strategy")
     rows, curves = [], {}
     for name in ops:
         op = reg.op(name)
