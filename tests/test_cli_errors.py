@@ -129,3 +129,14 @@ def test_tune_into_a_cache_it_cannot_write_fails_before_the_search(capsys, monke
     monkeypatch.setenv("DLCORE_CACHE_DIR", str(tmp_path / "writable"))
     dispatcher.default().clear()
     assert "names no strategy" in error_line(capsys, ["tune", "rms_norm", "--strategy", ",", "--budget", "1"])
+
+
+def test_ctrl_c_ends_a_command_with_one_line(capsys, monkeypatch):
+    from dlcore.cli import inventory
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(inventory, "run_ops", interrupted)  # the parser is built by each main()
+    assert main(["ops"]) == 130
+    assert capsys.readouterr().err == "dlcore: interrupted\n"

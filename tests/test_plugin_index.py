@@ -123,3 +123,17 @@ def test_an_entry_of_the_wrong_types_is_not_trusted():
     for field, wrong in (("ops", "rms_norm"), ("ops", [1]), ("eager", "no"), ("value", 3), ("root", None)):
         assert Entry.from_json({**good, field: wrong}) is None, field
     assert Entry.from_json(["m:p"]) is None
+
+
+def test_an_index_that_leaves_out_an_op_does_not_hide_it(plugin_site, tmp_path):
+    """An entry edited (or gone stale) to list none of the ops its plugin provides: the op is not
+    called unknown; every plugin is loaded before that is said."""
+    cache = tmp_path / "cache"
+    run_json(REPORT, plugin_site, DLCORE_CACHE_DIR=str(cache))
+    index = next((cache / "plugins").glob("kernels-*.json"))
+    learnt = json.loads(index.read_text())
+    learnt["plugins"]["dlcore.kernels:rms_norm"]["ops"] = []
+    index.write_text(json.dumps(learnt))
+    result = run_json(REPORT, plugin_site, DLCORE_CACHE_DIR=str(cache))
+    assert result["err"] < 1e-4 and result["status"]["dlcore.kernels:rms_norm"] == "loaded", result
+    assert "unknown op 'sofcap'" in result["unknown"]

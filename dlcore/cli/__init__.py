@@ -25,7 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command. A :class:`~dlcore.errors.DlcoreError` (bad input, a missing tool, a
     read-only cache) ends it with one line on stderr and exit status 2; ``--debug`` raises it
-    instead, with its traceback. A closed pipe (``dlcore ... | head``) ends it quietly."""
+    instead, with its traceback. A closed pipe (``dlcore ... | head``) ends it quietly; Ctrl-C with
+    one line and status 130 (what the disk cache holds is whole: it is written entry by entry)."""
     from dlcore.errors import DlcoreError
 
     args = build_parser().parse_args(argv)
@@ -36,6 +37,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"dlcore: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("dlcore: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # Python would complain again when it flushes stdout at exit: point it at nothing
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -179,6 +179,10 @@ class Registry:
 
     def op(self, name: str) -> Op:
         self._require(name)
+        if name not in self._ops and self.plugins.deferred():
+            # the plugin index may be stale or edited (an op it does not list): every plugin
+            # loaded before the op is called unknown, on this error path only
+            self.load_all()
         try:
             return self._ops[name]
         except KeyError:
