@@ -258,18 +258,18 @@ class VendorImplementation(TorchImplementation):
         return f"{self.kind}: {self.library}"
 
 
-def _check_callable(where: str, param: str, fn: Callable[..., Any] | None, form: str) -> None:
-    """Raise :class:`DeclarationError` when ``fn`` cannot be called as ``form`` (its positional
-    arguments counted): a plugin's slip caught as it declares, not inside a later selection."""
+def _check_callable(where: str, param: str, fn: Callable[..., Any] | None, takes: tuple[str, ...]) -> None:
+    """Raise :class:`DeclarationError` when ``fn`` cannot be called as ``param(*takes)`` (positional
+    arguments): a plugin's slip caught as it declares, not inside a later selection."""
     if fn is None:
         return
-    count = form.count(",") + 1 if "()" not in form else 0
+    form = f"{param}({', '.join(takes)})"
     try:
         signature = inspect.signature(fn, follow_wrapped=False)  # a functools.wraps wrapper is what is called
     except (TypeError, ValueError):  # no signature to read (a builtin): trusted
         return
     try:
-        signature.bind(*range(count))
+        signature.bind(*takes)
     except TypeError:
         raise DeclarationError(
             f"{where}: {param} is called as {form}, which {getattr(fn, '__qualname__', fn)}{signature} cannot take "
@@ -311,11 +311,11 @@ class TritonImplementation(Implementation):
         **kwargs: Any,
     ):
         super().__init__(op, name, **kwargs)
-        for param, fn, form in (("plan", plan, "plan(args, config)"),
-                                ("default_config", default_config, "default_config(signature, profile)"),
-                                ("supports", supports, "supports(signature, profile)"), ("space", space, "space()"),
-                                ("backward_plan", backward_plan, "backward_plan(args, config)")):
-            _check_callable(f"{op}.{name}", param, fn, form)
+        for param, fn, takes in (("plan", plan, ("args", "config")),
+                                 ("default_config", default_config, ("signature", "profile")),
+                                 ("supports", supports, ("signature", "profile")), ("space", space, ()),
+                                 ("backward_plan", backward_plan, ("args", "config"))):
+            _check_callable(f"{op}.{name}", param, fn, takes)
         self.plan = plan
         self.backward_plan = backward_plan
         self.replayable = replayable

@@ -141,6 +141,12 @@ class Constraint:
         return bool(self.predicate(config))
 
 
+def same_value(a: Any, b: Any) -> bool:
+    """``a == b`` of one type: 16.0 == 16 and True == 1 in Python, but a kernel takes neither for 16
+    or 1 (a config read from a tampered cache may hold them)."""
+    return a == b and type(a) is type(b)
+
+
 @dataclass(frozen=True)
 class SearchSpace:
     """The configs a kernel may be tuned over: a cartesian product of params, filtered by constraints.
@@ -189,8 +195,7 @@ class SearchSpace:
             if param.name not in config:
                 return f"missing parameter {param.name!r}"
             value = config[param.name]
-            # of the values' own type: 16.0 == 16 and True == 1 in Python, but a kernel takes neither for 16 or 1
-            if not any(value == v and type(value) is type(v) for v in param.values):
+            if not any(same_value(value, v) for v in param.values):
                 return f"{param.name}={value!r} is not {param.describe()}"
         for name, value in self.fixed.items():
             if name in config and config[name] != value:

@@ -23,6 +23,7 @@ from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Implementation, PlanTransform
 from dlcore.declarations.op import Op
 from dlcore.declarations.signature import Signature, make_signature
+from dlcore.declarations.space import same_value
 from dlcore.dispatch.bound import BoundOp
 from dlcore.dispatch.key import DISABLE_IMPLS, Key, environment, exact_key
 from dlcore.dispatch.store import CacheWarning, DiskCache, make_record
@@ -239,8 +240,7 @@ def config_problem(impl: Implementation, config: Any, call: Call) -> str:
     if not isinstance(config, dict):
         return f"the config is a {type(config).__name__}, not a mapping"
     default = impl.default_config(call.signature, call.profile)
-    # of the same types too: 16.0 == 16 and True == 1, but a kernel takes neither for 16 or 1
-    if config == default and all(type(config[k]) is type(default[k]) for k in default):
+    if config.keys() == default.keys() and all(same_value(config[k], default[k]) for k in default):
         return ""
     space = impl.space(call.profile)
     if space is None:

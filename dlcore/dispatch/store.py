@@ -102,10 +102,12 @@ class DiskCache:
             self._warn(f"cannot create the kernel cache directory {directory} ({exc}); running without a disk cache")
             return StoreMode.ABSENT, _Absent()
         database = directory / DATABASE
-        if not os.access(directory, os.R_OK | os.X_OK) or (database.exists() and not os.access(database, os.R_OK)):
+        readable = os.access(directory, os.R_OK | os.X_OK)
+        exists = readable and database.exists()  # in a directory it cannot search, exists() would raise
+        if not readable or (exists and not os.access(database, os.R_OK)):
             self._warn(f"cannot read the kernel cache at {directory} (permissions); running without a disk cache")
             return StoreMode.ABSENT, _Absent()
-        if not os.access(directory, os.W_OK) or (database.exists() and not os.access(database, os.W_OK)):
+        if not os.access(directory, os.W_OK) or (exists and not os.access(database, os.W_OK)):
             reader = _ReadOnly(database)
             self._warn(f"the kernel cache at {directory} is read-only: serving its selections, storing no new ones")
             return StoreMode.READ_ONLY, reader
