@@ -95,6 +95,21 @@ def test_minus_infinity(device, gen, run):
         assert_close(out[[0, 2, 3]], expected(x[[0, 2, 3]]), torch.float32)
 
 
+@pytest.mark.parametrize("config", [None, LOOPING, {"BLOCK_M": 2, "BLOCK_N": 16, "num_warps": 1},
+                                    {"BLOCK_M": 4, "BLOCK_N": 128, "num_warps": 2}],
+                         ids=["default", "looped", "looped-2-rows", "one-block-4-rows"])
+@pytest.mark.parametrize("at", [5000.0, 30000.0, -30000.0])
+def test_rows_far_from_zero(config, at, device, gen, run):
+    """float32 scores far from zero keep float32's precision in every layout: the row maximum is
+    subtracted before the scaling by log2(e) (scaling first rounds each score to its magnitude's
+    precision: 3e-4 relative at 5000, 3e-3 at 30000); the looped kernel's first rescale of a row
+    far below zero stays finite (it gave NaN)."""
+    x = at + logits(9, 100, dtype=torch.float32, device=device, gen=gen)
+    out, want = run(OP, TRITON, (x, -1), config), expected(x)
+    assert_close(out, want, torch.float32)
+    assert ((out - want) / want).abs().max() < 1e-5  # torch's own: about 1e-7
+
+
 def test_public_function_runs_the_plan(device, gen, run):
     x = logits(3, 4, 20, dtype=torch.float16, device=device, gen=gen)
     assert dlblas_kernels.softmax is softmax

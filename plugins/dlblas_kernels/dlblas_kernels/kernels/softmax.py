@@ -32,9 +32,11 @@ elements).
 Rows along another ``dim`` (``inner > 1``) step through memory by ``inner`` elements: correct, not
 coalesced (a transposed softmax is better served by the caller's layout).
 
-Exponentials are ``exp2`` of ``x * log2(e)``. A row whose every element is ``-inf`` has no finite
-maximum: its sum is 0 and its output NaN, as in torch; a row that starts with ``-inf`` and has
-finite values later is exact (the rescale never computes ``-inf - -inf``).
+Exponentials are ``exp2`` of ``(x - m) * log2(e)``: the row maximum is subtracted before the
+scaling, so that rows far from zero (scores around 5000) keep float32's relative precision. A row
+whose every element is ``-inf`` has no finite maximum: its sum is 0 and its output NaN, as in
+torch; a row that starts with ``-inf`` and has finite values later is exact (the rescale never
+computes ``-inf - -inf``, nor overflows for rows far below zero).
 
 Backward, with ``y`` the forward's output (saved; the input is not)::
 
@@ -114,11 +116,13 @@ def softmax_kernel(
 
     if ONE_BLOCK:
         x = tl.load(x_rows + cols[None, :] * stride_x_col, mask=(cols < N)[None, :],
-                    other=-float("inf")).to(tl.float32) * LOG2E
+                    other=-float("inf")).to(tl.float32)
         m = tl.max(x, axis=1)
         # A row of -inf only: its exponentials are 0 (exp2(-inf - 0)), its output 0 / 0 = NaN as in torch.
         m = tl.where(m == -float("inf"), 0.0, m)
-        e = tl.exp2(x - m[:, None])
+        # log2(e) scales the difference, not x: x * log2(e) rounds to x's magnitude, so scores far
+        # from zero (5000) would carry that rounding into every exponential.
+        e = tl.exp2((x - m[:, None]) * LOG2E)
         y = e * (1.0 / tl.sum(e, axis=1))[:, None]
         tl.store(out_rows + cols[None, :] * stride_out_col, y.to(out_ptr.dtype.element_ty),
                  mask=row_mask & (cols < N)[None, :])
@@ -131,13 +135,17 @@ def softmax_kernel(
         sums = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         x_next = tl.load(x_rows + cols[None, :] * stride_x_col, mask=(cols < N)[None, :], other=-float("inf"))
         for start in range(0, N, BLOCK_N):
-            x = x_next.to(tl.float32) * LOG2E
+            x = x_next.to(tl.float32)
             following = start + BLOCK_N + cols
             x_next = tl.load(x_rows + following[None, :] * stride_x_col, mask=(following < N)[None, :],
                              other=-float("inf"))
             m = tl.maximum(m, tl.max(x, axis=1))
             m_new = tl.where(m == -float("inf"), 0.0, m)
-            sums = sums * tl.exp2(m_safe - m_new)[:, None] + tl.exp2(x - m_new[:, None])
+            # m_safe <= m_new once the row has a finite maximum; before that the sums are 0 and
+            # m_safe is 0, which may lie far above the first maximum (a row of -20000): the clamp
+            # keeps the rescale finite there, where exp2 of the difference would be inf and 0 * inf NaN.
+            rescale = tl.exp2(tl.minimum(m_safe - m_new, 0.0) * LOG2E)
+            sums = sums * rescale[:, None] + tl.exp2((x - m_new[:, None]) * LOG2E)
             m_safe = m_new
         scale = (1.0 / tl.sum(sums, axis=1))[:, None]
         # Pass 2: last block first, while the row's latest blocks are still in L2; prefetched as
@@ -148,11 +156,11 @@ def softmax_kernel(
                          eviction_policy="evict_first")
         for done in range(0, N, BLOCK_N):
             start = last - done
-            x = x_next.to(tl.float32) * LOG2E
+            x = x_next.to(tl.float32)
             previous = start - BLOCK_N + cols
             x_next = tl.load(x_rows + previous[None, :] * stride_x_col, mask=(previous >= 0)[None, :], other=0.0,
                              eviction_policy="evict_first")
-            y = tl.exp2(x - m_safe[:, None]) * scale
+            y = tl.exp2((x - m_safe[:, None]) * LOG2E) * scale
             tl.store(out_rows + (start + cols)[None, :] * stride_out_col, y.to(out_ptr.dtype.element_ty),
                      mask=row_mask & (start + cols < N)[None, :], eviction_policy="evict_first")
 
