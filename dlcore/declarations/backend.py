@@ -12,11 +12,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from dlcore.declarations.device import DeviceProfile
+from dlcore.declarations.protocols import LoweringResult, PassPipeline, ToolchainSpec
 
 if TYPE_CHECKING:
-    from dlcore.compiler.lowering import Lowering
-    from dlcore.compiler.passes import Pipeline
-    from dlcore.compiler.toolchain import Toolchain
     from dlcore.declarations.implementation import Implementation, KernelCall
     from dlcore.declarations.signature import Signature
 
@@ -49,8 +47,9 @@ class Backend:
     #: in the interpreter (the cpu backend), so that bench reports no fractions of a copy's bandwidth
     hardware_timings: bool = True
     #: the external compilers its ``lower`` runs, beyond Triton (``dlcore toolchain`` lists them,
-    #: ``dlcore toolchain fetch NAME`` fills a toolchain's cache); see :mod:`dlcore.compiler.toolchain`
-    toolchains: tuple[Toolchain, ...] = ()
+    #: ``dlcore toolchain fetch NAME`` fills a toolchain's cache): each a
+    #: :class:`dlcore.compiler.toolchain.Toolchain`
+    toolchains: tuple[ToolchainSpec, ...] = ()
 
     @property
     def version(self) -> str:
@@ -95,16 +94,17 @@ class Backend:
         (:func:`dlcore.compiler.lowering.target_profile`)."""
         return None
 
-    def lower(self, call: KernelCall, target: str, passes: Pipeline | None = None,
-              specialize: bool = True) -> Lowering:
-        """What one kernel launch becomes for ``target`` at each IR stage, without the hardware.
+    def lower(self, call: KernelCall, target: str, passes: PassPipeline | None = None,
+              specialize: bool = True) -> LoweringResult:
+        """What one kernel launch becomes for ``target`` at each IR stage, without the hardware: a
+        :class:`dlcore.compiler.lowering.Lowering`.
 
         :param call: a launch of a plan (built on ``meta`` tensors is enough): its kernel and
             arguments give the kernel's signature and constexprs; its grid is not used.
         :param target: ``BACKEND:ARCH`` for this backend, e.g. ``cuda:90`` or ``npu:Ascend910B``.
-        :param passes: the pipeline whose IR passes run; default: this backend's registered passes
-            (``ast`` and ``launch`` passes are applied to the plan before, see
-            :func:`dlcore.compiler.rewrite.apply_launch_passes`).
+        :param passes: the :class:`dlcore.compiler.passes.Pipeline` whose IR passes run; default:
+            this backend's registered passes (``ast`` and ``launch`` passes are applied to the plan
+            before, see :func:`dlcore.compiler.rewrite.apply_launch_passes`).
         :param specialize: specialize the kernel on the argument values as a launch on the target
             would (16-byte aligned pointers, integers divisible by 16, integers equal to 1; see
             :func:`dlcore.compiler.lowering.launch_signature`); ``False``: on types and constexprs only.

@@ -18,14 +18,13 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from dlcore.compiler.passes import Pass
     from dlcore.declarations.backend import Backend
     from dlcore.declarations.device import DeviceProfile
     from dlcore.declarations.implementation import Implementation
     from dlcore.declarations.op import Op
+    from dlcore.declarations.protocols import CompilerPass, SearchStrategy
     from dlcore.declarations.signature import Signature
     from dlcore.declarations.space import SearchSpace
-    from dlcore.tuning.strategy import Strategy
 
 hookspec = pluggy.HookspecMarker("dlcore")
 hookimpl = pluggy.HookimplMarker("dlcore")
@@ -101,7 +100,7 @@ def dlcore_implementations() -> list[Implementation]:
 
 
 @hookspec
-def dlcore_passes() -> list[Pass]:
+def dlcore_passes() -> list[CompilerPass]:
     """Provide compiler passes.
 
     Called once, when the plugins are loaded (dlcore's own ``grid_folding`` and ``ir_dump`` arrive
@@ -141,11 +140,11 @@ def dlcore_passes() -> list[Pass]:
 
 
 @hookspec
-def dlcore_strategies() -> list[Strategy]:
+def dlcore_strategies() -> list[SearchStrategy]:
     """Provide search strategies for tuning.
 
     Called once, when the plugins are loaded. A strategy has a unique ``name`` and a
     ``search(space, objective, budget, seed)`` method (see :mod:`dlcore.tuning.strategy`).
 
-    :return: strategy objects.
+    :return: :class:`~dlcore.tuning.strategy.Strategy` objects.
     """
