@@ -259,80 +259,16 @@ fused_rotary_and_fa_plugin = VendorPlugin(FUSED_ROTARY_AND_FA)
 
 # --- fused_moe: the composite a model runs ------------------------------------------------------------
 
-#: rows per expert group that torch._grouped_mm's sm_90 kernel takes (its TMA copies 16-byte rows)
-GROUPED_MM_ROWS = 16
-
-
-def _grouped_mm_takes(hidden: torch.Tensor, w13: torch.Tensor) -> bool:
-    """Whether this torch and device run ``torch._grouped_mm`` on these operands: bfloat16 on an
-    sm_90 GPU, the hidden and intermediate sizes multiples of 8 (16-byte rows)."""
-    if not hasattr(torch, "_grouped_mm") or hidden.device.type != "cuda" or hidden.dtype != torch.bfloat16:
-        return False
-    inter = w13.shape[1] // 2
-    return torch.cuda.get_device_capability(hidden.device) == (9, 0) and hidden.shape[1] % 8 == 0 and inter % 8 == 0
-
-
-def _expert_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, ends: list[int] | None) -> torch.Tensor:
-    """``x[rows of e] @ w[e].T`` for each expert's rows (ending at ``offsets``): one grouped GEMM, or
-    (``ends`` on the host) a loop of GEMMs, written in place, or concatenated where autograd
-    records them (rows past the last group zero)."""
-    if ends is None:
-        return torch._grouped_mm(x, w.transpose(1, 2), offs=offsets)
-    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
-        bounds = zip([0, *ends[:-1]], ends)
-        pieces = [x[start:end] @ w[e].T for e, (start, end) in enumerate(bounds) if end > start]
-        return torch.cat([*pieces, x.new_zeros(x.shape[0] - ends[-1], w.shape[1])])
-    out = x.new_empty(x.shape[0], w.shape[1])
-    start = 0
-    for e, end in enumerate(ends):
-        if end > start:
-            torch.matmul(x[start:end], w[e].T, out=out[start:end])
-        start = end
-    return out
-
-
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
               w2_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The grouped-GEMM composite: the (token, choice) slots sorted by expert, each expert's rows
-    padded to :data:`GROUPED_MM_ROWS`, the tokens gathered, ``torch._grouped_mm`` for w13 (where this
-    torch and device take it; else a loop over the experts with ``torch.matmul``), SwiGLU, the
-    same for w2, then the weighted rows summed into their tokens with ``index_add_`` (float32).
-    fp8 weights: dequantised to ``hidden``'s dtype first (each 128x128 block times its scale),
-    what a user without an fp8 kernel runs; the activations stay unquantised."""
-    if w13_scale is not None or w2_scale is not None:
-        from dlblas_kernels.kernels.fused_moe import dequantised_inputs  # the scales' layout lives with the op
+    """The op's grouped-GEMM composite as a candidate (:func:`dlblas_kernels.kernels.fused_moe.composite`):
+    the slots sorted by expert, ``torch._grouped_mm`` (or a GEMM per expert) with SwiGLU, the rows
+    summed into their tokens; fp8 weights dequantised first."""
+    # Imported on the first call: asking for another op's vendor candidate must not import this kernel.
+    from dlblas_kernels.kernels.fused_moe import composite
 
-        hidden, w13, w2, topk_weights, topk_ids = dequantised_inputs(
-            (hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale))
-    experts, two_i, _ = w13.shape
-    topk = topk_ids.shape[1]
-    flat = topk_ids.reshape(-1).long()
-    routed = (flat >= 0) & (flat < experts)
-    # Dropped slots sort last, under a key no expert has.
-    order = torch.argsort(torch.where(routed, flat, experts), stable=True)
-    counts = torch.bincount(flat[routed], minlength=experts)
-    padded = (counts + GROUPED_MM_ROWS - 1) // GROUPED_MM_ROWS * GROUPED_MM_ROWS
-    offsets = torch.cumsum(padded, 0)
-    starts = offsets - padded
-    first = torch.cumsum(counts, 0) - counts  # each expert's first slot in sorted order
-    expert_of = flat[order].clamp(0, experts - 1)
-    place = starts[expert_of] + torch.arange(order.numel(), device=flat.device) - first[expert_of]
-    rows = flat.numel() + GROUPED_MM_ROWS * experts  # the padded total's bound: no host sync
-    # Dropped slots go to the last row, past every group: no GEMM reads it.
-    kept = routed[order]
-    place = torch.where(kept, place, rows - 1)
-    x = hidden.new_zeros(rows, hidden.shape[1])
-    x[place] = hidden[order // topk]
-    grouped = _grouped_mm_takes(hidden, w13)
-    ends = None if grouped else offsets.tolist()
-    gate, up = _expert_matmul(x, w13, offsets.to(torch.int32), ends).chunk(2, dim=-1)
-    y = _expert_matmul(F.silu(gate) * up, w2, offsets.to(torch.int32), ends)
-    # Rows past the groups are never written: where, not a zero weight, keeps them out.
-    weighted = torch.where(kept[:, None], y[place].float() * topk_weights.reshape(-1)[order, None].float(), 0.0)
-    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    out.index_add_(0, order // topk, weighted)
-    return out.to(hidden.dtype)
+    return composite(hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
 
 
 FUSED_MOE = VendorImplementation(
