@@ -5,7 +5,7 @@ the cycles between sibling packages. What it cannot say for dlblas_kernels, whos
 building blocks beside them use each other package-wise, is checked here module by module: no
 module imports itself through others, imports inside functions and under ``TYPE_CHECKING``
 included. Below the compiler and tuning layers their objects are known through
-:mod:`dlcore.declarations.protocols`; the classes that satisfy those protocols are checked to.
+:mod:`dlcore.declarations.protocols`; the classes that satisfy those protocols are checked too.
 """
 
 from pathlib import Path
