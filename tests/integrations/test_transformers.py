@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from dlblas_kernels.integrations import transformers as integration
+from dlblas_kernels.integrations.transformers import ModelFallbackWarning, apply, attention, experts, modules, register
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
@@ -30,9 +32,6 @@ from transformers.masking_utils import (
     causal_mask_function,
     sliding_window_causal_mask_function,
 )
-
-from dlblas_kernels.integrations import transformers as integration
-from dlblas_kernels.integrations.transformers import ModelFallbackWarning, apply, attention, experts, modules, register
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 REPO = Path(__file__).resolve().parents[2]

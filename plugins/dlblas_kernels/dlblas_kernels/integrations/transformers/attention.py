@@ -142,4 +142,4 @@ def fallback(module: nn.Module, reason: Reason, query: torch.Tensor, key: torch.
 
 def eager_attention(module: nn.Module) -> Callable:
     """The eager attention of the module's own modeling file (its ``eager_attention_forward``)."""
-    return getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+    return sys.modules[type(module).__module__].eager_attention_forward
