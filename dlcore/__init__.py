@@ -32,8 +32,8 @@ __all__ = [
     "DlcoreError", "UnknownOpError", "InvalidInputError", "InvalidCallError", "InvalidOptionError",
     "NoKernelError", "BackendUnavailableError", "PluginLoadError", "PluginConflictError", "DeclarationError",
     "SearchSpaceError", "UnknownImplementationError", "CacheFileError", "LoweringError", "ToolchainMissingError",
-    "ToolchainBrokenError", "ToolFetchError",
-    "PluginWarning", "FallbackWarning", "ForwardOnlyWarning", "CacheWarning",
+    "ToolchainBrokenError", "ToolFetchError", "NoDoubleBackwardError",
+    "PluginWarning", "FallbackWarning", "ForwardOnlyWarning", "NoGradientWarning", "CacheWarning",
 ]
 
 def __getattr__(name: str):

@@ -36,6 +36,7 @@ from dlcore.errors import (
     InvalidInputError,
     InvalidOptionError,
     LoweringError,
+    NoDoubleBackwardError,
     NoKernelError,
     PluginConflictError,
     PluginLoadError,
@@ -50,7 +51,7 @@ from dlcore.plugins.discovery import PluginWarning
 from dlcore.plugins.hookspecs import hookimpl
 from dlcore.plugins.vendor import TorchDeviceBackend
 from dlcore.runtime.template import Backward, Kernel, Residuals, define_kernel
-from dlcore.runtime.torch_ops import ForwardOnlyWarning
+from dlcore.runtime.torch_ops import ForwardOnlyWarning, NoGradientWarning
 
 __all__ = [
     # calling ops
@@ -72,6 +73,6 @@ __all__ = [
     "DlcoreError", "UnknownOpError", "InvalidInputError", "InvalidCallError", "InvalidOptionError",
     "NoKernelError", "BackendUnavailableError", "PluginLoadError", "PluginConflictError", "DeclarationError",
     "SearchSpaceError", "UnknownImplementationError", "CacheFileError", "LoweringError", "ToolchainMissingError",
-    "ToolchainBrokenError", "ToolFetchError",
-    "PluginWarning", "FallbackWarning", "ForwardOnlyWarning", "CacheWarning",
+    "ToolchainBrokenError", "ToolFetchError", "NoDoubleBackwardError",
+    "PluginWarning", "FallbackWarning", "ForwardOnlyWarning", "NoGradientWarning", "CacheWarning",
 ]

@@ -105,6 +105,11 @@ class NoBackwardError(DlcoreError):
     gradient: it computes the forward only."""
 
 
+class NoDoubleBackwardError(NoBackwardError):
+    """A gradient of gradients (``create_graph=True``, then a backward through the gradients it gave)
+    met a kernel whose backward gives first-order gradients only; the message names the ops that do."""
+
+
 class PassError(DlcoreError):
     """A compiler pass is malformed, unknown, or failed while running."""
 

@@ -26,7 +26,12 @@ its own):
   custom op ``<ns>::<op>_backward`` (schema: the backward reference's annotated signature, then the
   same config ints), launched directly in plain eager autograd and through the op where a tracer
   watches (:func:`~dlcore.runtime.torch_ops.run_backward`); with :class:`Residuals`, the custom op
-  also returns what the forward computes for the backward alone (saved, never shown to callers);
+  also returns what the forward computes for the backward alone (saved, never shown to callers).
+  An argument that requires grad and gets no gradient (a table declared not differentiable) is
+  named by a :class:`~dlcore.runtime.torch_ops.NoGradientWarning`; a gradient of the gradients
+  (``create_graph=True``) runs autograd through the backward's reference where
+  ``Backward.second_order`` says it may, and raises
+  :class:`~dlcore.errors.NoDoubleBackwardError` elsewhere;
 - **the implementation** (a :class:`~dlcore.runtime.torch_ops.CustomOpTritonImplementation`): the
   inference path launches the plan directly, the training path calls the custom op with the
   selected config; its ``backward_plan`` (what ``dlcore lower`` compiles) comes from the backward's
@@ -62,11 +67,17 @@ from dlcore.declarations.implementation import Config, LaunchPlan, LoweringLimit
 from dlcore.declarations.op import REQUIRED, Op, ScalarArg, TensorArg
 from dlcore.declarations.signature import Signature, make_signature
 from dlcore.declarations.space import SearchSpace
-from dlcore.errors import BackendUnavailableError, DeclarationError, InvalidInputError
+from dlcore.errors import BackendUnavailableError, DeclarationError, InvalidInputError, NoDoubleBackwardError
 from dlcore.plugins.hookspecs import hookimpl
 from dlcore.plugins.registry import registry
 from dlcore.runtime.launch import LIMIT, exact_key
-from dlcore.runtime.torch_ops import CustomOpTritonImplementation, Launches, plain_eager_forward, run_backward
+from dlcore.runtime.torch_ops import (
+    CustomOpTritonImplementation,
+    Launches,
+    plain_eager_forward,
+    run_backward,
+    warn_no_gradient,
+)
 
 #: ``plan(args, config, profile) -> LaunchPlan``
 Plan = Callable[[tuple, Config, DeviceProfile], LaunchPlan]
@@ -148,6 +159,14 @@ class Backward:
         ``rms_norm``'s); then ``plan``, ``reference``, ``results`` and ``renames`` stay unset, and
         both kernels must have the same config keys.
     :param residuals: what the forward computes for this backward alone (see :class:`Residuals`).
+    :param second_order: ``reference`` is a differentiable torch function of its tensor arguments
+        (saved outputs included, whose gradients reach the forward's inputs through this same
+        formula), so gradients of the gradients (``create_graph=True``, then a backward through
+        them) are autograd's through it, on the backward's inputs. Without it such a backward
+        raises :class:`~dlcore.errors.NoDoubleBackwardError`: the backward kernels give
+        first-order gradients only. Declare it only where the reference differentiates to the
+        op's true second derivatives (not where a residual the caller never sees, such as
+        attention's lse, carries part of them).
     """
 
     gradients: Gradients
@@ -159,6 +178,7 @@ class Backward:
     renames: Mapping[str, str] = field(default_factory=dict)
     of: Kernel | None = None
     residuals: Residuals | None = None
+    second_order: bool = False
 
 
 def _scalar_type(arg: ScalarArg) -> tuple[str, Callable[[Any], Any]]:
@@ -226,8 +246,30 @@ def _on_device(plan: Plan, first: int) -> Callable[[tuple, Config], LaunchPlan]:
     return planned
 
 
+class _SecondOrderOnly(torch.autograd.Function):
+    """The identity on a second-order gradient, whose backward (a third order) raises."""
+
+    @staticmethod
+    def forward(ctx: Any, gradient: torch.Tensor, users: str) -> torch.Tensor:
+        ctx.users = users
+        return gradient.view_as(gradient)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple:
+        raise NoDoubleBackwardError(
+            f"{ctx.users}: a third-order gradient (a backward through second-order gradients) is not supported: "
+            f"{ctx.users} gives first- and second-order gradients. Where higher orders are needed, compute "
+            f"{ctx.users} in torch (its op's reference)")
+
+
+#: every backward op defined in this process, for the ops :class:`NoDoubleBackwardError` lists
+_BACKWARDS: list[_BackwardOp] = []
+
+
 class _BackwardOp:
-    """A backward custom op: its body, and how an autograd formula runs it."""
+    """A backward custom op: its body, how an autograd formula runs it, and its own autograd (the
+    gradients of the gradients: through its reference with ``Backward.second_order``, else an
+    error naming the ops whose backward is first-order only)."""
 
     def __init__(self, kernel: str, namespace: str, keys: tuple[str, ...], op: Op, backward: Backward,
                  default_config: Callable[[Signature, DeviceProfile], Config]):
@@ -273,6 +315,61 @@ class _BackwardOp:
         self.body = body
         self.op = torch.library.custom_op(f"{namespace}::{self.name}", body, mutates_args=(), schema=schema)
         self.op.register_fake(lambda *values: results(*values[:count]))
+        #: the ops whose autograd runs this backward (``Backward.of`` adds to its kernel's)
+        self.users = [op.name]
+        self.reference = reference
+        self.count = count
+        self.second_order = backward.second_order
+        if self.second_order:
+            self.op.register_autograd(self._second_order, setup_context=self._save_inputs)
+        else:
+            self.op.register_autograd(self._first_order_only, setup_context=self._save_nothing)
+        _BACKWARDS.append(self)
+
+    def _save_inputs(self, ctx: Any, inputs: tuple, output: Any) -> None:
+        values = inputs[:self.count]
+        ctx.positions = [i for i, v in enumerate(values) if isinstance(v, torch.Tensor)]
+        ctx.save_for_backward(*(values[i] for i in ctx.positions))
+        ctx.values = [None if isinstance(v, torch.Tensor) else v for v in values]
+        ctx.config_count = len(inputs) - self.count
+
+    def _second_order(self, ctx: Any, *grads: Any) -> tuple:
+        """The gradients of the backward's inputs: autograd through its reference, recomputed on
+        detached copies of the saved inputs (the engine takes each gradient on to the input's own
+        node). Under ``create_graph=True`` they are marked so that a third order raises: their
+        graph would end at the copies, not reach the op's inputs."""
+        result = [None] * (self.count + ctx.config_count)
+        wanted = [i for i in ctx.positions if ctx.needs_input_grad[i]]
+        if not wanted:
+            return tuple(result)
+        create = torch.is_grad_enabled()
+        args = list(ctx.values)
+        for i, t in zip(ctx.positions, ctx.saved_tensors):
+            args[i] = t.detach().requires_grad_(i in wanted)
+        with torch.enable_grad():
+            outputs = self.reference(*args)
+        outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+        if pairs:
+            got = torch.autograd.grad([o for o, _ in pairs], [args[i] for i in wanted], [g for _, g in pairs],
+                                      allow_unused=True, create_graph=create)
+            for i, g in zip(wanted, got):
+                result[i] = _SecondOrderOnly.apply(g, ", ".join(self.users)) if create and g is not None else g
+        return tuple(result)
+
+    @staticmethod
+    def _save_nothing(ctx: Any, inputs: tuple, output: Any) -> None:
+        pass
+
+    def _first_order_only(self, ctx: Any, *grads: Any) -> tuple:
+        users = ", ".join(self.users)
+        first = sorted({u for b in _BACKWARDS if not b.second_order for u in b.users})
+        second = sorted({u for b in _BACKWARDS if b.second_order for u in b.users})
+        raise NoDoubleBackwardError(
+            f"{users}: a gradient of its gradients (create_graph=True, then a backward through the gradients "
+            f"it gave) is not supported: its backward kernels give first-order gradients only. First order "
+            f"only: {', '.join(first)}; second order too: {', '.join(second) or 'none'}. Where second-order "
+            f"gradients are needed, compute {users} in torch (its op's reference)")
 
     def run(self, ints: tuple, *args: Any) -> Any:
         """The backward on ``args`` with the forward's config ``ints``: its body at once in plain
@@ -441,7 +538,9 @@ def define_kernel(
                 raise DeclarationError(
                     f"{op.name}: backward of {backward.of.op.name} needs its backward op and the same "
                     f"config keys ({keys})")
-        setup_context, formula = _register_autograd(custom_op, backward, backward_op, names, returned, len(keys))
+            backward_op.users.append(op.name)
+        setup_context, formula = _register_autograd(op.name, custom_op, backward, backward_op, names, returned,
+                                                    len(keys))
         eager.append(_eager_function(op.name, forward, setup_context, formula))
         backward_plan = _backward_plan(op, backward, backward_op, body_results, returned, first)
 
@@ -454,10 +553,13 @@ def define_kernel(
     return Kernel(op, implementation, function, custom_op, backward_op if backward and backward.of is None else None)
 
 
-def _register_autograd(custom_op: Any, backward: Backward, backward_op: _BackwardOp, names: tuple[str, ...],
-                       outputs: tuple[str, ...], config_count: int) -> tuple[Callable[..., None], Callable[..., tuple]]:
+def _register_autograd(name: str, custom_op: Any, backward: Backward, backward_op: _BackwardOp,
+                       names: tuple[str, ...], outputs: tuple[str, ...],
+                       config_count: int) -> tuple[Callable[..., None], Callable[..., tuple]]:
     """``custom_op``'s autograd formula: save what ``backward`` names, run its ``gradients``;
-    returns ``(setup_context, formula)``."""
+    returns ``(setup_context, formula)``. An argument that requires grad and gets no gradient from
+    ``gradients`` (a table the op declares not differentiable) is named once by a
+    :class:`~dlcore.runtime.torch_ops.NoGradientWarning`, never left without one silently."""
     count = len(names)
     index = {n: i for i, n in enumerate(names)}
     unknown = [n for n in (*backward.saved, *backward.saved_for, *(x for v in backward.saved_for.values() for x in v))
@@ -495,9 +597,13 @@ def _register_autograd(custom_op: Any, backward: Backward, backward_op: _Backwar
         if all(g is None for g in grads):  # no gradient reached any output (gradcheck asks): none out
             return (None,) * (count + config_count)
         saved = SimpleNamespace(**ctx.values, **dict(zip(ctx.tensor_names, ctx.saved_tensors)))
-        got = gradients(functools.partial(backward_op.run, ctx.config), saved, grads,
-                        dict(zip(names, ctx.needs_input_grad)))
-        return (*(got.get(n) for n in names), *none)
+        needs = ctx.needs_input_grad
+        got = gradients(functools.partial(backward_op.run, ctx.config), saved, grads, dict(zip(names, needs)))
+        result = tuple(got.get(n) for n in names)
+        for n, need, grad in zip(names, needs, result):
+            if need and grad is None:
+                warn_no_gradient(name, n)
+        return (*result, *none)
 
     custom_op.register_autograd(formula, setup_context=setup_context)
     return setup_context, formula

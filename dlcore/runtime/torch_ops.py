@@ -55,6 +55,32 @@ def warn_forward_only(impl: TritonImplementation, args: Sequence[Any]) -> None:
         )
 
 
+class NoGradientWarning(UserWarning):
+    """An argument that requires grad reached a kernel's backward, which gives it no gradient (a table
+    or constant the op declares not differentiable): its ``.grad`` stays as it was."""
+
+
+_warned_no_gradient: set[tuple[str, str]] = set()
+
+
+def warn_no_gradient(op: str, arg: str) -> None:
+    """Warn once per (op, argument) that ``arg`` requires grad and ``op``'s backward gave it none.
+
+    A warning, as :func:`warn_forward_only` is: the other gradients are right, but a learnt table
+    left without a gradient, and no word, would silently stop learning.
+    """
+    if (op, arg) in _warned_no_gradient:
+        return
+    _warned_no_gradient.add((op, arg))
+    warnings.warn(
+        f"{op}: {arg} requires grad, but {op}'s backward gives {arg} no gradient (it is declared not "
+        f"differentiable), so {arg}.grad is left unchanged; detach {arg} (or set requires_grad=False) if it "
+        f"is fixed, or compute {op} in torch where {arg} must learn",
+        NoGradientWarning,
+        stacklevel=2,
+    )
+
+
 def needs_autograd(args: Sequence[Any]) -> bool:
     """True when a call must go through its custom op: while ``torch.compile`` traces, or when grad
     mode is on and a tensor argument requires grad."""

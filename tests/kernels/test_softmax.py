@@ -16,6 +16,7 @@ from gradients import check_backward
 from dlcore import InvalidInputError
 from dlcore.compiler.lowering import target_profile
 from dlcore.declarations.signature import make_signature
+from dlcore.errors import NoDoubleBackwardError
 from dlcore.runtime.template import UNKNOWN_DEVICE
 from dlcore.testing import assert_close, poison, randn, upcast
 
@@ -265,3 +266,23 @@ def test_every_variant_compiles_for_nvidia_targets():
 
     found = run_json(COMPILE_SCRIPT, None, TRITON_INTERPRET="0")
     assert len(found) == 2 * 3 * 6 and all(size > 0 for size in found.values()), found
+
+
+def test_second_order_gradients(dtype, device, gen):
+    """Gradients of the gradients (create_graph=True, a loss nonlinear in y) match float64
+    autograd through the reference; a third order raises NoDoubleBackwardError."""
+    x = logits(5, 33, dtype=dtype, device=device, gen=gen)
+    w, v = (randn(5, 33, dtype=dtype, device=device, generator=gen) for _ in range(2))
+
+    def second(fn, x):
+        x = x.detach().requires_grad_()
+        y = fn(x)
+        (dx,) = torch.autograd.grad((y * y * w.to(x.dtype)).sum(), x, create_graph=True)
+        (ddx,) = torch.autograd.grad((dx * v.to(x.dtype)).sum(), x, create_graph=True)
+        return dx, ddx
+
+    got, want = second(softmax, x), second(softmax_reference, x.double())
+    for g, ref in zip(got, want):
+        assert_close(g, ref, dtype, reduce_dim=33)
+    with pytest.raises(NoDoubleBackwardError, match="softmax: a third-order gradient"):
+        got[1].sum().backward()

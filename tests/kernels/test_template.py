@@ -4,6 +4,7 @@ namespace: ``scale(x, alpha) = alpha * x``, differentiable in x."""
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import pluggy
 import pytest
@@ -19,9 +20,11 @@ from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
 from dlcore.declarations.op import Op, ScalarArg, TensorArg
 from dlcore.declarations.signature import Signature, cdiv, make_signature
 from dlcore.declarations.space import PowerOfTwo, SearchSpace
-from dlcore.errors import DeclarationError
+from dlcore.errors import DeclarationError, NoDoubleBackwardError
+from dlcore.runtime import torch_ops
 from dlcore.runtime.template import UNKNOWN_DEVICE, Backward, define_kernel, device_profile
-from dlcore.testing import randn
+from dlcore.runtime.torch_ops import NoGradientWarning
+from dlcore.testing import assert_close, randn
 
 NAMESPACE = "dlc_template_test"
 #: the profiles the plans were given, in order
@@ -166,3 +169,91 @@ def test_space_and_backward_plan_take_a_profile(device):
     # The backward's launches for lowering: the formula run on made-up gradients, its call planned.
     (call,) = KERNEL.implementation.backward_plan((x, 2.0), config).calls
     assert call.kernel is _scale_kernel and call.grid == (1,)
+
+
+# -- gradients the backward does not give, and gradients of gradients ---------------------------------
+
+
+@triton.jit
+def _scale_by_kernel(x_ptr, t_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    t = tl.load(t_ptr).to(tl.float32)
+    tl.store(y_ptr + offs, (t * x).to(y_ptr.dtype.element_ty), mask=offs < n)
+
+
+def _scale_by(x: torch.Tensor, t: torch.Tensor) -> LaunchPlan:
+    y = torch.empty_like(x)
+    return LaunchPlan([KernelCall(_scale_by_kernel, (cdiv(x.numel(), 64),), (x, t, y, x.numel()), {"BLOCK": 64})], y)
+
+
+def scale_by_reference(x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return t * x
+
+
+def scale_by_backward_reference(dy: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    return t * dy
+
+
+def _scale_by_op(name: str, second_order: bool):
+    """``t * x`` with ``t`` a one-element tensor declared not differentiable: its backward gives x's
+    gradient alone (``t * dy``, the same kernel)."""
+    op = Op(name, args=(TensorArg("x", (torch.float32,)), TensorArg("t", (torch.float32,), differentiable=False)),
+            reference=scale_by_reference)
+    return define_kernel(
+        op, lambda args, config, profile: _scale_by(*args), kernels=(_scale_by_kernel,),
+        results=lambda x, t: torch.empty_like(x), default_config=lambda sig, profile: {}, namespace=NAMESPACE,
+        backward=Backward(lambda backward, saved, grads, needs: {"x": backward(grads[0], saved.t)}, saved=("t",),
+                          plan=lambda args, config, profile: _scale_by(args[0].contiguous(), args[1]),
+                          reference=scale_by_backward_reference, results=lambda dy, t: torch.empty_like(dy),
+                          renames={"x": "dy"}, second_order=second_order))
+
+
+SCALE_BY = _scale_by_op("scale_by", second_order=False)
+SCALE_BY_TWICE = _scale_by_op("scale_by_twice", second_order=True)
+
+
+def test_an_argument_the_backward_gives_no_gradient_is_named_once(device, gen, monkeypatch):
+    """t requires grad and the backward gives it none: one NoGradientWarning naming the op and t;
+    x's gradient is still right, t.grad stays None. Without t requiring grad, no warning."""
+    monkeypatch.setattr(torch_ops, "_warned_no_gradient", set())
+    x = randn(37, device=device, generator=gen).requires_grad_()
+    t = torch.full((1,), 1.5, device=device, requires_grad=True)
+    with pytest.warns(NoGradientWarning, match=r"scale_by: t requires grad") as caught:
+        SCALE_BY.function(x, t).sum().backward()
+        SCALE_BY.function(x, t).sum().backward()
+    assert len(caught) == 1 and t.grad is None
+    torch.testing.assert_close(x.grad, torch.full_like(x, 3.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        monkeypatch.setattr(torch_ops, "_warned_no_gradient", set())
+        SCALE_BY.function(x, t.detach()).sum().backward()
+
+
+def test_a_gradient_of_gradients_raises_unless_declared(device, gen):
+    """create_graph=True gives differentiable gradients; a backward through them raises
+    NoDoubleBackwardError for a first-order backward, naming the ops of each kind."""
+    x = randn(37, device=device, generator=gen).requires_grad_()
+    t = torch.full((1,), 1.5, device=device)
+    (dx,) = torch.autograd.grad((SCALE_BY.function(x, t) ** 2).sum(), x, create_graph=True)
+    torch.testing.assert_close(dx, 2 * 1.5 ** 2 * x)
+    with pytest.raises(NoDoubleBackwardError, match=r"^scale_by: .*First order only: .*\bscale_by\b.*"
+                                                     r"second order too: .*\bscale_by_twice\b"):
+        dx.sum().backward()
+
+
+def test_a_declared_second_order_is_autograd_through_the_backward_reference(device, gen):
+    """With Backward.second_order, the gradient of the gradients matches float64 autograd through
+    the references (test_softmax checks a nonlinear one, and that a third order raises)."""
+    x = randn(37, device=device, generator=gen)
+    t, v = torch.full((1,), 1.5, device=device), randn(37, device=device, generator=gen)
+
+    def second(fn, x, t):
+        x = x.detach().requires_grad_()
+        (dx,) = torch.autograd.grad((fn(x, t) ** 2).sum(), x, create_graph=True)
+        (ddx,) = torch.autograd.grad((dx * v.to(x.dtype)).sum(), x)
+        return dx, ddx
+
+    got, want = second(SCALE_BY_TWICE.function, x, t), second(scale_by_reference, x.double(), t.double())
+    for g, w in zip(got, want):
+        assert_close(g, w, torch.float32)

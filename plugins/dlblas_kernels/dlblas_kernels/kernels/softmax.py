@@ -43,7 +43,10 @@ Backward, with ``y`` the forward's output (saved; the input is not)::
     dx = y * (dy - sum(dy * y))
 
 the same two layouts: one block (``y`` and ``dy`` read once), or a pass summing ``dy * y`` and a
-second (reversed) pass writing ``dx``. Math in float32, outputs in the input dtype.
+second (reversed) pass writing ``dx``. Math in float32, outputs in the input dtype. The formula is
+differentiable in ``dy`` and ``y``: gradients of the gradients (``create_graph=True``) are torch's
+autograd through :func:`softmax_backward_reference` (``Backward.second_order``), the first-order
+gradients still the kernel's.
 """
 
 from __future__ import annotations
@@ -409,7 +412,7 @@ KERNEL = define_kernel(
     backward=Backward(_gradients, saved=("out", "dim"), plan=backward_plan,
                       reference=softmax_backward_reference,
                       results=lambda dy, y, dim: torch.empty(y.shape, dtype=y.dtype, device=y.device),
-                      renames={"x": "y"}),
+                      renames={"x": "y"}, second_order=True),
     doc="BLOCK_M rows per program, whole in registers up to BLOCK_N, else an online pass and a "
         "normalising pass; backward of the same layout",
 )
