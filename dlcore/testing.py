@@ -16,6 +16,9 @@ TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
     torch.float32: (1e-4, 1e-4),
     torch.float16: (2e-3, 2e-3),
     torch.bfloat16: (1.6e-2, 1.6e-2),
+    # quantized outputs: one unit in the last place (3 and 2 mantissa bits), and the least subnormal
+    torch.float8_e4m3fn: (2.0**-9, 2.0**-3),
+    torch.float8_e5m2: (2.0**-16, 2.0**-2),
 }
 
 POISON = float("nan")
@@ -56,7 +59,7 @@ def poison(t: torch.Tensor) -> torch.Tensor:
 
 def randn(*shape: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
           generator: torch.Generator | None = None, scale: float = 1.0) -> torch.Tensor:
-    return (torch.randn(*shape, generator=generator, dtype=torch.float32) * scale).to(device=device, dtype=dtype)
+    return (torch.randn(shape, generator=generator, dtype=torch.float32) * scale).to(device=device, dtype=dtype)
 
 
 def strided_like(t: torch.Tensor, how: str = "pad") -> torch.Tensor:

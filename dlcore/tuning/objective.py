@@ -3,8 +3,11 @@
 The backend's timer gives the time (``do_bench`` on CUDA; synchronize + perf_counter elsewhere),
 warm-up excluded; for a training call, of the forward and the backward together. The result is
 checked against the op's float64 reference on the first evaluation of each implementation, and
-the winner of a search is checked again before it is accepted, so a wrong-but-fast config can
-never win. ``check="all"`` checks every config.
+the winner of a search is checked before it is accepted, so a wrong-but-fast config can never
+win. ``check="all"`` checks every config; so does a training call (unless ``check="none"``), whose
+gradients are checked too (:class:`~dlcore.tuning.verify.Reference`): a config's backward launches
+kernels of their own sizes, which the forward's check says nothing of. Each config is checked at
+most once.
 """
 
 from __future__ import annotations
@@ -17,8 +20,8 @@ from dlcore.declarations.op import Op
 from dlcore.errors import InvalidOptionError, WrongResultError
 from dlcore.runtime.runner import runner
 from dlcore.tuning.policy import CHECKS
-from dlcore.tuning.selection import clone_args, step
-from dlcore.tuning.verify import mismatch, reduce_dim_of, reference_result
+from dlcore.tuning.selection import clone_args, step, wrong_result
+from dlcore.tuning.verify import Reference
 
 
 class Objective:
@@ -37,20 +40,26 @@ class Objective:
         self.training = training
         self._inputs = clone_args(bound)
         self._pristine = clone_args(bound)
-        self._expected: tuple | None = None
+        self._reference: Reference | None = None
+        self._checked: set[tuple] = set()
         self._evaluations = 0
 
     def verify(self, config: Config) -> None:
-        """Raise :class:`WrongResultError` unless ``config`` reproduces the reference."""
-        if self._expected is None:
-            self._expected = reference_result(self.op, self._pristine)
-        actual = runner(self.impl, config, self.transform)(clone_args(self._pristine))
-        problem = mismatch(actual, self._expected, reduce_dim_of(self._pristine))
+        """Raise :class:`WrongResultError` unless ``config`` reproduces the reference: its outputs,
+        and for a training call the gradients of the inputs that require grad."""
+        key = tuple(sorted(config.items()))
+        if key in self._checked:
+            return
+        if self._reference is None:
+            self._reference = Reference(self.op, self._pristine, training=self.training)
+        problem = wrong_result(runner(self.impl, config, self.transform), self._pristine, self._reference)
         if problem is not None:
             raise WrongResultError(f"wrong result: {problem}")
+        self._checked.add(key)
 
     def __call__(self, config: Config) -> float:
-        if self.check == "all" or (self.check == "first" and self._evaluations == 0):
+        if self.check == "all" or (self.check == "first" and self._evaluations == 0) or (
+                self.training and self.check != "none"):
             self.verify(config)
         self._evaluations += 1
         run = step(runner(self.impl, config, self.transform), self._inputs, self.training)

@@ -15,6 +15,7 @@ from dlcore.declarations.call import Call
 from dlcore.declarations.implementation import Implementation
 from dlcore.errors import NoBackwardError, NoKernelError
 from dlcore.runtime.runner import runner
+from dlcore.tuning.verify import NO_GRADIENT, Reference, warn_unchecked
 
 
 class How(str, enum.Enum):
@@ -134,11 +135,17 @@ def step(run: Callable[[tuple], Any], inputs: tuple, training: bool) -> Callable
         outputs = [t for t in (result if isinstance(result, (tuple, list)) else (result,))
                    if isinstance(t, torch.Tensor) and t.requires_grad]
         if not outputs:
-            raise NoBackwardError("its outputs carry no gradient: a forward-only implementation, in a call "
-                                  "whose inputs require grad")
+            raise NoBackwardError(NO_GRADIENT)
         return torch.autograd.grad(outputs, wanted, [torch.ones_like(t) for t in outputs], allow_unused=True)
 
     return forward_and_backward
+
+
+def wrong_result(run: Callable[[tuple], Any], args: tuple, reference: Reference) -> str | None:
+    """What ``run`` computes wrong on copies of ``args`` against ``reference``: its outputs, and for a
+    training call (some of ``args`` require grad) its gradients; ``None`` when all are right."""
+    inputs = clone_args(args)
+    return reference.compare(run(inputs), inputs).problem
 
 
 def without_measuring(call: Call, impl: Implementation, how: How) -> Selection:
@@ -179,16 +186,33 @@ def select(call: Call) -> Selection:
     they alone take :data:`TIE_ROUNDS` more rounds before the choice: the time goes where the
     choice is uncertain.
 
-    A candidate that raises is skipped, its reason kept. If all fail, :class:`NoKernelError`.
+    For a training call each candidate is first checked once, outputs and gradients, against the
+    float64 reference (:func:`wrong_result`): the step timed is the one a model trains by,
+    so a wrong backward is as disqualifying as a wrong forward.
+
+    A candidate that raises or computes a wrong result is skipped, its reason kept. If all fail,
+    :class:`NoKernelError`.
     """
     failed: dict[str, str] = {}
     configs = {}
     runs = {}
+    training = call.signature.training
+    reference = Reference(call.op, call.args, training=True) if training else None
     for impl in call.candidates:
         config = configs[impl.name] = impl.default_config(call.signature, call.profile)
         try:
-            runs[impl.name] = step(runner(impl, config, call.transform), clone_args(call.args),
-                                   call.signature.training)
+            run = runner(impl, config, call.transform)
+            problem = None
+            if reference is not None:
+                try:
+                    problem = wrong_result(run, call.args, reference)
+                except torch.OutOfMemoryError:
+                    reference = None
+                    warn_unchecked(call.op.name, call.signature.describe())
+            if problem is not None:
+                failed[impl.name] = f"wrong result: {problem}"
+                continue
+            runs[impl.name] = step(run, clone_args(call.args), training)
         except Exception as exc:  # noqa: BLE001 - any failure disqualifies only this candidate
             failed[impl.name] = f"{type(exc).__name__}: {exc}".splitlines()[0]
     times: dict[str, list[float]] = {name: [] for name in runs}
