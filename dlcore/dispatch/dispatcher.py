@@ -9,6 +9,7 @@ their own, on another registry or cache directory.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import warnings
 from collections.abc import Callable
@@ -89,6 +90,7 @@ class Dispatcher:
         strategy: str | None = None,
         budget: int | None = None,
         progress: Callable[[Evaluation], None] | None = None,
+        **unknown: Any,
     ) -> BoundOp:
         """The best implementation of op ``name`` for ``args`` on their device, bound and ready to call.
 
@@ -103,16 +105,23 @@ class Dispatcher:
         :param budget: the number of evaluations per implementation when tuning.
         :param progress: called after each evaluation while tuning.
         :raises UnknownOpError: no op of that name.
+        :raises InvalidCallError: ``name``, ``args`` or ``kwargs`` is of the wrong kind, or a keyword
+            is none of the options above (an op's arguments go in ``args`` or ``kwargs``).
         :raises InvalidInputError: an argument is wrong (dtype, rank, shape, device, strides).
-        :raises InvalidOptionError: ``tune``, ``budget``, a tuning variable or ``DLCORE_DISABLE_IMPLS``
-            has a bad value.
+        :raises InvalidOptionError: ``tune``, ``strategy``, ``budget``, a tuning variable or
+            ``DLCORE_DISABLE_IMPLS`` has a bad value.
         :raises BackendUnavailableError: no usable backend for the inputs' device.
         :raises NoKernelError: every implementation declined or failed.
         """
+        if unknown:
+            raise not_an_option(name, args, unknown)
         check_request(name, args, kwargs)
         options = (impl, tune, strategy, budget)
         exact = exact_key(name, args, kwargs, options)
-        hit = self._exact.get(exact) if exact is not None else None
+        try:
+            hit = self._exact.get(exact) if exact is not None else None
+        except TypeError:  # an option that cannot be a key (a list, say): resolve() below names it
+            exact = hit = None
         if hit is not None:
             return hit
         call = self.prepare(name, args, kwargs, impl)
@@ -371,6 +380,24 @@ def check_request(name: Any, args: Any, kwargs: Any) -> None:
     if kwargs is not None and not isinstance(kwargs, dict):
         raise InvalidCallError(f"get_op({name!r}, args, kwargs): kwargs is a {type(kwargs).__name__}; expected a dict "
                                "of arguments by name, or None")
+
+
+#: the options ``get_op`` takes by keyword, besides the op's arguments
+OPTIONS = tuple(p.name for p in inspect.signature(Dispatcher.get_op).parameters.values()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
+def not_an_option(name: Any, args: Any, unknown: dict[str, Any]) -> InvalidCallError:
+    """The error of ``get_op`` given keywords that are none of its options: most likely the op's
+    own arguments, which go in the kwargs dict."""
+    given = ", ".join(f"{k}={v!r}" for k, v in unknown.items())
+    words = "is no option" if len(unknown) == 1 else "are no options"
+    example = ""
+    if type(name) is str and isinstance(args, (tuple, list)):
+        placeholders = ", ".join(["..."] * len(args)) + ("," if len(args) == 1 else "")
+        example = f": get_op({name!r}, ({placeholders}), {dict(unknown)!r})"
+    return InvalidCallError(f"get_op({name!r}, ...): {given} {words} of get_op (its options: {', '.join(OPTIONS)}); "
+                            f"an op's arguments go in args, in its order, or by name in the kwargs dict{example}")
 
 
 def get_op(name: str, args: tuple | list, kwargs: dict[str, Any] | None = None, **options: Any) -> BoundOp:

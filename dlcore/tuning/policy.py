@@ -62,7 +62,18 @@ class TunePolicy:
 
 
 def resolve(tune: str | None, strategy: str | None, budget: int | None) -> TunePolicy:
-    """The policy for one call: arguments first, then the environment, then the defaults."""
+    """The policy for one call: arguments first, then the environment, then the defaults.
+
+    :raises InvalidOptionError: a value of the wrong type or out of range, named.
+    """
+    for option, value in (("tune", tune), ("strategy", strategy)):
+        if value is not None and not isinstance(value, str):
+            raise InvalidOptionError(f"{option}={value!r} ({type(value).__name__}); give {option} as a str"
+                                     + (f", one of {', '.join(t.value for t in Tune)}" if option == "tune" else
+                                        " naming a search strategy, such as 'tpe', 'grid' or 'random'"))
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)):
+        raise InvalidOptionError(f"budget={budget!r} ({type(budget).__name__}); give the number of evaluations "
+                                 "per implementation as an int, at least 1")
     name = tune or os.environ.get("DLCORE_TUNE", "off") or "off"
     try:
         level = Tune(name)
