@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dlcore.declarations.implementation import KernelCall, LaunchPlan, TritonImplementation
+from dlcore.declarations.implementation import KernelCall, LaunchPlan, TorchImplementation, TritonImplementation
 from dlcore.runtime import launch, runner
 
 
@@ -308,6 +308,49 @@ def test_only_compiled_replayable_implementations_replay():
     assert not isinstance(runner.launches(make(False, kernel), {"scale": 1.0}, None), launch.Replay)
     Interpreted = type("InterpretedFunction", (JITFunction,), {})
     assert not isinstance(runner.launches(make(True, Interpreted()), {"scale": 1.0}, None), launch.Replay)
+
+
+def test_a_guard_checks_each_exact_input_once_before_its_plan(triton_runtime, replayed):
+    """A bound op's check of its inputs: on a new exact input only, before anything is planned; a
+    refused input is neither launched nor recorded, and replays never pay for the check."""
+    kernel = JITFunction()
+    checked = []
+
+    def guard(args):
+        checked.append(tuple(args[0].shape))
+        if args[0].dim() > 1:
+            raise ValueError("refused")
+
+    run = launch.Replay(scale_plan(kernel), {"scale": 2.0}, None, guard)
+    for _ in range(3):
+        x = torch.randn(4)
+        torch.testing.assert_close(run((x,)), x * 2, rtol=0, atol=0)
+    assert checked == [(4,)] and len(replayed) == 2
+    with pytest.raises(ValueError, match="refused"):
+        run((torch.randn(2, 2),))
+    assert launches(kernel) == 3 and len(run.templates) == 1
+    run((torch.randn(5),))
+    assert checked == [(4,), (2, 2), (5,)]
+
+
+@pytest.mark.parametrize("replayable", [True, False])
+def test_every_path_of_a_runner_takes_its_guard(triton_runtime, replayable):
+    """Planned on every call (not replayable, or interpreted) or not, and with an argument that
+    cannot be a key (checked on every call)."""
+    kernel = JITFunction()
+    checked = []
+    impl = TritonImplementation("op", "t", plan=scale_plan(kernel), kernels=(kernel,),
+                                default_config=lambda s, p: {}, replayable=replayable)
+    run = runner.launches(impl, {"scale": 2.0}, None, lambda args: checked.append(args))
+    x = torch.randn(4)
+    for _ in range(2):
+        torch.testing.assert_close(run((x,)), x * 2, rtol=0, atol=0)
+    assert len(checked) == 1
+    reference = runner.runner(TorchImplementation("op", "torch", lambda x, scales: x * scales[0]), {}, None,
+                              lambda args: checked.append(args))
+    for _ in range(2):
+        torch.testing.assert_close(reference((x, [3.0])), x * 3, rtol=0, atol=0)
+    assert len(checked) == 3
 
 
 def test_an_unhashable_argument_takes_the_plan_path(triton_runtime, replayed):

@@ -741,7 +741,10 @@ class Replay:
     each launch its compiled kernel, grid and arguments, each tensor argument traced back to an
     input, a result or a declared scratch tensor; for each result its shape, strides and dtype.
     Later calls with the same metadata allocate the results and scratch and call the compiled
-    kernels directly.
+    kernels directly. ``guard(args)``, when given, runs before the plan on each exact input metadata
+    not seen before (and on each call whose arguments cannot be a key), and raises for arguments
+    the plan must not see: a bound op's check of its inputs (:mod:`dlcore.dispatch.bound`), which
+    replays never pay for.
 
     A call is not recorded (and keeps taking the plan's path) when a launch argument is a tensor
     that is neither an input, a result nor a declared scratch tensor at offset zero, when two inputs
@@ -751,13 +754,14 @@ class Replay:
     recorded again when the installed compiler-stage hook changes (the compiled kernels would).
     """
 
-    __slots__ = ("plan", "config", "transform", "templates")
+    __slots__ = ("plan", "config", "transform", "guard", "templates")
 
     def __init__(self, plan: Callable[[tuple, Any], LaunchPlan], config: Config | tuple,
-                 transform: PlanTransform | None):
+                 transform: PlanTransform | None, guard: Callable[[tuple], None] | None = None):
         self.plan = plan
         self.config = config
         self.transform = transform
+        self.guard = guard
         self.templates: dict[tuple, Template | None] = {}
 
     def __call__(self, args: tuple) -> Any:
@@ -765,11 +769,16 @@ class Replay:
         try:
             template = self.templates.get(key, _MISSING)
         except TypeError:  # an argument that cannot be a key (a list, say): nothing to look up
+            if self.guard is not None:
+                self.guard(args)
             return run_plan(self._planned(args))
         if template is None:
             return run_plan(self._planned(args))
-        if template is not _MISSING and template.hook is _internals.runtime.add_stages_inspection_hook:
-            return template.run(args)
+        if template is not _MISSING:
+            if template.hook is _internals.runtime.add_stages_inspection_hook:
+                return template.run(args)
+        elif self.guard is not None:
+            self.guard(args)
         plan = self._planned(args)
         result, template = record(args, plan)
         if template is None and plan.calls:

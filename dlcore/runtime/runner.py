@@ -12,6 +12,11 @@ bound op call with the inputs.
   :class:`~dlcore.runtime.torch_ops.ForwardOnlyWarning` the first time it runs on
   inputs that require grad;
 - anything else: ``impl.run(args, config)``.
+
+A bound op hands its runner a guard (its check of inputs it was not made for): each path calls it
+once per exact input metadata (:func:`dlcore.runtime.launch.exact_key`) before running, a replay
+in its template's place, the others through :class:`Guarded`; calls with metadata seen before
+skip it, and ``torch.compile`` tracing leaves it to the custom op's fake.
 """
 
 from __future__ import annotations
@@ -22,18 +27,56 @@ from typing import Any
 import torch
 
 from dlcore.declarations.implementation import Config, Implementation, PlanTransform, TritonImplementation
-from dlcore.runtime.launch import Replay, run_plan
+from dlcore.runtime.launch import LIMIT, Replay, exact_key, run_plan
 from dlcore.runtime.torch_ops import CustomOpTritonImplementation, needs_autograd, warn_forward_only
 
 Runner = Callable[[tuple], Any]
+#: ``guard(args)`` raises for arguments a runner must not run (see the module doc)
+Guard = Callable[[tuple], None]
 
 
-def runner(impl: Implementation, config: Config, transform: PlanTransform | None = None) -> Runner:
+class Guarded:
+    """``run`` behind ``guard``, which sees each exact input metadata once (at most :data:`LIMIT`
+    remembered, the oldest forgotten first) and each call whose arguments cannot be a key."""
+
+    __slots__ = ("run", "guard", "seen")
+
+    def __init__(self, run: Runner, guard: Guard):
+        self.run = run
+        self.guard = guard
+        self.seen: dict[tuple, None] = {}
+
+    def __call__(self, args: tuple) -> Any:
+        if torch.compiler.is_compiling():  # fake tensors have no address to key; the custom op's fake validates
+            return self.run(args)
+        key = exact_key(args)
+        try:
+            if key in self.seen:
+                return self.run(args)
+        except TypeError:  # an argument that cannot be a key (a list, say): checked on every call
+            self.guard(args)
+            return self.run(args)
+        self.guard(args)
+        seen = self.seen
+        if len(seen) >= LIMIT:
+            del seen[next(iter(seen))]
+        seen[key] = None
+        return self.run(args)
+
+
+def guarded(run: Runner, guard: Guard | None) -> Runner:
+    """``run``, behind ``guard`` when there is one."""
+    return run if guard is None else Guarded(run, guard)
+
+
+def runner(impl: Implementation, config: Config, transform: PlanTransform | None = None,
+           guard: Guard | None = None) -> Runner:
     """``impl`` with ``config`` bound, taking the bound arguments; ``transform`` rewrites each
-    launch plan (the ``ast`` and ``launch`` compiler passes)."""
+    launch plan (the ``ast`` and ``launch`` compiler passes); ``guard`` checks each exact input
+    metadata once, before it runs."""
     if not isinstance(impl, TritonImplementation):
-        return lambda args: impl.run(args, config)
-    launch = launches(impl, config, transform)
+        return guarded(lambda args: impl.run(args, config), guard)
+    launch = launches(impl, config, transform, guard)
     if not isinstance(impl, CustomOpTritonImplementation):
         # Built without the template: no custom op and no backward, so forward only by construction.
         def plain(args: tuple) -> Any:
@@ -42,9 +85,11 @@ def runner(impl: Implementation, config: Config, transform: PlanTransform | None
 
         return plain
     if impl.differentiable:
+        train = guarded(lambda args: impl.custom_op(args, config), guard)
+
         def run(args: tuple) -> Any:
             if needs_autograd(args):
-                return impl.custom_op(args, config)
+                return train(args)
             return launch(args)
 
         return run
@@ -58,12 +103,14 @@ def runner(impl: Implementation, config: Config, transform: PlanTransform | None
     return forward_only
 
 
-def launches(impl: TritonImplementation, config: Config, transform: PlanTransform | None) -> Runner:
+def launches(impl: TritonImplementation, config: Config, transform: PlanTransform | None,
+             guard: Guard | None = None) -> Runner:
     """``impl``'s launches with ``config``, autograd aside: recorded once per exact input and
-    replayed where the implementation is replayable and compiled, else planned on every call."""
+    replayed where the implementation is replayable and compiled, else planned on every call;
+    ``guard`` checks each exact input metadata once, before its plan."""
     if impl.replayable and not impl.interpreted:
-        return Replay(impl.plan, config, transform)
+        return Replay(impl.plan, config, transform, guard)
     plan = impl.plan
     if transform is None:
-        return lambda args: run_plan(plan(args, config))
-    return lambda args: run_plan(transform(plan(args, config)))
+        return guarded(lambda args: run_plan(plan(args, config)), guard)
+    return guarded(lambda args: run_plan(transform(plan(args, config))), guard)
