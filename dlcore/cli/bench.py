@@ -1,4 +1,6 @@
-"""`dlcore bench`: time an op against its baselines on model shapes; table, JSON and plot."""
+"""`dlcore bench`: time an op against its baselines on model shapes; table, JSON and plot.
+`dlcore bench-model`: a whole model's benchmark, which a plugin provides (an entry point of
+``dlcore.model_benchmarks``: dlblas-kernels' benchmarks transformers models)."""
 
 from __future__ import annotations
 
@@ -69,6 +71,15 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", dest="json_path", metavar="FILE", default=None, help="write everything as JSON")
     p.add_argument("--plot", metavar="FILE.png", default=None, help="draw each implementation per shape")
     p.set_defaults(func=run_bench_command)
+    # Every argument, options and -h included, goes to the plugin's benchmark: no prefix character is
+    # an option's here.
+    m = sub.add_parser(
+        "bench-model", add_help=False, prefix_chars="\0",
+        help="time a whole model (training step, prefill, decode) with and without dlcore: the benchmark a plugin "
+             "provides (dlblas-kernels[transformers]); `dlcore bench-model --help` gives its options",
+    )
+    m.add_argument("args", nargs=argparse.REMAINDER)
+    m.set_defaults(func=run_bench_model_command)
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -125,3 +136,27 @@ def run_bench_command(args: argparse.Namespace) -> int:
         plot(report, args.plot)
         print(f"wrote {args.plot}")
     return 0 if any(r.ms(OWN) is not None for r in report.shapes) else 1
+
+
+def run_bench_model_command(args: argparse.Namespace) -> int:
+    """Run the one installed model benchmark (an entry point of ``dlcore.model_benchmarks``, naming a
+    ``main(argv, prog) -> int``) with the command's arguments."""
+    from importlib.metadata import entry_points
+
+    from dlcore.errors import InvalidOptionError, PluginLoadError
+    from dlcore.plugins.discovery import MODEL_BENCHMARK_GROUP
+
+    found = sorted(entry_points(group=MODEL_BENCHMARK_GROUP), key=lambda ep: ep.name)
+    if not found:
+        raise InvalidOptionError(f"dlcore bench-model: no model benchmark is installed (no entry point in "
+                                 f"{MODEL_BENCHMARK_GROUP}); pip install 'dlblas-kernels[transformers]'")
+    if len(found) > 1:
+        names = ", ".join(f"{ep.name} = {ep.value}" for ep in found)
+        raise InvalidOptionError(f"dlcore bench-model: {len(found)} model benchmarks are installed ({names}); "
+                                 f"run the one you want as python -m MODULE")
+    try:
+        main = found[0].load()
+    except Exception as exc:  # noqa: BLE001 - any import failure of the plugin is reported the same way
+        raise PluginLoadError(f"the model benchmark {found[0].name} = {found[0].value} cannot be loaded "
+                              f"({type(exc).__name__}: {exc}); pip install 'dlblas-kernels[transformers]'") from exc
+    return main(list(args.args), prog="dlcore bench-model")

@@ -37,6 +37,10 @@ from dlcore.errors import PluginLoadError
 from dlcore.plugins import hookspecs
 
 GROUPS = ("dlcore.backends", "dlcore.kernels", "dlcore.passes", "dlcore.strategies")
+#: entry points the command line runs, not plugins of the hook contract: a whole model's benchmark
+#: (``NAME = "module:main"``, ``main(argv, prog) -> int``), run by ``dlcore bench-model``
+MODEL_BENCHMARK_GROUP = "dlcore.model_benchmarks"
+COMMAND_GROUPS = (MODEL_BENCHMARK_GROUP,)
 #: the one group whose plugins may be loaded on first use (see :mod:`dlcore.plugins.index`)
 DEFERRABLE_GROUP = "dlcore.kernels"
 CORE_DISTRIBUTION = "dlc-core"
@@ -202,7 +206,7 @@ def unread_groups() -> list[str]:
     found = []
     for dist in distributions():
         for ep in dist.entry_points:
-            if ep.group.startswith("dlcore.") and ep.group not in GROUPS:
+            if ep.group.startswith("dlcore.") and ep.group not in GROUPS + COMMAND_GROUPS:
                 close = difflib.get_close_matches(ep.group, GROUPS, n=1)
                 hint = f"; did you mean {close[0]}?" if close else f"; dlcore reads {', '.join(GROUPS)}"
                 found.append(f"{ep.group}: {ep.name} = {ep.value} ({dist.metadata['Name']}){hint}")

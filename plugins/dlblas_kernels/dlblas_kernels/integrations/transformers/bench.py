@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import enum
 import gc
 import importlib
 import json
@@ -48,7 +49,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -120,7 +121,7 @@ DEFAULT_PRESETS = ("llama3-8b", "qwen3-30b-a3b")
 # -- columns ------------------------------------------------------------------------------------------------
 
 
-class Patch:
+class Patch(str, enum.Enum):
     """What is done to a built model: nothing, Liger-Kernel's patch, or dlcore's."""
 
     NONE = "none"
@@ -144,7 +145,7 @@ class Column:
     name: str
     description: str
     experts: str | None = "eager"
-    patch: str = Patch.NONE
+    patch: Patch = Patch.NONE
     compiled: bool = False
     moe_only: bool = False
 
@@ -206,7 +207,7 @@ class Settings:
     tokens: int = 4096
     decode_batches: tuple[int, ...] = (1, 32)
     cache_tokens: int = 4096
-    decode_steps: int = 4
+    decode_steps: int = 1
     warmup: int = 2
     iters: int = 5
     seed: int = 0
@@ -315,17 +316,21 @@ def prefill_phase(model: Any, settings: Settings) -> dict[str, Any]:
 
 
 def filled_cache(model: Any, batch: int, settings: Settings) -> Any:
-    """A ``DynamicCache`` holding ``settings.cache_tokens`` random keys and values in every layer."""
+    """A ``DynamicCache`` holding ``settings.cache_tokens`` random keys and values in every layer.
+
+    Each layer's keys and values are the first ``cache_tokens`` of a longer buffer, as the cache is
+    after it is cropped back: every timed run starts from the same strides (``torch.compile`` guards
+    on them)."""
     from transformers import DynamicCache
 
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    shape = (batch, config.num_key_value_heads, settings.cache_tokens, head_dim)
+    shape = (batch, config.num_key_value_heads, settings.cache_tokens + settings.decode_steps, head_dim)
     generator = torch.Generator(settings.device).manual_seed(settings.seed + 2)
     cache = DynamicCache(config=config)
     for layer in range(config.num_hidden_layers):
         keys, values = (torch.randn(shape, generator=generator, device=settings.device, dtype=settings.dtype)
-                        for _ in range(2))
+                        [:, :, :settings.cache_tokens] for _ in range(2))
         cache.update(keys, values, layer)
     return cache
 
@@ -578,7 +583,8 @@ def parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=_positive, default=4096, help="tokens a sequence (default 4096)")
     p.add_argument("--decode-batches", type=_counts, default=(1, 32), help="decode batch sizes (default 1,32)")
     p.add_argument("--cache-tokens", type=_positive, default=None, help="tokens in the decode cache (default --tokens)")
-    p.add_argument("--decode-steps", type=_positive, default=4, help="token steps in one timed decode run (default 4)")
+    p.add_argument("--decode-steps", type=_positive, default=1,
+                   help="token steps in one timed decode run (default 1: each run against exactly --cache-tokens)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--device", default=None, help="cuda when available, else cpu")
     p.add_argument("--warmup", type=int, default=2, help="untimed runs a phase, compiles included (default 2)")
