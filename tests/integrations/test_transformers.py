@@ -47,12 +47,15 @@ CONFIGS = {
     "qwen3": lambda: Qwen3Config(**COMMON, head_dim=16),  # q and k norms
     "mixtral": lambda: MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2),
     "qwen3_moe": lambda: Qwen3MoeConfig(**COMMON, **MOE, num_experts=4, head_dim=16, mlp_only_layers=[0]),
-    # MLA: query and key heads of 24 + 8 (rotary, interleaved), value heads of 16; a dense first layer
-    "deepseek_v3": lambda: DeepseekV3Config(**COMMON, **MOE, n_routed_experts=4, n_group=2, topk_group=1,
-                                            first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
-                                            qk_nope_head_dim=24, qk_rope_head_dim=8, v_head_dim=16),
+    # MLA: query and key heads of 24 + 8 (rotary, interleaved), value heads of 16, as many key heads as
+    # query heads (its keys are expanded from the latent); a dense first layer
+    "deepseek_v3": lambda: DeepseekV3Config(**{**COMMON, "num_key_value_heads": 4}, **MOE, n_routed_experts=4,
+                                            n_group=2, topk_group=1, first_k_dense_replace=1, q_lora_rank=32,
+                                            kv_lora_rank=16, qk_nope_head_dim=24, qk_rope_head_dim=8,
+                                            v_head_dim=16),
 }
 FAST = ["llama"]
+NO_FALLBACK = pytest.mark.filterwarnings("error::dlblas_kernels.integrations.transformers.ModelFallbackWarning")
 FAMILIES = [f if f in FAST else pytest.param(f, marks=pytest.mark.slow) for f in CONFIGS]
 
 
@@ -89,8 +92,15 @@ class Spy:
 
 # --- the model, against the unpatched one ----------------------------------------------------------
 
+@pytest.fixture
+def unwarned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every fallback warns again (each warns once per process): with the ``error`` filter, a test
+    proves that no layer left dlcore's kernels."""
+    monkeypatch.setattr(integration.fallback, "_warned", set())
+
+
 @pytest.mark.parametrize("family", FAMILIES)
-def test_logits_padded_batch_and_greedy_generate(family):
+def test_logits_padded_batch_and_greedy_generate(family, monkeypatch):
     reference, patched = models(family)
     ids = tokens(2, 9)
     with torch.no_grad():
@@ -106,6 +116,7 @@ def test_logits_padded_batch_and_greedy_generate(family):
         assert_close(got[valid], want[valid])
 
     # prefill, then decoding steps of one query against the KV cache, all on dlcore's kernels
+    monkeypatch.setattr(integration.fallback, "_warned", set())
     prompt = tokens(2, 5, seed=2)
     with warnings.catch_warnings():
         warnings.simplefilter("error", ModelFallbackWarning)
@@ -117,7 +128,7 @@ def test_logits_padded_batch_and_greedy_generate(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_loss_and_every_gradient(family):
+def test_loss_and_every_gradient(family, unwarned):
     reference, patched = models(family)
     ids = tokens(2, 8)
     with warnings.catch_warnings():
@@ -140,7 +151,8 @@ def test_loss_and_every_gradient(family):
 
 
 @pytest.mark.slow
-def test_gradient_checkpointing():
+@NO_FALLBACK
+def test_gradient_checkpointing(unwarned):
     reference, patched = models("qwen3")
     for model in (reference, patched):
         model.train()
@@ -155,7 +167,8 @@ def test_gradient_checkpointing():
 
 
 @pytest.mark.slow
-def test_torch_compile():
+@NO_FALLBACK
+def test_torch_compile(unwarned):
     torch._dynamo.reset()
     reference, patched = models("llama")
     compiled = torch.compile(patched, backend="aot_eager" if DEVICE == "cpu" else "inductor")
@@ -170,7 +183,8 @@ def test_torch_compile():
 
 # --- what ran ------------------------------------------------------------------------------------
 
-def test_dlcore_kernels_run(monkeypatch):
+@NO_FALLBACK
+def test_dlcore_kernels_run(monkeypatch, unwarned):
     spy = Spy(monkeypatch, (attention, "flash_attention_v2"), (modules, "rms_norm"), (modules, "ffn"),
               (modules, "apply_rotary_pos_emb"))
     reference, patched = models("llama")
@@ -182,14 +196,17 @@ def test_dlcore_kernels_run(monkeypatch):
 
 
 @pytest.mark.slow
-def test_fused_moe_runs_the_experts(monkeypatch):
-    spy = Spy(monkeypatch, (experts, "fused_moe"), (attention, "flash_attention_v2"), (modules, "rms_norm"))
+@NO_FALLBACK
+def test_fused_moe_runs_the_experts(monkeypatch, unwarned):
+    spy = Spy(monkeypatch, (experts, "fused_moe"), (attention, "flash_attention_v2"), (modules, "rms_norm"),
+              (modules, "ffn"))
     reference, patched = models("qwen3_moe")
     ids = tokens(1, 6)
     with torch.no_grad():
         assert_close(patched(ids).logits, reference(ids).logits)
-    # layer 0 is dense (ffn); layer 1's experts; q and k norms in both layers
-    assert spy.calls == {"fused_moe": 1, "flash_attention_v2": 2, "rms_norm": 2 * 3 + 1}
+    # layer 0 is dense: its post-attention norm inside ffn; layer 1's experts, its norm before them
+    # alone; the input, q and k norms of both layers; the final norm
+    assert spy.calls == {"fused_moe": 1, "flash_attention_v2": 2, "ffn": 1, "rms_norm": 3 + 4 + 1}
 
 
 def test_parameters_and_state_dict_unchanged():
@@ -216,10 +233,9 @@ def test_register_is_idempotent_and_from_config_takes_the_name():
 
 # --- never silently wrong ------------------------------------------------------------------------
 
-def test_what_the_kernels_cannot_take_runs_transformers_path_and_says_so(monkeypatch):
+def test_what_the_kernels_cannot_take_runs_transformers_path_and_says_so(unwarned):
     """A sliding window the sequence reaches: SDPA with the window's mask, one warning naming the
     layer and the reason; the results are the unpatched model's."""
-    monkeypatch.setattr(integration.fallback, "_warned", set())
     torch.manual_seed(0)
     config = MistralConfig(**{**COMMON, "num_hidden_layers": 1}, sliding_window=4)
     reference = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(DEVICE)

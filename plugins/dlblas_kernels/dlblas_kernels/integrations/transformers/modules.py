@@ -18,6 +18,7 @@ autocast, a layout transformers does not use) runs the module's own forward, whi
 from __future__ import annotations
 
 import inspect
+import sys
 import types
 from collections.abc import Callable
 
@@ -180,9 +181,8 @@ def rebound(function: Callable, names: dict[str, Callable]) -> Callable | None:
     where a wrapper holds what it wraps otherwise than in its closure."""
     wrapped = getattr(function, "__wrapped__", None)
     if wrapped is None:
-        scope = {**function.__globals__, **names}
-        copy = types.FunctionType(function.__code__, scope, function.__name__, function.__defaults__,
-                                  function.__closure__)
+        copy = types.FunctionType(function.__code__, scope(function.__globals__, names).__dict__,
+                                  function.__name__, function.__defaults__, function.__closure__)
         copy.__kwdefaults__, copy.__qualname__ = function.__kwdefaults__, function.__qualname__
         return copy
     inner = rebound(wrapped, names)
@@ -196,6 +196,20 @@ def rebound(function: Callable, names: dict[str, Callable]) -> Callable | None:
     copy.__kwdefaults__, copy.__qualname__ = function.__kwdefaults__, function.__qualname__
     copy.__dict__.update(function.__dict__, __wrapped__=inner)
     return copy
+
+
+def scope(module_globals: dict, names: dict[str, Callable]) -> types.ModuleType:
+    """A module holding a modeling file's globals with ``names`` rebound, importable under a name of
+    its own (``torch.compile`` finds a function's globals by their module's name, and must not find
+    the modeling file's), made once per modeling file."""
+    name = f"{__name__}.rebound.{module_globals['__name__']}"
+    module = sys.modules.get(name)
+    if module is None:
+        module = types.ModuleType(name)
+        module.__dict__.update({k: v for k, v in module_globals.items() if k not in ("__name__", "__spec__")})
+        module.__dict__.update(names)
+        sys.modules[name] = module
+    return module
 
 
 def _holds(cell: types.CellType, value: object) -> bool:
