@@ -36,7 +36,8 @@ def test(session: nox.Session, triton: str) -> None:
     """The tests (Triton kernels in the interpreter): all on the newest Triton, the fast lane on others.
 
     pytest takes the last ``-m`` it is given, so one after ``--`` replaces the lane's."""
-    install(session, triton)
+    # the transformers extra: tests/integrations runs the kernels inside transformers models
+    install(session, triton, [f"./{d}[transformers]" if d == "plugins/dlblas_kernels" else d for d in DISTRIBUTIONS])
     session.install("pytest", "ruff", "matplotlib", "import-linter", "hypothesis")
     session.run("ruff", "check", ".")
     session.run("lint-imports")
