@@ -41,7 +41,8 @@ class TensorArg:
     ``D`` exact; ``"sequence"``: for attention's ``[B, S, H, D]``, the batch and the sequence length
     each rounded up to a power of two, heads and ``D`` exact; ``None``: exact shape). ``differentiable``: whether a
     model takes gradients with respect to this argument: False for tables and constants (rotary
-    cos and sin), which backwards need not differentiate and ``dlcore bench`` never asks gradients of.
+    cos and sin), which backwards need not differentiate and ``dlcore bench`` never asks gradients of
+    (one that requires grad and gets no gradient from a kernel's backward is named by a warning).
     ``optional``: the argument may be ``None`` (its default, so it may be left out: a bias); the
     signature then records it as absent, and it has no gradient.
     """

@@ -182,12 +182,14 @@ def test_rotary_plan_rotates_into_scratch(device, gen, profile):
                                     False), {}, profile)
     names = [call.kernel.__name__ for call in plan.calls]
     assert names == ["rotary_kernel", *(k.__name__ for k in ag.BACKWARD_KERNELS), "rotary_kernel"]
-    q_rot, k_rot, dq_rot, dk_rot, stats = plan.scratch
+    q_rot, k_rot, stats = plan.scratch
+    dq, dk, dv, dq_rot, dk_rot = plan.result  # dq' and dk' returned, for the tables' gradients
     first, *attention_calls, last = plan.calls
     assert first.args[:4] == (case.q, case.k, q_rot, k_rot) and not first.kwargs["BACKWARD"]
     assert first.args[6:9] == (2 * 13, 13, 21 - 13)  # q's tokens, its sequence, its first table row
     assert attention_calls[1].args[:2] == (q_rot, k_rot)
-    assert last.args[:4] == (dq_rot, dk_rot, *plan.result[:2]) and last.kwargs["BACKWARD"]
+    assert attention_calls[1].args[5:7] == (dk_rot, dv) and attention_calls[2].args[5] is dq_rot
+    assert last.args[:4] == (dq_rot, dk_rot, dq, dk) and last.kwargs["BACKWARD"]
 
 
 # -- what the op modules call: the torch references, results and plans ------------------------------------
@@ -218,7 +220,7 @@ def test_reference_signatures_are_custom_op_schemas():
         "float? softmax_scale) -> (Tensor, Tensor, Tensor)")
     assert torch.library.infer_schema(ag.rotary_backward_reference, mutates_args=()) == (
         "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor out, Tensor lse, bool causal, "
-        "float? softmax_scale, bool interleaved) -> (Tensor, Tensor, Tensor)")
+        "float? softmax_scale, bool interleaved) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")
 
 
 def test_plans(device, gen, profile, launch):

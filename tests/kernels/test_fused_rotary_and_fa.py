@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import ON_GPU
 from dlblas_kernels import attention, attention_grad, vendor
+from dlblas_kernels.kernels import fused_rotary_and_fa as fused_rotary_and_fa_module
 from dlblas_kernels.kernels.apply_rotary_pos_emb import apply_rotary_pos_emb_reference
 from dlblas_kernels.kernels.fused_rotary_and_fa import (
     KERNEL,
@@ -180,6 +181,32 @@ def test_backward_matches_reference(shape, causal, interleaved, dtype, device, g
                    reduce_dim=gradient_terms(sq, sk, hq // hk, d))
 
 
+@pytest.mark.parametrize("shape, causal, interleaved", [
+    ((2, 7, 9, 4, 2, 16, False), False, False),  # [Sk, D] tables, summed over the batch; queries take the last rows
+    ((2, 9, 9, 2, 2, 16, True), True, True),  # [B, Sk, D] tables
+    ((1, 10, 6, 3, 3, 8, False), True, False),  # Sq > Sk: the first queries see no key and take no row
+], ids=str)
+def test_learnt_tables_get_their_gradients(shape, causal, interleaved, dtype, device, gen):
+    """cos and sin requiring grad (learnt tables) get float64 autograd's gradients through the
+    reference, with q, k and v's, as the unfused composite gives them."""
+    b, sq, sk, hq, hk, d, table_batch = shape
+    args = (*inputs(b, sq, sk, hq, hk, d, dtype, device, gen, table_batch), causal, None, interleaved)
+    check_backward(fused_rotary_and_fa, fused_rotary_and_fa_reference, args, (0, 1, 2, 3, 4), gen,
+                   reduce_dim=gradient_terms(sq, sk, hq // hk, d) * b * hq)
+
+
+def test_tables_are_reduced_only_when_asked(device, gen, monkeypatch):
+    """sin alone wanted: its gradient, none for cos; q alone: the tables' reduction does not run."""
+    args = (*inputs(1, 5, 7, 2, 1, 8, torch.float32, device, gen), True, None, False)
+    check_backward(fused_rotary_and_fa, fused_rotary_and_fa_reference, args, (4,), gen,
+                   reduce_dim=gradient_terms(5, 7, 2, 8) * 2)
+    monkeypatch.setattr(fused_rotary_and_fa_module, "table_gradients",
+                        lambda *a: pytest.fail("the tables' gradients computed"))
+    q = args[0].detach().requires_grad_()
+    fused_rotary_and_fa(q, *args[1:]).sum().backward()
+    assert q.grad is not None
+
+
 @pytest.mark.parametrize("sq", [9, 6, 12])
 def test_backward_rotates_into_scratch(sq, device, gen):
     """Any Sq: q and k rotated into scratch (q from the tables' last Sq rows), the attention backward
@@ -196,7 +223,9 @@ def test_backward_rotates_into_scratch(sq, device, gen):
     forward, *attention_calls, backward = plan.calls
     assert not forward.kwargs["BACKWARD"] and backward.kwargs["BACKWARD"]
     assert forward.args[8] == 9 - sq  # q's first table row
-    assert len(plan.scratch) == 5 and {t.shape for t in plan.scratch[:4]} == {q.shape, k.shape}
+    assert len(plan.scratch) == 3 and [t.shape for t in plan.scratch[:2]] == [q.shape, k.shape]
+    # dq' and dk', which the tables' gradients reduce, are results
+    assert [t.shape for t in plan.result] == [q.shape, k.shape, v.shape, q.shape, k.shape]
 
 
 def test_backward_non_contiguous_inputs(dtype, device, gen):

@@ -36,7 +36,8 @@ Rotary (fused_rotary_and_fa, :func:`rotary_backward_plan`): q and k rotated into
 :mod:`~dlblas_kernels.kernels.apply_rotary_pos_emb`'s kernel (query ``i`` with table row ``Sk - Sq +
 i``, key ``j`` with row ``j``), the three launches above on them, and the gradients of the rotated
 q and k taken back through the transposed rotation by the same kernel: O(S) memory traffic, where
-rotating the tiles inside the loops rotates each streamed tile again for every block it meets.
+rotating the tiles inside the loops rotates each streamed tile again for every block it meets. The
+gradients of the rotated q and k are returned too: the tables' gradients reduce them.
 
 The tile sizes come from :func:`backward_config`, a table per head dimension and mask measured
 on the H200 (see :data:`HOPPER_TILES`). There, bfloat16 B 2, H 16, S 8192, D 128, the block takes
@@ -527,41 +528,44 @@ def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> Launch
 
 def rotary_backward_reference(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                               cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, causal: bool,
-                              softmax_scale: float | None,
-                              interleaved: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of fused_rotary_and_fa in torch: the rotation applied to q and k (queries
-    with the last ``Sq`` rows of the tables), :func:`backward_reference` on them, and dq, dk taken
-    back through the transposed rotation."""
+                              softmax_scale: float | None, interleaved: bool,
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv, dq', dk')`` of fused_rotary_and_fa in torch: the rotation applied to q and k
+    (queries with the last ``Sq`` rows of the tables), :func:`backward_reference` on them, giving
+    the gradients ``dq'`` and ``dk'`` of the rotated q and k, and those taken back through the
+    transposed rotation. dq' and dk' (in q's and k's dtypes) are what the gradients of cos and sin
+    reduce (fused_rotary_and_fa's formula)."""
     compute = torch.promote_types(q.dtype, torch.float32)
     (ck, sk_), (cq, sq_) = _tables(cos, sin, q.shape[1], compute)
     q_, k_ = q.to(compute), k.to(compute)
     q_rot = q_ * cq + _rotate_half(q_, interleaved) * sq_
     k_rot = k_ * ck + _rotate_half(k_, interleaved) * sk_
-    dq, dk, dv = backward_reference(dout.to(compute), q_rot, k_rot, v.to(compute), out.to(compute), lse, None,
-                                    causal, _scale(q, softmax_scale))
-    dq = dq * cq - _rotate_half(dq * sq_, interleaved)
-    dk = dk * ck - _rotate_half(dk * sk_, interleaved)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    dq_rot, dk_rot, dv = backward_reference(dout.to(compute), q_rot, k_rot, v.to(compute), out.to(compute), lse,
+                                            None, causal, _scale(q, softmax_scale))
+    dq = dq_rot * cq - _rotate_half(dq_rot * sq_, interleaved)
+    dk = dk_rot * ck - _rotate_half(dk_rot * sk_, interleaved)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dq_rot.to(q.dtype), dk_rot.to(k.dtype)
 
 
 def rotary_backward_results(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_) -> tuple:
-    """``(dq, dk, dv)`` allocated, as :func:`backward_results`."""
-    return backward_results(dout, q, k, v)
+    """``(dq, dk, dv, dq', dk')`` allocated, as :func:`backward_results` (dq' and dk' as dq and dk)."""
+    return (*backward_results(dout, q, k, v), q.new_empty(q.shape), k.new_empty(k.shape))
 
 
 def rotary_backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
-    """The launches for ``(dq, dk, dv)`` from ``args`` as :func:`rotary_backward_reference` takes
-    them: q and k rotated into scratch, :func:`backward_calls` on them, and dq', dk' taken back
-    through the transposed rotation (the module doc). On an H100 (bf16, B 2, H 16, D 128, S 2048 to
-    16384) this was 1.78x to 1.96x faster than rotating the tiles inside the backward's loops,
-    1.41x to 1.51x causal (418 against 591 us at S 2048 causal; ``.ci/rotary_backward.py`` at
-    34d6caa, which timed both)."""
+    """The launches for ``(dq, dk, dv, dq', dk')`` from ``args`` as :func:`rotary_backward_reference`
+    takes them: q and k rotated into scratch, :func:`backward_calls` on them, and dq', dk' taken
+    back through the transposed rotation (the module doc); dq' and dk' are returned too, for the
+    tables' gradients (no launch of their own: the plan writes them either way). On an H100 (bf16,
+    B 2, H 16, D 128, S 2048 to 16384) this was 1.78x to 1.96x faster than rotating the tiles
+    inside the backward's loops, 1.41x to 1.51x causal (418 against 591 us at S 2048 causal;
+    ``.ci/rotary_backward.py`` at 34d6caa, which timed both)."""
     dout, q, k, v, cos, sin, out, lse, causal, softmax_scale, interleaved = args
-    dq, dk, dv = backward_results(dout, q, k, v)
-    q_rot, k_rot, dq_rot, dk_rot = (t.new_empty(t.shape) for t in (q, k, q, k))
+    dq, dk, dv, dq_rot, dk_rot = rotary_backward_results(dout, q, k, v)
+    q_rot, k_rot = q.new_empty(q.shape), k.new_empty(k.shape)
     stats = stats_scratch(q)
     calls = [*rotation_calls(q, k, q_rot, k_rot, cos, sin, interleaved, profile),
              *backward_calls(dout, q_rot, k_rot, v, out, lse, None, dq_rot, dk_rot, dv, causal=causal,
                              scale=_scale(q, softmax_scale), profile=profile, stats=stats),
              *rotation_calls(dq_rot, dk_rot, dq, dk, cos, sin, interleaved, profile, backward=True)]
-    return LaunchPlan(calls, (dq, dk, dv), scratch=(q_rot, k_rot, dq_rot, dk_rot, stats))
+    return LaunchPlan(calls, (dq, dk, dv, dq_rot, dk_rot), scratch=(q_rot, k_rot, stats))

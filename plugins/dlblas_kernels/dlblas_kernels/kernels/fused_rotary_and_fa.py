@@ -24,8 +24,14 @@ rotated q' and k' and applies the transposed rotation to dq' and dk': ``dq = dq'
 rotate(dq' * sin_q)`` (the rotation is linear, its gradient its transpose). It writes q' and k' to
 scratch with :mod:`apply_rotary_pos_emb`'s kernel (q' from the tables' last Sq rows), runs
 flash_attention_v2's backward on them and rotates dq' and dk' back with the same kernel: rotating
-inside the backward's loops would rotate each streamed tile again for every block it meets. cos and
-sin are tables: no gradient.
+inside the backward's loops would rotate each streamed tile again for every block it meets.
+
+cos and sin are tables, declared not differentiable (a training step does not ask for their
+gradients); a learnt table that requires grad still gets its gradient, as the unfused composite's
+does: ``dcos = sum(dk' * k) + sum(dq' * q)`` and ``dsin = sum(dk' * rotate(k)) + sum(dq' *
+rotate(q))`` over the heads (and the batch for ``[Sk, D]`` tables), query ``i``'s terms in row
+``Sk - Sq + i``: a reduction in torch of the backward's dq' and dk' (which its plan returns),
+run only when asked for.
 
 The baseline ``composite`` is what a model runs unfused: dlblas ``apply_rotary_pos_emb``, then
 ``F.scaled_dot_product_attention`` with the fastest backend that accepts the inputs (cuDNN, then
@@ -275,10 +281,44 @@ OP = Op(
 )
 
 
+def _head_sums(dy: torch.Tensor, x: torch.Tensor, rotated: bool, interleaved: bool,
+               compute: torch.dtype) -> torch.Tensor:
+    """``dy * x`` (``dy * rotate(x)`` when ``rotated``) in ``compute``, summed over the heads: ``[B, S, D]``."""
+    x = x.to(compute)
+    return (dy.to(compute) * (rotate(x, interleaved) if rotated else x)).sum(2)
+
+
+def table_gradients(dq_rot: torch.Tensor, dk_rot: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                    interleaved: bool, wanted: tuple[bool, bool]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The ``wanted`` gradients of cos and sin from the gradients ``dq'``, ``dk'`` of the rotated q
+    and k: per table row, ``dy * x`` (cos) and ``dy * rotate(x)`` (sin) summed over the heads, key
+    ``j``'s terms in row ``j`` and query ``i``'s in row ``Sk - Sq + i``, then over the batch where
+    the tables have none; in float32 (or wider), returned in cos's dtype. The first ``Sq - Sk``
+    queries (``Sq > Sk``, causal) see no key: their dq' is 0 and they take no row."""
+    compute = torch.promote_types(cos.dtype, torch.float32)
+    sq, sk = q.shape[1], k.shape[1]
+    grads = []
+    for want, rotated in zip(wanted, (False, True)):
+        if not want:
+            grads.append(None)
+            continue
+        g, g_q = (_head_sums(dy, x, rotated, interleaved, compute) for dy, x in ((dk_rot, k), (dq_rot, q)))
+        if sq <= sk:
+            g[:, sk - sq:] += g_q
+        else:
+            g += g_q[:, sq - sk:]
+        grads.append(g.sum_to_size(cos.shape).to(cos.dtype))
+    return grads[0], grads[1]
+
+
 def _gradients(backward, saved, grads, needs) -> dict:
-    dq, dk, dv = backward(grads[0], saved.q, saved.k, saved.v, saved.cos, saved.sin, saved.out, saved.lse,
-                          saved.causal, saved.softmax_scale, saved.interleaved)
-    return {"q": dq, "k": dk, "v": dv}
+    dq, dk, dv, dq_rot, dk_rot = backward(grads[0], saved.q, saved.k, saved.v, saved.cos, saved.sin, saved.out,
+                                          saved.lse, saved.causal, saved.softmax_scale, saved.interleaved)
+    got = {"q": dq, "k": dk, "v": dv}
+    if needs["cos"] or needs["sin"]:
+        got["cos"], got["sin"] = table_gradients(dq_rot, dk_rot, saved.q, saved.k, saved.cos, saved.interleaved,
+                                                 (needs["cos"], needs["sin"]))
+    return got
 
 
 KERNEL = define_kernel(
