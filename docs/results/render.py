@@ -10,7 +10,9 @@
 Inputs, all in this folder:
 - ``OP_MODE.json``: ``dlcore bench ... --json`` (``bash .ci/gpu.sh bench``), one per op and mode;
 - ``overhead.json``: dlcore's own costs per call (``import-overhead`` above);
-- ``first_call.json``: ``python3 .ci/first_call.py all --json docs/results/first_call.json``.
+- ``first_call.json``: ``python3 .ci/first_call.py all --json docs/results/first_call.json``;
+- ``e2e/PRESET.json``: the end-to-end benchmark of a transformers model (``dlcore bench-model``,
+  ``bash .ci/e2e_bench.sh`` on a CUDA GPU).
 """
 
 from __future__ import annotations
@@ -692,6 +694,154 @@ DECODE_GAP = (
     "had the same rows at 0.89 to 1.00x.")
 
 
+# -- the end-to-end benchmark ----------------------------------------------------------------------------
+
+E2E_FOLDER = "e2e"
+#: the columns of the end-to-end tables, in order; the two dlcore columns are what the targets measure
+E2E_COLUMNS = ("eager", "compile", "liger", "grouped_mm", "dlcore", "dlcore+compile")
+E2E_DLCORE = ("dlcore", "dlcore+compile")
+#: issue #41's targets: (preset, phase, the baselines whose fastest dlcore is measured against, goal)
+E2E_TARGETS = (("llama3-8b", "train", ("eager",), 1.15), ("llama3-8b", "train", ("liger", "compile"), 1.05),
+               ("llama3-8b", "prefill", ("eager",), 1.1), ("llama3-8b", "decode_b1", ("eager",), 1.0),
+               ("llama3-8b", "decode_b32", ("eager",), 1.0), ("qwen3-30b-a3b", "train", ("grouped_mm",), 1.3),
+               ("qwen3-30b-a3b", "prefill", ("eager",), 1.1), ("qwen3-30b-a3b", "decode_b1", ("eager",), 1.0),
+               ("qwen3-30b-a3b", "decode_b32", ("eager",), 1.0))
+E2E_METHOD = (
+    "`dlcore bench-model` (`python -m dlblas_kernels.integrations.transformers.bench`; `bash .ci/e2e_bench.sh` on "
+    "the GPU host): a transformers model built from the named checkpoint's config (its layer shapes and "
+    "vocabulary) with the given number of decoder layers and random weights, one column after the other in one "
+    "process, each a fresh build from the same seed. `train`: one training step (forward, the model's own loss, "
+    "backward; gradients set to None before each); `prefill`: a forward under no_grad filling a new cache, the "
+    "last position's logits only; `decode bN`: one new token for each of N sequences against a cache of the "
+    "given length (random keys and values), per token step. Each time is the median of the timed runs (CUDA "
+    "events) after untimed warm-up runs, where torch.compile compiles and dlcore selects its kernels; peak "
+    "memory is `torch.cuda.max_memory_allocated` over the timed training steps (weights, gradients, "
+    "activations). `vs eager` is eager's time over the column's.")
+
+
+def load_e2e(folder: str) -> list[dict]:
+    """The end-to-end reports of ``folder/e2e/``, by preset name."""
+    reports = []
+    for path in sorted(glob.glob(os.path.join(folder, E2E_FOLDER, "*.json"))):
+        with open(path) as f:
+            data = json.load(f)
+        if isinstance(data, dict) and data.get("benchmark") == "transformers":
+            data["_file"] = f"{E2E_FOLDER}/{os.path.basename(path)}"
+            reports.append(data)
+    return reports
+
+
+def e2e_phase(report: dict, column: str, phase: str) -> dict:
+    """A column's result of a phase (``{}`` where the column or phase is absent)."""
+    found = next((c for c in report["columns"] if c["name"] == column), {})
+    return found.get("phases", {}).get(phase) or {}
+
+
+def e2e_ms(report: dict, column: str, phase: str) -> float | None:
+    """A phase's milliseconds (decode: per token step), None where it was not measured."""
+    result = e2e_phase(report, column, phase)
+    return result.get("ms_per_token", result.get("ms")) if result.get("status") == "ok" else None
+
+
+def e2e_phases(report: dict) -> list[str]:
+    decode = [f"decode_b{b}" for b in report.get("decode_batches", [])]
+    return [p for p in ("train", "prefill", *decode) if any(p in c.get("phases", {}) for c in report["columns"])]
+
+
+def e2e_table(report: dict) -> list[str]:
+    """One row per column: each phase's ms and its speedup over eager, training's tokens/s and peak memory."""
+    phases = e2e_phases(report)
+    header = ["column"]
+    for phase in phases:
+        label = phase.replace("_b", " b")
+        header += [f"{label} ms" + (" a token" if phase.startswith("decode") else ""), "vs eager"]
+        if phase == "train":
+            header += ["train tokens/s", "train peak GiB"]
+    rows = []
+    names = [n for n in E2E_COLUMNS if any(c["name"] == n for c in report["columns"])]
+    names += [c["name"] for c in report["columns"] if c["name"] not in names]
+    for name in names:
+        column = next(c for c in report["columns"] if c["name"] == name)
+        row = [f"**{name}**" if name in E2E_DLCORE else name]
+        for phase in phases:
+            ms, eager = e2e_ms(report, name, phase), e2e_ms(report, "eager", phase)
+            status = e2e_phase(report, name, phase).get("status") or column["status"]
+            row += [f"{ms:.3g}" if ms and ms < 10 else f"{ms:.1f}" if ms else status,
+                    ratio(eager / ms) if ms and eager else "-"]
+            if phase == "train":
+                train = e2e_phase(report, name, "train")
+                peak = train.get("peak_memory_bytes") if ms else None
+                row += [f"{train['tokens_per_s']:.0f}" if ms else "-", f"{peak / 2**30:.1f}" if peak else "-"]
+        rows.append(row)
+    return md_table(header, rows, "l" + "r" * (len(header) - 1))
+
+
+def e2e_notes(report: dict) -> list[str]:
+    """Why each column or phase without numbers has none, and each column's description."""
+    notes = []
+    for column in report["columns"]:
+        notes.append(f"`{column['name']}`: {column.get('description', '')}".rstrip(": "))
+        if column["status"] == "skipped":
+            notes[-1] += f"; skipped: {column.get('reason', '')}"
+        elif column.get("error"):
+            notes[-1] += f"; failed: {column['error']}"
+        for phase, result in column.get("phases", {}).items():
+            if result.get("status") == "failed":
+                notes[-1] += f"; {phase} failed: {result.get('error', '')}"
+            elif result.get("status") == "skipped":
+                notes[-1] += f"; {phase} skipped: {result.get('reason', '')}"
+    return notes
+
+
+def e2e_targets(reports: list[dict]) -> list[list[str]]:
+    """Rows (target, measured, met) of issue #41's targets, for the presets measured."""
+    rows = []
+    by_preset = {r["preset"]: r for r in reports}
+    for preset, phase, baselines, goal in E2E_TARGETS:
+        report = by_preset.get(preset)
+        if report is None:
+            continue
+        label = f"{preset}, {phase.replace('_b', ' at batch ')}: >= {goal:g}x " + (
+            baselines[0] if len(baselines) == 1 else f"the faster of {' and '.join(baselines)}")
+        theirs = [(e2e_ms(report, b, phase), b) for b in baselines if e2e_ms(report, b, phase)]
+        mine = [(e2e_ms(report, d, phase), d) for d in E2E_DLCORE if e2e_ms(report, d, phase)]
+        if not theirs or not mine:
+            rows.append([label, "not measured", "-"])
+            continue
+        (their_ms, their_name), (my_ms, my_name) = min(theirs), min(mine)
+        value = their_ms / my_ms
+        rows.append([label, f"{ratio(value)} ({my_name} against {their_name})", met(value, goal)])
+        if preset == "llama3-8b" and phase == "train" and baselines == ("eager",):
+            peak = e2e_phase(report, my_name, "train").get("peak_memory_bytes")
+            eager = e2e_phase(report, "eager", "train").get("peak_memory_bytes")
+            rows.append([f"{preset}, train: peak memory <= eager's",
+                         f"{peak / 2**30:.1f} GiB ({my_name}) against {eager / 2**30:.1f} GiB" if peak and eager
+                         else "not measured", "-" if not (peak and eager) else "yes" if peak <= eager else "no"])
+    return rows
+
+
+def e2e_section(reports: list[dict]) -> list[str]:
+    if not reports:
+        return []
+    lines = ["## End to end: transformers models", "", E2E_METHOD, ""]
+    targets = e2e_targets(reports)
+    if targets:
+        lines += ["Issue #41's targets (each dlcore figure the faster of its two columns):", ""]
+        lines += md_table(["target", "measured", "met"], targets, "lll") + [""]
+    for r in reports:
+        versions = r.get("versions", {})
+        lines += [f"### {r['preset']}", "",
+                  f"{r['model']} config, {r['layers']} layers, {r['dtype']}, batch {r['batch']} x {r['tokens']} "
+                  f"tokens (decode against {r['cache_tokens']} cached tokens); {r['gpu']}, torch "
+                  f"{versions.get('torch')}, Triton {versions.get('triton')}, transformers "
+                  f"{versions.get('transformers')}, Liger-Kernel {versions.get('liger-kernel') or '-'}; "
+                  f"{r['date'][:10]}; warm-up {r['warmup']}, median of {r['iters']}.", ""]
+        lines += e2e_table(r)
+        lines += ["", f"`{r['command']}` ([`{r['_file']}`](results/{r['_file']}))", ""]
+        lines += [f"- {n}" for n in e2e_notes(r)] + [""]
+    return lines
+
+
 def overhead_section(overhead: dict | None, first: dict | None) -> list[str]:
     lines = ["## dlcore's own costs", ""]
     if overhead:
@@ -785,6 +935,7 @@ def render(folder: str) -> str:
             out += [""] + [f"- {n}" for n in notes]
         out.append("")
     out += targets_section(reports)
+    out += e2e_section(load_e2e(folder))
     out += overhead_section(overhead, first)
     out += [OTHER, ""]
     return "\n".join(out)

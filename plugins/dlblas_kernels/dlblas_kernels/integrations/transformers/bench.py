@@ -41,6 +41,7 @@ import datetime
 import enum
 import gc
 import importlib
+import inspect
 import json
 import os
 import shlex
@@ -305,10 +306,11 @@ def prefill_phase(model: Any, settings: Settings) -> dict[str, Any]:
     ids = token_ids(model.config.vocab_size, settings.batch, settings.tokens, settings, offset=1)
     model.eval()
 
+    cache = cache_keyword(model)
+
     def prefill() -> None:
         with torch.no_grad():
-            model(input_ids=ids, past_key_values=DynamicCache(config=model.config), use_cache=True,
-                  logits_to_keep=1)
+            model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache: DynamicCache(config=model.config)})
 
     result = measure(prefill, settings)
     result["tokens_per_s"] = settings.batch * settings.tokens / (result["ms"] / 1e3)
@@ -335,23 +337,40 @@ def filled_cache(model: Any, batch: int, settings: Settings) -> Any:
     return cache
 
 
+def cache_keyword(model: Any) -> str:
+    """The forward's name for the KV cache: ``cache`` since transformers 5.25 (``past_key_values`` before,
+    and in forwards that Liger-Kernel puts in place)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def decode_phase(model: Any, batch: int, settings: Settings) -> dict[str, Any]:
     cache = filled_cache(model, batch, settings)
     steps = [token_ids(model.config.vocab_size, batch, 1, settings, offset=3 + i)
              for i in range(settings.decode_steps)]
+    keyword = cache_keyword(model)
     model.eval()
+    runs = []
 
     def decode() -> None:
         with torch.no_grad():
             for ids in steps:
-                model(input_ids=ids, past_key_values=cache, use_cache=True)
+                model(input_ids=ids, use_cache=True, **{keyword: cache})
+        runs.append(cache.get_seq_length())
+
+    def check() -> None:
+        # a forward that dropped the cache argument would time decoding without the cache
+        if runs and runs[-1] != settings.cache_tokens + settings.decode_steps:
+            raise RuntimeError(f"the model's cache holds {runs[-1]} tokens after {settings.decode_steps} decode "
+                               f"steps from {settings.cache_tokens}: the forward did not use it")
 
     def crop() -> None:
+        check()
         grown = cache.get_seq_length() - settings.cache_tokens
         if grown > 0:
             cache.crop(-grown)
 
     result = measure(decode, settings, before=crop)
+    check()
     result["ms_per_token"] = result["ms"] / settings.decode_steps
     result["tokens_per_s"] = batch / (result["ms_per_token"] / 1e3)
     return result
