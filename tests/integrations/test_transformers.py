@@ -254,6 +254,27 @@ def test_what_the_kernels_cannot_take_runs_transformers_path_and_says_so(unwarne
     assert out.attentions[0].shape == (2, 4, 3, 3)
 
 
+def test_experts_in_another_form_run_their_own_forward_and_say_so(unwarned):
+    """Experts with GELU gates: fused_moe computes SiLU's, so the module's own forward runs."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    torch.manual_seed(0)
+    module = Qwen3MoeExperts(Qwen3MoeConfig(**COMMON, **MOE, num_experts=4, hidden_act="gelu")).to(DEVICE)
+    for weight in (module.gate_up_proj, module.down_proj):
+        torch.nn.init.normal_(weight, std=0.1)
+    hidden = torch.randn(5, 64, device=DEVICE)
+    index = torch.randint(0, 4, (5, 2), device=DEVICE)
+    weights = torch.rand(5, 2, device=DEVICE)
+    with pytest.warns(ModelFallbackWarning, match="Qwen3MoeExperts runs its own forward.*SiLU-gated"):
+        got = experts.dlcore_experts(module, hidden, index, weights)
+    assert_close(got, experts.original_forward(module)(module, hidden, index, weights))
+    module.act_fn = torch.nn.SiLU()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ModelFallbackWarning)
+        assert_close(experts.dlcore_experts(module, hidden, index, weights),
+                     experts.original_forward(module)(module, hidden, index, weights))
+
+
 def test_mask_function_skips_only_the_plain_causal_mask():
     ones = torch.ones(2, 9, dtype=torch.bool)
     padded = ones.clone()

@@ -53,7 +53,9 @@ def apply(model: nn.Module, *, attention: bool = True, experts: bool = True, nor
     - ``norms``: the family's RMSNorms run ``rms_norm``;
     - ``rotary``: the family's attentions rotate q and k with ``apply_rotary_pos_emb``;
     - ``mlp``: a dense SwiGLU MLP and the RMSNorm before it run as one ``ffn`` (the norm inside it,
-      whatever ``norms`` says), then the down projection.
+      whatever ``norms`` says), then the down projection. That norm module then passes its input
+      on: a hook on it, or a caller of it other than the decoder layer, sees the input un-normed
+      (``mlp=False`` keeps it a norm).
 
     Parameters, buffers and the state dict do not change. A family without an entry in
     :data:`~.families.FAMILIES` gets attention and experts only. Applying again changes nothing."""
