@@ -320,9 +320,8 @@ def prefill_phase(model: Any, settings: Settings) -> dict[str, Any]:
 def filled_cache(model: Any, batch: int, settings: Settings) -> Any:
     """A ``DynamicCache`` holding ``settings.cache_tokens`` random keys and values in every layer.
 
-    Each layer's keys and values are the first ``cache_tokens`` of a longer buffer, as the cache is
-    after it is cropped back: every timed run starts from the same strides (``torch.compile`` guards
-    on them)."""
+    It is filled with ``decode_steps`` tokens more, then cropped, as it is after every timed run: each
+    run starts from the same layout (``torch.compile`` guards on strides)."""
     from transformers import DynamicCache
 
     config = model.config
@@ -332,8 +331,9 @@ def filled_cache(model: Any, batch: int, settings: Settings) -> Any:
     cache = DynamicCache(config=config)
     for layer in range(config.num_hidden_layers):
         keys, values = (torch.randn(shape, generator=generator, device=settings.device, dtype=settings.dtype)
-                        [:, :, :settings.cache_tokens] for _ in range(2))
+                        for _ in range(2))
         cache.update(keys, values, layer)
+    cache.crop(-settings.decode_steps)
     return cache
 
 
@@ -531,7 +531,14 @@ def run_preset(preset: ModelPreset, settings: Settings, columns: Sequence[Column
         "command": command, "columns": [{"name": c.name, "status": "pending"} for c in columns],
     }
     for column in sorted(columns, key=lambda c: c.compiled):
-        report["columns"][columns.index(column)] = run_column(preset, column, settings, progress)
+        try:
+            report["columns"][columns.index(column)] = run_column(preset, column, settings, progress)
+        except KeyboardInterrupt:
+            # a time limit's SIGINT (.ci/e2e_bench.sh): the columns done so far stay in the JSON
+            report["columns"][columns.index(column)] = {"name": column.name, "status": "failed",
+                                                        "error": "interrupted", "phases": {}}
+            written(report)
+            raise
         written(report)
     return report
 
