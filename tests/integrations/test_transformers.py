@@ -16,7 +16,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dlblas_kernels.integrations import transformers as integration
-from dlblas_kernels.integrations.transformers import ModelFallbackWarning, apply, attention, experts, modules, register
+from dlblas_kernels.integrations.transformers import (
+    ModelFallbackWarning,
+    apply,
+    attention,
+    experts,
+    ops,
+    register,
+)
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
@@ -75,19 +82,22 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual, expected, rtol=1e-4, atol=1e-5)
 
 
-class Spy:
-    """Counts the calls of dlcore functions an integration module holds, and still runs them."""
+class OpSpy:
+    """Counts the ops the integration asks ``get_op`` for, by name, with the kinds of the
+    implementations that ran them (``triton`` for dlcore's kernels)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, *targets: tuple[object, str]) -> None:
-        self.calls = {name: 0 for _, name in targets}
-        for owner, name in targets:
-            monkeypatch.setattr(owner, name, self._counting(name, getattr(owner, name)))
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: dict[str, int] = {}
+        self.kinds: set[str] = set()
+        monkeypatch.setattr(ops, "get_op", self._counting(ops.get_op))
 
-    def _counting(self, name, function):
-        def call(*args, **kwargs):
-            self.calls[name] += 1
-            return function(*args, **kwargs)
-        return call
+    def _counting(self, get_op):
+        def spy(name, args, *rest, **options):
+            bound = get_op(name, args, *rest, **options)
+            self.calls[name] = self.calls.get(name, 0) + 1
+            self.kinds.add(bound.impl.kind)
+            return bound
+        return spy
 
 
 # --- the model, against the unpatched one ----------------------------------------------------------
@@ -185,28 +195,29 @@ def test_torch_compile(unwarned):
 
 @NO_FALLBACK
 def test_dlcore_kernels_run(monkeypatch, unwarned):
-    spy = Spy(monkeypatch, (attention, "flash_attention_v2"), (modules, "rms_norm"), (modules, "ffn"),
-              (modules, "apply_rotary_pos_emb"))
+    spy = OpSpy(monkeypatch)
     reference, patched = models("llama")
     ids = tokens(1, 6)
     with torch.no_grad():
         assert_close(patched(ids).logits, reference(ids).logits)
     # per layer: attention, rotary, the input norm, the post-attention norm inside ffn; the final norm
     assert spy.calls == {"flash_attention_v2": 2, "rms_norm": 3, "ffn": 2, "apply_rotary_pos_emb": 2}
+    assert spy.kinds == {"triton"}
 
 
 @pytest.mark.slow
 @NO_FALLBACK
 def test_fused_moe_runs_the_experts(monkeypatch, unwarned):
-    spy = Spy(monkeypatch, (experts, "fused_moe"), (attention, "flash_attention_v2"), (modules, "rms_norm"),
-              (modules, "ffn"))
+    spy = OpSpy(monkeypatch)
     reference, patched = models("qwen3_moe")
     ids = tokens(1, 6)
     with torch.no_grad():
         assert_close(patched(ids).logits, reference(ids).logits)
     # layer 0 is dense: its post-attention norm inside ffn; layer 1's experts, its norm before them
     # alone; the input, q and k norms of both layers; the final norm
-    assert spy.calls == {"fused_moe": 1, "flash_attention_v2": 2, "ffn": 1, "rms_norm": 3 + 4 + 1}
+    assert spy.calls == {"fused_moe": 1, "flash_attention_v2": 2, "ffn": 1, "rms_norm": 3 + 4 + 1,
+                         "apply_rotary_pos_emb": 2}
+    assert spy.kinds == {"triton"}
 
 
 def test_parameters_and_state_dict_unchanged():

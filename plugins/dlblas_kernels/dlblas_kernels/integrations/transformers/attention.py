@@ -29,6 +29,7 @@ from transformers.masking_utils import causal_mask_function, prepare_padding_mas
 from transformers.utils.import_utils import is_tracing
 
 from dlblas_kernels.integrations.transformers.fallback import Reason, warn_once
+from dlblas_kernels.integrations.transformers.ops import call
 from dlblas_kernels.kernels.flash_attention_v2 import MAX_HEAD_DIM, flash_attention_v2
 
 NAME = "dlcore"
@@ -92,7 +93,7 @@ def dlcore_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     if dv < width:
         v = F.pad(v, (0, width - dv))
     scale = scaling if scaling is not None else dq ** -0.5
-    out = flash_attention_v2(q, k, v, bool(causal) and query.shape[2] > 1, float(scale))
+    out = call("flash_attention_v2", flash_attention_v2, q, k, v, bool(causal) and query.shape[2] > 1, float(scale))
     return (out if dv == width else out[..., :dv]), None
 
 

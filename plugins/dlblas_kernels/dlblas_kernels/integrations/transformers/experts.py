@@ -20,6 +20,7 @@ from transformers.integrations.moe import _default_apply_gate
 
 from dlblas_kernels.integrations.transformers.fallback import Reason, warn_once
 from dlblas_kernels.integrations.transformers.modules import is_silu
+from dlblas_kernels.integrations.transformers.ops import call
 from dlblas_kernels.kernels.fused_moe import FP8, ID_DTYPES, SCALE_BLOCK, fused_moe
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -32,7 +33,8 @@ def dlcore_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_index: 
                                                   top_k_index, top_k_weights)):
         warn_once(module, Reason.EXPERTS_LAYOUT, "its own forward")
         return original_forward(module)(module, hidden_states, top_k_index, top_k_weights)
-    return fused_moe(hidden_states, module.gate_up_proj, module.down_proj, top_k_weights, top_k_index)
+    return call("fused_moe", fused_moe, hidden_states, module.gate_up_proj, module.down_proj, top_k_weights,
+                top_k_index)
 
 
 def dlcore_fp8_experts(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,

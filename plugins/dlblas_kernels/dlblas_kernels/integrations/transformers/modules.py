@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from dlblas_kernels.integrations.transformers.ops import call
 from dlblas_kernels.kernels.apply_rotary_pos_emb import apply_rotary_pos_emb
 from dlblas_kernels.kernels.ffn import ffn
 from dlblas_kernels.kernels.rms_norm import rms_norm
@@ -56,7 +57,7 @@ class RMSNormForward:
         norm = self.norm
         if not _eligible(hidden_states, norm.weight):
             return _original_forward(norm)(hidden_states)
-        return rms_norm(hidden_states, norm.weight, norm.variance_epsilon)
+        return call("rms_norm", rms_norm, hidden_states, norm.weight, norm.variance_epsilon)
 
 
 def switch_norm(norm: nn.Module) -> None:
@@ -91,7 +92,7 @@ class NormedMLPForward:
         if not _eligible(hidden_states, w1, w3, norm.weight):
             return _original_forward(mlp)(_original_forward(norm)(hidden_states))
         shape = hidden_states.shape
-        h = ffn(hidden_states.reshape(-1, shape[-1]), w1, w3, norm.weight, norm.variance_epsilon)
+        h = call("ffn", ffn, hidden_states.reshape(-1, shape[-1]), w1, w3, norm.weight, norm.variance_epsilon)
         return mlp.down_proj(h.view(*shape[:-1], h.shape[-1]))
 
 
@@ -151,7 +152,7 @@ class Deinterleaved:
 def rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate-half rotary of ``[B, H, S, D]`` q and k: the op's ``[B, S, H, D]`` views (no copy for
     the projections transformers transposes), the results viewed back."""
-    q_out, k_out = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    q_out, k_out = call("apply_rotary_pos_emb", apply_rotary_pos_emb, q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     return q_out.transpose(1, 2), k_out.transpose(1, 2)
 
 
