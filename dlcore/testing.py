@@ -7,6 +7,7 @@ poisoned before a kernel writes them (see :func:`poison`), and inputs are fresh 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 
@@ -29,6 +30,12 @@ def tolerance(dtype: torch.dtype, reduce_dim: int = 1) -> tuple[float, float]:
     atol, rtol = TOLERANCES[dtype]
     scale = max(1.0, math.sqrt(reduce_dim) / 8)
     return atol * scale, rtol * scale
+
+
+def least_precise(dtypes: Iterable[torch.dtype]) -> torch.dtype:
+    """The dtype of the widest tolerance among ``dtypes`` (floating ones of the table): the precision
+    a computation mixing them works at (float32 routing weights beside bfloat16 activations)."""
+    return max((d for d in dtypes if d in TOLERANCES), key=lambda d: TOLERANCES[d][0])
 
 
 def assert_close(actual: torch.Tensor, reference: torch.Tensor, dtype: torch.dtype | None = None,

@@ -16,6 +16,7 @@ import dlcore
 from dlcore.api import Backward, KernelCall, LaunchPlan, Op, PowerOfTwo, SearchSpace, TensorArg, define_kernel
 from dlcore.cli import main
 from dlcore.errors import NoKernelError
+from dlcore.tuning.verify import mismatch
 
 F32 = (torch.float32,)
 
@@ -112,14 +113,14 @@ def register(monkeypatch, *kernels):
     with_plugins(monkeypatch, OpsPlugin([OP], [k.implementation for k in kernels]))
 
 
-def training_inputs(n=300):
+def training_inputs(device, n=300):
     gen = torch.Generator().manual_seed(1)
-    return tuple(torch.randn(n, generator=gen).requires_grad_() for _ in range(2))
+    return tuple(torch.randn(n, generator=gen).to(device).requires_grad_() for _ in range(2))
 
 
-def test_check_training_names_the_wrong_gradient(monkeypatch, capsys):
+def test_check_training_names_the_wrong_gradient(monkeypatch, capsys, kernel_device):
     register(monkeypatch, WRONG)
-    assert main(["check", "grad_check_mul", "--training"]) == 1
+    assert main(["check", "grad_check_mul", "--training", "--device", kernel_device]) == 1
     out = capsys.readouterr().out
     assert re.search(r"against the float64 reference: max abs error \S+: OK", out), out  # the forward is right
     assert re.search(r"\n  gradient of x: max abs error \S+: OK\n", out), out
@@ -127,16 +128,16 @@ def test_check_training_names_the_wrong_gradient(monkeypatch, capsys):
     assert re.search(wrong, out), out
 
 
-def test_check_training_passes_a_right_kernel(monkeypatch, capsys):
+def test_check_training_passes_a_right_kernel(monkeypatch, capsys, kernel_device):
     register(monkeypatch, RIGHT)
-    assert main(["check", "grad_check_mul", "--training"]) == 0
+    assert main(["check", "grad_check_mul", "--training", "--device", kernel_device]) == 0
     out = capsys.readouterr().out
     assert re.search(r"\n  gradient of x: max abs error \S+: OK\n  gradient of y: max abs error \S+: OK\n", out), out
 
 
-def test_tuning_does_not_pick_a_wrong_backward(monkeypatch):
+def test_tuning_does_not_pick_a_wrong_backward(monkeypatch, kernel_device):
     register(monkeypatch, WRONG, RIGHT)
-    args = training_inputs()
+    args = training_inputs(kernel_device)
     op = dlcore.get_op("grad_check_mul", args, tune="quick")
     assert op.impl.name == "right", op.explain()
     assert "gradient of y" in op.selection.failed["wrong"]
@@ -145,29 +146,30 @@ def test_tuning_does_not_pick_a_wrong_backward(monkeypatch):
     torch.testing.assert_close(grads[1], args[0].detach())
 
 
-def test_selection_without_tuning_rejects_a_wrong_backward(monkeypatch):
+def test_selection_without_tuning_rejects_a_wrong_backward(monkeypatch, kernel_device):
     register(monkeypatch, WRONG, RIGHT)
-    op = dlcore.get_op("grad_check_mul", training_inputs())
+    op = dlcore.get_op("grad_check_mul", training_inputs(kernel_device))
     assert op.impl.name == "right", op.explain()
     assert op.selection.failed["wrong"].startswith("wrong result: gradient of y: ")
 
 
-def test_inference_is_not_blamed_for_the_backward(monkeypatch):
+def test_inference_is_not_blamed_for_the_backward(monkeypatch, kernel_device):
     register(monkeypatch, WRONG, RIGHT)
-    op = dlcore.get_op("grad_check_mul", tuple(a.detach() for a in training_inputs()))
+    op = dlcore.get_op("grad_check_mul", tuple(a.detach() for a in training_inputs(kernel_device)))
     assert "wrong" in op.selection.measured and not op.selection.failed
 
 
-def test_a_lone_wrong_backward_is_not_tuned(monkeypatch):
+def test_a_lone_wrong_backward_is_not_tuned(monkeypatch, kernel_device):
     register(monkeypatch, WRONG)
     with pytest.raises(NoKernelError, match="gradient of y: .* elements off"):
-        dlcore.get_op("grad_check_mul", training_inputs(), tune="quick")
+        dlcore.get_op("grad_check_mul", training_inputs(kernel_device), tune="quick")
 
 
-def test_every_config_s_gradients_are_checked(monkeypatch):
+def test_every_config_s_gradients_are_checked(monkeypatch, kernel_device):
     register(monkeypatch, WRONG_AT_64)
     seen = []
-    op = dlcore.get_op("grad_check_mul", training_inputs(), tune="full", strategy="grid", progress=seen.append)
+    op = dlcore.get_op("grad_check_mul", training_inputs(kernel_device), tune="full", strategy="grid",
+                       progress=seen.append)
     assert {e.config["BLOCK"] for e in seen} == {64, 128, 256}
     for evaluation in seen:
         if evaluation.config["BLOCK"] == 64:
@@ -179,9 +181,9 @@ def test_every_config_s_gradients_are_checked(monkeypatch):
 
 @pytest.mark.parametrize("op, shape", [("matmul", "tokens=5,hidden=32,inter=24"),
                                        ("ffn", "tokens=5,hidden=32,inter=24")])
-def test_check_training_of_ops_with_optional_inputs(capsys, op, shape):
+def test_check_training_of_ops_with_optional_inputs(capsys, op, shape, kernel_device):
     """matmul's bias and ffn's optional inputs are None in the example: no gradient asked of them."""
-    assert main(["check", op, "--shape", shape, "--training"]) == 0
+    assert main(["check", op, "--shape", shape, "--training", "--device", kernel_device]) == 0
     out = capsys.readouterr().out
     wanted = ("a", "b") if op == "matmul" else ("x", "w1", "w3")
     for name in wanted:
@@ -199,3 +201,15 @@ def test_check_of_float8_outputs(capsys, kernel_device):
         assert captured.err.count("\n") == 1 and "TRITON_INTERPRET=1" in captured.err, captured.err
     else:
         assert code == 0 and ": OK" in captured.out, captured.out
+
+
+def test_a_gradient_s_tolerance_follows_its_largest_element():
+    """A gradient element that sums terms which cancel keeps the rounding of the terms: in 16-bit
+    dtypes it is held to the tolerance of the gradient's largest element, not its own."""
+    expected = torch.tensor([1000.0, 0.0], dtype=torch.float64)
+    rounded = torch.tensor([1000.0, 0.5], dtype=torch.bfloat16)
+    assert "1 of 2 elements off" in mismatch((rounded,), (expected,))
+    assert mismatch((rounded,), (expected,), by_largest=True) is None
+    wrong = torch.tensor([1000.0, 40.0], dtype=torch.bfloat16)
+    problem = mismatch((wrong,), (expected,), labels=("gradient of w",), by_largest=True)
+    assert problem.startswith("gradient of w: 1 of 2 elements off"), problem

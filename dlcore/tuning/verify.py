@@ -7,9 +7,12 @@ Integer outputs (indices) match exactly.
 A training call (:attr:`~dlcore.declarations.signature.Signature.training`) is checked backward
 too: the gradient of each input that is declared differentiable and requires grad, for fixed
 random output gradients, against autograd through the float64 reference on the same output
-gradients, with the tolerance of the input's dtype. That is the op's whole derivative, whichever
-formula and backward kernels an implementation declares, so a wrong formula shows as well as a
-wrong kernel.
+gradients. The tolerances are the forward's table, of the least precise trained input's dtype,
+relative to the gradient's largest element: a gradient element sums terms that cancel (a weight's,
+over the tokens), so its rounding error follows the terms rather than what is left of them, and in
+16-bit dtypes even torch's own composite misses an element-by-element tolerance. The reference's
+gradient is the op's whole derivative, whichever formula and backward kernels an implementation
+declares, so a wrong formula shows as well as a wrong kernel.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import torch
 
 from dlcore.declarations.op import Op
 from dlcore.errors import NoBackwardError
-from dlcore.testing import randn, tolerance, upcast
+from dlcore.testing import least_precise, randn, tolerance, upcast
 
 #: why an implementation whose outputs carry no gradient cannot serve a training call
 NO_GRADIENT = "its outputs carry no gradient: a forward-only implementation, in a call whose inputs require grad"
@@ -73,9 +76,15 @@ def max_abs_error(actual: Sequence[torch.Tensor], expected: Sequence[torch.Tenso
 
 
 def mismatch(actual: Any, expected: Sequence[torch.Tensor], reduce_dim: int = 1,
-             labels: Sequence[str] | None = None) -> str | None:
+             labels: Sequence[str] | None = None, *, dtype: torch.dtype | None = None,
+             by_largest: bool = False) -> str | None:
     """``None`` if ``actual`` matches the float64 ``expected`` within tolerance, else what differs.
-    ``labels`` name the tensors in the message (default ``output 0``, ``output 1``, ...)."""
+    ``labels`` name the tensors in the message (default ``output 0``, ``output 1``, ...); ``dtype``
+    gives the tolerance of that dtype instead of each tensor's own.
+
+    The relative tolerance scales each element's own magnitude; with ``by_largest``, the largest
+    magnitude of its tensor, for sums whose terms cancel (gradients), where an element's rounding
+    error follows the terms it sums rather than what is left of them."""
     actual = as_tuple(actual)
     if len(actual) != len(expected):
         return f"{len(actual)} outputs, expected {len(expected)}"
@@ -88,11 +97,12 @@ def mismatch(actual: Any, expected: Sequence[torch.Tensor], reduce_dim: int = 1,
             if differs.any():
                 return f"{label}: {int(differs.sum())} of {differs.numel()} elements differ"
             continue
-        atol, rtol = tolerance(a.dtype, reduce_dim)
+        atol, rtol = tolerance(dtype or a.dtype, reduce_dim)
         a64, e64 = a.detach().double().cpu(), e.detach().double().cpu()
         if torch.isnan(a64).any() and not torch.isnan(e64).any():
             return f"{label} holds NaN"
-        bad = (a64 - e64).abs() > atol + rtol * e64.abs()
+        magnitude = e64.abs().max() if by_largest and e64.numel() else e64.abs()
+        bad = (a64 - e64).abs() > atol + rtol * magnitude
         if bad.any():
             worst = (a64 - e64).abs().max().item()
             return f"{label}: {int(bad.sum())} of {bad.numel()} elements off, max abs error {worst:.3g}"
@@ -150,6 +160,9 @@ class Reference:
         self.names = tuple(op.args[i].name for i in self.trained)
         self.reduce_dim = reduce_dim_of(args)
         self.gradient_dim = gradient_dim_of(args)
+        #: the tolerance every gradient is held to: the least precise trained input's dtype (a float32
+        #: input's gradient computed from bfloat16 products has bfloat16's rounding)
+        self.gradient_dtype = least_precise(args[i].dtype for i in self.trained) if self.trained else None
         with torch.no_grad():
             self._args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in upcast(*args))
         self._outputs: tuple | None = None
@@ -213,5 +226,6 @@ class Reference:
                 comparison.gradients[name] = (error, problem)
             else:
                 comparison.gradients[name] = (max_abs_error((grad,), (want,)),
-                                              mismatch((grad,), (want,), self.gradient_dim, labels=(label,)))
+                                              mismatch((grad,), (want,), self.gradient_dim, labels=(label,),
+                                                       dtype=self.gradient_dtype, by_largest=True))
         return comparison
