@@ -16,7 +16,7 @@ import dlcore
 from dlcore.api import Backward, KernelCall, LaunchPlan, Op, PowerOfTwo, SearchSpace, TensorArg, define_kernel
 from dlcore.cli import main
 from dlcore.errors import NoKernelError
-from dlcore.tuning.verify import mismatch
+from dlcore.tuning.verify import Reference, UncheckedWarning, mismatch
 
 F32 = (torch.float32,)
 
@@ -151,6 +151,20 @@ def test_selection_without_tuning_rejects_a_wrong_backward(monkeypatch, kernel_d
     op = dlcore.get_op("grad_check_mul", training_inputs(kernel_device))
     assert op.impl.name == "right", op.explain()
     assert op.selection.failed["wrong"].startswith("wrong result: gradient of y: ")
+
+
+def test_a_reference_too_large_for_memory_leaves_selection_unchecked(monkeypatch, kernel_device):
+    """At training shapes whose float64 reference does not fit beside the inputs (attention's scores
+    at long sequences), selection still chooses, and says that it did so unchecked."""
+    register(monkeypatch, WRONG, RIGHT)
+
+    def too_large(self, grads_out):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 GiB")
+
+    monkeypatch.setattr(Reference, "gradients", too_large)
+    with pytest.warns(UncheckedWarning, match="grad_check_mul .*does not fit in memory"):
+        op = dlcore.get_op("grad_check_mul", training_inputs(kernel_device))
+    assert set(op.selection.measured) == {"wrong", "right"} and not op.selection.failed
 
 
 def test_inference_is_not_blamed_for_the_backward(monkeypatch, kernel_device):

@@ -196,18 +196,19 @@ def select(call: Call) -> Selection:
     failed: dict[str, str] = {}
     configs = {}
     runs = {}
-    training = call.signature.training
-    reference = Reference(call.op, call.args, training=True) if training else None
+    training = checking = call.signature.training
+    reference = None
     for impl in call.candidates:
         config = configs[impl.name] = impl.default_config(call.signature, call.profile)
         try:
             run = runner(impl, config, call.transform)
             problem = None
-            if reference is not None:
+            if checking:
                 try:
+                    reference = reference or Reference(call.op, call.args, training=True)
                     problem = wrong_result(run, call.args, reference)
                 except torch.OutOfMemoryError:
-                    reference = None
+                    checking, reference = False, None
                     warn_unchecked(call.op.name, call.signature.describe())
             if problem is not None:
                 failed[impl.name] = f"wrong result: {problem}"

@@ -128,6 +128,12 @@ def output_gradients(outputs: Sequence[Any], carried: Sequence[bool],
                  for o, c in zip(outputs, carried))
 
 
+def _float64_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t``, in float64 if it is floating (one copy, where ``double()`` then ``clone()``
+    would make two)."""
+    return t.to(torch.float64, copy=True) if t.is_floating_point() else t.clone()
+
+
 @dataclass
 class Comparison:
     """An implementation's outputs and gradients against the float64 reference's."""
@@ -164,7 +170,7 @@ class Reference:
         #: input's gradient computed from bfloat16 products has bfloat16's rounding)
         self.gradient_dtype = least_precise(args[i].dtype for i in self.trained) if self.trained else None
         with torch.no_grad():
-            self._args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in upcast(*args))
+            self._args = tuple(_float64_copy(a) if isinstance(a, torch.Tensor) else a for a in args)
         self._outputs: tuple | None = None
         #: per output, whether the reference's carries a gradient to a trained input
         self._carried: tuple[bool, ...] = ()
