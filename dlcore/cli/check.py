@@ -26,7 +26,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--training", action="store_true",
                    help="the differentiable inputs require grad: the call a training step makes (its candidates "
-                        "timed forward and backward)")
+                        "timed forward and backward); each input's gradient is compared with the reference's too")
     p.set_defaults(func=run_check)
 
 
