@@ -28,7 +28,7 @@ import triton.language as tl
 import dlcore
 from dlcore.bench.presets import parse_sizes
 from dlcore.plugins.registry import registry
-from dlcore.runtime import launch
+from dlcore.runtime import internals, launch
 
 SIZES = {"ffn": dict(tokens=1024, hidden=7168, inter=2048)}
 
@@ -58,7 +58,7 @@ def _eight_pointers(a, b, c, d, e, f, g, h, n, BLOCK: tl.constexpr):
 def launch_costs() -> None:
     tensors = [torch.empty(1024, device="cuda") for _ in range(8)]
     compiled = _eight_pointers[(1,)](*tensors, 1024, BLOCK=1024)
-    launch.internals()
+    internals.checked()
     stream = torch.cuda.current_stream().cuda_stream
     addresses = [t.data_ptr() for t in tensors]
     costs = {

@@ -3,7 +3,7 @@
 # diskcache, hyperopt, liger-kernel). Stages, in the order given:
 #   tests      the suite natively on CUDA (bfloat16 included) and the compile checks
 #   tests-quick  the GPU tests of get_op, tuning, rms_norm and silu_and_mul only
-#   launch     the warm launch path (dlcore/runtime/launch.py) against real compiled kernels, once per
+#   launch     the warm launch path (dlcore/runtime/launch.py, shelf.py, replay.py) against real kernels, once per
 #              Triton version the host has: the installed one, then each site folder named in
 #              TRITON_SITES (pip install --target DIR triton==X). The GPU host has only triton 3.6.0.
 #   overhead   dlcore's own per-call costs (warm launch, training step, in-process hit, cold disk hit)
@@ -54,7 +54,7 @@ export PYTHONPATH=/tmp/site DLCORE_CACHE_DIR=/tmp/dlcore-cache
 for stage in "$@"; do
   case $stage in
     tests)
-      # test_gpu.py first: get_op, launch templates and the launcher on CUDA, before the long kernel files
+      # test_gpu.py first: get_op, launch replays and the launcher on CUDA, before the long kernel files
       python3 -m pytest -q -p no:cacheprovider -rs tests/test_gpu.py tests/kernels tests/test_compile.py \
           tests/test_backends.py tests/test_tuning.py 2>&1 | tee "$OUT/tests.log" | tail -12 ;;
     tests-quick)

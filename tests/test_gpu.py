@@ -14,7 +14,7 @@ import triton.language as tl
 import dlcore
 from dlcore.declarations.implementation import KernelCall, LaunchPlan
 from dlcore.plugins.registry import registry
-from dlcore.runtime import launch
+from dlcore.runtime import internals, launch, replay
 from dlcore.tuning.verify import mismatch, reference_result
 
 pytestmark = pytest.mark.gpu
@@ -119,8 +119,8 @@ def test_bound_ops_replay_their_launches(name, sizes, offset, monkeypatch):
     """A bound op records its launches on the first call and replays them on later calls with the
     same exact inputs (new values each time); the results stay right and each is a new tensor."""
     replays = []
-    original = launch.Template.run
-    monkeypatch.setattr(launch.Template, "run", lambda self, args: replays.append(name) or original(self, args))
+    original = replay.Recording.run
+    monkeypatch.setattr(replay.Recording, "run", lambda self, args: replays.append(name) or original(self, args))
     op = registry().op(name)
 
     def inputs(seed):
@@ -159,8 +159,8 @@ def test_custom_op_bodies_replay_their_launches(name, sizes, reduce_dim, monkeyp
     from dlcore.testing import upcast
 
     replays = []
-    original = launch.Template.run
-    monkeypatch.setattr(launch.Template, "run", lambda self, args: replays.append(name) or original(self, args))
+    original = replay.Recording.run
+    monkeypatch.setattr(replay.Recording, "run", lambda self, args: replays.append(name) or original(self, args))
     module = importlib.import_module(f"dlblas_kernels.kernels.{name}")
     public, op = getattr(module, name), registry().op(name)
     differentiable = op.differentiable()
@@ -200,8 +200,8 @@ def test_a_launch_recorded_in_one_thread_replays_in_another(monkeypatch):
     recorded here replays in new threads, and a training step of ffn whose backward was recorded
     on autograd's device thread replays on the caller's thread once device threads are off."""
     allocating = []
-    original = launch.Template.run
-    monkeypatch.setattr(launch.Template, "run",
+    original = replay.Recording.run
+    monkeypatch.setattr(replay.Recording, "run",
                         lambda self, args: allocating.append(self.allocates) or original(self, args))
     op = registry().op("matmul")
     args = op.example_inputs({"tokens": 512, "hidden": 1024, "inter": 768}, torch.bfloat16, "cuda", 0)
@@ -271,7 +271,13 @@ def direct(monkeypatch):
     """The launches that called a compiled kernel directly (not through Triton's JITFunction.run)."""
     seen = []
     original = launch.run_compiled
-    monkeypatch.setattr(launch, "run_compiled", lambda *a: seen.append(a[0]) or original(*a))
+
+    def spy(*a):
+        seen.append(a[0])
+        return original(*a)
+
+    monkeypatch.setattr(launch, "run_compiled", spy)
+    monkeypatch.setattr(replay, "run_compiled", spy)
     return seen
 
 
@@ -299,27 +305,27 @@ def test_replays_match_triton_on_a_real_kernel(direct):
         return LaunchPlan([scale_call(x, doubled, 2.0), scale_call(doubled, out, config["scale"])], out,
                           scratch=(doubled,))
 
-    run = launch.Replay(plan, {"scale": 1.5}, None)
+    run = replay.Replay(plan, {"scale": 1.5}, None)
     for i in range(4):
         x = torch.randn(3000, device="cuda")
         assert torch.equal(run((x,)), by_triton(by_triton(x, 2.0), 1.5)), i
     assert len(direct) >= 6, "three replays of two launches each"
-    assert all(t is not None for t in run.templates.values())
+    assert all(t is not None for t in run.recordings.values())
 
 
 def test_the_fallback_on_a_real_kernel(monkeypatch, direct):
     """A missing internal: one warning, then every launch (plain or replayed) through kernel[grid]."""
-    checked = launch.check()
+    checked = internals.check()
     checked.missing.append("triton.knobs.runtime.launch_enter_hook")
-    monkeypatch.setattr(launch, "_internals", None)
+    monkeypatch.setattr(internals, "found", None)
     monkeypatch.setattr(launch, "_entries", {})
-    monkeypatch.setattr(launch, "check", lambda: checked)
+    monkeypatch.setattr(internals, "check", lambda: checked)
 
     def plan(args, config):
         out = torch.empty_like(args[0])
         return LaunchPlan([scale_call(args[0], out, 2.0)], out)
 
-    run = launch.Replay(plan, {}, None)
+    run = replay.Replay(plan, {}, None)
     with pytest.warns(UserWarning, match="launch_enter_hook") as warned:
         for _ in range(3):
             x = torch.randn(2048, device="cuda")
@@ -328,7 +334,7 @@ def test_the_fallback_on_a_real_kernel(monkeypatch, direct):
             assert torch.equal(out, by_triton(x, 2.0))
             assert torch.equal(run((x,)), by_triton(x, 2.0))
     assert len(warned) == 1 and direct == []
-    assert set(run.templates.values()) == {None}, "nothing recorded"
+    assert set(run.recordings.values()) == {None}, "nothing recorded"
 
 
 FIRST_CALL = """

@@ -25,7 +25,7 @@ from dlcore.declarations.signature import Signature
 from dlcore.declarations.space import PowerOfTwo, SearchSpace, num_warps
 from dlcore.errors import BackendUnavailableError
 from dlcore.plugins.registry import registry
-from dlcore.runtime import launch
+from dlcore.runtime import internals, launch
 
 KiB = 2**10
 
@@ -281,9 +281,9 @@ def test_launches_go_through_kernel_grid_once_the_capability_check_fails(monkeyp
     active = types.SimpleNamespace(launcher_cls=NPULauncher, get_current_device=lambda: 0,
                                    get_current_stream=lambda device: 0, get_current_target=lambda: None)
     monkeypatch.setattr(triton.runtime, "driver", types.SimpleNamespace(active=active))
-    monkeypatch.setattr(launch, "_internals", None)
+    monkeypatch.setattr(internals, "found", None)
     monkeypatch.setattr(launch, "_entries", {})
-    assert "launcher_cls.__call__(self, gridX, gridY, gridZ, stream, function, ...)" in launch.check().missing
+    assert "launcher_cls.__call__(self, gridX, gridY, gridZ, stream, function, ...)" in internals.check().missing
     kernel = JITFunction()
     call = KernelCall(kernel, (4,), (1, 2), {"BLOCK": 8})
     with warnings.catch_warnings(record=True) as caught:

@@ -1,5 +1,6 @@
-"""The warm launch module (dlcore.runtime.launch) with stand-ins for Triton's compiled kernels: its
-logic only, no GPU needed. What it does with real compiled kernels is tests/test_gpu.py's.
+"""The warm launch path (dlcore.runtime's internals, launch, shelf and replay) with stand-ins for
+Triton's compiled kernels: its logic only, no GPU needed. What it does with real compiled kernels is
+tests/test_gpu.py's.
 
 The stand-in kernel computes ``out = x * scale`` in torch from the tensors it is handed, and counts
 how it was reached: through ``kernel[grid](...)`` (the plan's path) or ``compiled.run`` (direct).
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from dlcore.declarations.implementation import KernelCall, LaunchPlan, TorchImplementation, TritonImplementation
-from dlcore.runtime import launch, runner
+from dlcore.runtime import internals, launch, replay, runner, shelf
 
 
 class Param(SimpleNamespace):
@@ -83,25 +84,25 @@ def fake_internals(**extra):
     driver = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda device: 1234,
                              get_current_target=lambda: "target")
     compilation = SimpleNamespace(always_compile=False, override=False, dump_ir=False, instrumentation_mode="")
-    return launch.Internals(runtime=runtime, driver=driver, compilation=compilation, cache=SimpleNamespace(dir="c"),
+    return internals.Internals(runtime=runtime, driver=driver, compilation=compilation, cache=SimpleNamespace(dir="c"),
                             env_vars=dict, **extra)
 
 
 @pytest.fixture
 def triton_runtime(monkeypatch):
-    internals = fake_internals()
-    monkeypatch.setattr(launch, "_internals", internals)
+    found = fake_internals()
+    monkeypatch.setattr(internals, "found", found)
     monkeypatch.setattr(launch, "_entries", {})
-    monkeypatch.setattr(launch, "_stamp", "stamp")
-    return internals.runtime
+    monkeypatch.setattr(shelf, "_stamp", "stamp")
+    return found.runtime
 
 
 @pytest.fixture
 def replayed(monkeypatch):
     """The exact inputs replayed from a template so far (each call's first argument)."""
     seen = []
-    original = launch.Template.run
-    monkeypatch.setattr(launch.Template, "run", lambda self, args: seen.append(args[0]) or original(self, args))
+    original = replay.Recording.run
+    monkeypatch.setattr(replay.Recording, "run", lambda self, args: seen.append(args[0]) or original(self, args))
     return seen
 
 
@@ -134,7 +135,7 @@ def scale_plan(kernel, *, view=False, scratch=False, offset=False, inplace=False
 
 def test_first_call_records_then_replays_with_fresh_results(triton_runtime):
     kernel = JITFunction()
-    run = launch.Replay(scale_plan(kernel, view=True), {"scale": 2.0}, None)
+    run = replay.Replay(scale_plan(kernel, view=True), {"scale": 2.0}, None)
     outs = []
     for _ in range(4):
         x = torch.randn(3, 5)
@@ -148,37 +149,37 @@ def test_first_call_records_then_replays_with_fresh_results(triton_runtime):
 
 def test_another_shape_stride_or_alignment_is_another_template(triton_runtime):
     kernel = JITFunction()
-    run = launch.Replay(scale_plan(kernel), {"scale": 2.0}, None)
+    run = replay.Replay(scale_plan(kernel), {"scale": 2.0}, None)
     base = torch.randn(40)
     inputs = [torch.randn(3, 5), torch.randn(5, 3), torch.randn(5, 3).t(), base[:15], base[1:16], base[:15]]
     for x in inputs:
         torch.testing.assert_close(run((x,)), x * 2, rtol=0, atol=0)
-    assert len(run.templates) == 5, "the last input repeats the fourth"
+    assert len(run.recordings) == 5, "the last input repeats the fourth"
     # Recording launches through the kernel's entry: Triton compiles once per specialization (16-byte
     # aligned or not), every other launch calls the compiled kernel.
     assert len(kernel.planned) == 2 and len(kernel.replays) == 4
-    assert launch.exact_key((base[:15],)) != launch.exact_key((base[1:16],))
-    assert launch.exact_key((base[:15], 1.0)) != launch.exact_key((base[:15], 2.0))
+    assert replay.replay_key((base[:15],)) != replay.replay_key((base[1:16],))
+    assert replay.replay_key((base[:15], 1.0)) != replay.replay_key((base[:15], 2.0))
 
 
-@pytest.mark.filterwarnings("ignore::dlcore.runtime.launch.NotReplayedWarning")
+@pytest.mark.filterwarnings("ignore::dlcore.runtime.replay.NotReplayedWarning")
 @pytest.mark.parametrize("what", ["scratch", "offset"])
 def test_launches_that_cannot_be_traced_keep_the_plan_path(triton_runtime, replayed, what):
     kernel = JITFunction()
-    run = launch.Replay(scale_plan(kernel, **{what: True}), {"scale": 2.0}, None)
+    run = replay.Replay(scale_plan(kernel, **{what: True}), {"scale": 2.0}, None)
     for _ in range(3):
         x = torch.randn(16)
         out = run((x,))
         # offset: the kernel writes all but the last element, which stays as torch.empty left it
         written = out if what == "scratch" else out[:-1]
         torch.testing.assert_close(written, x * 2 if what == "scratch" else x[1:] * 2, rtol=0, atol=0)
-    assert replayed == [] and list(run.templates.values()) == [None]
+    assert replayed == [] and list(run.recordings.values()) == [None]
     assert launches(kernel) == (6 if what == "scratch" else 3)
 
 
 def test_declared_scratch_is_allocated_afresh_for_each_replay(triton_runtime, replayed, monkeypatch):
     kernel = JITFunction()
-    run = launch.Replay(scale_plan(kernel, scratch=True, declare=True), {"scale": 2.0}, None)
+    run = replay.Replay(scale_plan(kernel, scratch=True, declare=True), {"scale": 2.0}, None)
     handed = []
     compute = kernel.compute
     monkeypatch.setattr(kernel, "compute", lambda x, out, *rest: handed.append(out) or compute(x, out, *rest))
@@ -193,7 +194,7 @@ def test_declared_scratch_is_allocated_afresh_for_each_replay(triton_runtime, re
 
 def test_declared_scratch_that_aliases_an_input_is_not_recorded(triton_runtime, replayed):
     kernel = JITFunction()
-    run = launch.Replay(scale_plan(kernel, scratch=lambda x: x, declare=True), {"scale": 2.0}, None)
+    run = replay.Replay(scale_plan(kernel, scratch=lambda x: x, declare=True), {"scale": 2.0}, None)
     for _ in range(2):
         x = torch.randn(16)
         expected = x * 2  # before the call: the "scratch" is x itself, which the first launch overwrites
@@ -203,7 +204,7 @@ def test_declared_scratch_that_aliases_an_input_is_not_recorded(triton_runtime, 
 
 def test_a_result_that_is_an_input_is_returned_itself(triton_runtime):
     kernel = JITFunction()
-    run = launch.Replay(scale_plan(kernel, inplace=True), {"scale": 2.0}, None)
+    run = replay.Replay(scale_plan(kernel, inplace=True), {"scale": 2.0}, None)
     for _ in range(3):
         x = torch.randn(8)
         expected = x * 2
@@ -222,18 +223,18 @@ def pair_plan(kernel):
     return plan
 
 
-@pytest.mark.filterwarnings("ignore::dlcore.runtime.launch.NotReplayedWarning")
+@pytest.mark.filterwarnings("ignore::dlcore.runtime.replay.NotReplayedWarning")
 def test_inputs_at_one_address_are_not_recorded(triton_runtime, replayed):
     """Recorded with the same tensor twice, a replay could not tell the two inputs apart later."""
     kernel = JITFunction()
-    run = launch.Replay(pair_plan(kernel), {}, None)
+    run = replay.Replay(pair_plan(kernel), {}, None)
     same = torch.randn(6)
     for a, b in [(same, same), (torch.randn(6), torch.randn(6)), (torch.randn(6), torch.randn(6))]:
         out, out2 = run((a, b))
         torch.testing.assert_close(out, a * 2, rtol=0, atol=0)
         torch.testing.assert_close(out2, b * 3, rtol=0, atol=0)
     assert replayed == []  # the exact key is the same each time: it stays on the plan's path
-    run = launch.Replay(pair_plan(kernel), {}, None)
+    run = replay.Replay(pair_plan(kernel), {}, None)
     a, b = torch.randn(6), torch.randn(6)
     run((a, b))
     out, out2 = run((same, same))  # recorded with two tensors, replayed with one twice: still right
@@ -244,7 +245,7 @@ def test_inputs_at_one_address_are_not_recorded(triton_runtime, replayed):
 
 def test_tuple_results_and_several_launches(triton_runtime, replayed):
     kernel = JITFunction()
-    run = launch.Replay(scale_plan(kernel, pair=True), {"scale": 2.0}, None)
+    run = replay.Replay(scale_plan(kernel, pair=True), {"scale": 2.0}, None)
     for _ in range(3):
         x = torch.randn(7)
         a, b = run((x,))
@@ -255,7 +256,7 @@ def test_tuple_results_and_several_launches(triton_runtime, replayed):
 
 def test_launch_hooks_get_metadata(triton_runtime):
     kernel = JITFunction()
-    run = launch.Replay(scale_plan(kernel), {"scale": 2.0}, None)
+    run = replay.Replay(scale_plan(kernel), {"scale": 2.0}, None)
     run((torch.randn(4),))
     triton_runtime.launch_enter_hook = lambda metadata: None
     run((torch.randn(4),))
@@ -264,7 +265,7 @@ def test_launch_hooks_get_metadata(triton_runtime):
 
 def test_a_new_stages_hook_records_again(triton_runtime):
     kernel = JITFunction()
-    run = launch.Replay(scale_plan(kernel), {"scale": 2.0}, None)
+    run = replay.Replay(scale_plan(kernel), {"scale": 2.0}, None)
     x = torch.randn(4)
     run((x,))
     run((x,))
@@ -282,20 +283,20 @@ def test_the_transform_runs_when_recording_only(triton_runtime):
         seen.append(plan)
         return plan
 
-    run = launch.Replay(scale_plan(kernel), {"scale": 2.0}, transform)
+    run = replay.Replay(scale_plan(kernel), {"scale": 2.0}, transform)
     for _ in range(3):
         run((torch.randn(4),))
     assert len(seen) == 1
 
 
 def test_templates_are_bounded(triton_runtime, monkeypatch):
-    monkeypatch.setattr(launch, "LIMIT", 3)
+    monkeypatch.setattr(replay, "LIMIT", 3)
     kernel = JITFunction()
-    run = launch.Replay(scale_plan(kernel), {"scale": 2.0}, None)
+    run = replay.Replay(scale_plan(kernel), {"scale": 2.0}, None)
     for n in range(1, 8):
         run((torch.randn(n),))
-    assert len(run.templates) == 3
-    assert [k[0][1] for k in run.templates] == [torch.Size([5]), torch.Size([6]), torch.Size([7])]
+    assert len(run.recordings) == 3
+    assert [k[0][1] for k in run.recordings] == [torch.Size([5]), torch.Size([6]), torch.Size([7])]
 
 
 def test_only_compiled_replayable_implementations_replay():
@@ -304,10 +305,10 @@ def test_only_compiled_replayable_implementations_replay():
                                     default_config=lambda s, p: {}, replayable=replayable)
 
     kernel = JITFunction()
-    assert isinstance(runner.launches(make(True, kernel), {"scale": 1.0}, None), launch.Replay)
-    assert not isinstance(runner.launches(make(False, kernel), {"scale": 1.0}, None), launch.Replay)
+    assert isinstance(runner.launches(make(True, kernel), {"scale": 1.0}, None), replay.Replay)
+    assert not isinstance(runner.launches(make(False, kernel), {"scale": 1.0}, None), replay.Replay)
     Interpreted = type("InterpretedFunction", (JITFunction,), {})
-    assert not isinstance(runner.launches(make(True, Interpreted()), {"scale": 1.0}, None), launch.Replay)
+    assert not isinstance(runner.launches(make(True, Interpreted()), {"scale": 1.0}, None), replay.Replay)
 
 
 def test_a_guard_checks_each_exact_input_once_before_its_plan(triton_runtime, replayed):
@@ -321,14 +322,14 @@ def test_a_guard_checks_each_exact_input_once_before_its_plan(triton_runtime, re
         if args[0].dim() > 1:
             raise ValueError("refused")
 
-    run = launch.Replay(scale_plan(kernel), {"scale": 2.0}, None, guard)
+    run = replay.Replay(scale_plan(kernel), {"scale": 2.0}, None, guard)
     for _ in range(3):
         x = torch.randn(4)
         torch.testing.assert_close(run((x,)), x * 2, rtol=0, atol=0)
     assert checked == [(4,)] and len(replayed) == 2
     with pytest.raises(ValueError, match="refused"):
         run((torch.randn(2, 2),))
-    assert launches(kernel) == 3 and len(run.templates) == 1
+    assert launches(kernel) == 3 and len(run.recordings) == 1
     run((torch.randn(5),))
     assert checked == [(4,), (2, 2), (5,)]
 
@@ -361,11 +362,11 @@ def test_an_unhashable_argument_takes_the_plan_path(triton_runtime, replayed):
         out = torch.empty_like(x)
         return LaunchPlan([KernelCall(kernel, (1,), (x, out, x.numel(), scales[0]))], out)
 
-    run = launch.Replay(plan, {}, None)
+    run = replay.Replay(plan, {}, None)
     for _ in range(2):
         x = torch.randn(4)
         torch.testing.assert_close(run((x, [2.0])), x * 2, rtol=0, atol=0)
-    assert replayed == [] and run.templates == {}
+    assert replayed == [] and run.recordings == {}
 
 
 def test_a_result_filled_on_the_host_is_not_recorded(triton_runtime, replayed):
@@ -378,7 +379,7 @@ def test_a_result_filled_on_the_host_is_not_recorded(triton_runtime, replayed):
         out, total = torch.empty_like(x), torch.zeros(4)
         return LaunchPlan([KernelCall(kernel, (1,), (x, out, x.numel(), 2.0), {"BLOCK": 64})], (out, total))
 
-    run = launch.Replay(plan, {}, None)
+    run = replay.Replay(plan, {}, None)
     for _ in range(3):
         x = torch.randn(8)
         out, total = run((x,))
@@ -410,11 +411,11 @@ def test_custom_op_bodies_replay_per_config(triton_runtime, replayed):
 
 def test_a_plan_with_nothing_to_launch_is_not_recorded(monkeypatch):
     """Empty inputs launch nothing: no driver is asked (there may be none) and nothing is kept."""
-    monkeypatch.setattr(launch, "_internals", None)
-    monkeypatch.setattr(launch, "check", lambda: pytest.fail("asked about Triton's internals"))
-    run = launch.Replay(lambda args, config: LaunchPlan([], torch.empty(0)), {}, None)
+    monkeypatch.setattr(internals, "found", None)
+    monkeypatch.setattr(internals, "check", lambda: pytest.fail("asked about Triton's internals"))
+    run = replay.Replay(lambda args, config: LaunchPlan([], torch.empty(0)), {}, None)
     assert run((torch.empty(0),)).shape == (0,) and run((torch.empty(0),)).shape == (0,)
-    assert list(run.templates.values()) == [None]
+    assert list(run.recordings.values()) == [None]
 
 
 def test_direct_launches_after_the_first(triton_runtime):
@@ -498,7 +499,7 @@ def test_the_installed_triton_has_every_internal(monkeypatch):
     active = SimpleNamespace(get_current_device=None, get_current_stream=None, get_current_target=None,
                              launcher_cls=Launcher)
     monkeypatch.setattr(driver, "_active", active)
-    assert launch.check().missing == []
+    assert internals.check().missing == []
 
 
 def test_a_changed_launch_convention_is_missing(monkeypatch):
@@ -512,7 +513,7 @@ def test_a_changed_launch_convention_is_missing(monkeypatch):
         kernel.run(grid, kernel.function, *args)
 
     monkeypatch.setattr(Real, "run", run)
-    missing = launch.check().missing
+    missing = internals.check().missing
     assert any(m.startswith("JITFunction.run") for m in missing), missing
     assert "triton.runtime.driver.active.launcher_cls" in missing
 
@@ -521,15 +522,15 @@ def test_a_changed_launch_convention_is_missing(monkeypatch):
 def lacking(monkeypatch):
     """Triton's internals checked anew, one reported missing."""
     found = fake_internals(missing=["triton.knobs.runtime.launch_enter_hook"])
-    monkeypatch.setattr(launch, "_internals", None)
+    monkeypatch.setattr(internals, "found", None)
     monkeypatch.setattr(launch, "_entries", {})
-    monkeypatch.setattr(launch, "check", lambda: found)
+    monkeypatch.setattr(internals, "check", lambda: found)
     return found
 
 
 def test_a_missing_internal_warns_once_and_every_launch_goes_through_triton(lacking):
     kernel = JITFunction()
-    run = launch.Replay(scale_plan(kernel), {"scale": 2.0}, None)
+    run = replay.Replay(scale_plan(kernel), {"scale": 2.0}, None)
     with pytest.warns(UserWarning, match="launch_enter_hook") as warned:
         for _ in range(3):
             x = torch.randn(8)
@@ -582,9 +583,9 @@ def test_a_new_process_loads_the_shelved_kernel_from_tritons_cache(triton_runtim
 
     groups = {"abc123": {"scale_kernel.json": "/cache/abc123/scale_kernel.json"}}
     cache_manager = lambda key: SimpleNamespace(get_group=lambda name: groups.get(key))  # noqa: E731
-    monkeypatch.setattr(launch._internals, "cache_manager", cache_manager)
-    monkeypatch.setattr(launch._internals, "compiled_kernel", compiled_kernel)
-    monkeypatch.setattr(launch._internals, "ast_source", lambda *a: a)
+    monkeypatch.setattr(internals.found, "cache_manager", cache_manager)
+    monkeypatch.setattr(internals.found, "compiled_kernel", compiled_kernel)
+    monkeypatch.setattr(internals.found, "ast_source", lambda *a: a)
     monkeypatch.setattr(launch, "_entries", {})  # a new process: nothing in memory
     out = torch.empty_like(x)
     launch.launch(KernelCall(kernel, (1,), (x, out, 16, 2.0), {"BLOCK": 64}))
@@ -616,14 +617,14 @@ def test_launch_options_are_part_of_the_key(triton_runtime):
 
 
 def test_the_shelf_keeps_the_most_recently_shelved(tmp_path, monkeypatch):
-    monkeypatch.setattr(launch, "SHELF_LIMIT", 3)
-    shelf = launch.Shelf(tmp_path / "kernel.json")
+    monkeypatch.setattr(shelf, "SHELF_LIMIT", 3)
+    kept = shelf.Shelf(tmp_path / "kernel.json")
     compiled = Shelved(JITFunction())
     for name in ("a", "b", "c", "a", "d"):  # a is shelved again (another hash, say) after c
-        compiled.hash = f"hash-{name}-{len(shelf.entries)}"
-        shelf.store(name, compiled)
-    assert list(shelf.entries) == ["c", "a", "d"]
-    assert list(launch.Shelf(tmp_path / "kernel.json").entries) == ["c", "a", "d"]  # as written
+        compiled.hash = f"hash-{name}-{len(kept.entries)}"
+        kept.store(name, compiled)
+    assert list(kept.entries) == ["c", "a", "d"]
+    assert list(shelf.Shelf(tmp_path / "kernel.json").entries) == ["c", "a", "d"]  # as written
 
 
 class ScratchCompiled(Compiled):
@@ -666,7 +667,7 @@ def test_a_thread_replaying_or_launching_a_kernel_with_scratch_gets_an_allocator
     monkeypatch.setattr(allocator, "_torch_allocator", lambda size, alignment, stream: handed.append(size) or "buf")
     kernel = JITFunction(compiled=ScratchCompiled)
     kernel.allocations = []
-    run = launch.Replay(scale_plan(kernel), {"scale": 2.0}, None)
+    run = replay.Replay(scale_plan(kernel), {"scale": 2.0}, None)
     x = torch.randn(3, 5)
     _without_allocator(lambda: run((x,)))  # recorded: the plan's path, then a template
     assert len(kernel.planned) == 1
@@ -686,7 +687,7 @@ def test_kernels_without_scratch_leave_the_allocator_alone(triton_runtime):
     from triton.runtime import _allocation
 
     kernel = JITFunction()
-    run = launch.Replay(scale_plan(kernel), {"scale": 2.0}, None)
+    run = replay.Replay(scale_plan(kernel), {"scale": 2.0}, None)
     seen = []
 
     def calls():

@@ -1,4 +1,4 @@
-"""Every kernel's launch plan can be recorded and replayed by a bound op (dlcore/runtime/launch.py):
+"""Every kernel's launch plan can be recorded and replayed by a bound op (dlcore/runtime/replay.py):
 each tensor a launch takes is an input, a result or declared scratch. A plan that allocates a tensor
 without declaring it still computes the right result, but every call of its bound op plans again on
 the host (tens of microseconds: a decode step's whole budget), so these are checked here, without a
@@ -15,7 +15,7 @@ from dlcore.compiler.lowering import target_profile
 from dlcore.declarations.implementation import KernelCall, LaunchPlan
 from dlcore.declarations.signature import make_signature
 from dlcore.plugins.registry import registry
-from dlcore.runtime import launch, template
+from dlcore.runtime import replay, template
 
 CPU = torch.device("cpu")
 # per op, sizes that take each of its paths (split-K, weight streaming, decode, TMA, fp8, looped rows):
@@ -40,7 +40,7 @@ def test_every_plan_is_replayable(name, sizes, target, monkeypatch):
     for impl in impls:
         plan = impl.plan(args, impl.default_config(make_signature(op, args, CPU), profile))
         assert plan.calls
-        assert launch.why_not_replayable(args, plan) is None
+        assert replay.why_not_replayable(args, plan) is None
 
 
 def _kernel(*args):  # stands for a compiled kernel: anything but Triton's InterpretedFunction
@@ -51,46 +51,46 @@ def test_why_not_replayable_names_an_undeclared_tensor():
     x = torch.ones(4)
     out, scratch, stray = torch.empty(4), torch.empty(8), torch.empty(8)
     declared = LaunchPlan(calls=[KernelCall(_kernel, (1,), (x, scratch, out), {})], result=out, scratch=(scratch,))
-    assert launch.why_not_replayable((x,), declared) is None
+    assert replay.why_not_replayable((x,), declared) is None
     undeclared = LaunchPlan(calls=[KernelCall(_kernel, (1,), (x, stray, out), {})], result=out)
-    assert "launch 0 (_kernel), argument 1: a tensor (8,)" in launch.why_not_replayable((x,), undeclared)
+    assert "launch 0 (_kernel), argument 1: a tensor (8,)" in replay.why_not_replayable((x,), undeclared)
     view = LaunchPlan(calls=[KernelCall(_kernel, (1,), (x[1:], out), {})], result=out)
-    assert "argument 0" in launch.why_not_replayable((x,), view)  # a view at an offset is no input
+    assert "argument 0" in replay.why_not_replayable((x,), view)  # a view at an offset is no input
     shared = LaunchPlan(calls=[KernelCall(_kernel, (1,), (x,), {})], result=x[:2])
-    assert "shares memory" in launch.why_not_replayable((x,), shared)
+    assert "shares memory" in replay.why_not_replayable((x,), shared)
 
 
 def test_an_unreplayed_plan_warns_once(monkeypatch):
-    monkeypatch.setattr(launch, "_not_replayed", set())
+    monkeypatch.setattr(replay, "_not_replayed", set())
     x, out, stray = torch.ones(4), torch.empty(4), torch.empty(8)
     plan = LaunchPlan(calls=[KernelCall(_kernel, (1,), (x, stray, out), {})], result=out)
-    with pytest.warns(launch.NotReplayedWarning, match="each call plans again: launch 0"):
-        launch._warn_not_replayed(_kernel, (x,), plan)
+    with pytest.warns(replay.NotReplayedWarning, match="each call plans again: launch 0"):
+        replay._warn_not_replayed(_kernel, (x,), plan)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        launch._warn_not_replayed(_kernel, (x,), plan)
+        replay._warn_not_replayed(_kernel, (x,), plan)
 
 
 def test_a_plan_that_makes_an_input_contiguous_does_not_warn(monkeypatch):
     # An expanded gradient (sum().backward()) made contiguous by the plan: not recorded for that
     # input, rightly, and nothing the plan's author could declare; a stray tensor still warns.
-    monkeypatch.setattr(launch, "_not_replayed", set())
+    monkeypatch.setattr(replay, "_not_replayed", set())
     grad = torch.ones(()).expand(2, 3)
     copy, out = grad.reshape(6).contiguous(), torch.empty(6)
     plan = LaunchPlan(calls=[KernelCall(_kernel, (1,), (copy, out), {})], result=out)
-    assert "argument 0" in launch.why_not_replayable((grad,), plan)
+    assert "argument 0" in replay.why_not_replayable((grad,), plan)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        launch._warn_not_replayed(_kernel, (grad,), plan)
+        replay._warn_not_replayed(_kernel, (grad,), plan)
     stray = LaunchPlan(calls=[KernelCall(_kernel, (1,), (torch.zeros(6), out), {})], result=out)
-    with pytest.warns(launch.NotReplayedWarning, match="argument 0"):
-        launch._warn_not_replayed(_kernel, (grad,), stray)
+    with pytest.warns(replay.NotReplayedWarning, match="argument 0"):
+        replay._warn_not_replayed(_kernel, (grad,), stray)
 
 
 def test_a_custom_op_body_is_named_by_its_plan(monkeypatch):
     from dlcore.runtime.torch_ops import Launches
 
-    monkeypatch.setattr(launch, "_not_replayed", set())
+    monkeypatch.setattr(replay, "_not_replayed", set())
 
     def ffn_like_plan(args, config):
         raise AssertionError("not called")
@@ -98,5 +98,5 @@ def test_a_custom_op_body_is_named_by_its_plan(monkeypatch):
     body = Launches(ffn_like_plan, lambda args, ints: None)
     x, out, stray = torch.ones(4), torch.empty(4), torch.empty(8)
     plan = LaunchPlan(calls=[KernelCall(_kernel, (1,), (x, stray, out), {})], result=out)
-    with pytest.warns(launch.NotReplayedWarning, match="ffn_like_plan's launches"):
-        launch._warn_not_replayed(body.planned, (x,), plan)
+    with pytest.warns(replay.NotReplayedWarning, match="ffn_like_plan's launches"):
+        replay._warn_not_replayed(body.planned, (x,), plan)

@@ -56,7 +56,7 @@ class KernelCall:
 class LaunchPlan:
     """The launches of one call and what it returns. ``scratch``: tensors the plan allocated
     (``torch.empty``) for its launches alone, each written by a launch before any reads it; a
-    replay (:class:`dlcore.runtime.launch.Replay`) allocates them afresh, as it does the results."""
+    replay (:class:`dlcore.runtime.replay.Replay`) allocates them afresh, as it does the results."""
 
     calls: list[KernelCall]
     result: Any
@@ -288,7 +288,7 @@ class TritonImplementation(Implementation):
     :param replayable: the plan's launches depend only on the inputs' shapes, strides, dtypes,
         device and alignment (not on their values), and it allocates its results uninitialised
         (``torch.empty``) for its kernels to write in full. A bound op then records its launches
-        once per exact input and replays them (:class:`dlcore.runtime.launch.Replay`).
+        once per exact input and replays them (:class:`dlcore.runtime.replay.Replay`).
     :param backward_plan: optional ``backward_plan(args, config) -> LaunchPlan``: the launches of
         the backward for the forward's ``args`` and ``config``, the output gradients made up as new
         tensors (meta tensors must work); ``dlcore lower`` lowers them besides ``plan``'s.

@@ -2,7 +2,7 @@
 bound op call with the inputs.
 
 - a replayable Triton implementation on a device: its launches recorded once per exact input and
-  replayed after (:class:`dlcore.runtime.launch.Replay`);
+  replayed after (:class:`dlcore.runtime.replay.Replay`);
 - any other Triton implementation: its plan, rewritten by the launch passes, through the warm
   launcher (:func:`dlcore.runtime.launch.run_plan`);
 - a custom-op implementation: the same, unless autograd or ``torch.compile`` must see the call
@@ -14,8 +14,8 @@ bound op call with the inputs.
 - anything else: ``impl.run(args, config)``.
 
 A bound op hands its runner a guard (its check of inputs it was not made for): each path calls it
-once per exact input metadata (:func:`dlcore.runtime.launch.exact_key`) before running, a replay
-in its template's place, the others through :class:`Guarded`; calls with metadata seen before
+once per exact input metadata (:func:`dlcore.runtime.replay.replay_key`) before running, a replay
+in its recording's place, the others through :class:`Guarded`; calls with metadata seen before
 skip it, and ``torch.compile`` tracing leaves it to the custom op's fake.
 """
 
@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from dlcore.declarations.implementation import Config, Implementation, PlanTransform, TritonImplementation
-from dlcore.runtime.launch import LIMIT, Replay, exact_key, run_plan
+from dlcore.runtime.launch import run_plan
+from dlcore.runtime.replay import LIMIT, Replay, replay_key
 from dlcore.runtime.torch_ops import CustomOpTritonImplementation, needs_autograd, warn_forward_only
 
 Runner = Callable[[tuple], Any]
@@ -49,7 +50,7 @@ class Guarded:
     def __call__(self, args: tuple) -> Any:
         if torch.compiler.is_compiling():  # fake tensors have no address to key; the custom op's fake validates
             return self.run(args)
-        key = exact_key(args)
+        key = replay_key(args)
         try:
             if key in self.seen:
                 return self.run(args)

@@ -70,7 +70,7 @@ from dlcore.declarations.space import SearchSpace
 from dlcore.errors import BackendUnavailableError, DeclarationError, InvalidInputError, NoDoubleBackwardError
 from dlcore.plugins.hookspecs import hookimpl
 from dlcore.plugins.registry import registry
-from dlcore.runtime.launch import LIMIT, exact_key
+from dlcore.runtime.replay import LIMIT, replay_key
 from dlcore.runtime.torch_ops import (
     CustomOpTritonImplementation,
     Launches,
@@ -668,8 +668,8 @@ def _public_function(op: Op, implementation: CustomOpTritonImplementation,
     """The kernel's public function: a plain Python function with the op's parameters and defaults
     (Python checks the arity, as it does for a hand-written one), validated, the heuristic config,
     no dispatcher; under ``torch.compile`` tracing the custom op alone. The heuristic config is
-    worked out once per exact input metadata (:func:`~dlcore.runtime.launch.exact_key`, the key the
-    launches replay by), at most :data:`~dlcore.runtime.launch.LIMIT` of them, the oldest dropped
+    worked out once per exact input metadata (:func:`~dlcore.runtime.replay.replay_key`, the key the
+    launches replay by), at most :data:`~dlcore.runtime.replay.LIMIT` of them, the oldest dropped
     first; a call with another key pays the signature and the heuristic (about 14 us on a 2-core
     CPU machine, against 3 for the key)."""
     if not all(n.isidentifier() for n in (op.name, *(a.name for a in op.args))):
@@ -689,7 +689,7 @@ def _public_function(op: Op, implementation: CustomOpTritonImplementation,
             return call_custom_op(bound, None)
         if device.type == "cpu" and not on_cpu:
             raise _on_the_cpu(op, bound)
-        key: tuple | None = exact_key(bound)
+        key: tuple | None = replay_key(bound)
         try:
             config = configs.get(key)
         except TypeError:  # an argument that cannot be a key (a list, say): worked out each call

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 
 from dlcore.declarations.implementation import Config, LaunchPlan, TritonImplementation
-from dlcore.runtime.launch import Replay, run_plan
+from dlcore.runtime.launch import run_plan
+from dlcore.runtime.replay import Replay
 
 
 class ForwardOnlyWarning(UserWarning):
@@ -131,7 +132,7 @@ def run_backward(op: Callable[..., Any], body: Callable[..., Any], *args: Any) -
 
 class Launches:
     """What a custom op's body does with its plan, ``plan(args, config(args, ints)).run()``, with
-    the launches recorded per exact input and replayed after (:mod:`dlcore.runtime.launch`), as a bound op
+    the launches recorded per exact input and replayed after (:mod:`dlcore.runtime.replay`), as a bound op
     does: a backward at a few tokens then costs a direct launch, not a plan and Triton's launcher.
 
     ``ints`` are the body's trailing config integers (all zero: the default, which ``config`` then

@@ -20,7 +20,7 @@ if not ON_GPU:
 from dlcore.declarations.device import DeviceProfile  # noqa: E402
 from dlcore.declarations.implementation import KernelCall  # noqa: E402
 from dlcore.declarations.signature import make_signature  # noqa: E402
-from dlcore.runtime import launch as warm  # noqa: E402
+from dlcore.runtime import replay  # noqa: E402
 from dlcore.runtime.template import device_profile  # noqa: E402
 from dlcore.testing import poison, strided_like  # noqa: E402
 
@@ -104,7 +104,7 @@ def launches(monkeypatch: pytest.MonkeyPatch) -> list:
         original(self)
 
     monkeypatch.setattr(KernelCall, "launch", launch)
-    monkeypatch.setattr(warm.Replay, "__call__", lambda self, args: self._planned(args).run())
+    monkeypatch.setattr(replay.Replay, "__call__", lambda self, args: self._planned(args).run())
     return seen
 
 

@@ -150,7 +150,7 @@ def launched_tensors(plan):
 def test_op_plans_declare_the_split_scratch(sk, return_lse):
     """flash_attention_v2's plans (the bound op's and the custom op's) hand their launches only
     inputs, results and declared scratch: what a bound op needs to replay its recorded launches
-    (dlcore.runtime.launch.Replay) rather than plan again on every call. Undeclared, the split
+    (dlcore.runtime.replay.Replay) rather than plan again on every call. Undeclared, the split
     partials kept every decode call on the planning path (about 100 us of host time)."""
     from dlblas_kernels.kernels.flash_attention_v2 import plan, training_plan
 
@@ -181,9 +181,9 @@ def test_bound_op_replays_decode(gen):
     run = launches(KERNEL.implementation, {}, None)
     args = (q, k, v, False, None, False)
     first = run(args).clone()
-    templates = list(run.templates.values())
-    assert len(templates) == 1 and templates[0] is not None, "the decode launches were not recorded"
-    assert len(templates[0].launches) == 2 and len(templates[0].scratch) == 3
+    recordings = list(run.recordings.values())
+    assert len(recordings) == 1 and recordings[0] is not None, "the decode launches were not recorded"
+    assert len(recordings[0].launches) == 2 and len(recordings[0].scratch) == 3
     poison(first.new_empty(4 << 20))  # the caching allocator's next blocks hold garbage, not the last results
     again = run(args)
     assert torch.equal(again, first)
