@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from dlcore.bench import harness
-from dlcore.bench.harness import OWN, Report, ShapeResult, bound_of, geomean, run_bench, time_round_robin
+from dlcore.bench.harness import run_bench, time_round_robin
 from dlcore.bench.presets import GEMM_TOKENS, MODELS, PRESETS, TOKENS, Shape, canonical, shapes_for
+from dlcore.bench.report import OWN, Report, ShapeResult, bound_of, geomean
 from dlcore.cli import main
 from dlcore.declarations.implementation import ReferenceImplementation, TorchImplementation
 from dlcore.declarations.op import Op, TensorArg

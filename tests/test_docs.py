@@ -31,8 +31,8 @@ def test_the_performance_page_renders_dlcore_columns_the_choice_and_token_ranges
     descriptions and the host probe's times."""
     import torch
 
-    from dlcore.bench.harness import OWN, Report, ShapeResult
     from dlcore.bench.presets import Shape
+    from dlcore.bench.report import OWN, Report, ShapeResult
 
     shapes = [ShapeResult(Shape({"tokens": t, "hidden": 4096, "inter": 14336}, ("llama3-8b",)), nbytes=10**8,
                           flops=10**12, impl="vendor" if t == 16 else "triton", chosen="x",
@@ -66,8 +66,8 @@ def test_the_performance_page_reads_issue_14s_targets_from_the_results(tmp_path)
     its composite, softmax against a copy of the same bytes; a target without results says so."""
     import torch
 
-    from dlcore.bench.harness import OWN, Report, ShapeResult
     from dlcore.bench.presets import Shape
+    from dlcore.bench.report import OWN, Report, ShapeResult
 
     anchor = {"batch": 2, "seq": 8192, "kv_seq": 0, "heads": 16, "kv_heads": 16, "head_dim": 128}
     flops = 4 * 2 * 16 * 8192 * 8192 * 128

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dlcore.bench.harness import Report, ShapeResult
+from dlcore.bench.report import Report, ShapeResult
 
 
 def plot(report: Report, path: str | Path) -> None:

@@ -1,6 +1,7 @@
 """Measuring the device: the timers an op's rounds go through, and the probes a run takes beside
 them (its copy bandwidth, a same-size copy of each shape's bytes, the host's time for one small
-op). :mod:`dlcore.bench.harness` runs the ops through them and reports the numbers."""
+op). :mod:`dlcore.bench.harness` runs the ops through them; :mod:`dlcore.bench.report` reports the
+numbers."""
 
 from __future__ import annotations
 

@@ -9,8 +9,9 @@ import json
 import shlex
 import sys
 
-from dlcore.bench.harness import KNOWN_BASELINES, MODES, OWN
+from dlcore.bench.harness import KNOWN_BASELINES, MODES
 from dlcore.bench.presets import DEFAULT_PRESET, PRESET_TOKENS, PRESETS, TOKENS, VARIANTS
+from dlcore.bench.report import OWN
 from dlcore.bench.timing import TIMERS
 from dlcore.cli.options import DTYPES, require_plotting, resolve_device
 
