@@ -56,9 +56,9 @@ class GraphTimer:
 
     :func:`run_bench` runs every shape on :attr:`stream` (its inputs, its warm-up, the untimed
     forward of a backward), so the kernels of a backward, which go to the stream their forward ran
-    on, are captured with the rest. Copies are timed with ``do_bench`` (:attr:`copy_timer`): on
-    the H200 a 1 GiB copy replayed from a graph ran at 2.7 TB/s against 4.2 TB/s eagerly (most
-    likely a copy engine instead of a copy kernel), which would make "%copy" meaningless.
+    on, are captured with the rest. Copies are timed with ``do_bench`` (:attr:`copy_timer`): a large
+    copy replayed from a graph runs well below its eager bandwidth (most likely a copy engine
+    instead of a copy kernel), which would make "%copy" meaningless.
     """
 
     def __init__(self, device: torch.device, rep_ms: float, copy_timer: Timer):

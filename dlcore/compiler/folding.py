@@ -439,9 +439,9 @@ SMALL_PROGRAMS_NAME = "grid_folding_small_programs"
 def fold_small_programs(call: KernelCall, profile: DeviceProfile) -> KernelCall | None:
     """Fold a large grid of one-warp programs; leave other launches to ``grid_folding`` (opt-in on CUDA).
 
-    Measured on an H200 (docs/performance.md, "Grid folding"): persistent programs won 1.2x to
-    2.6x for one-warp programs over grids of 1e4 to 1e6 blocks, where launching a small block
-    costs more than its work, and lost 3% to 10% for programs of 4 or 8 warps.
+    Persistent programs win for one-warp programs over large grids, where launching a small block
+    costs more than its work, and lose for programs of 4 or 8 warps (docs/performance.md, "Grid
+    folding", has the numbers).
     """
     if int(call.kwargs.get("num_warps", 4)) > CUDA_FOLD_MAX_WARPS:
         return None

@@ -670,8 +670,7 @@ def _public_function(op: Op, implementation: CustomOpTritonImplementation,
     no dispatcher; under ``torch.compile`` tracing the custom op alone. The heuristic config is
     worked out once per exact input metadata (:func:`~dlcore.runtime.replay.replay_key`, the key the
     launches replay by), at most :data:`~dlcore.runtime.replay.LIMIT` of them, the oldest dropped
-    first; a call with another key pays the signature and the heuristic (about 14 us on a 2-core
-    CPU machine, against 3 for the key)."""
+    first; a call with another key pays the signature and the heuristic, several times the key's cost."""
     if not all(n.isidentifier() for n in (op.name, *(a.name for a in op.args))):
         raise DeclarationError(f"{op.usage()}: the op and its arguments need Python identifiers as names")
     validate, default_config, run = op.validate, implementation.default_config, implementation.run

@@ -98,8 +98,8 @@ class Selection:
 ROUNDS = 2
 #: a near tie: the two fastest within this fraction of the faster after :data:`ROUNDS` rounds ...
 TIE_MARGIN = 0.05
-#: ... takes this many more rounds of those two alone (H200: single rounds of 15 us GEMMs differed
-#: by 4%, enough to pick the slower of two candidates)
+#: ... takes this many more rounds of those two alone (single rounds of short GEMMs differ by a few
+#: percent, enough to pick the slower of two candidates)
 TIE_ROUNDS = 4
 
 
