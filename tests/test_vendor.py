@@ -180,13 +180,17 @@ SDPA = {"sdpa_flash": vendor.SDPA_FLASH, "sdpa_cudnn": vendor.SDPA_CUDNN}
 
 
 def attention_signature(dtype=torch.bfloat16, d=128, sq=8192, sk=8192, causal=False, return_lse=False,
-                        device="cuda") -> Signature:
-    """A flash_attention_v2 signature as make_signature gives it (B and S rounded up to powers of two)."""
+                        device="cuda", padded=False) -> Signature:
+    """A flash_attention_v2 signature as make_signature gives it (B and S rounded up to powers of two);
+    ``padded``: with a ``kv_start`` (left padding)."""
     def spec(s, h):
         return TensorSpec(dtype, (2, s, h, d), "contiguous", True)
 
-    return Signature("flash_attention_v2", device, (("q", spec(sq, 16)), ("k", spec(sk, 8)), ("v", spec(sk, 8))),
-                     (("causal", causal), ("softmax_scale", "NoneType"), ("return_lse", return_lse)))
+    bounds = (("kv_start", TensorSpec(torch.int32, (2,), "contiguous", True)),) if padded else ()
+    return Signature("flash_attention_v2", device,
+                     (("q", spec(sq, 16)), ("k", spec(sk, 8)), ("v", spec(sk, 8)), *bounds),
+                     (("causal", causal), ("softmax_scale", "NoneType"), ("return_lse", return_lse)),
+                     ("kv_end",) if padded else ("kv_start", "kv_end"))
 
 
 @pytest.mark.parametrize("name", list(SDPA))
@@ -212,6 +216,7 @@ def test_sdpa_candidates_take_what_sdpa_runs(d, dtype):
 @pytest.mark.parametrize("case, flash, cudnn", [
     ("float32", "dtype float32", "dtype float32"),
     ("return_lse", "no log-sum-exp", "no log-sum-exp"),
+    ("key padding", "no key padding", "no key padding"),
     ("head dim 100", "multiples of 8", "multiples of 8"),
     ("head dim 512", "up to 256", "up to 256"),
     ("cpu", "NVIDIA GPUs from sm_80", "NVIDIA GPUs from sm_80"),
@@ -225,6 +230,8 @@ def test_sdpa_candidates_decline_what_their_backend_refuses(case, flash, cudnn):
         sig = attention_signature(torch.float32)
     elif case == "return_lse":
         sig = attention_signature(return_lse=True)
+    elif case == "key padding":
+        sig = attention_signature(padded=True)
     elif case.startswith("head dim"):
         sig = attention_signature(d=int(case.split()[-1]))
     elif case == "cpu":
@@ -300,6 +307,8 @@ def test_sdpa_functions_refuse_return_lse(fn, gen):
     q = randn(gen, 1, 4, 2, 8)
     with pytest.raises(dlcore.InvalidInputError, match="return_lse"):
         fn(q, q, q, False, None, True)
+    with pytest.raises(dlcore.InvalidInputError, match="kv_end"):
+        fn(q, q, q, False, None, False, None, torch.tensor([3], dtype=torch.int32))
 
 
 # -- DLCORE_DISABLE_IMPLS ----------------------------------------------------------------------------

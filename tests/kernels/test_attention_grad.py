@@ -198,7 +198,8 @@ def test_rotary_plan_rotates_into_scratch(device, gen, profile):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_reference_matches_autograd(causal, gen):
     case = Case(2, 23, 17, 4, 2, 32, causal, torch.float64, "cpu", gen, dlse=True, scale=0.3)
-    got = ag.backward_reference(case.dout, case.q, case.k, case.v, case.out, case.lse64, case.dlse, causal, 0.3)
+    got = ag.backward_reference(case.dout, case.q, case.k, case.v, case.out, case.lse64, case.dlse, causal, 0.3,
+                                None, None)
     for g, want in zip(got, case.expected):
         assert_close(g, want, torch.float64)
 
@@ -217,7 +218,7 @@ def test_reference_signatures_are_custom_op_schemas():
     must make schemas."""
     assert torch.library.infer_schema(ag.backward_reference, mutates_args=()) == (
         "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, Tensor? dlse, bool causal, "
-        "float? softmax_scale) -> (Tensor, Tensor, Tensor)")
+        "float? softmax_scale, Tensor? kv_start, Tensor? kv_end) -> (Tensor, Tensor, Tensor)")
     assert torch.library.infer_schema(ag.rotary_backward_reference, mutates_args=()) == (
         "(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor out, Tensor lse, bool causal, "
         "float? softmax_scale, bool interleaved) -> (Tensor, Tensor, Tensor, Tensor, Tensor)")

@@ -244,6 +244,132 @@ def test_rotary_tiles_beside_descriptors(interleaved, device, gen, profile):
     check_rotary(ROTARY_CASES[0], interleaved, torch.float16, device, gen, hopper)
 
 
+# --- key padding ---------------------------------------------------------------------------------
+
+def bounds(batch, sk, padding, device):
+    """``(kv_start, kv_end)`` int32 ``[B]`` of a padded batch: ``left`` (valid keys a suffix, as
+    transformers' generate pads), ``right`` (a prefix) or ``both``; the rows differ, one is unpadded,
+    one sees no key at all, and one bound lies outside ``[0, Sk]`` (clamped)."""
+    cut = [0, 3, sk // 2 + 1, sk, 1][:batch]
+    start = torch.tensor([-2 if c == 0 else c for c in cut], dtype=torch.int32, device=device)
+    end = torch.tensor([sk + 5 if c == 0 else sk - c for c in cut], dtype=torch.int32, device=device)
+    return {"left": (start, None), "right": (None, end), "both": (start, end - 1)}[padding]
+
+
+def check_padded(out, lse, q, k, v, causal, kv_start, kv_end):
+    want_out, want_lse = flash_attention_v2_training_reference(*upcast(q, k, v), causal, None, True, kv_start, kv_end)
+    assert_close(out, want_out, q.dtype, reduce_dim=k.shape[1])
+    assert_close(lse, want_lse, torch.float32, reduce_dim=q.shape[-1])
+
+
+PADDED_SHAPES = [
+    # batch, Sq, Sk, Hq, Hk, D, causal
+    (4, 37, 37, 4, 2, 32, True),    # prefill: left-padded rows see no key before their first valid one
+    (4, 37, 37, 4, 2, 32, False),
+    (3, 20, 45, 2, 1, 24, True),    # a chunk against a longer cache
+    (5, 1, 41, 4, 1, 16, True),     # a decoding step: the decode block
+]
+PADDED_IDS = ["q37-k37-gqa-causal", "q37-k37-gqa", "q20-k45-d24-causal", "q1-k41-decode"]
+
+
+@pytest.mark.parametrize("padding", ["left", "right", "both"])
+@pytest.mark.parametrize("shape", PADDED_SHAPES, ids=PADDED_IDS)
+def test_key_padding(shape, padding, device, gen, run):
+    """kv_start and kv_end mask each batch's keys outside them, causal bottom-right over the whole
+    Sk; rows that see no key give 0 and -inf (the op's plan: the prefill kernel, or the decode block)."""
+    *sizes, causal = shape
+    q, k, v = inputs(*sizes, torch.float32, device, gen)
+    kv_start, kv_end = bounds(q.shape[0], k.shape[1], padding, device)
+    out, lse = run(OP, TRITON, (q, k, v, causal, None, True, kv_start, kv_end), SMALL)
+    check_padded(out, lse, q, k, v, causal, kv_start, kv_end)
+    if causal and padding == "left" and q.shape[1] == k.shape[1]:
+        assert (out[1, :3] == 0).all() and torch.isneginf(lse[1, :, :3]).all()
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+def test_key_padding_both_load_paths(padding, profile_of_path, device, gen):
+    """The prefill kernel's pointer and descriptor loads, 16-key blocks, with the padding masks."""
+    q, k, v = inputs(4, 29, 35, 4, 2, 32, torch.float32, device, gen)
+    kv_start, kv_end = bounds(4, 35, padding, device)
+    out = poison(torch.empty_like(q))
+    lse = poison(torch.empty(4, 4, 29, device=device))
+    calls = attention.forward_calls(q, k, v, out, lse, causal=True, scale=32 ** -0.5, config=SMALL,
+                                    profile=profile_of_path, kv_start=kv_start, kv_end=kv_end)
+    LaunchPlan(calls, (out, lse)).run()
+    check_padded(out, lse, q, k, v, True, kv_start, kv_end)
+
+
+@pytest.mark.parametrize("padding", ["left", "right"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_key_padding_backward(causal, padding, device, gen):
+    """dq, dk and dv through the custom op against autograd through the float64 reference (GQA);
+    the keys a batch does not see get zero dk and dv."""
+    q, k, v = (t.requires_grad_() for t in inputs(4, 23, 23, 4, 2, 16, torch.float32, device, gen))
+    kv_start, kv_end = bounds(4, 23, padding, device)
+    out = dlblas_kernels.flash_attention_v2(q, k, v, causal, None, False, kv_start, kv_end)
+    dout = randn(*out.shape, dtype=out.dtype, device=device, generator=gen)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = flash_attention_v2_reference(*wide, causal, None, False, kv_start, kv_end)
+    expected = torch.autograd.grad(want, wide, dout.double())
+    assert_close(out, want, torch.float32, reduce_dim=23)
+    for g, e in zip(got, expected):
+        assert_close(g, e, torch.float32, reduce_dim=23)
+    seen = torch.arange(23, device=device)[None, :]
+    seen = (seen >= (kv_start if kv_start is not None else 0)[..., None]) if padding == "left" \
+        else (seen < kv_end[:, None])
+    assert (got[1][~seen] == 0).all() and (got[2][~seen] == 0).all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_key_padding_backward_longer(causal, device, gen):
+    """Both bounds, Sq < Sk, MQA and a head of 40 over several of the backward's blocks."""
+    q, k, v = (t.requires_grad_() for t in inputs(3, 37, 70, 4, 1, 40, torch.float32, device, gen))
+    kv_start, kv_end = bounds(3, 70, "both", device)
+    out = dlblas_kernels.flash_attention_v2(q, k, v, causal, None, False, kv_start, kv_end)
+    dout = randn(*out.shape, dtype=out.dtype, device=device, generator=gen)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    wide = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = flash_attention_v2_reference(*wide, causal, None, False, kv_start, kv_end)
+    for g, e in zip(got, torch.autograd.grad(want, wide, dout.double())):
+        assert_close(g, e, torch.float32, reduce_dim=70)
+
+
+def test_key_padding_compiles_out_when_absent(device, gen, profile):
+    """Without kv_start and kv_end every launch is the unpadded kernel (the padding code is
+    constexpr-gated); with one, only its flag is set."""
+    q, k, v = inputs(2, 20, 20, 2, 1, 16, torch.float32, device, gen)
+    lse = torch.empty(2, 2, 20, device=device)
+    (call,) = attention.forward_calls(q, k, v, torch.empty_like(q), lse, causal=True, scale=0.25, config=SMALL,
+                                      profile=profile)
+    assert not call.kwargs["KV_START"] and not call.kwargs["KV_END"]
+    start = torch.zeros(2, dtype=torch.int32, device=device)
+    (call,) = attention.forward_calls(q, k, v, torch.empty_like(q), lse, causal=True, scale=0.25, config=SMALL,
+                                      profile=profile, kv_start=start)
+    assert call.kwargs["KV_START"] and not call.kwargs["KV_END"]
+
+
+@pytest.mark.parametrize("bound, expected", [
+    (lambda b: torch.zeros(b + 1, dtype=torch.int32), r"\[B\]"),
+    (lambda b: torch.zeros(b, dtype=torch.int64), "int32"),
+    (lambda b: torch.zeros(b, 1, dtype=torch.int32), "rank"),
+], ids=["batch", "dtype", "rank"])
+@pytest.mark.parametrize("name", ["kv_start", "kv_end"])
+def test_bad_key_padding_names_the_argument(name, bound, expected, device, gen, no_launch):
+    q, k, v = inputs(2, 7, 7, 4, 2, 16, torch.float32, device, gen)
+    with pytest.raises(InvalidInputError, match=rf"\b{name}\b"):
+        dlblas_kernels.flash_attention_v2(q, k, v, **{name: bound(2).to(device)})
+
+
+def test_torch_baseline_takes_key_padding(device, gen):
+    q, k, v = inputs(3, 9, 12, 4, 2, 16, torch.float32, device, gen)
+    kv_start, kv_end = bounds(3, 12, "both", device)
+    got = OP.baselines["torch"]()(q, k, v, True, 0.2, False, kv_start, kv_end)
+    want = flash_attention_v2_reference(*upcast(q, k, v), True, 0.2, False, kv_start, kv_end)
+    assert_close(got, want, torch.float32, reduce_dim=12)
+
+
 # --- the op --------------------------------------------------------------------------------------
 
 def test_public_function_and_get_op(device, gen):

@@ -68,10 +68,7 @@ import triton.language as tl
 from dlblas_kernels.gemm import TMA_ALIGNMENT, TMA_ARCHS, fit_stages
 from dlblas_kernels.kernels.apply_rotary_pos_emb import rotate_pairs
 from dlblas_kernels.npu import on_npu
-from dlcore.declarations.device import DeviceProfile
-from dlcore.declarations.implementation import Config, KernelCall
-from dlcore.declarations.signature import cdiv, next_power_of_2
-from dlcore.runtime.allocator import ensure_allocator
+from dlcore.api import Config, DeviceProfile, KernelCall, cdiv, ensure_allocator, next_power_of_2
 
 LOG2E = 1.4426950408889634
 #: tl.dot's smallest reduction: narrower heads (and pair halves) are padded to it
@@ -164,15 +161,17 @@ def _rotated_tiles(x_first, x_second, cos_first, cos_second, sin_first, sin_seco
 @triton.jit
 def _attend(acc, l_i, m_i, q, q_b, start, end,
             k_src, k_src2, v_src, cos_src, cos_src2, sin_src, sin_src2, offs_m, offs_n, offs_d, p,
-            SK, diagonal, qk_scale,
+            SK, diagonal, qk_scale, kv_lo, kv_hi,
             stride_ks, stride_kd, stride_vs, stride_vd,
             stride_cos_s, stride_cos_d, stride_sin_s, stride_sin_d,
             HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
             MASKED: tl.constexpr, CAUSAL: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
-            TMA: tl.constexpr, INPUT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False):
+            TMA: tl.constexpr, INPUT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr = False,
+            PADDED: tl.constexpr = False):
     """The online softmax over key blocks ``start, start + BLOCK_N, ... < end``: ``(acc, l, m)``
-    updated, ``m`` in base 2. MASKED: scores of keys past SK, and with CAUSAL of keys past the
-    diagonal (key ``j`` > row ``i + diagonal``), are -inf; otherwise every score counts. With TMA
+    updated, ``m`` in base 2. MASKED: scores of keys past SK (PADDED: of keys outside ``[kv_lo,
+    kv_hi)``), and with CAUSAL of keys past the diagonal (key ``j`` > row ``i + diagonal``), are
+    -inf; otherwise every score counts. With TMA
     the ``*_src`` are tensor descriptors (:func:`_pair_sources` for the rotary ones: ``k_src2``,
     ``cos_src2``, ``sin_src2`` the second pair halves), otherwise base pointers. WARP_SPECIALIZE:
     the loop warp-specialised (a producer partition for the copies, two consumer warpgroups)."""
@@ -180,7 +179,10 @@ def _attend(acc, l_i, m_i, q, q_b, start, end,
     for n in tl.range(start, end, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         n = tl.multiple_of(n, BLOCK_N)
         keys = n + offs_n
-        key_mask = keys < SK
+        if PADDED:
+            key_mask = (keys >= kv_lo) & (keys < kv_hi)
+        else:
+            key_mask = keys < SK
         if ROTARY:
             if TMA:
                 k_a, k_b = _rotated_tiles(k_src, k_src2, cos_src, cos_src2, sin_src, sin_src2, n, n,
@@ -225,7 +227,7 @@ def _attend(acc, l_i, m_i, q, q_b, start, end,
 
 @triton.jit
 def attention_forward_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cos_ptr, sin_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cos_ptr, sin_ptr, kv_start_ptr, kv_end_ptr,
     SQ, SK, HQ, GROUP, qk_scale,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -239,9 +241,11 @@ def attention_forward_kernel(
 ):
     """``BLOCK_M`` query rows of one (batch, query head) per program, over a 1-D grid (see the
     module doc for the order). ``qk_scale`` is ``scale * log2(e)``; query head ``h`` reads kv head
+    KV_START: tl.constexpr = False, KV_END: tl.constexpr = False,
     ``h // GROUP``; ``out`` has a unit D stride; ``lse`` is ``[B, HQ, SQ]`` contiguous. BLOCK_P is
     the width of a rotary pair half (ROTARY only). WARP_SPECIALIZE: one warp-specialised loop over
-    every key block, each masked (see the module doc)."""
+    every key block, each masked (see the module doc). KV_START, KV_END: batch ``b`` sees only
+    the keys ``kv_start[b] <= j < kv_end[b]`` (int32 ``[B]``, contiguous; key padding)."""
     pid = tl.program_id(0)
     num_m = tl.cdiv(SQ, BLOCK_M)
     heads = tl.num_programs(0) // num_m
@@ -315,25 +319,49 @@ def attention_forward_kernel(
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     if WARP_SPECIALIZE:
-        acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_b, 0, end, k_src, k_src2, v_src, cos_src, cos_src2, sin_src,
-                                sin_src2, offs_m, offs_n, offs_d, p, SK, diagonal, qk_scale,
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_b, first, end, k_src, k_src2, v_src, cos_src, cos_src2,
+                                sin_src, sin_src2, offs_m, offs_n, offs_d, p, SK, diagonal, qk_scale, lo, hi,
+    # Key padding: batch b's keys are [lo, hi) (clamped to [0, SK]: out-of-range bounds read nothing
+    # out of bounds). The blocks run [first, full_lo) masked (the one cut by lo), [full_lo, full_hi)
+    # whole, [full_hi, end) masked (cut by hi, the diagonal or SK).
+    lo = 0
+    hi = SK
+    if KV_START:
+        lo = tl.minimum(tl.maximum(tl.load(kv_start_ptr + b), 0), SK)
+    if KV_END:
+        hi = tl.maximum(tl.minimum(tl.load(kv_end_ptr + b), SK), 0)
+    PADDED: tl.constexpr = KV_START or KV_END
+    first = 0
+    if PADDED:
+        end = tl.minimum(end, hi)
+        first = lo // BLOCK_N * BLOCK_N
+        full_lo = tl.minimum(tl.cdiv(lo, BLOCK_N) * BLOCK_N, end)
+        full = tl.maximum(tl.minimum(full, hi // BLOCK_N * BLOCK_N), full_lo)
                                 stride_ks, stride_kd, stride_vs, stride_vd,
                                 stride_cos_s, stride_cos_d, stride_sin_s, stride_sin_d,
                                 HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_P, True, CAUSAL, ROTARY, INTERLEAVED, TMA,
-                                INPUT_PRECISION, True)
+                                INPUT_PRECISION, True, PADDED)
     else:
-        acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_b, 0, full, k_src, k_src2, v_src, cos_src, cos_src2, sin_src,
-                                sin_src2, offs_m, offs_n, offs_d, p, SK, diagonal, qk_scale,
+        if PADDED:
+            acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_b, first, full_lo, k_src, k_src2, v_src, cos_src, cos_src2,
+                                    sin_src, sin_src2, offs_m, offs_n, offs_d, p, SK, diagonal, qk_scale, lo, hi,
+                                    stride_ks, stride_kd, stride_vs, stride_vd,
+                                    stride_cos_s, stride_cos_d, stride_sin_s, stride_sin_d,
+                                    HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_P, True, CAUSAL, ROTARY, INTERLEAVED, TMA,
+                                    INPUT_PRECISION, False, True)
+            first = full_lo
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_b, first, full, k_src, k_src2, v_src, cos_src, cos_src2,
+                                sin_src, sin_src2, offs_m, offs_n, offs_d, p, SK, diagonal, qk_scale, lo, hi,
                                 stride_ks, stride_kd, stride_vs, stride_vd,
                                 stride_cos_s, stride_cos_d, stride_sin_s, stride_sin_d,
                                 HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_P, False, CAUSAL, ROTARY, INTERLEAVED, TMA,
-                                INPUT_PRECISION)
-        acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_b, full, end, k_src, k_src2, v_src, cos_src, cos_src2, sin_src,
-                                sin_src2, offs_m, offs_n, offs_d, p, SK, diagonal, qk_scale,
+                                INPUT_PRECISION, False, PADDED)
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_b, full, end, k_src, k_src2, v_src, cos_src, cos_src2,
+                                sin_src, sin_src2, offs_m, offs_n, offs_d, p, SK, diagonal, qk_scale, lo, hi,
                                 stride_ks, stride_kd, stride_vs, stride_vd,
                                 stride_cos_s, stride_cos_d, stride_sin_s, stride_sin_d,
                                 HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_P, True, CAUSAL, ROTARY, INTERLEAVED, TMA,
-                                INPUT_PRECISION)
+                                INPUT_PRECISION, False, PADDED)
 
     # Rows that saw no key: l = 0, acc = 0 -> out 0, lse -inf.
     seen = l_i > 0.0
@@ -452,7 +480,8 @@ def fit_npu(config: Config, head_dim: int, causal: bool, profile: DeviceProfile 
 
 def forward_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
                   causal: bool, scale: float, config: Config, profile: DeviceProfile,
-                  rotary: tuple | None = None) -> list[KernelCall]:
+                  rotary: tuple | None = None, kv_start: torch.Tensor | None = None,
+                  kv_end: torch.Tensor | None = None) -> list[KernelCall]:
     """Prefill forward: writes ``out [B, Sq, Hq, D]`` (unit D stride) and ``lse [B, Hq, Sq]``
     (float32, contiguous) from q ``[B, Sq, Hq, D]`` and k, v ``[B, Sk, Hk, D]`` of any strides.
 
@@ -467,6 +496,9 @@ def forward_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     """
     batch, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
+    :param kv_start, kv_end: None, or int32 ``[B]`` (contiguous): batch ``b`` sees only the keys
+        ``kv_start[b] <= j < kv_end[b]`` (key padding: left padding a ``kv_start``, right padding a
+        ``kv_end``); rows that see no key get ``out = 0``, ``lse = -inf``.
     if batch * sq * hq == 0:
         return []
     config = fit_npu(fit(config, d, q.element_size(), profile, rotary is not None), d, causal, profile)
@@ -487,11 +519,12 @@ def forward_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     precision = "ieee"
     return [KernelCall(
         attention_forward_kernel, (cdiv(sq, block_m) * batch * hq,),
-        (q, k, v, out, lse, cos, sin, sq, sk, hq, hq // hk, float(scale) * LOG2E,
+        (q, k, v, out, lse, cos, sin, lse if kv_start is None else kv_start, lse if kv_end is None else kv_end,
+         sq, sk, hq, hq // hk, float(scale) * LOG2E,
          *q.stride(), *k.stride(), *v.stride(), *out.stride()[:3], *cos_strides, *sin_strides),
         {"HEAD_DIM": d, "BLOCK_M": block_m, "BLOCK_N": block_n,
          "BLOCK_D": block_d(d), "BLOCK_P": max(next_power_of_2(d // 2), MIN_DOT_K),
          "CAUSAL": bool(causal), "ROTARY": rotary is not None, "INTERLEAVED": bool(interleaved), "TMA": tma,
          "INPUT_PRECISION": precision, "num_warps": config["num_warps"], "num_stages": config["num_stages"],
-         "WARP_SPECIALIZE": specialise},
+         "WARP_SPECIALIZE": specialise, "KV_START": kv_start is not None, "KV_END": kv_end is not None},
     )]

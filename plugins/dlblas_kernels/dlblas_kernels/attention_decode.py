@@ -24,12 +24,13 @@ programs to keep the GPU busy and, under GQA, each K and V element read ``Hq / H
   directly: same kernel, the output's strides in place of the scratch's, no combine.
 
 Masks: keys ``j >= Sk`` and, causal, the bottom-right mask (query ``i`` sees keys
-``j <= i + Sk - Sq``). A row with no visible key in a split gets ``o_s = 0``, ``lse_s = -inf``; a
-row with none at all gets ``out = 0``, ``lse = -inf``, never NaN. Math in float32 with base-2
-exponentials (``log2(e)`` folded into the scale); ``out`` in q's dtype, ``lse`` float32
-``[B, Hq, Sq]``. q, k, v in BSHD with any strides (no copy: a KV cache ``[B, Smax, Hk, D]``
-sliced to ``[:, :Sk]`` is read in place); ``D`` up to 256, ``BLOCK_D`` its next power of two with
-a mask on ``d`` (96, 192).
+``j <= i + Sk - Sq``). With key padding (``kv_start``, ``kv_end``) a split's keys are cut to
+batch ``b``'s ``[kv_start[b], kv_end[b])``: padded keys are neither read nor counted. A row with
+no visible key in a split gets ``o_s = 0``, ``lse_s = -inf``; a row with none at all gets
+``out = 0``, ``lse = -inf``, never NaN. Math in float32 with base-2 exponentials (``log2(e)``
+folded into the scale); ``out`` in q's dtype, ``lse`` float32 ``[B, Hq, Sq]``. q, k, v in BSHD
+with any strides (no copy: a KV cache ``[B, Smax, Hk, D]`` sliced to ``[:, :Sk]`` is read in
+place); ``D`` up to 256, ``BLOCK_D`` its next power of two with a mask on ``d`` (96, 192).
 """
 
 from __future__ import annotations
@@ -39,10 +40,7 @@ import triton
 import triton.language as tl
 
 from dlblas_kernels.attention import block_d as tile_width
-from dlcore import InvalidInputError
-from dlcore.declarations.device import DeviceProfile
-from dlcore.declarations.implementation import Config, KernelCall
-from dlcore.declarations.signature import cdiv, next_power_of_2
+from dlcore.api import Config, DeviceProfile, InvalidInputError, KernelCall, cdiv, next_power_of_2
 
 OP = "flash_attention_v2"
 #: the fewest rows tl.dot takes (the M of the query tile is padded up to it)
@@ -70,13 +68,16 @@ def decode_split_kernel(
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_ob, stride_os, stride_oh, stride_osplit, stride_od,
     stride_lb, stride_lh, stride_ls, stride_lsplit,
+    kv_start_ptr, kv_end_ptr,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    KV_START: tl.constexpr = False, KV_END: tl.constexpr = False,
 ):
     # Program (split, kv head hk, batch b): the GROUP * Sq query rows of kv head hk (row r: query
     # r % Sq of head hk * GROUP + r // Sq) against keys [split * keys_per_split, ...). o and lse:
     # the split's normalised partial output and natural-log lse at (b, query i, head h, split) by
-    # the strides given (the scratch's, or out's and lse's with a zero split stride).
+    # the strides given (the scratch's, or out's and lse's with a zero split stride). KV_START,
+    # KV_END: batch b sees only the keys kv_start[b] <= j < kv_end[b] (int32 [B], key padding).
     split = tl.program_id(0)
     hk = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
@@ -92,6 +93,10 @@ def decode_split_kernel(
                 mask=own, other=0.0)
     start = split.to(tl.int64) * keys_per_split
     end = tl.minimum(start + keys_per_split, Sk)
+    if KV_START:
+        start = tl.maximum(start, tl.load(kv_start_ptr + b).to(tl.int64))
+    if KV_END:
+        end = tl.minimum(end, tl.load(kv_end_ptr + b).to(tl.int64))
     # bottom-right causal: query i sees keys j <= i + Sk - Sq
     last_key = qi + (Sk - Sq)
     k_ptrs = k_ptr + b * stride_kb + hk * stride_kh + (start + offs_n)[:, None] * stride_ks + d[None, :] * stride_kd
@@ -248,7 +253,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
 
 def decode_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, *,
                  causal: bool, scale: float, profile: DeviceProfile, rotary: tuple | None = None,
-                 config: Config | None = None) -> tuple[list[KernelCall], tuple[torch.Tensor, ...]]:
+                 config: Config | None = None, kv_start: torch.Tensor | None = None,
+                 kv_end: torch.Tensor | None = None) -> tuple[list[KernelCall], tuple[torch.Tensor, ...]]:
     """The launches that write ``out`` ``[B, Sq, Hq, D]`` (q's dtype) and ``lse`` ``[B, Hq, Sq]``
     (float32, natural log) of ``softmax(scale * q k^T) v`` (see the module doc), and the scratch
     tensors they use: the split kernel, then the combine kernel when there are several splits, with
@@ -259,7 +265,8 @@ def decode_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
     call of the bound op would plan and launch through the slow path again (about 100 us of host time
     on the H200's host, more than the kernels' own time below Sk 16384).
     ``config`` (keys of :func:`default_config`) replaces the heuristic one. ``rotary`` is not
-    implemented here (the plan takes the prefill kernel for it)."""
+    implemented here (the plan takes the prefill kernel for it). ``kv_start``, ``kv_end``: None or
+    int32 ``[B]`` (contiguous), the keys each batch sees (key padding)."""
     if rotary is not None:
         raise NotImplementedError("attention_decode: rotary embeddings are applied by the prefill forward only")
     _check(q, k, v, out, lse)
@@ -285,8 +292,10 @@ def decode_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
     calls = [KernelCall(
         decode_split_kernel, (splits, hk, batch),
         (q, k, v, o, part_lse, sq, sk, keys_per_split, float(scale) * LOG2E,
-         *q.stride(), *k.stride(), *v.stride(), *o_strides, *l_strides),
+         *q.stride(), *k.stride(), *v.stride(), *o_strides, *l_strides,
+         lse if kv_start is None else kv_start, lse if kv_end is None else kv_end),
         {"GROUP": hq // hk, "HEAD_DIM": d, "CAUSAL": bool(causal),
+         "KV_START": kv_start is not None, "KV_END": kv_end is not None,
          "BLOCK_M": max(next_power_of_2(_rows(q, k)), MIN_DOT_ROWS), "BLOCK_N": block_n, "BLOCK_D": block_d,
          "num_warps": config["num_warps"], "num_stages": config["num_stages"]},
     )]

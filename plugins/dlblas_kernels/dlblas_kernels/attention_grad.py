@@ -59,10 +59,7 @@ from dlblas_kernels import gemm
 from dlblas_kernels.attention import block_d as tile_width
 from dlblas_kernels.kernels.apply_rotary_pos_emb import rotation_calls
 from dlblas_kernels.npu import buffer_tile
-from dlcore.declarations.device import DeviceProfile
-from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
-from dlcore.declarations.signature import cdiv
-from dlcore.runtime.allocator import ensure_allocator
+from dlcore.api import Config, DeviceProfile, KernelCall, LaunchPlan, cdiv, ensure_allocator
 
 LOG2E = 1.4426950408889634
 #: rows of the preprocess kernel's programs
@@ -170,12 +167,14 @@ def _load_rows(source, row, n_rows, offs_r, offs_d, mask_d, stride_s, stride_d, 
 @triton.jit
 def _dkdv_steps(
     dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr,
-    start, steps, SQ, SK, qk_scale, offs_n, offs_d, mask_d,
+    start, steps, SQ, SK, qk_scale, offs_n, offs_d, mask_d, key_seen,
     stride_qs, stride_qd, stride_dos, stride_dod,
     BLOCK_M: tl.constexpr, MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    PADDED: tl.constexpr = False,
 ):
     """``steps`` query blocks of one head from row ``start``, added into ``dk`` and ``dv`` (unscaled
-    ``dS^T q`` and ``P^T dout``); MASK applies the causal mask. ``q_src``, ``do_src``: the head's
+    ``dS^T q`` and ``P^T dout``); MASK applies the causal mask, PADDED the key padding (``key_seen``,
+    ``[BLOCK_N]``: which of the program's keys its batch sees). ``q_src``, ``do_src``: the head's
     rows (:func:`_rows_source`); ``lse2_ptr``, ``delta_ptr``: its stats."""
     offs_r = tl.arange(0, BLOCK_M)
     off = SK - SQ
@@ -189,6 +188,8 @@ def _dkdv_steps(
         p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
         if MASK:
             p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + off, p_t, 0.0)
+        if PADDED:
+            p_t = tl.where(key_seen[:, None], p_t, 0.0)
         do = _load_rows(do_src, row, SQ, offs_r, offs_d, mask_d, stride_dos, stride_dod, TMA)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
         delta = tl.load(delta_ptr + offs_m, mask=offs_m < SQ, other=0.0)
@@ -200,7 +201,7 @@ def _dkdv_steps(
 
 @triton.jit
 def attention_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, dk_ptr, dv_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, dk_ptr, dv_ptr, kv_start_ptr, kv_end_ptr,
     SQ, SK, HQ, HK, STATS, qk_scale, scale,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -210,10 +211,13 @@ def attention_dkdv_kernel(
     stride_dvb, stride_dvs, stride_dvh, stride_dvd,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    KV_START: tl.constexpr = False, KV_END: tl.constexpr = False,
 ):
     """``dk`` and ``dv`` of keys ``BLOCK_N * program_id(0) ...`` of kv head ``program_id(1) % HK``
     of batch ``program_id(1) // HK``, over every query head of the group (``qk_scale`` is
-    ``scale * log2(e)``). TMA: q and dout tiles through tensor descriptors."""
+    ``scale * log2(e)``). TMA: q and dout tiles through tensor descriptors. KV_START, KV_END: the
+    batch sees only keys ``kv_start[b] <= j < kv_end[b]``; the others get zero gradients, and a
+    block with none seen walks no query."""
     n0 = tl.program_id(0) * BLOCK_N
     bh = tl.program_id(1)
     b = (bh // HK).to(tl.int64)
@@ -236,6 +240,16 @@ def attention_dkdv_kernel(
         masked = 0
     m_mid = m_lo + masked * BLOCK_M
     unmasked = tl.cdiv(tl.maximum(SQ - m_mid, 0), BLOCK_M)
+    PADDED: tl.constexpr = KV_START or KV_END
+    key_seen = offs_n < SK
+    if KV_START:
+        key_seen = key_seen & (offs_n >= tl.load(kv_start_ptr + b))
+    if KV_END:
+        key_seen = key_seen & (offs_n < tl.load(kv_end_ptr + b))
+    if PADDED:
+        any_seen = tl.max(key_seen.to(tl.int32), 0) > 0
+        masked = tl.where(any_seen, masked, 0)
+        unmasked = tl.where(any_seen, unmasked, 0)
 
     k = _load_rows(k_ptr + b * stride_kb + hk * stride_kh, n0, SK, offs_r, offs_d, mask_d, stride_ks, stride_kd, False)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -248,11 +262,13 @@ def attention_dkdv_kernel(
         lse2_ptr = stats_ptr + (b * HQ + h) * SQ
         if CAUSAL:
             dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, lse2_ptr, lse2_ptr + STATS,
-                                 m_lo, masked, SQ, SK, qk_scale, offs_n, offs_d, mask_d,
-                                 stride_qs, stride_qd, stride_dos, stride_dod, BLOCK_M, True, INPUT_PRECISION, TMA)
+                                 m_lo, masked, SQ, SK, qk_scale, offs_n, offs_d, mask_d, key_seen,
+                                 stride_qs, stride_qd, stride_dos, stride_dod, BLOCK_M, True, INPUT_PRECISION, TMA,
+                                 PADDED)
         dk, dv = _dkdv_steps(dk, dv, k, v, q_src, do_src, lse2_ptr, lse2_ptr + STATS,
-                             m_mid, unmasked, SQ, SK, qk_scale, offs_n, offs_d, mask_d,
-                             stride_qs, stride_qd, stride_dos, stride_dod, BLOCK_M, False, INPUT_PRECISION, TMA)
+                             m_mid, unmasked, SQ, SK, qk_scale, offs_n, offs_d, mask_d, key_seen,
+                             stride_qs, stride_qd, stride_dos, stride_dod, BLOCK_M, False, INPUT_PRECISION, TMA,
+                             PADDED)
 
     dk *= scale
     rows = offs_n.to(tl.int64)[:, None]
@@ -266,14 +282,14 @@ def attention_dkdv_kernel(
 @triton.jit
 def _dq_steps(
     dq, q, do, lse2, delta, k_src, v_src,
-    start, steps, SQ, SK, qk_scale, offs_m, offs_d, mask_d,
+    start, steps, SQ, SK, qk_scale, offs_m, offs_d, mask_d, kv_lo, kv_hi,
     stride_ks, stride_kd, stride_vs, stride_vd,
     BLOCK_N: tl.constexpr, MASK: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, PADDED: tl.constexpr = False,
 ):
     """``steps`` key blocks from key ``start``, added into ``dq`` (unscaled ``dS k``); MASK applies
-    the causal mask (CAUSAL) or the end of the keys. ``k_src``, ``v_src``: the kv head's rows
-    (:func:`_rows_source`)."""
+    the causal mask (CAUSAL) or the end of the keys; PADDED, the keys outside ``[kv_lo, kv_hi)``
+    too. ``k_src``, ``v_src``: the kv head's rows (:func:`_rows_source`)."""
     offs_r = tl.arange(0, BLOCK_N)
     off = SK - SQ
     for i in range(steps):
@@ -288,6 +304,8 @@ def _dq_steps(
                 p = tl.where(offs_n[None, :] <= offs_m[:, None] + off, p, 0.0)
             else:
                 p = tl.where((offs_n < SK)[None, :], p, 0.0)
+        if PADDED:
+            p = tl.where(((offs_n >= kv_lo) & (offs_n < kv_hi))[None, :], p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
@@ -296,7 +314,7 @@ def _dq_steps(
 
 @triton.jit
 def attention_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, dq_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, stats_ptr, dq_ptr, kv_start_ptr, kv_end_ptr,
     SQ, SK, HQ, HK, STATS, qk_scale, scale,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
@@ -305,10 +323,12 @@ def attention_dq_kernel(
     stride_dqb, stride_dqs, stride_dqh, stride_dqd,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    KV_START: tl.constexpr = False, KV_END: tl.constexpr = False,
 ):
     """``dq`` of one block of ``BLOCK_M`` queries of head ``program_id(1) % HQ`` of batch
     ``program_id(1) // HQ``; program 0 takes the last block. TMA: k and v tiles through tensor
-    descriptors."""
+    descriptors. KV_START, KV_END: the batch sees only keys ``kv_start[b] <= j < kv_end[b]``: the
+    key blocks from the one holding ``kv_start[b]`` to ``kv_end[b]``, all masked."""
     m0 = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     bh = tl.program_id(1)
     b = (bh // HQ).to(tl.int64)
@@ -334,16 +354,28 @@ def attention_dq_kernel(
         full = SK // BLOCK_N
         masked_end = SK
     masked = tl.cdiv(tl.maximum(masked_end - full * BLOCK_N, 0), BLOCK_N)
+    lo = 0
+    hi = SK
+    if KV_START:
+        lo = tl.minimum(tl.maximum(tl.load(kv_start_ptr + b), 0), SK)
+    if KV_END:
+        hi = tl.maximum(tl.minimum(tl.load(kv_end_ptr + b), SK), 0)
+    PADDED: tl.constexpr = KV_START or KV_END
+    if PADDED:
+        # One masked walk over the key blocks from lo's to min(masked_end, hi).
+        full = lo // BLOCK_N
+        masked = tl.cdiv(tl.maximum(tl.minimum(masked_end, hi) - full * BLOCK_N, 0), BLOCK_N)
     k_src = _rows_source(k_ptr + b * stride_kb + hk * stride_kh, SK, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
     v_src = _rows_source(v_ptr + b * stride_vb + hk * stride_vh, SK, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
     q = _load_rows(q_base, m0, SQ, offs_r, offs_d, mask_d, stride_qs, stride_qd, False)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    dq = _dq_steps(dq, q, do, lse2, delta, k_src, v_src, 0, full, SQ, SK, qk_scale,
-                   offs_m, offs_d, mask_d, stride_ks, stride_kd, stride_vs, stride_vd,
-                   BLOCK_N, False, CAUSAL, INPUT_PRECISION, TMA)
+    if not PADDED:
+        dq = _dq_steps(dq, q, do, lse2, delta, k_src, v_src, 0, full, SQ, SK, qk_scale,
+                       offs_m, offs_d, mask_d, lo, hi, stride_ks, stride_kd, stride_vs, stride_vd,
+                       BLOCK_N, False, CAUSAL, INPUT_PRECISION, TMA)
     dq = _dq_steps(dq, q, do, lse2, delta, k_src, v_src, full * BLOCK_N, masked, SQ, SK,
-                   qk_scale, offs_m, offs_d, mask_d, stride_ks, stride_kd, stride_vs, stride_vd,
-                   BLOCK_N, True, CAUSAL, INPUT_PRECISION, TMA)
+                   qk_scale, offs_m, offs_d, mask_d, lo, hi, stride_ks, stride_kd, stride_vs, stride_vd,
+                   BLOCK_N, True, CAUSAL, INPUT_PRECISION, TMA, PADDED)
 
     dq *= scale
     rows = offs_m.to(tl.int64)[:, None]
@@ -406,8 +438,8 @@ def takes_tma(*tensors: torch.Tensor) -> bool:
 def backward_calls(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor,
                    dv: torch.Tensor, *, causal: bool, scale: float, profile: DeviceProfile,
-                   config: Config | None = None,
-                   stats: torch.Tensor | None = None) -> list[KernelCall]:
+                   config: Config | None = None, stats: torch.Tensor | None = None,
+                   kv_start: torch.Tensor | None = None, kv_end: torch.Tensor | None = None) -> list[KernelCall]:
     """The launches that write ``dq [B, Sq, Hq, D]``, ``dk`` and ``dv [B, Sk, Hk, D]`` (any strides,
     like every input; GQA groups summed in the kernel).
 
@@ -417,6 +449,8 @@ def backward_calls(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         tensor descriptors where :func:`takes_tma` allows.
     :param stats: the float32 scratch of :func:`stats_scratch`; allocated here when None (a
         plan that replays passes its own and declares it as scratch).
+    :param kv_start, kv_end: None, or int32 ``[B]`` (contiguous): the keys each batch saw in the
+        forward (key padding); the others get zero ``dk`` and ``dv``.
     """
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -426,7 +460,9 @@ def backward_calls(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         stats = stats_scratch(q)
     block_d = tile_width(d)
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
-    flags = {"HEAD_DIM": d, "BLOCK_D": block_d, "CAUSAL": bool(causal), "INPUT_PRECISION": precision}
+    flags = {"HEAD_DIM": d, "BLOCK_D": block_d, "CAUSAL": bool(causal), "INPUT_PRECISION": precision,
+             "KV_START": kv_start is not None, "KV_END": kv_end is not None}
+    bounds = (stats if kv_start is None else kv_start, stats if kv_end is None else kv_end)
     tma_dkdv = bool(config.get("DKDV_TMA", 0)) and takes_tma(q, dout)
     tma_dq = bool(config.get("DQ_TMA", 0)) and takes_tma(k, v)
     if (tma_dkdv or tma_dq) and q.device.type == "cuda":
@@ -444,13 +480,13 @@ def backward_calls(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     if b * hk * sk:
         calls.append(KernelCall(
             attention_dkdv_kernel, (cdiv(sk, config["DKDV_BLOCK_N"]), b * hk),
-            (q, k, v, dout, stats, dk, dv, *common, *dk.stride(), *dv.stride()),
+            (q, k, v, dout, stats, dk, dv, *bounds, *common, *dk.stride(), *dv.stride()),
             {**flags, "TMA": tma_dkdv, "BLOCK_M": config["DKDV_BLOCK_M"], "BLOCK_N": config["DKDV_BLOCK_N"],
              "num_warps": config["DKDV_WARPS"], "num_stages": config["DKDV_STAGES"]}))
     if b * hq * sq:
         calls.append(KernelCall(
             attention_dq_kernel, (cdiv(sq, config["DQ_BLOCK_M"]), b * hq),
-            (q, k, v, dout, stats, dq, *common, *dq.stride()),
+            (q, k, v, dout, stats, dq, *bounds, *common, *dq.stride()),
             {**flags, "TMA": tma_dq, "BLOCK_M": config["DQ_BLOCK_M"], "BLOCK_N": config["DQ_BLOCK_N"],
              "num_warps": config["DQ_WARPS"], "num_stages": config["DQ_STAGES"]}))
     return calls
@@ -478,9 +514,11 @@ def _tables(cos: torch.Tensor, sin: torch.Tensor, sq: int, compute: torch.dtype)
 
 def backward_reference(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                        lse: torch.Tensor, dlse: torch.Tensor | None, causal: bool,
-                       softmax_scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       softmax_scale: float | None, kv_start: torch.Tensor | None,
+                       kv_end: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of flash attention in torch (the module doc's formulas, P from the saved
-    lse; rows without keys give 0), in float32 or wider, returned in the inputs' dtypes."""
+    lse; rows without keys give 0; keys outside ``[kv_start[b], kv_end[b])`` masked), in float32
+    or wider, returned in the inputs' dtypes."""
     compute = torch.promote_types(q.dtype, torch.float32)
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -495,6 +533,11 @@ def backward_reference(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     if causal:
         seen = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
         p = torch.where(seen, p, 0.0)
+    keys = torch.arange(sk, device=q.device)
+    if kv_start is not None:
+        p = torch.where((keys[None, :] >= kv_start.to(q.device, torch.int64)[:, None])[:, None, None, :], p, 0.0)
+    if kv_end is not None:
+        p = torch.where((keys[None, :] < kv_end.to(q.device, torch.int64)[:, None])[:, None, None, :], p, 0.0)
     delta = torch.einsum("bihd,bihd->bhi", do_, o_)
     if dlse is not None:
         delta = delta - dlse.to(compute)
@@ -518,11 +561,13 @@ def _scale(q: torch.Tensor, softmax_scale: float | None) -> float:
 def backward_plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     """The launches for ``(dq, dk, dv)`` from ``args`` as :func:`backward_reference` takes them;
     ``config`` (the forward's) is not used: the backward has tiles of its own."""
-    dout, q, k, v, out, lse, dlse, causal, softmax_scale = args
+    dout, q, k, v, out, lse, dlse, causal, softmax_scale = args[:9]
+    kv_start, kv_end = (*args[9:], None, None)[:2]  # trailing optional bounds may be left off
     dq, dk, dv = backward_results(dout, q, k, v)
     stats = stats_scratch(q)
     calls = backward_calls(dout, q, k, v, out, lse, dlse, dq, dk, dv, causal=causal,
-                           scale=_scale(q, softmax_scale), profile=profile, stats=stats)
+                           scale=_scale(q, softmax_scale), profile=profile, stats=stats,
+                           kv_start=kv_start, kv_end=kv_end)
     return LaunchPlan(calls, (dq, dk, dv), scratch=(stats,))
 
 
@@ -541,7 +586,7 @@ def rotary_backward_reference(dout: torch.Tensor, q: torch.Tensor, k: torch.Tens
     q_rot = q_ * cq + _rotate_half(q_, interleaved) * sq_
     k_rot = k_ * ck + _rotate_half(k_, interleaved) * sk_
     dq_rot, dk_rot, dv = backward_reference(dout.to(compute), q_rot, k_rot, v.to(compute), out.to(compute), lse,
-                                            None, causal, _scale(q, softmax_scale))
+                                            None, causal, _scale(q, softmax_scale), None, None)
     dq = dq_rot * cq - _rotate_half(dq_rot * sq_, interleaved)
     dk = dk_rot * ck - _rotate_half(dk_rot * sk_, interleaved)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dq_rot.to(q.dtype), dk_rot.to(k.dtype)

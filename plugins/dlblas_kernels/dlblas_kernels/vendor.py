@@ -9,7 +9,7 @@ Each is a :class:`~dlcore.declarations.implementation.VendorImplementation` (``m
 never returns something slower than the library it measured; ``DLCORE_DISABLE_IMPLS=matmul:torch``
 leaves one out. The ops' float64 references stay the correctness oracle. The cpu backend declines
 them (its kernels run in the interpreter). An SDPA candidate's ``supports`` declines what its
-backend refuses (float32, ``return_lse=True``, head dimensions SDPA does not take, cuDNN's
+backend refuses (float32, ``return_lse=True``, key padding, head dimensions SDPA does not take, cuDNN's
 bottom-right causal mask, devices other than NVIDIA GPUs from sm_80), so that selection never
 times a call that would raise.
 
@@ -31,11 +31,7 @@ from torch.nn.attention import SDPBackend
 
 from dlblas_kernels.gemm import ACTIVATIONS
 from dlblas_kernels.sdpa import sdpa_attention
-from dlcore import hookimpl
-from dlcore.declarations.device import DeviceProfile
-from dlcore.declarations.implementation import Implementation, VendorImplementation
-from dlcore.declarations.signature import Signature
-from dlcore.errors import InvalidInputError
+from dlcore.api import DeviceProfile, Implementation, InvalidInputError, Signature, VendorImplementation, hookimpl
 
 
 def _grad_wanted(*tensors: torch.Tensor) -> bool:
@@ -115,25 +111,31 @@ def ffn(x: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None, rms_w
 SDPA_MAX_HEAD_DIM = 256
 
 
-def _no_lse(return_lse: bool) -> None:
+def _no_lse(return_lse: bool, kv_start: torch.Tensor | None, kv_end: torch.Tensor | None) -> None:
     if return_lse:
         raise InvalidInputError("flash_attention_v2", "return_lse", "is True",
                                 "return_lse=False from an SDPA candidate (SDPA returns no log-sum-exp)")
+    for name, bound in (("kv_start", kv_start), ("kv_end", kv_end)):
+        if bound is not None:
+            raise InvalidInputError("flash_attention_v2", name, "is given",
+                                    f"{name}=None from an SDPA candidate (its flash and cuDNN backends take no mask)")
 
 
 def sdpa_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-               softmax_scale: float | None = None, return_lse: bool = False) -> torch.Tensor:
+               softmax_scale: float | None = None, return_lse: bool = False, kv_start: torch.Tensor | None = None,
+               kv_end: torch.Tensor | None = None) -> torch.Tensor:
     """flash_attention_v2 by SDPA's FlashAttention-2 backend (:func:`sdpa_attention`)."""
-    _no_lse(return_lse)
+    _no_lse(return_lse, kv_start, kv_end)
     return sdpa_attention(q, k, v, causal, softmax_scale, SDPBackend.FLASH_ATTENTION)
 
 
 def sdpa_cudnn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-               softmax_scale: float | None = None, return_lse: bool = False) -> torch.Tensor:
+               softmax_scale: float | None = None, return_lse: bool = False, kv_start: torch.Tensor | None = None,
+               kv_end: torch.Tensor | None = None) -> torch.Tensor:
     """flash_attention_v2 by SDPA's cuDNN backend (:func:`sdpa_attention`). cuDNN has no bottom-right
     causal mask: a causal call with Sq != Sk runs the flash backend instead (the candidate declines
     such signatures, but lengths rounded into one bucket may still bring one here)."""
-    _no_lse(return_lse)
+    _no_lse(return_lse, kv_start, kv_end)
     bottom_right = causal and q.shape[1] != k.shape[1]
     backend = SDPBackend.FLASH_ATTENTION if bottom_right else SDPBackend.CUDNN_ATTENTION
     return sdpa_attention(q, k, v, causal, softmax_scale, backend)
@@ -168,6 +170,8 @@ def _sdpa_declines(signature: Signature, profile: DeviceProfile) -> str | None:
         return off
     if signature.scalar("return_lse"):
         return "SDPA returns no log-sum-exp (return_lse=True)"
+    if any(name in ("kv_start", "kv_end") for name, _ in signature.tensors):
+        return "SDPA's flash and cuDNN backends take no key padding (kv_start, kv_end)"
     return _head_dim_declines(signature)
 
 

@@ -16,6 +16,14 @@ and only the diagonal's masked, tiles moved by the copy engine on Hopper. ``retu
 returns ``lse``; the custom op computes it always, for the backward
 (:class:`~dlcore.runtime.template.Residuals` shown by ``return_lse``). Backward: the attention
 block's backward kernels (:mod:`dlblas_kernels.attention_grad`), from q, k, v, out and lse.
+
+Key padding (FlashAttention's varlen API in a padded batch): ``kv_start`` and ``kv_end``, each
+None or int32 ``[B]``, restrict batch ``b`` to the keys ``kv_start[b] <= j < kv_end[b]`` (bounds
+clamped to ``[0, Sk]``; absent: 0 and Sk). Left padding (transformers' ``generate``) is a
+``kv_start``, right padding a ``kv_end``. The causal mask stays bottom-right over the whole ``Sk``;
+a query row that sees no key (a left-padded row under the causal mask) gets ``out = 0``,
+``lse = -inf``, and masked keys get zero ``dk`` and ``dv``. Without them the kernels compile
+without the padding code (constexpr-gated). SDPA's flash and cuDNN candidates decline key padding.
 """
 
 from __future__ import annotations
@@ -53,11 +61,12 @@ MAX_PER_THREAD = 128
 # --- reference -----------------------------------------------------------------------------------
 
 def flash_attention_v2_training_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                                          softmax_scale: float | None = None, return_lse: bool = False
+                                          softmax_scale: float | None = None, return_lse: bool = False,
+                                          kv_start: torch.Tensor | None = None, kv_end: torch.Tensor | None = None
                                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(out, lse)`` of ``softmax(scale * q k^T) v`` in float32 (or wider), the causal mask aligned
-    bottom-right; rows that see no key give ``out = 0``, ``lse = -inf``. ``out`` in q's dtype, ``lse``
-    in float32 (float64 for float64 inputs)."""
+    bottom-right, keys outside ``[kv_start[b], kv_end[b])`` masked; rows that see no key give
+    ``out = 0``, ``lse = -inf``. ``out`` in q's dtype, ``lse`` in float32 (float64 for float64 inputs)."""
     compute = torch.promote_types(q.dtype, torch.float32)
     sq, hq, d = q.shape[1:]
     sk, hk = k.shape[1:3]
@@ -71,6 +80,9 @@ def flash_attention_v2_training_reference(q: torch.Tensor, k: torch.Tensor, v: t
         rows = torch.arange(sq, device=q.device)[:, None]
         keys = torch.arange(sk, device=q.device)[None, :]
         scores = scores.masked_fill(keys > rows + (sk - sq), float("-inf"))
+    padded = key_padding_mask(kv_start, kv_end, q.shape[0], sk, q.device)
+    if padded is not None:
+        scores = scores.masked_fill(~padded[:, None, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     # exp(-inf - -inf) is NaN on the rows that see no key: their weights are 0 (a NaN from the inputs stays NaN).
     weights = torch.exp(scores - lse[..., None]).masked_fill(torch.isneginf(lse)[..., None], 0.0)
@@ -78,11 +90,27 @@ def flash_attention_v2_training_reference(q: torch.Tensor, k: torch.Tensor, v: t
     return out.to(q.dtype), lse.to(compute)
 
 
+def key_padding_mask(kv_start: torch.Tensor | None, kv_end: torch.Tensor | None, batch: int, sk: int,
+                     device: torch.device) -> torch.Tensor | None:
+    """The boolean ``[B, Sk]`` mask of the keys ``kv_start[b] <= j < kv_end[b]`` each batch sees,
+    or None without either bound."""
+    if kv_start is None and kv_end is None:
+        return None
+    keys = torch.arange(sk, device=device)[None, :]
+    seen = torch.ones(batch, sk, dtype=torch.bool, device=device)
+    if kv_start is not None:
+        seen &= keys >= kv_start.to(device=device, dtype=torch.int64)[:, None]
+    if kv_end is not None:
+        seen &= keys < kv_end.to(device=device, dtype=torch.int64)[:, None]
+    return seen
+
+
 def flash_attention_v2_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                                 softmax_scale: float | None = None,
-                                 return_lse: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                                 softmax_scale: float | None = None, return_lse: bool = False,
+                                 kv_start: torch.Tensor | None = None, kv_end: torch.Tensor | None = None
+                                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``out``, or ``(out, lse)`` with ``return_lse``: see :func:`flash_attention_v2_training_reference`."""
-    out, lse = flash_attention_v2_training_reference(q, k, v, causal, softmax_scale)
+    out, lse = flash_attention_v2_training_reference(q, k, v, causal, softmax_scale, False, kv_start, kv_end)
     return (out, lse) if return_lse else out
 
 
@@ -107,11 +135,14 @@ def scale_of(q: torch.Tensor, softmax_scale: float | None) -> float:
 def _calls(args: tuple, config: Config, profile: DeviceProfile, out: torch.Tensor,
            lse: torch.Tensor) -> tuple[list, tuple]:
     """The launches and the scratch tensors they use (the decode block's split partials)."""
-    q, k, v, causal, softmax_scale, _ = args
+    q, k, v, causal, softmax_scale = args[:5]
+    kv_start, kv_end = (*args[6:], None, None)[:2]  # trailing optional bounds may be left off
     scale = scale_of(q, softmax_scale)
     if attention_decode.use_decode(q, k, profile):
-        return attention_decode.decode_calls(q, k, v, out, lse, causal=causal, scale=scale, profile=profile)
-    return forward_calls(q, k, v, out, lse, causal=causal, scale=scale, config=config, profile=profile), ()
+        return attention_decode.decode_calls(q, k, v, out, lse, causal=causal, scale=scale, profile=profile,
+                                             kv_start=kv_start, kv_end=kv_end)
+    return forward_calls(q, k, v, out, lse, causal=causal, scale=scale, config=config, profile=profile,
+                         kv_start=kv_start, kv_end=kv_end), ()
 
 
 def training_plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
@@ -219,6 +250,9 @@ def check(op: Op, args: dict[str, Any]) -> None:
         raise InvalidInputError(op.name, "k", f"has {hk} heads, which do not divide q's {hq}",
                                 "k [B, Sk, Hk, D] with Hk dividing Hq (grouped-query attention)")
     op.expect_shape("v", v, tuple(k.shape), "[B, Sk, Hk, D]: the shape of k")
+    for name in ("kv_start", "kv_end"):
+        if args.get(name) is not None:  # fused_rotary_and_fa shares these checks and has no bounds
+            op.expect_shape(name, args[name], (batch,), f"[B]: one bound per batch of q (B = {batch})")
 
 
 def example(sizes: dict[str, int], dtype: torch.dtype, device: torch.device, generator: torch.Generator) -> tuple:
@@ -229,7 +263,7 @@ def example(sizes: dict[str, int], dtype: torch.dtype, device: torch.device, gen
     q = torch.randn(batch, seq, sizes["heads"], d, generator=generator)
     k = torch.randn(batch, kv_seq, sizes["kv_heads"], d, generator=generator)
     v = torch.randn(batch, kv_seq, sizes["kv_heads"], d, generator=generator)
-    return (*(t.to(device=device, dtype=dtype) for t in (q, k, v)), bool(sizes["causal"]), None, False)
+    return (*(t.to(device=device, dtype=dtype) for t in (q, k, v)), bool(sizes["causal"]), None, False, None, None)
 
 
 def attended_pairs(sq: int, sk: int, causal: bool) -> int:
@@ -248,7 +282,7 @@ def cost(args: tuple, mode: str = "fwd") -> tuple[int, int]:
     attended pair, ``4 * D`` flops (halved by the causal mask at Sq = Sk). Backward: read dout, q,
     k, v, out and lse, write dq, dk and dv; 2.5 times the forward's flops (recomputing ``q . k``, then
     ``dv``, ``dp``, ``dq`` and ``dk``)."""
-    q, k, v, causal, _, return_lse = args
+    q, k, v, causal, _, return_lse = args[:6]
     batch, sq, hq, d = q.shape
     size = q.element_size()
     lse = batch * hq * sq * 4
@@ -260,12 +294,14 @@ def cost(args: tuple, mode: str = "fwd") -> tuple[int, int]:
 
 
 def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                    softmax_scale: float | None = None, return_lse: bool = False) -> torch.Tensor:
+                    softmax_scale: float | None = None, return_lse: bool = False,
+                    kv_start: torch.Tensor | None = None, kv_end: torch.Tensor | None = None) -> torch.Tensor:
     """What a model runs in eager torch: ``F.scaled_dot_product_attention`` on ``[B, H, S, D]`` views,
-    the backend torch picks (flash, cuDNN, memory-efficient or math)."""
+    the backend torch picks (flash, cuDNN, memory-efficient or math); key padding as a boolean mask."""
     if return_lse:
         raise NotImplementedError("SDPA returns no log-sum-exp")
-    return sdpa_attention(q, k, v, causal, softmax_scale)
+    return sdpa_attention(q, k, v, causal, softmax_scale,
+                          key_mask=key_padding_mask(kv_start, kv_end, q.shape[0], k.shape[1], q.device))
 
 
 def _sdpa_baseline(name: str):
@@ -277,9 +313,11 @@ def _sdpa_baseline(name: str):
         if backend is None or not torch.cuda.is_available():
             return None
 
-        def run(q, k, v, causal=False, softmax_scale=None, return_lse=False):
+        def run(q, k, v, causal=False, softmax_scale=None, return_lse=False, kv_start=None, kv_end=None):
             if return_lse:
                 raise NotImplementedError("SDPA returns no log-sum-exp")
+            if kv_start is not None or kv_end is not None:
+                raise NotImplementedError("SDPA's flash and cuDNN backends take no key padding here")
             return sdpa_attention(q, k, v, causal, softmax_scale, backend)
 
         return run
@@ -296,10 +334,15 @@ OP = Op(
         ScalarArg("causal", (bool,), default=False, keyed=True),
         ScalarArg("softmax_scale", (float, int, type(None)), default=None, finite=True),
         ScalarArg("return_lse", (bool,), default=False, keyed=True),
+        TensorArg("kv_start", (torch.int32,), max_rank=1, layouts=("contiguous",), differentiable=False,
+                  optional=True),
+        TensorArg("kv_end", (torch.int32,), max_rank=1, layouts=("contiguous",), differentiable=False,
+                  optional=True),
     ),
     reference=flash_attention_v2_reference,
     doc="softmax(scale * q k^T) v, q [B, Sq, Hq, D], k and v [B, Sk, Hk, D] (GQA), causal bottom-right; "
-        "return_lse: also the log-sum-exp [B, Hq, Sq]",
+        "return_lse: also the log-sum-exp [B, Hq, Sq]; kv_start, kv_end: int32 [B], the keys each batch sees "
+        "(key padding)",
     check=check,
     example=example,
     example_sizes={"batch": 2, "seq": 37, "kv_seq": 0, "heads": 4, "kv_heads": 2, "head_dim": 64, "causal": 0},
@@ -315,12 +358,13 @@ OP = Op(
 
 def _gradients(backward, saved, grads, needs) -> dict:
     dq, dk, dv = backward(grads[0], saved.q, saved.k, saved.v, saved.out, saved.lse, grads[1], saved.causal,
-                          saved.softmax_scale)
+                          saved.softmax_scale, saved.kv_start, saved.kv_end)
     return {"q": dq, "k": dk, "v": dv}
 
 
 BACKWARD = Backward(
-    _gradients, saved=("q", "k", "v", "out", "lse", "causal", "softmax_scale"), plan=attention_grad.backward_plan,
+    _gradients, saved=("q", "k", "v", "out", "lse", "causal", "softmax_scale", "kv_start", "kv_end"),
+    plan=attention_grad.backward_plan,
     reference=attention_grad.backward_reference, results=attention_grad.backward_results,
     residuals=Residuals(("lse",), training_plan, training_outputs, flash_attention_v2_training_reference,
                         shown_by="return_lse"),
