@@ -110,31 +110,31 @@ def unwarned(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_logits_padded_batch_and_greedy_generate(family, monkeypatch):
+def test_logits_padded_batch_and_greedy_generate(family, unwarned):
     reference, patched = models(family)
-    ids = tokens(2, 9)
-    with torch.no_grad():
+    ids = tokens(3, 9)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", ModelFallbackWarning)
         assert_close(patched(ids).logits, reference(ids).logits)
 
-        # row 0 left-padded, row 1 right-padded: the padded positions' logits are nobody's
+        # row 0 left-padded, row 1 right-padded, row 2 whole: flash_attention_v2 with kv_start and
+        # kv_end. Every position matches, the padded ones too: a left-padded query sees no key and
+        # gives 0 in both (SDPA's fully masked rows), a right-padded one the valid keys.
         mask = torch.ones_like(ids)
         mask[0, :3], mask[1, -2:] = 0, 0
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", ModelFallbackWarning)
-            got, want = patched(ids, attention_mask=mask).logits, reference(ids, attention_mask=mask).logits
-        valid = mask.bool()
-        assert_close(got[valid], want[valid])
+        assert_close(patched(ids, attention_mask=mask).logits, reference(ids, attention_mask=mask).logits)
 
-    # prefill, then decoding steps of one query against the KV cache, all on dlcore's kernels
-    monkeypatch.setattr(integration.fallback, "_warned", set())
-    prompt = tokens(2, 5, seed=2)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ModelFallbackWarning)
-        generated = patched.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4,
-                                     do_sample=False, pad_token_id=0)
-    expected = reference.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4,
-                                  do_sample=False, pad_token_id=0)
-    assert torch.equal(generated, expected)
+        # prefill, then decoding steps of one query against the KV cache, all on dlcore's kernels:
+        # a whole batch, and a left-padded one (as generate pads)
+        prompt = tokens(2, 5, seed=2)
+        left = torch.ones_like(prompt)
+        left[1, :2] = 0
+        for prompt_mask in (torch.ones_like(prompt), left):
+            generated = patched.generate(prompt, attention_mask=prompt_mask, max_new_tokens=4, do_sample=False,
+                                         pad_token_id=0)
+            expected = reference.generate(prompt, attention_mask=prompt_mask, max_new_tokens=4, do_sample=False,
+                                          pad_token_id=0)
+            assert torch.equal(generated, expected)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -290,6 +290,8 @@ def test_mask_function_skips_only_the_plain_causal_mask():
     ones = torch.ones(2, 9, dtype=torch.bool)
     padded = ones.clone()
     padded[0, :3] = False
+    holed = ones.clone()
+    holed[1, 4] = False  # a row whose keys are two runs
 
     def mask(**kwargs):
         return attention.dlcore_mask(**{"batch_size": 2, "q_length": 9, "kv_length": 9, **kwargs})
@@ -300,13 +302,51 @@ def test_mask_function_skips_only_the_plain_causal_mask():
     assert mask(q_length=3, q_offset=6, attention_mask=ones) is None  # a chunk against the cache
     window = sliding_window_causal_mask_function(16)
     assert mask(mask_function=window, local_size=16) is None  # a window no position reaches
-    built = mask(attention_mask=padded)
-    assert built.dtype == torch.bool and built.shape == (2, 1, 9, 9) and not built[0, :, :, :3].any()
+    left = mask(attention_mask=padded)
+    assert isinstance(left, attention.KeyPadding) and left.kv_end is None
+    assert left.kv_start.dtype == torch.int32 and left.kv_start.tolist() == [3, 0]
+    right = mask(attention_mask=padded.flip(1))
+    assert right.kv_start is None and right.kv_end.tolist() == [6, 9]
+    both = padded.clone()
+    both[1, 7:] = False
+    both[1, :2] = False
+    both = mask(attention_mask=both)
+    assert both.kv_start.tolist() == [3, 2] and both.kv_end.tolist() == [9, 7]
+    decoding = mask(q_length=1, q_offset=8, attention_mask=padded)  # decoding a left-padded batch
+    assert decoding.kv_start.tolist() == [3, 0]
+    built = mask(attention_mask=holed)
+    assert built.dtype == torch.bool and built.shape == (2, 1, 9, 9) and not built[1, :, :, 4].any()
+    dense = left.dense(9, 9, True)
+    assert torch.equal(dense, attention.sdpa_mask(batch_size=2, q_length=9, kv_length=9, attention_mask=padded,
+                                                  allow_is_causal_skip=False))
     assert mask(mask_function=sliding_window_causal_mask_function(4), local_size=4) is not None
     assert mask(q_length=1, q_offset=3, kv_length=9) is not None  # a static cache's empty slots
     assert mask(allow_is_causal_skip=False) is not None
     assert mask(mask_function=lambda b, h, q, kv: kv <= q, local_size=None) is not None  # someone else's mask
     assert mask(mask_function=causal_mask_function, q_offset=torch.tensor(0)) is not None
+    assert mask(mask_function=sliding_window_causal_mask_function(4), local_size=4, attention_mask=padded
+                ).dtype == torch.bool
+
+
+@pytest.mark.parametrize(("sq", "sk"), [(9, 9), (3, 9), (1, 9)], ids=["prefill", "chunk", "decode"])
+def test_attention_takes_key_padding(sq, sk):
+    """A KeyPadding mask runs flash_attention_v2 with its bounds: SDPA with the same mask, the
+    rows that see no key 0 in both."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(3, 4, sq, 16, generator=gen).to(DEVICE)
+    k = torch.randn(3, 2, sk, 16, generator=gen).to(DEVICE)
+    v = torch.randn(3, 2, sk, 16, generator=gen).to(DEVICE)
+    layer = torch.nn.Module()
+    layer.is_causal, layer.num_key_value_groups = True, 2
+    padding = attention.KeyPadding(torch.tensor([3, 0, 0], dtype=torch.int32, device=DEVICE),
+                                   torch.tensor([9, 7, 9], dtype=torch.int32, device=DEVICE))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ModelFallbackWarning)
+        out, weights = attention.dlcore_attention(layer, q, k, v, padding, scaling=0.3)
+    expected = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                              attn_mask=padding.dense(sq, sk, sq > 1), scale=0.3)
+    assert weights is None
+    assert_close(out, expected.transpose(1, 2))
 
 
 @pytest.mark.parametrize(("sq", "sk", "dq", "dv"), [(3, 7, 16, 16), (1, 7, 16, 16), (5, 5, 24, 16)])

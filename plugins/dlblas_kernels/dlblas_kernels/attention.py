@@ -68,7 +68,10 @@ import triton.language as tl
 from dlblas_kernels.gemm import TMA_ALIGNMENT, TMA_ARCHS, fit_stages
 from dlblas_kernels.kernels.apply_rotary_pos_emb import rotate_pairs
 from dlblas_kernels.npu import on_npu
-from dlcore.api import Config, DeviceProfile, KernelCall, cdiv, ensure_allocator, next_power_of_2
+from dlcore.declarations.device import DeviceProfile
+from dlcore.declarations.implementation import Config, KernelCall
+from dlcore.declarations.signature import cdiv, next_power_of_2
+from dlcore.runtime.allocator import ensure_allocator
 
 LOG2E = 1.4426950408889634
 #: tl.dot's smallest reduction: narrower heads (and pair halves) are padded to it
@@ -238,10 +241,10 @@ def attention_forward_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_P: tl.constexpr, CAUSAL: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr,
     TMA: tl.constexpr, INPUT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    KV_START: tl.constexpr = False, KV_END: tl.constexpr = False,
 ):
     """``BLOCK_M`` query rows of one (batch, query head) per program, over a 1-D grid (see the
     module doc for the order). ``qk_scale`` is ``scale * log2(e)``; query head ``h`` reads kv head
-    KV_START: tl.constexpr = False, KV_END: tl.constexpr = False,
     ``h // GROUP``; ``out`` has a unit D stride; ``lse`` is ``[B, HQ, SQ]`` contiguous. BLOCK_P is
     the width of a rotary pair half (ROTARY only). WARP_SPECIALIZE: one warp-specialised loop over
     every key block, each masked (see the module doc). KV_START, KV_END: batch ``b`` sees only
@@ -318,9 +321,6 @@ def attention_forward_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
-    if WARP_SPECIALIZE:
-        acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_b, first, end, k_src, k_src2, v_src, cos_src, cos_src2,
-                                sin_src, sin_src2, offs_m, offs_n, offs_d, p, SK, diagonal, qk_scale, lo, hi,
     # Key padding: batch b's keys are [lo, hi) (clamped to [0, SK]: out-of-range bounds read nothing
     # out of bounds). The blocks run [first, full_lo) masked (the one cut by lo), [full_lo, full_hi)
     # whole, [full_hi, end) masked (cut by hi, the diagonal or SK).
@@ -337,6 +337,9 @@ def attention_forward_kernel(
         first = lo // BLOCK_N * BLOCK_N
         full_lo = tl.minimum(tl.cdiv(lo, BLOCK_N) * BLOCK_N, end)
         full = tl.maximum(tl.minimum(full, hi // BLOCK_N * BLOCK_N), full_lo)
+    if WARP_SPECIALIZE:
+        acc, l_i, m_i = _attend(acc, l_i, m_i, q, q_b, first, end, k_src, k_src2, v_src, cos_src, cos_src2,
+                                sin_src, sin_src2, offs_m, offs_n, offs_d, p, SK, diagonal, qk_scale, lo, hi,
                                 stride_ks, stride_kd, stride_vs, stride_vd,
                                 stride_cos_s, stride_cos_d, stride_sin_s, stride_sin_d,
                                 HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_P, True, CAUSAL, ROTARY, INTERLEAVED, TMA,
@@ -493,12 +496,12 @@ def forward_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
     :param rotary: ``(cos, sin, interleaved)``: apply_rotary_pos_emb's rotation to the q and k tiles
         after loading (cos and sin ``[Sk, D]`` or ``[B, Sk, D]``, any strides; query ``i`` uses row
         ``Sk - Sq + i``, key ``j`` row ``j``).
-    """
-    batch, sq, hq, d = q.shape
-    sk, hk = k.shape[1], k.shape[2]
     :param kv_start, kv_end: None, or int32 ``[B]`` (contiguous): batch ``b`` sees only the keys
         ``kv_start[b] <= j < kv_end[b]`` (key padding: left padding a ``kv_start``, right padding a
         ``kv_end``); rows that see no key get ``out = 0``, ``lse = -inf``.
+    """
+    batch, sq, hq, d = q.shape
+    sk, hk = k.shape[1], k.shape[2]
     if batch * sq * hq == 0:
         return []
     config = fit_npu(fit(config, d, q.element_size(), profile, rotary is not None), d, causal, profile)

@@ -4,7 +4,7 @@ overflow."""
 
 from __future__ import annotations
 
-from dlcore.api import DeviceProfile
+from dlcore.declarations.device import DeviceProfile
 
 
 def on_npu(profile: DeviceProfile | None) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dlcore.api import LoweringError
+from dlcore.errors import LoweringError
 
 GiB = 2**30
 MiB = 2**20

@@ -30,7 +30,9 @@ from pathlib import Path
 
 from dlc_ascend import invoke
 from dlc_ascend.toolchain import ADAPTER, locate
-from dlcore.api import Pass, StageContext, hookimpl
+from dlcore import hookimpl
+from dlcore.compiler.passes import Pass
+from dlcore.compiler.stages import StageContext
 
 STAGE = "linalg"
 #: the pass that makes linalg of ttir; the pipeline does not run without it

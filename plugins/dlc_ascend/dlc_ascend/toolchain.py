@@ -16,19 +16,10 @@ from __future__ import annotations
 
 import platform
 
-from dlcore.api import (
-    Fetched,
-    FetchRequest,
-    Found,
-    PinnedWheel,
-    Probe,
-    Tool,
-    Toolchain,
-    ToolFetchError,
-    find_tool,
-    locate_tool,
-    take_tool,
-)
+from dlcore.compiler import toolchain as tools
+from dlcore.compiler.toolchain import Fetched, FetchRequest, Found, Probe, Tool, Toolchain
+from dlcore.compiler.wheels import PinnedWheel, take_tool
+from dlcore.errors import ToolFetchError
 
 ADAPTER = Tool(
     name="triton-adapter-opt",
@@ -105,9 +96,9 @@ TOOLS: dict[str, Tool] = {t.name: t for t in TOOLCHAIN.tools}
 
 def find(name: str) -> Found | None:
     """Where Ascend tool ``name`` is, or ``None`` (see :func:`dlcore.compiler.toolchain.find`)."""
-    return find_tool(TOOLCHAIN, name)
+    return tools.find(TOOLCHAIN, name)
 
 
 def locate(name: str) -> Found:
     """Where Ascend tool ``name`` is, or :class:`~dlcore.errors.ToolchainMissingError` saying how to get it."""
-    return locate_tool(TOOLCHAIN, name)
+    return tools.locate(TOOLCHAIN, name)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from dlcore.api import DeviceProfile
+from dlcore.declarations.device import DeviceProfile
 
 
 def _positive(value: Any) -> int:

@@ -29,18 +29,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dlc_mlu import toolchain
-from dlcore.api import (
-    Lowering,
-    LoweringError,
-    StageOutput,
-    Tool,
-    ToolchainMissingError,
-    lower_with_triton,
-    parse_target,
-)
+from dlcore.compiler.lowering import Lowering, lower_with_triton, parse_target
+from dlcore.compiler.stages import StageOutput
+from dlcore.compiler.toolchain import Tool
+from dlcore.errors import LoweringError, ToolchainMissingError
 
 if TYPE_CHECKING:
-    from dlcore.api import KernelCall, Pipeline
+    from dlcore.compiler.passes import Pipeline
+    from dlcore.declarations.implementation import KernelCall
 
 PLANNED = ("ttir", "linalg", "mlisa", "cnbin")
 GROUP = "dlc_mlu.stages"

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dlcore.api import DlcoreError
+from dlcore import DlcoreError
 
 
 class ExchangeKind(enum.Enum):

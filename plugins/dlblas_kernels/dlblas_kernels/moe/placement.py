@@ -15,7 +15,7 @@ from functools import cached_property
 
 import torch
 
-from dlcore.api import InvalidInputError
+from dlcore import InvalidInputError
 
 
 @dataclass(frozen=True)

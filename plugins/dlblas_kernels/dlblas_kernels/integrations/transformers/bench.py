@@ -55,7 +55,9 @@ from typing import Any
 
 import torch
 
-from dlcore.api import first_line, table, versions
+from dlcore.bench.harness import versions
+from dlcore.bench.table import table
+from dlcore.bench.timing import first_line
 
 #: where the command writes its JSON by default (from the repository's root)
 DEFAULT_OUT = os.path.join("docs", "results", "e2e")

@@ -13,7 +13,7 @@ import warnings
 import torch
 from torch import nn
 
-from dlcore.api import FallbackWarning
+from dlcore import FallbackWarning
 
 
 class ModelFallbackWarning(FallbackWarning):
@@ -23,8 +23,8 @@ class ModelFallbackWarning(FallbackWarning):
 class Reason(enum.Enum):
     """What a dlcore op cannot take; the value is the sentence the warning says."""
 
-    MASK = ("its attention mask is not plain causal (padding, a sliding window the sequence reaches, "
-            "packed sequences or a custom 4-D mask)")
+    MASK = ("its attention mask is neither causal nor causal with key padding (padding that leaves a row's "
+            "keys more than one run, a sliding window the sequence reaches, packed sequences or a custom 4-D mask)")
     SOFTCAP = "logit soft-capping"
     DROPOUT = "attention dropout in training"
     OUTPUT_ATTENTIONS = "the attention weights are asked for (output_attentions)"
