@@ -17,11 +17,12 @@ nothing: a file already there with other content stays, and the new one is writt
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from dlcore.compiler.passes import EVERY_IR_STAGE, Pass
-from dlcore.compiler.stages import StageContext, extension, ir_text
+from dlcore.compiler.stages import StageContext, StageOutput, extension, ir_text
 from dlcore.plugins.hookspecs import hookimpl
 
 NAME = "ir_dump"
@@ -67,6 +68,14 @@ def file_name(index: int, stage: str, ext: str, after_pass: str = "", step: int 
     """``<nn>-<stage>.<ext>``, or for the IR after pass number ``step`` of the stage,
     ``<nn>-<stage>.<step>-<pass>.<ext>``."""
     return f"{index:02d}-{stage}.{step}-{after_pass}.{ext}" if after_pass else f"{index:02d}-{stage}.{ext}"
+
+
+def dump_after_pass(output: StageOutput, step: int, context: StageContext, passes: Iterable[Pass]) -> None:
+    """Under ``DLC_DUMP_IR`` (the ``ir_dump`` pass among a stage's ``passes``), the IR after pass number
+    ``step`` of a stage a backend runs pass by pass itself, beside the stage's own file."""
+    if any(p.name == NAME for p in passes):
+        name = file_name(context.index, output.stage, output.extension, output.after_pass, step)
+        write_new(folder_for(context) / name, output.ir)
 
 
 def dump_stage(module: Any, stage: StageContext) -> None:

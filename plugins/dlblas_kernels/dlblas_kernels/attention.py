@@ -68,10 +68,7 @@ import triton.language as tl
 from dlblas_kernels.gemm import TMA_ALIGNMENT, TMA_ARCHS, fit_stages
 from dlblas_kernels.kernels.apply_rotary_pos_emb import rotate_pairs
 from dlblas_kernels.npu import on_npu
-from dlcore.declarations.device import DeviceProfile
-from dlcore.declarations.implementation import Config, KernelCall
-from dlcore.declarations.signature import cdiv, next_power_of_2
-from dlcore.runtime.allocator import ensure_allocator
+from dlcore.api import Config, DeviceProfile, KernelCall, cdiv, ensure_allocator, next_power_of_2
 
 LOG2E = 1.4426950408889634
 #: tl.dot's smallest reduction: narrower heads (and pair halves) are padded to it

@@ -40,10 +40,7 @@ import triton
 import triton.language as tl
 
 from dlblas_kernels.attention import block_d as tile_width
-from dlcore import InvalidInputError
-from dlcore.declarations.device import DeviceProfile
-from dlcore.declarations.implementation import Config, KernelCall
-from dlcore.declarations.signature import cdiv, next_power_of_2
+from dlcore.api import Config, DeviceProfile, InvalidInputError, KernelCall, cdiv, next_power_of_2
 
 OP = "flash_attention_v2"
 #: the fewest rows tl.dot takes (the M of the query tile is padded up to it)
@@ -68,13 +65,13 @@ def decode_split_kernel(
     Sq, Sk, keys_per_split, qk_scale,
     stride_qb, stride_qs, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
-    kv_start_ptr, kv_end_ptr,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_ob, stride_os, stride_oh, stride_osplit, stride_od,
-    KV_START: tl.constexpr = False, KV_END: tl.constexpr = False,
     stride_lb, stride_lh, stride_ls, stride_lsplit,
+    kv_start_ptr, kv_end_ptr,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    KV_START: tl.constexpr = False, KV_END: tl.constexpr = False,
 ):
     # Program (split, kv head hk, batch b): the GROUP * Sq query rows of kv head hk (row r: query
     # r % Sq of head hk * GROUP + r // Sq) against keys [split * keys_per_split, ...). o and lse:
@@ -93,13 +90,13 @@ def decode_split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
 
     q = tl.load(q_ptr + b * stride_qb + qi[:, None] * stride_qs + h[:, None] * stride_qh + d[None, :] * stride_qd,
+                mask=own, other=0.0)
+    start = split.to(tl.int64) * keys_per_split
+    end = tl.minimum(start + keys_per_split, Sk)
     if KV_START:
         start = tl.maximum(start, tl.load(kv_start_ptr + b).to(tl.int64))
     if KV_END:
         end = tl.minimum(end, tl.load(kv_end_ptr + b).to(tl.int64))
-                mask=own, other=0.0)
-    start = split.to(tl.int64) * keys_per_split
-    end = tl.minimum(start + keys_per_split, Sk)
     # bottom-right causal: query i sees keys j <= i + Sk - Sq
     last_key = qi + (Sk - Sq)
     k_ptrs = k_ptr + b * stride_kb + hk * stride_kh + (start + offs_n)[:, None] * stride_ks + d[None, :] * stride_kd
@@ -295,10 +292,10 @@ def decode_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
     calls = [KernelCall(
         decode_split_kernel, (splits, hk, batch),
         (q, k, v, o, part_lse, sq, sk, keys_per_split, float(scale) * LOG2E,
-         "KV_START": kv_start is not None, "KV_END": kv_end is not None,
          *q.stride(), *k.stride(), *v.stride(), *o_strides, *l_strides,
          lse if kv_start is None else kv_start, lse if kv_end is None else kv_end),
         {"GROUP": hq // hk, "HEAD_DIM": d, "CAUSAL": bool(causal),
+         "KV_START": kv_start is not None, "KV_END": kv_end is not None,
          "BLOCK_M": max(next_power_of_2(_rows(q, k)), MIN_DOT_ROWS), "BLOCK_N": block_n, "BLOCK_D": block_d,
          "num_warps": config["num_warps"], "num_stages": config["num_stages"]},
     )]

@@ -59,10 +59,7 @@ from dlblas_kernels import gemm
 from dlblas_kernels.attention import block_d as tile_width
 from dlblas_kernels.kernels.apply_rotary_pos_emb import rotation_calls
 from dlblas_kernels.npu import buffer_tile
-from dlcore.declarations.device import DeviceProfile
-from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
-from dlcore.declarations.signature import cdiv
-from dlcore.runtime.allocator import ensure_allocator
+from dlcore.api import Config, DeviceProfile, KernelCall, LaunchPlan, cdiv, ensure_allocator
 
 LOG2E = 1.4426950408889634
 #: rows of the preprocess kernel's programs
@@ -170,10 +167,10 @@ def _load_rows(source, row, n_rows, offs_r, offs_d, mask_d, stride_s, stride_d, 
 @triton.jit
 def _dkdv_steps(
     dk, dv, k, v, q_src, do_src, lse2_ptr, delta_ptr,
-    PADDED: tl.constexpr = False,
     start, steps, SQ, SK, qk_scale, offs_n, offs_d, mask_d, key_seen,
     stride_qs, stride_qd, stride_dos, stride_dod,
     BLOCK_M: tl.constexpr, MASK: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    PADDED: tl.constexpr = False,
 ):
     """``steps`` query blocks of one head from row ``start``, added into ``dk`` and ``dv`` (unscaled
     ``dS^T q`` and ``P^T dout``); MASK applies the causal mask, PADDED the key padding (``key_seen``,
@@ -188,11 +185,11 @@ def _dkdv_steps(
         # Rows past the end (and rows without keys) have lse2 = +inf: P = 0 there.
         lse2 = tl.load(lse2_ptr + offs_m, mask=offs_m < SQ, other=float("inf"))
         s_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)
-        if PADDED:
-            p_t = tl.where(key_seen[:, None], p_t, 0.0)
         p_t = tl.math.exp2(s_t * qk_scale - lse2[None, :])
         if MASK:
             p_t = tl.where(offs_n[:, None] <= offs_m[None, :] + off, p_t, 0.0)
+        if PADDED:
+            p_t = tl.where(key_seen[:, None], p_t, 0.0)
         do = _load_rows(do_src, row, SQ, offs_r, offs_d, mask_d, stride_dos, stride_dod, TMA)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
         delta = tl.load(delta_ptr + offs_m, mask=offs_m < SQ, other=0.0)
@@ -211,10 +208,10 @@ def attention_dkdv_kernel(
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_dob, stride_dos, stride_doh, stride_dod,
     stride_dkb, stride_dks, stride_dkh, stride_dkd,
-    KV_START: tl.constexpr = False, KV_END: tl.constexpr = False,
     stride_dvb, stride_dvs, stride_dvh, stride_dvd,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    KV_START: tl.constexpr = False, KV_END: tl.constexpr = False,
 ):
     """``dk`` and ``dv`` of keys ``BLOCK_N * program_id(0) ...`` of kv head ``program_id(1) % HK``
     of batch ``program_id(1) // HK``, over every query head of the group (``qk_scale`` is
@@ -240,6 +237,9 @@ def attention_dkdv_kernel(
         masked = tl.cdiv(masked_end - m_lo, BLOCK_M)
     else:
         m_lo = n0 * 0
+        masked = 0
+    m_mid = m_lo + masked * BLOCK_M
+    unmasked = tl.cdiv(tl.maximum(SQ - m_mid, 0), BLOCK_M)
     PADDED: tl.constexpr = KV_START or KV_END
     key_seen = offs_n < SK
     if KV_START:
@@ -250,9 +250,6 @@ def attention_dkdv_kernel(
         any_seen = tl.max(key_seen.to(tl.int32), 0) > 0
         masked = tl.where(any_seen, masked, 0)
         unmasked = tl.where(any_seen, unmasked, 0)
-        masked = 0
-    m_mid = m_lo + masked * BLOCK_M
-    unmasked = tl.cdiv(tl.maximum(SQ - m_mid, 0), BLOCK_M)
 
     k = _load_rows(k_ptr + b * stride_kb + hk * stride_kh, n0, SK, offs_r, offs_d, mask_d, stride_ks, stride_kd, False)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
@@ -304,11 +301,11 @@ def _dq_steps(
         p = tl.math.exp2(s * qk_scale - lse2[:, None])
         if MASK:
             if CAUSAL:
-        if PADDED:
-            p = tl.where(((offs_n >= kv_lo) & (offs_n < kv_hi))[None, :], p, 0.0)
                 p = tl.where(offs_n[None, :] <= offs_m[:, None] + off, p, 0.0)
             else:
                 p = tl.where((offs_n < SK)[None, :], p, 0.0)
+        if PADDED:
+            p = tl.where(((offs_n >= kv_lo) & (offs_n < kv_hi))[None, :], p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
@@ -323,10 +320,10 @@ def attention_dq_kernel(
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
     stride_dob, stride_dos, stride_doh, stride_dod,
-    KV_START: tl.constexpr = False, KV_END: tl.constexpr = False,
     stride_dqb, stride_dqs, stride_dqh, stride_dqd,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    KV_START: tl.constexpr = False, KV_END: tl.constexpr = False,
 ):
     """``dq`` of one block of ``BLOCK_M`` queries of head ``program_id(1) % HQ`` of batch
     ``program_id(1) // HQ``; program 0 takes the last block. TMA: k and v tiles through tensor
@@ -354,6 +351,9 @@ def attention_dq_kernel(
         full = tl.minimum(tl.maximum(m0 + (SK - SQ) + 1, 0), SK) // BLOCK_N
         masked_end = tl.minimum(tl.maximum(m0 + BLOCK_M + (SK - SQ), 0), SK)
     else:
+        full = SK // BLOCK_N
+        masked_end = SK
+    masked = tl.cdiv(tl.maximum(masked_end - full * BLOCK_N, 0), BLOCK_N)
     lo = 0
     hi = SK
     if KV_START:
@@ -365,9 +365,6 @@ def attention_dq_kernel(
         # One masked walk over the key blocks from lo's to min(masked_end, hi).
         full = lo // BLOCK_N
         masked = tl.cdiv(tl.maximum(tl.minimum(masked_end, hi) - full * BLOCK_N, 0), BLOCK_N)
-        full = SK // BLOCK_N
-        masked_end = SK
-    masked = tl.cdiv(tl.maximum(masked_end - full * BLOCK_N, 0), BLOCK_N)
     k_src = _rows_source(k_ptr + b * stride_kb + hk * stride_kh, SK, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
     v_src = _rows_source(v_ptr + b * stride_vb + hk * stride_vh, SK, stride_vs, HEAD_DIM, BLOCK_N, BLOCK_D, TMA)
     q = _load_rows(q_base, m0, SQ, offs_r, offs_d, mask_d, stride_qs, stride_qd, False)
@@ -449,11 +446,11 @@ def backward_calls(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     :param dlse: None, or ``[B, Hq, Sq]`` float32: the gradient of the returned lse.
     :param config: the tiles (:func:`backward_config`'s keys); by default that heuristic. With
         ``DKDV_TMA`` (``DQ_TMA``) the kernel reads its streamed tiles (q and dout; k and v) through
-    :param kv_start, kv_end: None, or int32 ``[B]`` (contiguous): the keys each batch saw in the
-        forward (key padding); the others get zero ``dk`` and ``dv``.
         tensor descriptors where :func:`takes_tma` allows.
     :param stats: the float32 scratch of :func:`stats_scratch`; allocated here when None (a
         plan that replays passes its own and declares it as scratch).
+    :param kv_start, kv_end: None, or int32 ``[B]`` (contiguous): the keys each batch saw in the
+        forward (key padding); the others get zero ``dk`` and ``dv``.
     """
     b, sq, hq, d = q.shape
     sk, hk = k.shape[1], k.shape[2]
@@ -533,14 +530,14 @@ def backward_reference(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     lse_ = lse.to(compute)
     lse_ = torch.where(lse_ == -math.inf, math.inf, lse_)
     p = torch.exp(s - lse_[..., None])
+    if causal:
+        seen = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+        p = torch.where(seen, p, 0.0)
     keys = torch.arange(sk, device=q.device)
     if kv_start is not None:
         p = torch.where((keys[None, :] >= kv_start.to(q.device, torch.int64)[:, None])[:, None, None, :], p, 0.0)
     if kv_end is not None:
         p = torch.where((keys[None, :] < kv_end.to(q.device, torch.int64)[:, None])[:, None, None, :], p, 0.0)
-    if causal:
-        seen = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
-        p = torch.where(seen, p, 0.0)
     delta = torch.einsum("bihd,bihd->bhi", do_, o_)
     if dlse is not None:
         delta = delta - dlse.to(compute)

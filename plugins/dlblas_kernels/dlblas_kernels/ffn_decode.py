@@ -22,10 +22,7 @@ import triton
 import triton.language as tl
 
 from dlblas_kernels import gemm as gemm_block
-from dlcore.declarations.device import DeviceProfile
-from dlcore.declarations.implementation import Config, KernelCall
-from dlcore.declarations.signature import cdiv, next_power_of_2
-from dlcore.runtime.allocator import ensure_allocator
+from dlcore.api import Config, DeviceProfile, KernelCall, cdiv, ensure_allocator, next_power_of_2
 
 # tl.dot's smallest row count: the weight-streaming kernel pads its row block to it.
 MIN_DOT_ROWS = 16

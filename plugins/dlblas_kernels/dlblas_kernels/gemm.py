@@ -83,11 +83,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dlcore.declarations.device import DeviceProfile
-from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
-from dlcore.declarations.signature import cdiv
-from dlcore.declarations.space import Constraint
-from dlcore.runtime.allocator import ensure_allocator
+from dlcore.api import Config, Constraint, DeviceProfile, KernelCall, LaunchPlan, cdiv, ensure_allocator
 
 #: what ``activation`` may be
 ACTIVATIONS = (None, "relu", "silu", "gelu_tanh")

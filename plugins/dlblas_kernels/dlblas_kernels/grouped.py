@@ -49,8 +49,7 @@ import triton.language as tl
 
 from dlblas_kernels.gemm import SCALE_BLOCK, dot_range, dot_range_pair, epilogue, grouped_tile, store_tile
 from dlblas_kernels.kernels.quantize_fp8 import quantise, scale_of
-from dlcore.declarations.implementation import Config, KernelCall
-from dlcore.declarations.signature import cdiv, next_power_of_2
+from dlcore.api import Config, KernelCall, cdiv, next_power_of_2
 
 #: the most (chunk, expert) counts the offsets kernel holds at once
 MAX_COUNTS = 16384

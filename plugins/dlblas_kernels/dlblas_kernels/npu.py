@@ -4,7 +4,7 @@ overflow."""
 
 from __future__ import annotations
 
-from dlcore.declarations.device import DeviceProfile
+from dlcore.api import DeviceProfile
 
 
 def on_npu(profile: DeviceProfile | None) -> bool:

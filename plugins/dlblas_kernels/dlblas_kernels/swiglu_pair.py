@@ -30,10 +30,7 @@ from dlblas_kernels.gemm import (
     takes_tma,
     transposed,
 )
-from dlcore.declarations.device import DeviceProfile
-from dlcore.declarations.implementation import Config, KernelCall
-from dlcore.declarations.signature import cdiv
-from dlcore.runtime.allocator import ensure_allocator
+from dlcore.api import Config, DeviceProfile, KernelCall, cdiv, ensure_allocator
 
 #: the copy engine's strides stay below 2**40 bytes: w1 and w3 farther apart than that (or at one
 #: address) cannot be one descriptor's two planes, and :func:`swiglu_pair_tma_kernel` takes its

@@ -31,11 +31,7 @@ from torch.nn.attention import SDPBackend
 
 from dlblas_kernels.gemm import ACTIVATIONS
 from dlblas_kernels.sdpa import sdpa_attention
-from dlcore import hookimpl
-from dlcore.declarations.device import DeviceProfile
-from dlcore.declarations.implementation import Implementation, VendorImplementation
-from dlcore.declarations.signature import Signature
-from dlcore.errors import InvalidInputError
+from dlcore.api import DeviceProfile, Implementation, InvalidInputError, Signature, VendorImplementation, hookimpl
 
 
 def _grad_wanted(*tensors: torch.Tensor) -> bool:
@@ -115,14 +111,14 @@ def ffn(x: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | None, rms_w
 SDPA_MAX_HEAD_DIM = 256
 
 
-    for name, bound in (("kv_start", kv_start), ("kv_end", kv_end)):
-        if bound is not None:
-            raise InvalidInputError("flash_attention_v2", name, "is given",
-                                    f"{name}=None from an SDPA candidate (its flash and cuDNN backends take no mask)")
 def _no_lse(return_lse: bool, kv_start: torch.Tensor | None, kv_end: torch.Tensor | None) -> None:
     if return_lse:
         raise InvalidInputError("flash_attention_v2", "return_lse", "is True",
                                 "return_lse=False from an SDPA candidate (SDPA returns no log-sum-exp)")
+    for name, bound in (("kv_start", kv_start), ("kv_end", kv_end)):
+        if bound is not None:
+            raise InvalidInputError("flash_attention_v2", name, "is given",
+                                    f"{name}=None from an SDPA candidate (its flash and cuDNN backends take no mask)")
 
 
 def sdpa_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -170,12 +166,12 @@ def _head_dim_declines(signature: Signature) -> str | None:
 def _sdpa_declines(signature: Signature, profile: DeviceProfile) -> str | None:
     """Why neither SDPA backend takes ``signature``, or None."""
     off = _off_sdpa_devices(signature, profile)
-    if any(name in ("kv_start", "kv_end") for name, _ in signature.tensors):
-        return "SDPA's flash and cuDNN backends take no key padding (kv_start, kv_end)"
     if off is not None:
         return off
     if signature.scalar("return_lse"):
         return "SDPA returns no log-sum-exp (return_lse=True)"
+    if any(name in ("kv_start", "kv_end") for name, _ in signature.tensors):
+        return "SDPA's flash and cuDNN backends take no key padding (kv_start, kv_end)"
     return _head_dim_declines(signature)
 
 

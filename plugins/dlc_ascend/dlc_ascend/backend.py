@@ -18,18 +18,10 @@ import torch
 
 from dlc_ascend import refine, runtime
 from dlc_ascend.toolchain import TOOLCHAIN
-from dlcore import hookimpl
-from dlcore.declarations.backend import Backend
-from dlcore.declarations.device import DeviceProfile
-from dlcore.errors import LoweringError
-from dlcore.plugins.vendor import TorchDeviceBackend, device_index
+from dlcore.api import Backend, DeviceProfile, LoweringError, TorchDeviceBackend, device_index, hookimpl
 
 if TYPE_CHECKING:
-    from dlcore.compiler.lowering import Lowering
-    from dlcore.compiler.passes import Pipeline
-    from dlcore.declarations.implementation import KernelCall
-    from dlcore.declarations.signature import Signature
-    from dlcore.declarations.space import SearchSpace
+    from dlcore.api import KernelCall, Lowering, Pipeline, SearchSpace, Signature
 
 INSTALL_HINT = "pip install 'dlc-ascend[npu]' with Huawei CANN installed and sourced"
 #: what to do when torch_npu is installed but does not import
@@ -63,7 +55,7 @@ class AscendBackend(TorchDeviceBackend):
         which costs less than idling half of every vector kernel's cores.
         """
         from dlc_ascend.chips import chip
-        from dlcore.compiler.lowering import parse_target
+        from dlcore.api import parse_target
 
         backend, arch = parse_target(target)
         if backend != self.name:
@@ -80,7 +72,7 @@ class AscendBackend(TorchDeviceBackend):
         missing, :class:`~dlcore.errors.ToolchainMissingError` says how to get it, with the stages
         reached in its ``partial``."""
         from dlc_ascend import pipeline
-        from dlcore.compiler.passes import default_pipeline
+        from dlcore.api import default_pipeline
 
         return pipeline.lower(call, target, passes if passes is not None else default_pipeline(self.name), specialize)
 

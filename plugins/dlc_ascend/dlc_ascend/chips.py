@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dlcore.errors import LoweringError
+from dlcore.api import LoweringError
 
 GiB = 2**30
 MiB = 2**20

@@ -25,8 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dlcore.compiler.toolchain import Found
-from dlcore.errors import LoweringError
+from dlcore.api import Found, LoweringError
 
 _MODULE = re.compile(r"^\s*module\b", re.MULTILINE)
 # a crashing LLVM tool prints its stack after the message: the frames say nothing to a user

@@ -30,9 +30,7 @@ from pathlib import Path
 
 from dlc_ascend import invoke
 from dlc_ascend.toolchain import ADAPTER, locate
-from dlcore import hookimpl
-from dlcore.compiler.passes import Pass
-from dlcore.compiler.stages import StageContext
+from dlcore.api import Pass, StageContext, hookimpl
 
 STAGE = "linalg"
 #: the pass that makes linalg of ttir; the pipeline does not run without it

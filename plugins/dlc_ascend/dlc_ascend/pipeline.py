@@ -42,15 +42,25 @@ from typing import TYPE_CHECKING
 from dlc_ascend import invoke, passes
 from dlc_ascend.chips import Chip, chip
 from dlc_ascend.toolchain import ADAPTER, BISHENGIR, HIVMC, find, locate
-from dlcore.compiler import dump
-from dlcore.compiler.lowering import Lowering, lower_with_triton, parse_target
-from dlcore.compiler.passes import EVERY_IR_STAGE, Pass, Pipeline
-from dlcore.compiler.stages import Compile, StageContext, StageOutput, ir_text
-from dlcore.errors import DlcoreError, LoweringError, ToolchainMissingError
+from dlcore.api import (
+    EVERY_IR_STAGE,
+    Compile,
+    DlcoreError,
+    Lowering,
+    LoweringError,
+    Pass,
+    Pipeline,
+    StageContext,
+    StageOutput,
+    ToolchainMissingError,
+    dump_after_pass,
+    ir_text,
+    lower_with_triton,
+    parse_target,
+)
 
 if TYPE_CHECKING:
-    from dlcore.compiler.toolchain import Found
-    from dlcore.declarations.implementation import KernelCall
+    from dlcore.api import Found, KernelCall
 
 STAGES = ("ttir", "linalg", "hivm", "bin")
 #: the Triton target whose backend runs the ttir passes: (backend, capability, warp size)
@@ -133,16 +143,9 @@ def run_passes(module: str, stage_passes: tuple[Pass, ...], context: StageContex
             module = ir_text(out)
         if p.stage != EVERY_IR_STAGE:
             outputs.append(StageOutput(context.stage, module, time.perf_counter() - began, after_pass=p.name))
-            _dump_pass(outputs[-1], len(outputs), context, stage_passes)
+            dump_after_pass(outputs[-1], len(outputs), context, stage_passes)
     outputs.append(StageOutput(context.stage, module, time.perf_counter() - start))
     return outputs
-
-
-def _dump_pass(output: StageOutput, step: int, context: StageContext, stage_passes: tuple[Pass, ...]) -> None:
-    """Under ``DLC_DUMP_IR``, the IR after one pass beside the stage's own file."""
-    if any(p.name == dump.NAME for p in stage_passes):
-        name = dump.file_name(context.index, output.stage, output.extension, output.after_pass, step)
-        dump.write_new(dump.folder_for(context) / name, output.ir)
 
 
 def linalg(ttir: str, pipeline: Pipeline, context: StageContext) -> list[StageOutput]:

@@ -45,9 +45,7 @@ import math
 from collections.abc import Callable
 
 from dlc_ascend import chips
-from dlcore.declarations.device import DeviceProfile
-from dlcore.declarations.signature import Signature
-from dlcore.declarations.space import Constraint, SearchSpace
+from dlcore.api import Constraint, DeviceProfile, SearchSpace, Signature
 
 #: the vector unit's data block and the cube fractal's row, bytes
 BLOCK_BYTES = 32

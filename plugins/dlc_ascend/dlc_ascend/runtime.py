@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dlc_ascend import chips
-from dlcore.declarations.device import DeviceProfile
+from dlcore.api import DeviceProfile
 
 
 class CountSource(enum.Enum):

@@ -16,10 +16,19 @@ from __future__ import annotations
 
 import platform
 
-from dlcore.compiler import toolchain as tools
-from dlcore.compiler.toolchain import Fetched, FetchRequest, Found, Probe, Tool, Toolchain
-from dlcore.compiler.wheels import PinnedWheel, take_tool
-from dlcore.errors import ToolFetchError
+from dlcore.api import (
+    Fetched,
+    FetchRequest,
+    Found,
+    PinnedWheel,
+    Probe,
+    Tool,
+    Toolchain,
+    ToolFetchError,
+    find_tool,
+    locate_tool,
+    take_tool,
+)
 
 ADAPTER = Tool(
     name="triton-adapter-opt",
@@ -96,9 +105,9 @@ TOOLS: dict[str, Tool] = {t.name: t for t in TOOLCHAIN.tools}
 
 def find(name: str) -> Found | None:
     """Where Ascend tool ``name`` is, or ``None`` (see :func:`dlcore.compiler.toolchain.find`)."""
-    return tools.find(TOOLCHAIN, name)
+    return find_tool(TOOLCHAIN, name)
 
 
 def locate(name: str) -> Found:
     """Where Ascend tool ``name`` is, or :class:`~dlcore.errors.ToolchainMissingError` saying how to get it."""
-    return tools.locate(TOOLCHAIN, name)
+    return locate_tool(TOOLCHAIN, name)

@@ -7,14 +7,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dlcore import hookimpl
-from dlcore.declarations.backend import Availability, Backend
-from dlcore.declarations.device import DeviceProfile
+from dlcore.api import Availability, Backend, DeviceProfile, hookimpl
 
 if TYPE_CHECKING:
-    from dlcore.compiler.lowering import Lowering
-    from dlcore.compiler.passes import Pipeline
-    from dlcore.declarations.implementation import KernelCall
+    from dlcore.api import KernelCall, Lowering, Pipeline
 
 
 class CudaBackend(Backend):
@@ -71,9 +67,7 @@ class CudaBackend(Backend):
         from triton import knobs
         from triton.backends.compiler import GPUTarget
 
-        from dlcore.compiler.lowering import cuda_capability, lower_with_triton
-        from dlcore.compiler.passes import default_pipeline
-        from dlcore.compiler.report import ptxas_resources
+        from dlcore.api import cuda_capability, default_pipeline, lower_with_triton, ptxas_resources
 
         gpu_target = GPUTarget("cuda", cuda_capability(target), 32)
         passes = passes if passes is not None else default_pipeline(self.name)

@@ -13,17 +13,10 @@ import torch
 
 from dlc_mlu import refine, runtime
 from dlc_mlu.toolchain import TOOLCHAIN
-from dlcore import hookimpl
-from dlcore.declarations.backend import Backend
-from dlcore.declarations.device import DeviceProfile
-from dlcore.plugins.vendor import TorchDeviceBackend, device_index
+from dlcore.api import Backend, DeviceProfile, TorchDeviceBackend, device_index, hookimpl
 
 if TYPE_CHECKING:
-    from dlcore.compiler.lowering import Lowering
-    from dlcore.compiler.passes import Pipeline
-    from dlcore.declarations.implementation import KernelCall
-    from dlcore.declarations.signature import Signature
-    from dlcore.declarations.space import SearchSpace
+    from dlcore.api import KernelCall, Lowering, Pipeline, SearchSpace, Signature
 
 INSTALL_HINT = "install Cambricon's torch_mlu from the Neuware SDK"
 
@@ -49,7 +42,7 @@ class MluBackend(TorchDeviceBackend):
         the stages reached in its ``partial``."""
         # the compiler modules load with the first lowering, not with the plugin
         from dlc_mlu import stages
-        from dlcore.compiler.passes import default_pipeline
+        from dlcore.api import default_pipeline
 
         return stages.lower(call, target, passes if passes is not None else default_pipeline(self.name), specialize)
 

@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import math
 
-from dlcore.declarations.device import DeviceProfile
-from dlcore.declarations.signature import Signature
-from dlcore.declarations.space import Config, Constraint, SearchSpace
+from dlcore.api import Config, Constraint, DeviceProfile, SearchSpace, Signature
 
 #: num_warps values Cambricon's compiler keeps: a Block task and a Union1 task
 TASK_WARPS = (1, 4)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from dlcore.declarations.device import DeviceProfile
+from dlcore.api import DeviceProfile
 
 
 def _positive(value: Any) -> int:

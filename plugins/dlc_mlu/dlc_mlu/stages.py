@@ -29,14 +29,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dlc_mlu import toolchain
-from dlcore.compiler.lowering import Lowering, lower_with_triton, parse_target
-from dlcore.compiler.stages import StageOutput
-from dlcore.compiler.toolchain import Tool
-from dlcore.errors import LoweringError, ToolchainMissingError
+from dlcore.api import (
+    Lowering,
+    LoweringError,
+    StageOutput,
+    Tool,
+    ToolchainMissingError,
+    lower_with_triton,
+    parse_target,
+)
 
 if TYPE_CHECKING:
-    from dlcore.compiler.passes import Pipeline
-    from dlcore.declarations.implementation import KernelCall
+    from dlcore.api import KernelCall, Pipeline
 
 PLANNED = ("ttir", "linalg", "mlisa", "cnbin")
 GROUP = "dlc_mlu.stages"

@@ -19,8 +19,8 @@ tool cache.
 
 from __future__ import annotations
 
-from dlcore.compiler import toolchain as tools
-from dlcore.compiler.toolchain import Found, Tool, Toolchain
+from dlcore.api import Found, Tool, Toolchain
+from dlcore.api import find_tool as find_in_toolchain
 
 TRITON_LINALG_OPT = Tool(
     name="triton-linalg-opt",
@@ -48,10 +48,10 @@ TOOLCHAIN = Toolchain(name="mlu", backend="mlu", tools=(TRITON_LINALG_OPT, CNAS,
 
 def find(name: str) -> Found | None:
     """Where MLU tool ``name`` is, or ``None`` (see :func:`dlcore.compiler.toolchain.find`)."""
-    return tools.find(TOOLCHAIN, name)
+    return find_in_toolchain(TOOLCHAIN, name)
 
 
 def find_tool(tool: Tool) -> Found | None:
     """Where ``tool`` is, looked for as :data:`TOOLCHAIN`'s own are (its tool cache included): how a
     stage driver's tools, a plugin's among them, are found."""
-    return tools.find(Toolchain(TOOLCHAIN.name, TOOLCHAIN.backend, (tool,)), tool.name)
+    return find_in_toolchain(Toolchain(TOOLCHAIN.name, TOOLCHAIN.backend, (tool,)), tool.name)

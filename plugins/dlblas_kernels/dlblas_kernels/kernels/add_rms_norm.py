@@ -29,12 +29,20 @@ import triton.language as tl
 import dlcore.language as dl
 from dlblas_kernels.kernels.rms_norm import KERNEL as RMS_NORM
 from dlblas_kernels.kernels.rms_norm import heuristic_config, rms_norm_reference, space, torch_rms_norm
-from dlcore.declarations.device import DeviceProfile
-from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
-from dlcore.declarations.layout import as_rows
-from dlcore.declarations.op import Op, ScalarArg, TensorArg
-from dlcore.declarations.signature import Signature, cdiv
-from dlcore.runtime.template import Backward, define_kernel
+from dlcore.api import (
+    Backward,
+    Config,
+    DeviceProfile,
+    KernelCall,
+    LaunchPlan,
+    Op,
+    ScalarArg,
+    Signature,
+    TensorArg,
+    as_rows,
+    cdiv,
+    define_kernel,
+)
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

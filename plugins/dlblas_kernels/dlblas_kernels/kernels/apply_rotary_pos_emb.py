@@ -38,13 +38,24 @@ import triton.language as tl
 
 import dlcore.language as dl
 from dlblas_kernels.npu import buffer_tile
-from dlcore import InvalidInputError
-from dlcore.declarations.device import DeviceProfile
-from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
-from dlcore.declarations.op import Op, ScalarArg, TensorArg
-from dlcore.declarations.signature import Signature, cdiv, next_power_of_2
-from dlcore.declarations.space import PowerOfTwo, SearchSpace, num_warps
-from dlcore.runtime.template import Backward, define_kernel
+from dlcore.api import (
+    Backward,
+    Config,
+    DeviceProfile,
+    InvalidInputError,
+    KernelCall,
+    LaunchPlan,
+    Op,
+    PowerOfTwo,
+    ScalarArg,
+    SearchSpace,
+    Signature,
+    TensorArg,
+    cdiv,
+    define_kernel,
+    next_power_of_2,
+    num_warps,
+)
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ANY_LAYOUT = ("contiguous", "rows", "strided")

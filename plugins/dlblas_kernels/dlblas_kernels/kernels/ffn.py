@@ -73,15 +73,30 @@ from dlblas_kernels import swiglu_pair
 from dlblas_kernels.ffn_decode import DECODE_KERNELS, MIN_SLICE_STEPS, decode_calls
 from dlblas_kernels.gemm import dot_range, gemm_calls, grouped_tile, swiglu_calls
 from dlblas_kernels.kernels import rms_norm
-from dlcore import InvalidInputError
-from dlcore.declarations.device import DeviceProfile
-from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
-from dlcore.declarations.layout import as_rows
-from dlcore.declarations.op import Op, ScalarArg, TensorArg
-from dlcore.declarations.signature import Signature, cdiv, next_power_of_2
-from dlcore.declarations.space import Choice, Constraint, PowerOfTwo, SearchSpace, num_stages, num_warps
-from dlcore.runtime.allocator import ensure_allocator
-from dlcore.runtime.template import Backward, Residuals, define_kernel
+from dlcore.api import (
+    Backward,
+    Choice,
+    Config,
+    Constraint,
+    DeviceProfile,
+    InvalidInputError,
+    KernelCall,
+    LaunchPlan,
+    Op,
+    PowerOfTwo,
+    Residuals,
+    ScalarArg,
+    SearchSpace,
+    Signature,
+    TensorArg,
+    as_rows,
+    cdiv,
+    define_kernel,
+    ensure_allocator,
+    next_power_of_2,
+    num_stages,
+    num_warps,
+)
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -43,13 +43,25 @@ import torch
 
 from dlblas_kernels import gemm
 from dlblas_kernels.kernels.quantize_fp8 import quantize_fp8_reference
-from dlcore.declarations.device import DeviceProfile
-from dlcore.declarations.implementation import Config, LaunchPlan, LoweringLimit
-from dlcore.declarations.op import Op, ScalarArg, TensorArg
-from dlcore.declarations.signature import Signature, cdiv
-from dlcore.declarations.space import Choice, Constraint, PowerOfTwo, SearchSpace, num_stages, num_warps
-from dlcore.errors import InvalidInputError
-from dlcore.runtime.template import define_kernel
+from dlcore.api import (
+    Choice,
+    Config,
+    Constraint,
+    DeviceProfile,
+    InvalidInputError,
+    LaunchPlan,
+    LoweringLimit,
+    Op,
+    PowerOfTwo,
+    ScalarArg,
+    SearchSpace,
+    Signature,
+    TensorArg,
+    cdiv,
+    define_kernel,
+    num_stages,
+    num_warps,
+)
 
 FP8 = torch.float8_e4m3fn
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

@@ -73,13 +73,28 @@ from torch._subclasses.fake_tensor import is_fake  # torch's own test for fake t
 from dlblas_kernels import grouped
 from dlblas_kernels.kernels import quantize_fp8 as Q
 from dlblas_kernels.npu import on_npu
-from dlcore import InvalidInputError
-from dlcore.declarations.device import DeviceProfile
-from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan, LoweringLimit
-from dlcore.declarations.op import Op, TensorArg
-from dlcore.declarations.signature import Signature, cdiv, next_power_of_2
-from dlcore.declarations.space import Choice, Constraint, PowerOfTwo, SearchSpace, num_stages, num_warps
-from dlcore.runtime.template import Backward, Residuals, define_kernel
+from dlcore.api import (
+    Backward,
+    Choice,
+    Config,
+    Constraint,
+    DeviceProfile,
+    InvalidInputError,
+    KernelCall,
+    LaunchPlan,
+    LoweringLimit,
+    Op,
+    PowerOfTwo,
+    Residuals,
+    SearchSpace,
+    Signature,
+    TensorArg,
+    cdiv,
+    define_kernel,
+    next_power_of_2,
+    num_stages,
+    num_warps,
+)
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 FP8 = torch.float8_e4m3fn
@@ -876,11 +891,11 @@ def composite(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_we
 def _sixteen_bit_path() -> Any:
     """The ``bf16`` baseline: this library's own choice for the same layer with 16-bit weights
     (the fp8 weights dequantised once, untimed), what fp8 weights are measured against."""
-    import dlcore
+    from dlcore.api import get_op
 
     def sixteen_bit_path(*args: torch.Tensor) -> torch.Tensor:
         """get_op's fused_moe on 16-bit weights (the fp8 ones dequantised, once per shape)."""
-        return dlcore.get_op("fused_moe", args)(*args)  # an in-process hit: microseconds against milliseconds
+        return get_op("fused_moe", args)(*args)  # an in-process hit: microseconds against milliseconds
 
     sixteen_bit_path.prepare = dequantised_inputs  # type: ignore[attr-defined]
     return sixteen_bit_path

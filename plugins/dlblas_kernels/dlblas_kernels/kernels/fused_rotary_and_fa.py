@@ -58,13 +58,21 @@ from dlblas_kernels.kernels.apply_rotary_pos_emb import (
     rotate,
 )
 from dlblas_kernels.kernels.flash_attention_v2 import scale_of, training_outputs
-from dlcore import InvalidInputError
-from dlcore.declarations.device import DeviceProfile
-from dlcore.declarations.implementation import Config, LaunchPlan, LoweringLimit
-from dlcore.declarations.op import Op, ScalarArg, TensorArg
-from dlcore.declarations.signature import Signature
-from dlcore.declarations.space import SearchSpace
-from dlcore.runtime.template import Backward, Residuals, define_kernel
+from dlcore.api import (
+    Backward,
+    Config,
+    DeviceProfile,
+    InvalidInputError,
+    LaunchPlan,
+    LoweringLimit,
+    Op,
+    Residuals,
+    ScalarArg,
+    SearchSpace,
+    Signature,
+    TensorArg,
+    define_kernel,
+)
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ANY_LAYOUT = ("contiguous", "rows", "strided")

@@ -33,13 +33,27 @@ import triton
 import triton.language as tl
 
 from dlblas_kernels import gemm
-from dlcore.declarations.device import DeviceProfile
-from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
-from dlcore.declarations.layout import as_rows
-from dlcore.declarations.op import Op, ScalarArg, TensorArg
-from dlcore.declarations.signature import Signature, cdiv, next_power_of_2
-from dlcore.declarations.space import Choice, Constraint, PowerOfTwo, SearchSpace, num_stages, num_warps
-from dlcore.runtime.template import Backward, define_kernel
+from dlcore.api import (
+    Backward,
+    Choice,
+    Config,
+    Constraint,
+    DeviceProfile,
+    KernelCall,
+    LaunchPlan,
+    Op,
+    PowerOfTwo,
+    ScalarArg,
+    SearchSpace,
+    Signature,
+    TensorArg,
+    as_rows,
+    cdiv,
+    define_kernel,
+    next_power_of_2,
+    num_stages,
+    num_warps,
+)
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ACTIVATIONS = gemm.ACTIVATIONS

@@ -27,11 +27,20 @@ import torch
 import triton
 import triton.language as tl
 
-from dlcore.declarations.device import DeviceProfile
-from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan, LoweringLimit
-from dlcore.declarations.op import Op, ScalarArg, TensorArg
-from dlcore.declarations.signature import Signature, cdiv, next_power_of_2
-from dlcore.runtime.template import define_kernel
+from dlcore.api import (
+    Config,
+    DeviceProfile,
+    KernelCall,
+    LaunchPlan,
+    LoweringLimit,
+    Op,
+    ScalarArg,
+    Signature,
+    TensorArg,
+    cdiv,
+    define_kernel,
+    next_power_of_2,
+)
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GRANULARITIES = ("block", "block_128x128", "row", "tensor")

@@ -65,13 +65,25 @@ import triton
 import triton.language as tl
 
 from dlblas_kernels.npu import buffer_tile, on_npu
-from dlcore.declarations.device import DeviceProfile
-from dlcore.declarations.implementation import Config, KernelCall, LaunchPlan
-from dlcore.declarations.op import Op, ScalarArg, TensorArg
-from dlcore.declarations.signature import Signature, cdiv, next_power_of_2
-from dlcore.declarations.space import PowerOfTwo, SearchSpace, num_warps
-from dlcore.errors import InvalidInputError
-from dlcore.runtime.template import Backward, Residuals, define_kernel
+from dlcore.api import (
+    Backward,
+    Config,
+    DeviceProfile,
+    InvalidInputError,
+    KernelCall,
+    LaunchPlan,
+    Op,
+    PowerOfTwo,
+    Residuals,
+    ScalarArg,
+    SearchSpace,
+    Signature,
+    TensorArg,
+    cdiv,
+    define_kernel,
+    next_power_of_2,
+    num_warps,
+)
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ANY_LAYOUT = ("contiguous", "rows", "strided")

@@ -27,7 +27,7 @@ import dlblas_kernels
 from dlblas_kernels.moe.exchange import ExchangeKind, rank_and_size
 from dlblas_kernels.moe.layer import Compute, EPMoE
 from dlblas_kernels.moe.routing import softmax_topk
-from dlcore.bench.table import table
+from dlcore.api import table
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

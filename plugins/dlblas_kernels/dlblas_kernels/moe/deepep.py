@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from dlblas_kernels.moe.exchange import Exchange, ExchangeKind, ExchangeUnavailableError, Received
-from dlcore import InvalidInputError
+from dlcore.api import InvalidInputError
 
 INSTALL = ("build it from https://github.com/deepseek-ai/DeepEP (it needs CUDA, NVSHMEM and NVLink between the "
            "GPUs), or use exchange='all_to_all', which needs only torch.distributed")

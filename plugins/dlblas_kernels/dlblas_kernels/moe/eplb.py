@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from dlblas_kernels.moe.placement import Placement
-from dlcore import InvalidInputError
+from dlcore.api import InvalidInputError
 
 
 class ExpertLoadRecorder:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dlcore import DlcoreError
+from dlcore.api import DlcoreError
 
 
 class ExchangeKind(enum.Enum):

@@ -30,7 +30,7 @@ from dlblas_kernels.moe.deepep import DeepEPExchange, DeepEPLowLatencyExchange, 
 from dlblas_kernels.moe.eplb import ExpertLoadRecorder, balance
 from dlblas_kernels.moe.exchange import AllToAllExchange, Exchange, ExchangeKind, Received, rank_and_size
 from dlblas_kernels.moe.placement import Placement
-from dlcore import InvalidInputError
+from dlcore.api import InvalidInputError
 
 #: ``compute(hidden [N, H], w13 [L, 2I, H], w2 [L, H, I], topk_weights [N, k], topk_ids [N, k]) -> [N, H]``,
 #: and ``w13_scale [L, ceil(2I/128), ceil(H/128)], w2_scale [L, ceil(H/128), ceil(I/128)]`` after them

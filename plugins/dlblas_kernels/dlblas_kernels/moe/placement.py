@@ -15,7 +15,7 @@ from functools import cached_property
 
 import torch
 
-from dlcore import InvalidInputError
+from dlcore.api import InvalidInputError
 
 
 @dataclass(frozen=True)

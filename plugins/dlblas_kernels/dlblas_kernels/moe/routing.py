@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 import dlblas_kernels
-from dlcore import InvalidInputError
+from dlcore.api import InvalidInputError
 
 
 def _check(logits: torch.Tensor, k: int, name: str) -> None:

@@ -55,9 +55,7 @@ from typing import Any
 
 import torch
 
-from dlcore.bench.harness import versions
-from dlcore.bench.table import table
-from dlcore.bench.timing import first_line
+from dlcore.api import first_line, table, versions
 
 #: where the command writes its JSON by default (from the repository's root)
 DEFAULT_OUT = os.path.join("docs", "results", "e2e")

@@ -13,7 +13,7 @@ import warnings
 import torch
 from torch import nn
 
-from dlcore import FallbackWarning
+from dlcore.api import FallbackWarning
 
 
 class ModelFallbackWarning(FallbackWarning):
