@@ -37,13 +37,25 @@ from dlblas_kernels import attention_decode, attention_grad
 from dlblas_kernels.attention import FORWARD_KERNELS, block_d, fit, forward_calls, shared_memory_bytes
 from dlblas_kernels.gemm import TMA_ARCHS
 from dlblas_kernels.sdpa import sdpa_attention
-from dlcore import InvalidInputError
-from dlcore.declarations.device import DeviceProfile
-from dlcore.declarations.implementation import Config, LaunchPlan
-from dlcore.declarations.op import Op, ScalarArg, TensorArg
-from dlcore.declarations.signature import Signature
-from dlcore.declarations.space import Choice, Constraint, PowerOfTwo, SearchSpace, num_stages, num_warps
-from dlcore.runtime.template import Backward, Residuals, define_kernel
+from dlcore.api import (
+    Backward,
+    Choice,
+    Config,
+    Constraint,
+    DeviceProfile,
+    InvalidInputError,
+    LaunchPlan,
+    Op,
+    PowerOfTwo,
+    Residuals,
+    ScalarArg,
+    SearchSpace,
+    Signature,
+    TensorArg,
+    define_kernel,
+    num_stages,
+    num_warps,
+)
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ANY_LAYOUT = ("contiguous", "rows", "strided")
