@@ -126,3 +126,15 @@ def test_options_of_the_wrong_type_are_named(options, named):
     with pytest.raises(InvalidOptionError) as info:
         dlcore.get_op("rms_norm", (rnd(4, 16), rnd(16)), **options)
     assert str(info.value).startswith(named), str(info.value)
+
+
+@pytest.mark.parametrize("name, bound_for, called_with, arg", INCONSISTENT[:3], ids=[c[0] for c in INCONSISTENT[:3]])
+def test_the_custom_op_called_directly_refuses_them_too(name, bound_for, called_with, arg):
+    """``torch.ops.dlblas.<op>`` with every argument, then the config's integers (zero: the default)."""
+    getattr(dlblas_kernels, name)(*bound_for)  # the kernel module imported: its custom op registered
+    custom_op = getattr(torch.ops.dlblas, name).default
+    values = dlcore.get_op(name, bound_for).op.bind(called_with, None)
+    ints = (0,) * (len(custom_op._schema.arguments) - len(values))
+    with pytest.raises(InvalidInputError) as info:
+        custom_op(*values, *ints)
+    assert info.value.arg == arg, str(info.value)

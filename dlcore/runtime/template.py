@@ -492,7 +492,7 @@ def define_kernel(
         return tuple(values) if at is None else (*values[:at], False, *values[at:])
 
     body_plan = planned if residuals is None else _on_device(residuals.plan, first)
-    launches = Launches(body_plan, _Configs(keys, op, default_config, lambda args: args))
+    launches = Launches(body_plan, _Configs(keys, op, default_config, lambda args: args), op.validate)
 
     def forward(*values: Any) -> Any:
         args = full(values[:count])

@@ -137,13 +137,18 @@ class Launches:
 
     ``ints`` are the body's trailing config integers (all zero: the default, which ``config`` then
     computes from ``args``); the plan must be replayable (depend on nothing but the exact input).
+    ``guard(args)`` checks the arguments of each exact input metadata not seen before (the op's
+    validation: the custom op called directly, ``torch.ops.<namespace>.<op>``, is checked like the
+    public function), and replays do not pay for it.
     """
 
-    __slots__ = ("plan", "config", "replays", "planned")
+    __slots__ = ("plan", "config", "guard", "replays", "planned")
 
-    def __init__(self, plan: Callable[[tuple, Config], LaunchPlan], config: Callable[[tuple, tuple], Config]):
+    def __init__(self, plan: Callable[[tuple, Config], LaunchPlan], config: Callable[[tuple, tuple], Config],
+                 guard: Callable[[tuple], None] | None = None):
         self.plan = plan
         self.config = config
+        self.guard = guard
         self.replays: dict[tuple, Replay] = {}
 
         def planned(args: tuple, ints: tuple) -> LaunchPlan:
@@ -156,7 +161,7 @@ class Launches:
     def run(self, args: tuple, ints: tuple) -> Any:
         replay = self.replays.get(ints)
         if replay is None:
-            replay = self.replays[ints] = Replay(self.planned, ints, None)
+            replay = self.replays[ints] = Replay(self.planned, ints, None, self.guard)
         return replay(args)
 
 
