@@ -50,7 +50,7 @@ MAX_ROWS = 64
 #: the widest head this block handles
 MAX_HEAD_DIM = 256
 #: caches from this many keys on take as many programs a multiprocessor as it holds at once; shorter
-#: ones one a multiprocessor (H200, GQA 32/8, B 1: Sk 1024 to 16384 fastest at one, 65536 at two)
+#: ones one a multiprocessor (the faster of the two on each side; docs/performance.md, flash_attention_v2)
 LONG_CACHE = 32768
 #: programs one multiprocessor holds at once where the profile gives no shared-memory size
 PROGRAMS_PER_CORE = 2
@@ -201,18 +201,15 @@ def use_decode(q: torch.Tensor, k: torch.Tensor, profile: DeviceProfile) -> bool
 
 
 def default_config(q: torch.Tensor, k: torch.Tensor, profile: DeviceProfile) -> Config:
-    """The tiles and the split count for ``q`` against ``k`` (from a sweep on an H200: bf16,
-    GQA 32/8, D 128, Sq 1, B 1 and 8, Sk 1024 to 65536):
+    """The tiles and the split count for ``q`` against ``k`` (from a sweep: bf16, GQA 32/8, D 128,
+    Sq 1, B 1 and 8, Sk 1024 to 65536; `.ci/profile_decode.py sweep`):
 
     - ``BLOCK_N`` 64 keys a step (32 for heads wider than 128: the same tile bytes),
       ``num_stages`` 3 within the program's shared memory, 4 warps;
     - ``SPLITS``: whole waves of programs, ``B * Hk * SPLITS`` a multiple of the cores: one program a
       multiprocessor, or from LONG_CACHE keys on as many as one holds at once (its pipeline buffers
       within its shared memory: 2 at these tiles). Fewer leave multiprocessors idle; a count between
-      leaves some with two programs and some with one. H200 (2026-12-04, `.ci/profile_decode.py
-      sweep`, GPU time): Sk 1024 11.2 us in 16 splits against 11.65 in 8, Sk 8192 20.9 in 16
-      against 22.0 in 22 (176 programs on 132 multiprocessors), Sk 16384 31.5 in 16 or 33, Sk 65536
-      79.5 in 33 against 80.2 in 16."""
+      leaves some with two programs and some with one."""
     batch, sk, hk, d = k.shape
     block_d = tile_width(d)
     block_m = max(next_power_of_2(_rows(q, k)), MIN_DOT_ROWS)
@@ -262,8 +259,8 @@ def decode_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
 
     The plan that takes these calls must declare that scratch (``LaunchPlan(scratch=...)``): a launch
     handed a tensor that is neither an input, a result nor declared scratch is not recorded, so every
-    call of the bound op would plan and launch through the slow path again (about 100 us of host time
-    on the H200's host, more than the kernels' own time below Sk 16384).
+    call of the bound op would plan and launch through the slow path again (host time that exceeds
+    the kernels' own at short caches).
     ``config`` (keys of :func:`default_config`) replaces the heuristic one. ``rotary`` is not
     implemented here (the plan takes the prefill kernel for it). ``kv_start``, ``kv_end``: None or
     int32 ``[B]`` (contiguous), the keys each batch sees (key padding)."""

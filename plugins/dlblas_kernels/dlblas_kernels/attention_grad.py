@@ -39,10 +39,9 @@ q and k taken back through the transposed rotation by the same kernel: O(S) memo
 rotating the tiles inside the loops rotates each streamed tile again for every block it meets. The
 gradients of the rotated q and k are returned too: the tables' gradients reduce them.
 
-The tile sizes come from :func:`backward_config`, a table per head dimension and mask measured
-on the H200 (see :data:`HOPPER_TILES`). There, bfloat16 B 2, H 16, S 8192, D 128, the block takes
-6.90 ms (398 TFLOP/s at 2.5 x the forward's 4 B H S^2 D; causal 3.68 ms, 373) against SDPA's
-flash backward 8.89 ms (309) and cuDNN's 5.18 ms (531). It runs seven products per tile pair
+The tile sizes come from :func:`backward_config`, a table per head dimension and mask from a
+sweep on sm_90 (see :data:`HOPPER_TILES`; docs/performance.md, flash_attention_v2, has the block
+against SDPA's flash and cuDNN backwards). It runs seven products per tile pair
 where an atomic dq accumulation runs five (the dkdv and dq kernels each recompute P and dP):
 the price of deterministic gradients without atomics.
 """
@@ -77,13 +76,9 @@ def preprocess_rows(block_d: int, profile: DeviceProfile | None) -> int:
                                                 PREPROCESS_ROWS * block_d) // block_d), 1)
 #: per (head dimension up to the key, causal), the tiles of the two kernels on Hopper for 16-bit
 #: inputs: dkdv (keys per program BLOCK_N, queries per step BLOCK_M, warps, stages), dq (queries per
-#: program BLOCK_M, keys per step BLOCK_N, warps, stages). Measured on the H200 (bfloat16, B 2,
-#: S 8192, heads 16/16 and 32/8, .ci/sweep_attention_backward.py; each kernel timed alone, tensor
-#: descriptors on): D 128 dkdv (64, 32, 4, 3) 4.09 ms against 4.36 for (128, 64, 8, 2) without the
-#: mask, 2.39 against 2.22 with it (GQA 8.16 / 9.01 and 4.87 / 4.56 ms); dq (128, 64, 8, 3) best
-#: of six either way (2.65 ms, causal 1.39). D 64: dkdv (128, 32, 4, 3) 2.24 ms (causal 1.38);
-#: dq (128, 64, 8, 3) 1.32 ms, causal (64, 64, 4, 3) 0.75 against 0.90. D 256 is not measured: the
-#: tiles whose sm_90 build spills least (dkdv 48 bytes of stack).
+#: program BLOCK_M, keys per step BLOCK_N, warps, stages): the fastest of
+#: .ci/sweep_attention_backward.py for D 64 and 128 (docs/performance.md, flash_attention_v2). D 256
+#: is not swept: the tiles whose sm_90 build spills least (dkdv 48 bytes of stack).
 HOPPER_TILES = {
     (64, False): ((128, 32, 4, 3), (128, 64, 8, 3)),
     (64, True): ((128, 32, 4, 3), (64, 64, 4, 3)),
@@ -601,10 +596,9 @@ def rotary_backward_plan(args: tuple, config: Config, profile: DeviceProfile) ->
     """The launches for ``(dq, dk, dv, dq', dk')`` from ``args`` as :func:`rotary_backward_reference`
     takes them: q and k rotated into scratch, :func:`backward_calls` on them, and dq', dk' taken
     back through the transposed rotation (the module doc); dq' and dk' are returned too, for the
-    tables' gradients (no launch of their own: the plan writes them either way). On an H100 (bf16,
-    B 2, H 16, D 128, S 2048 to 16384) this was 1.78x to 1.96x faster than rotating the tiles
-    inside the backward's loops, 1.41x to 1.51x causal (418 against 591 us at S 2048 causal;
-    ``.ci/rotary_backward.py`` at 34d6caa, which timed both)."""
+    tables' gradients (no launch of their own: the plan writes them either way). Faster than
+    rotating the tiles inside the backward's loops at every length measured (docs/performance.md,
+    fused_rotary_and_fa)."""
     dout, q, k, v, cos, sin, out, lse, causal, softmax_scale, interleaved = args
     dq, dk, dv, dq_rot, dk_rot = rotary_backward_results(dout, q, k, v)
     q_rot, k_rot = q.new_empty(q.shape), k.new_empty(k.shape)

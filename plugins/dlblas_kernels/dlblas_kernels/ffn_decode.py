@@ -32,7 +32,7 @@ MAX_DECODE_SPLITS, MIN_SLICE_STEPS, MAX_SPLIT_ROWS = 8, 4, 16
 # ... and only when the unsliced column blocks keep less than this share of their waves' cores busy.
 SPLIT_BELOW_FILL = 0.75
 # The streaming kernel's (BLOCK_K, num_stages) through tensor descriptors (decode_tma), and the most
-# rows (padded to tl.dot's 16) it takes them for: the H200 measured 1 and 16.
+# rows (padded to tl.dot's 16) it takes them for: the rows the sweep measured (1 and 16).
 TMA_DECODE_TILE, TMA_DECODE_ROWS = (128, 3), 16
 # Elements of one program's tile in the kernel adding up the slices.
 FINISH_TILE = 2048
@@ -161,7 +161,7 @@ def decode_columns(n: int, config: Config, profile: DeviceProfile | None) -> tup
     core count, at least a wave of column blocks (any number with ``SPREAD`` 2, an experiment for
     the sweep) rounded up to whole waves of the device's cores and N spread
     evenly over them: each program takes ``cdiv(N, programs) <= BLOCK_N`` columns, so every core
-    streams about as many bytes as every other (LLaMA-3-70B's 28672 columns on the H200's 132 SMs:
+    streams about as many bytes as every other (LLaMA-3-70B's 28672 columns on 132 SMs:
     264 programs of 109 columns, where 224 blocks of 128 leave 40 SMs idle in the second wave).
     Fewer blocks than cores stay as they are: LLaMA-3-8B's 112 blocks of 128 columns (spreading them
     over 132 programs of 109 columns is not measured)."""
@@ -183,10 +183,9 @@ def decode_splits(m: int, n: int, k: int, config: Config, profile: DeviceProfile
     reads back counted against it (:func:`_split_cost`). ``config['SPLIT_K']`` (when set) decides
     instead.
 
-    Measured on the H200 (132 SMs, 128 columns a program): LLaMA-3-8B's 112 column blocks fill
-    0.85 of a wave and stream fastest unsliced (74% of the copy bandwidth, 68% in 2 to 8 slices);
-    Qwen2.5-7B's 148 fill 0.56 of two (63%; 71% in 8 slices); DeepSeek-V3's shared expert's 16
-    (16%; 46% in 8 slices)."""
+    On 132 SMs with 128 columns a program, LLaMA-3-8B's 112 column blocks fill 0.85 of a wave and
+    stream fastest unsliced; Qwen2.5-7B's 148 fill 0.56 of two and DeepSeek-V3's shared expert's 16
+    a wave's eighth, both faster in 8 slices (docs/performance.md, ffn)."""
     if config.get("SPLIT_K"):
         return max(1, min(config["SPLIT_K"], cdiv(k, config["BLOCK_K"])))
     cores = profile.cores if profile is not None else 0
@@ -219,10 +218,9 @@ def decode_tma(config: Config, profile: DeviceProfile | None, w1: torch.Tensor, 
     columns fill at least three quarters of its ``BLOCK_N`` rows of the descriptor's box and K is
     not sliced, with TMA_DECODE_TILE, for 16-bit weights and at most TMA_DECODE_ROWS rows (the rows measured; more
     keep the pointers, as float32 does) whose pipelined tiles (``block_m`` rows of x, both weights'
-    ``BLOCK_N``) fit the device's shared memory at that depth. H200, bf16, 1 row (.ci/sweep_ffn.py,
-    2026-12-04): LLaMA-3-8B 71.4 us (77% of the copy bandwidth; pointers 74.0), LLaMA-3-70B 234.0
-    (94%; 248.3); Qwen2.5-7B's 72 of 128 columns 94.0 (pointers 89.0) and DeepSeek-V3's shared
-    expert in 8 K slices 31.2 (30.0) keep the pointers."""
+    ``BLOCK_N``) fit the device's shared memory at that depth. Programs whose columns fill less of
+    the box (Qwen2.5-7B's 72 of 128) and K-sliced ones (DeepSeek-V3's shared expert) stream faster
+    through pointers (docs/performance.md, ffn)."""
     wanted = config.get("TMA")
     if wanted == 0 or profile is None or profile.arch not in gemm_block.TMA_ARCHS:
         return None

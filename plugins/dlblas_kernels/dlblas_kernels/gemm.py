@@ -626,10 +626,10 @@ def loop_flags(config: Config, store_pre: bool = False, eight_bit: bool = False)
     0): a warp-specialised loop is never flattened (Triton would drop the specialisation), never
     stores pre-activations (``store_pre``: a specialised program stages those stores apart, 64 KiB
     more shared memory at 128 x 128 than :func:`shared_memory_bytes` counts; 197 080 bytes in 2
-    stages, 262 808 in 3), and never takes 8-bit operands (``eight_bit``: on the H200 with Triton
-    3.6.0 the specialised loop over fp8 tiles gave wrong products at every DeepSeek-V3 shape of
-    ``.ci/sweep_fp8_gemm.py``, relative error 0.78 to 1.0 or NaN, where over bf16 tiles it matched
-    cuBLAS to 1.7e-3)."""
+    stages, 262 808 in 3), and never takes 8-bit operands (``eight_bit``: on sm_90 with Triton 3.6.0
+    the specialised loop over fp8 tiles gives wrong products at the DeepSeek-V3 shapes of
+    ``.ci/sweep_fp8_gemm.py``, where over bf16 tiles it is right; docs/performance.md, Other
+    measurements)."""
     specialise = bool(config.get("WARP_SPECIALIZE", 0)) and not store_pre and not eight_bit
     return {"FLATTEN": bool(config.get("FLATTEN", 1)) and not specialise, "WARP_SPECIALIZE": specialise}
 

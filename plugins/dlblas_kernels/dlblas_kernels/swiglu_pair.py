@@ -192,7 +192,7 @@ def pair_tail(m: int, n: int, k: int, config: Config, profile: DeviceProfile) ->
     tiles fill at least one wave of the device's cores and the last leaves at least half of them idle,
     that wave's ``R`` tiles are split ``cores // R`` ways over K (each slice at least MIN_TAIL_STEPS
     K steps), so its cores all work: LLaMA-3-8B's 448 tiles of 64 x 64 per weight at 128 tokens are
-    3.4 waves of the H200's 132 SMs, 52 tiles in halves in the fourth. ``config['TAIL']`` 0 turns
+    3.4 waves of 132 SMs, 52 tiles in halves in the fourth. ``config['TAIL']`` 0 turns
     it off."""
     cores = profile.cores
     tiles = cdiv(m, config["BLOCK_M"]) * cdiv(n, config["BLOCK_N"])

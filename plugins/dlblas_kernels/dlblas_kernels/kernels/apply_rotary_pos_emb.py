@@ -60,16 +60,13 @@ from dlcore.api import (
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ANY_LAYOUT = ("contiguous", "rows", "strided")
 # Elements a program rotates per step by default (BLOCK_T tokens of BLOCK_H heads of D), with one
-# warp: 64 per thread, many loads in flight per thread. On the H200 (bfloat16, 4096 and 16384 tokens of
-# LLaMA-3-8B and Qwen2.5-7B) that was within 3% of the best of the whole space; 4096 with 8 warps took
-# 17% longer at 16384 tokens.
+# warp: 64 per thread, many loads in flight per thread (near the best of the whole space at
+# thousands of tokens; docs/performance.md, apply_rotary_pos_emb).
 TILE = 2048
 # Elements each thread holds at least: more warps than that would only hold copies of a small tile.
 MIN_PER_THREAD = 8
 # At few tokens, a program per token in steps of TILE leaves the GPU idle between a program's steps:
-# on the H200 (bfloat16, .ci/sweep_rotary_small.py, CUDA-graph time) all of q's heads in one step
-# took 1.7 to 2.1 us at 1 to 64 tokens of LLaMA-3-8B/70B and Qwen2.5-7B, against 2.0 to 3.3 us, and
-# steps of 2 * TILE 2.4 to 3.3 us at 256 tokens, against 2.6 to 3.7 us.
+# up to FEW_TOKENS a program takes all of q's heads in one step, up to SOME_TOKENS steps of 2 * TILE.
 FEW_TOKENS = 64
 SOME_TOKENS = 256
 # Unified-buffer bytes a step takes per element of its tile on an npu (bishengir-compile 1.2, float16,

@@ -27,9 +27,8 @@ otherwise
   memory. On sm_90 (``JOINT``, where the copy engine takes the operands) it is the pair-tile kernel
   (:func:`dlblas_kernels.swiglu_pair.swiglu_pair_calls`): persistent, w1's and w3's tiles loaded as the two
   planes of one tensor descriptor, so each K step is ONE ``[BLOCK_M, 2 * BLOCK_N]`` product, the
-  matmul's loop (H200, LLaMA-3-8B, 4096 tokens: 751 TFLOP/s, against 480 for two accumulators fed
-  from the same ``xs`` tile, the GEMM block's :func:`dlblas_kernels.gemm.swiglu_calls`, which runs
-  everywhere else).
+  matmul's loop, faster than two accumulators fed from the same ``xs`` tile (the GEMM block's
+  :func:`dlblas_kernels.gemm.swiglu_calls`, which runs everywhere else).
 
 The ``tl.dot`` inputs keep the input dtype (float16 / bfloat16 tensor cores, exact float32 for
 float32 inputs), accumulating in float32.
@@ -42,16 +41,14 @@ gradient::
     dx, drms_w = rms_norm's backward of dxn
 
 The pre-activations ``g`` and ``u`` are saved, not recomputed (what ``torch.compile`` of the
-composite keeps too): recomputing them would cost the backward a third GEMM of the forward's size
-(1.32 ms of 4.19 at LLaMA-3-8B's shape and 4096 tokens on the H200, where the composite's whole
-backward takes 3.06). The op's custom op, which autograd and ``torch.compile`` call, runs
+composite keeps too): recomputing them would cost the backward a third GEMM of the forward's
+size. The op's custom op, which autograd and ``torch.compile`` call, runs
 :func:`training_plan`: the forward with ``g`` and ``u`` stored by the GEMM's (or the streaming
 kernel's) epilogue, returned as the template's residuals (:class:`~dlcore.runtime.template.Residuals`)
 and saved; that costs the forward an ``[M, 2N]`` write (about 3% at 4096 tokens). It saves the
 normalised input ``xn`` (input dtype) too, which its row kernel writes in place of ``x * rms_w``
 (the GEMM then takes no row scale), so the backward does not write it again (what
-``torch.compile`` keeps too; H200, DeepSeek-V3's shared expert at 4096 tokens: the row kernel was
-about 28 us of a 790 us backward). The public function without autograd and bound ops run
+``torch.compile`` keeps too). The public function without autograd and bound ops run
 :func:`plan`, which stores none of them. The backward: ``dh`` elementwise from the saved
 ``g``, ``u`` and ``dout``, ``dxn = dh @ w13`` (for separate ``w1`` and ``w3``,
 :func:`ffn_input_grad_kernel` reduces over both without a concatenated copy), ``dw13 = dh.T @ xn``
@@ -356,20 +353,16 @@ def backward_outputs(dout: torch.Tensor, x: torch.Tensor, w1: torch.Tensor | Non
 
 def backward_gemm_config(config: Config) -> Config:
     """The config of the backward's single-operand GEMMs: the forward's tile with both accumulators'
-    columns in one (the default forward tile of 128 x 128 per weight is a 128 x 256 GEMM tile: on
-    the H200 at 4096 tokens 4.19 ms for a backward that recomputed the pre-activations, against
-    4.80 with 128 x 128)."""
+    columns in one (the default forward tile of 128 x 128 per weight is a 128 x 256 GEMM tile, the
+    faster of the two for the backward's GEMMs)."""
     return {**config, "BLOCK_N": min(2 * config["BLOCK_N"], 256)}
 
 
 def weight_grad_config(element_size: int, profile: DeviceProfile | None) -> Config:
     """The tile of ``dw13 = dh.T @ xn``, whatever the forward's: :data:`PREFILL_TILE`'s 128 x 256
     product (K slices of 32 for float32), its stages fitted to the device. Its output ``[2N, K]`` is
-    as large at 16 tokens as at 16384 (only the reduction shrinks), so the few-row forward tiles do
-    not serve it: H200 (``.ci/sweep_weight_grad.py``, 2026-12-04, against cuBLAS's ``dh.T @ xn``),
-    LLaMA-3-70B at 128 tokens 372.2 us in the forward's 64 x 128 tiles, 312.3 in these (cuBLAS
-    318.4), LLaMA-3-8B at 128 tokens 101.1 and 82.4 (82.9), LLaMA-3-70B at 16 tokens 273.5 in 64 x
-    256 tiles, 268.9 in these (265.0)."""
+    as large at 16 tokens as at 16384 (only the reduction shrinks), so the few-row forward tiles,
+    sized for a small output, do not serve it (``.ci/sweep_weight_grad.py`` compares them)."""
     config = backward_gemm_config(dict(PREFILL_TILE))
     if element_size > 2:
         config["BLOCK_K"] = 32
@@ -378,10 +371,10 @@ def weight_grad_config(element_size: int, profile: DeviceProfile | None) -> Conf
 
 def input_grad_splits(m: int, k: int, n: int, gemm: Config, profile: DeviceProfile | None) -> int:
     """Slices of the reduction over the 2N columns for ``dxn = dh @ [w1; w3]``: with few rows its
-    output ``[M, K]`` has few tiles (LLaMA-3-8B at 16 tokens: 16 of 64 x 256, against 132 SMs on
-    the H200, which streamed the weights at 1.3 TB/s: 185 us where cuBLAS's split-K takes 75), so
-    as many slices as keep the tiles' programs within one wave of the device's cores, each at
-    least MIN_SLICE_STEPS K steps long; one without a core count."""
+    output ``[M, K]`` has few tiles (LLaMA-3-8B at 16 tokens: 16 of 64 x 256 for 132 SMs, too few
+    programs to stream the weights at the copy bandwidth), so as many slices as keep the tiles'
+    programs within one wave of the device's cores, each at least MIN_SLICE_STEPS K steps long; one
+    without a core count."""
     cores = profile.cores if profile is not None else 0
     tiles = cdiv(m, gemm["BLOCK_M"]) * cdiv(k, gemm["BLOCK_N"])
     if not cores or tiles * 2 > cores:
@@ -523,7 +516,7 @@ def ffn_backward_reference(dout: torch.Tensor, x: torch.Tensor, w1: torch.Tensor
 
 
 #: the prefill tile above 128 rows: BLOCK_N columns of each weight, so a [128, 256] product per
-#: tile for the pair-tile kernel (JOINT), the matmul's 128 x 256 tile (H200 sweep: .ci/sweep_ffn.py)
+#: tile for the pair-tile kernel (JOINT), the matmul's 128 x 256 tile
 PREFILL_TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, JOINT=1, num_warps=8, num_stages=4)
 
 
@@ -535,41 +528,30 @@ def _columns(sig: Signature) -> int:
 
 def few_rows_block_n(m: int, n: int, cores: int) -> int:
     """The columns of each weight per 64-row tile for 65 to 128 rows: 64 (K slices of 128) where
-    those tiles fill the multiprocessors at least once (or no core count is known), else 32.
-    H200, 128 rows, bf16 (.ci/sweep_ffn.py, 2026-12-04; 128 columns by K slices of 64 beside):
-    LLaMA-3-8B's 4096 -> 14336 87.3 us (86.9; cuBLAS's GEMM over [w1; w3] 74.5), Qwen2.5-7B's
-    3584 -> 18944 93.7 (104.1: 296 tiles, 2.2 waves of 132 SMs; cuBLAS 80.4), LLaMA-3-70B's
-    8192 -> 28672 261.8 (281.2; cuBLAS 250.8); DeepSeek-V3's shared expert 7168 -> 2048: 32 tiles
-    of 128 60.9 us, 64 tiles of 64 42.4, 128 tiles of 32 41.3 (cuBLAS 53.5)."""
+    those tiles fill the multiprocessors at least once (or no core count is known), else 32: with
+    fewer tiles than cores, narrower ones put more of the cores to work."""
     if not cores or cdiv(m, 64) * cdiv(n, 64) >= cores:
         return 64
     return 32
 
 
 def default_config(sig: Signature, profile: DeviceProfile) -> Config:
-    """By the row count (rounded up to a power of two), as measured on the H200 at LLaMA-3-8B's
-    shape (K 4096, N 14336, bfloat16):
+    """By the row count (rounded up to a power of two), from sweeps at LLaMA-3-8B's shape (K 4096,
+    N 14336, bfloat16; docs/performance.md, ffn):
 
     - up to DECODE_ROWS: weight streaming (:mod:`dlblas_kernels.ffn_decode`), at most 128 columns
       of each weight per program, spread over whole waves of the multiprocessors
       (``decode_columns``), 64-wide K slices four stages deep; on sm_90, where the programs'
       columns nearly fill the tile and K is not sliced, the weights through tensor descriptors in
-      128-wide K slices three deep (``decode_tma``).
-      w1 and w3 read at, of the copy bandwidth, 1 and 16 rows: LLaMA-3-8B 75%, 77% through
-      descriptors (112 programs; cuBLAS's GEMM over [w1; w3] 80%), LLaMA-3-70B 89%, 94% through
-      descriptors (264 programs of 109 columns; 83% in 224 blocks of 128), Qwen2.5-7B 72% (264 of
-      72; 71% in 148 blocks over 8 K slices), DeepSeek-V3's shared expert 46-48% (16 blocks over 8
-      K slices; cuBLAS 52%). Deeper pipelines, 256 or 64 columns, 32-wide K slices and, for 1 row,
-      products on the cores without tl.dot (at best 8 columns by 512-wide K slices: 70%, 79%,
-      72%, 42%) were slower;
+      128-wide K slices three deep (``decode_tma``). Deeper pipelines, 256 or 64 columns, 32-wide
+      K slices and, for 1 row, products on the cores without tl.dot are slower;
     - up to 128: the GEMM with 64-row tiles (128-row tiles, or streaming with 128 rows, leave
       multiprocessors idle or spill), 64 columns of each weight by K slices of 128, 32 where 64
       leave multiprocessors idle (:func:`few_rows_block_n`);
     - more: :data:`PREFILL_TILE`, 128 x 128 tiles of each weight (a 128 x 256 output tile).
 
-    On sm_90 the pair-tile kernel splits its last, partial wave over K (:func:`dlblas_kernels.swiglu_pair.pair_tail`;
-    H200, .ci/sweep_ffn.py, 2026-12-04: LLaMA-3-8B 4096 tokens 1412.6 -> 1337.7 us, LLaMA-3-70B
-    4096 tokens 5707.8 -> 5337.2 us, 128 tokens 88.4 -> 87.1 and 270.4 -> 268.5 us).
+    On sm_90 the pair-tile kernel splits its last, partial wave over K
+    (:func:`dlblas_kernels.swiglu_pair.pair_tail`), so that the wave's SMs are not left idle.
 
     The GEMM takes the pair-tile kernel (``JOINT``) where the copy engine takes the operands;
     float32 inputs take K slices half as wide. Pipelining stages are dropped while the tiles

@@ -168,7 +168,7 @@ def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     """``out``, or ``(out, lse)`` with ``return_lse``; otherwise lse is scratch (the kernel writes it
     either way: ``B * Hq * Sq`` floats, a 1/(2D) part of out's bytes in 16-bit). Every tensor a launch
     is handed is an input, a result or declared scratch, so that a bound op's calls replay their
-    recorded launches (:class:`dlcore.runtime.launch.Replay`) instead of planning again."""
+    recorded launches (:class:`dlcore.runtime.replay.Replay`) instead of planning again."""
     out, lse = training_outputs(*args)
     calls, scratch = _calls(args, config, profile, out, lse)
     if args[5]:
@@ -179,14 +179,12 @@ def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
 # --- config --------------------------------------------------------------------------------------
 
 def default_config(sig: Signature, profile: DeviceProfile) -> Config:
-    """By the head's tile width, as measured on the H200 (bfloat16, B 2, H 16, S 8192, descriptor
-    loads; TFLOP/s non-causal / causal, SDPA flash 359 / 303 and cuDNN 684 / 557 at D 128):
+    """By the head's tile width, the fastest of a sweep at B 2, H 16, S 8192 (bfloat16, descriptor
+    loads; docs/performance.md, flash_attention_v2):
 
-    - up to 64: 128 x 128 blocks, 4 warps, 3 stages: 430 / 406 (8 warps: 359 / 322);
-    - up to 128: 128 x 128 blocks, 8 warps, 3 stages: 512 / 447 (128 x 64, 8 warps, 3 stages: 464 / 438;
-      2 stages: 447 / 395; 64-row blocks with 4 warps: 440 / 362);
-    - wider: 128 x 64 blocks, 8 warps, 2 stages (what fits): 528 / 488 (64 x 64, 4 warps, 3 stages:
-      487 / 403).
+    - up to 64: 128 x 128 blocks, 4 warps, 3 stages;
+    - up to 128: 128 x 128 blocks, 8 warps, 3 stages;
+    - wider: 128 x 64 blocks, 8 warps, 2 stages (what fits).
 
     Short sequences take query blocks no taller than the sequence. Fitted to the device's shared
     memory (:func:`fit`: float32 heads take narrower blocks)."""
@@ -215,10 +213,10 @@ def space(profile: DeviceProfile, *, warp_specialize: bool = False) -> SearchSpa
 
     ``warp_specialize`` (default off) also offers the warp-specialised loop (4-warp programs of 128
     query rows on sm_90, what Triton specialises). It is off because on sm_90 with Triton 3.6.0 the
-    specialised program gives wrong outputs at B 2, H 16, S 8192, D 128 (an H100,
-    ``SWEEP_D=128 python3 .ci/sweep_attention.py sweep``): NaN with 64-row key blocks, a relative
-    error of 0.19 with 128-row ones under the causal mask; the one that was right (128 x 128, not
-    causal) ran at 503 TFLOP/s against the plain default's 505. Small shapes pass their GPU tests,
+    specialised program gives wrong outputs at B 2, H 16, S 8192, D 128 (``SWEEP_D=128 python3
+    .ci/sweep_attention.py sweep``; NaN, or a relative error of 0.19 under the causal mask) and the
+    right one is no faster than the plain default (docs/performance.md, Other measurements: Warp
+    specialisation). Small shapes pass their GPU tests,
     so the tuner's check on small inputs would not catch it."""
     shared = profile.shared_memory_per_program
     fits = [Constraint(

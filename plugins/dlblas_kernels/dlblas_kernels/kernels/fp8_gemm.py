@@ -170,19 +170,19 @@ def _tile(block_m: int, block_n: int, block_k: int, warps: int, stages: int, **e
 
 
 def heuristic(m: int, n: int, k: int, found: Granularity | None, profile: DeviceProfile | None) -> Config:
-    """A config for ``[m, k] @ [n, k].T`` in fp8 with scales of granularity ``found``, read off the
-    H200 sweep at the DeepSeek-V3 shapes (``python3 .ci/sweep_fp8_gemm.py``, bf16 out).
+    """A config for ``[m, k] @ [n, k].T`` in fp8 with scales of granularity ``found``, from the
+    sweep at the DeepSeek-V3 shapes (``python3 .ci/sweep_fp8_gemm.py``, bf16 out; docs/performance.md,
+    fp8_gemm).
 
     - No persistent descriptor kernel (not sm_90, or no core count): the pointer kernel's 64x64
       tiles, K steps of 64 (what the interpreter runs quickly).
     - Up to 128 rows: 64x128 tiles, K steps of 128, 5 stages; under block scales split in two
       along K where the tiles fill under 1.15 waves of the multiprocessors even split and K
-      gives each half 8 steps (N 2112 and 4096 at K 7168: +38%, +35%).
+      gives each half 8 steps (the column tiles alone leave most multiprocessors idle).
     - Block scales, more rows: 128x128 tiles (BLOCK_N of 128: one b-scale per tile and step), K
-      steps of 128, 8 warps, 4 stages (800 TFLOP/s at 4096 x 7168 x 16384; 5 stages 3% slower,
-      256x128 and 64-row tiles 15% and more).
+      steps of 128, 8 warps, 4 stages (5 stages, 256x128 and 64-row tiles are slower).
     - Per-row and per-tensor scales, more rows: 128x256x128 tiles, 8 warps, 3 stages; 128x128
-      where N is no multiple of 256 (N 2112: 5% faster, less of the last column tile wasted).
+      where N is no multiple of 256 (less of the last column tile wasted).
     """
     if profile is None or profile.arch not in gemm.TMA_ARCHS or profile.cores <= 0:
         return _tile(64, 64, 64, 4, 3, TMA=0)
@@ -212,11 +212,11 @@ def space(profile: DeviceProfile) -> SearchSpace:
     step lies in one scale block), the pipelined tiles within the profile's shared memory.
 
     Never warp-specialised (``WARP_SPECIALIZE`` 0 only; the GEMM block runs a config that asks for
-    it unspecialised, :func:`dlblas_kernels.gemm.loop_flags`): on the H200 with Triton 3.6.0 the
-    specialised descriptor loop over fp8 operands gives wrong products at every DeepSeek-V3 shape
-    of ``.ci/sweep_fp8_gemm.py`` (relative error 0.78 to 1.0 or NaN, block, row and tensor scales
-    alike), where the same loop over bf16 operands matches cuBLAS to 1.7e-3. It compiles, so only
-    a GPU run shows it."""
+    it unspecialised, :func:`dlblas_kernels.gemm.loop_flags`): on sm_90 with Triton 3.6.0 the
+    specialised descriptor loop over fp8 operands gives wrong products at the DeepSeek-V3 shapes of
+    ``.ci/sweep_fp8_gemm.py`` (block, row and tensor scales alike; docs/performance.md, Other
+    measurements), where the same loop over bf16 operands is right. It compiles, so only a GPU run
+    shows it."""
     shared = profile.shared_memory_per_program
     fits = [Constraint(
         f"the pipelined fp8 a and b tiles and the staged 16-bit output tile fit in {shared} bytes of shared memory",

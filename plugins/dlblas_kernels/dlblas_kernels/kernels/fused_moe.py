@@ -274,8 +274,8 @@ def _fp8_forward(args: tuple, config: Config, out: torch.Tensor) -> tuple[list[K
     the SwiGLU output quantised per 1x128 in its epilogue (where its column tile is 128: I a
     multiple of 128; else stored in float32 and quantised by a launch of its own), the down GEMM
     on fp8 tiles, the sum over choices. The weight tiles load by pointers: through a tensor
-    descriptor over every expert's rows (K-major, made on the device) the H200 measured 0.92x to
-    0.98x the bf16 path at 4096 and 16384 tokens, against 1.32x to 1.41x by pointers."""
+    descriptor over every expert's rows (K-major, made on the device) the fp8 path is no faster
+    than the bf16 one (docs/performance.md, fused_moe)."""
     hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale = args
     tokens, h, experts, inter, topk = _dims(hidden, w13, topk_ids)
     config = fp8_tiles(config, inter)
@@ -544,17 +544,16 @@ def _down_bytes(c: Config, element_size: int = SPACE_ELEMENT_BYTES) -> int:
 
 def heuristic(tokens: int, experts: int, topk: int, element_size: int, profile: DeviceProfile | None,
               fp8: bool = False) -> Config:
-    """By the mean rows per expert ``tokens * k / E``, as measured on the H200 (bf16, Mixtral-8x7B
-    and DeepSeek-V3's experts, ``.ci/bench_fused_moe.py``):
+    """By the mean rows per expert ``tokens * k / E``, from sweeps of Mixtral-8x7B's and
+    DeepSeek-V3's experts (bf16, ``.ci/bench_fused_moe.py``; docs/performance.md, fused_moe):
 
     - up to DECODE_ROWS (decoding): 16-row blocks, 64-column tiles, K steps of 128 (256, 3 stages,
-      at one row per expert or fewer: 200 against 207 us for Mixtral's token): the weights of each
-      activated expert stream through many programs once, at 83 to 93% of the copy bandwidth;
-      128-column tiles were 1 to 5% slower;
+      at one row per expert or fewer): the weights of each activated expert stream through many
+      programs once, near the copy bandwidth; 128-column tiles are slower;
     - up to 64: 64-row blocks, 64 columns per gate/up accumulator, 128 for the down GEMM;
     - more: 128-row blocks, 128 x 128 per gate/up accumulator (8 warps, 3 stages), 128 x 256 down
-      tiles (4 stages: 1 to 2% faster than 3); 4 gate/up stages with 128-column down tiles 3 to 7%
-      slower, 64-column gate/up tiles or K steps of 128 about 15%, 64-row blocks 18 to 50%.
+      tiles in 4 stages; 4 gate/up stages with 128-column down tiles, 64-column gate/up tiles, K
+      steps of 128 and 64-row blocks are slower.
 
     float32 halves the K step; pipelining stages are dropped while the tiles overflow the device's
     shared memory (no bound where the profile knows none).
@@ -562,16 +561,10 @@ def heuristic(tokens: int, experts: int, topk: int, element_size: int, profile: 
     fp8 weights (``fp8``; ``element_size`` that of the fp8 tiles, 1): 128-column gate/up tiles (the
     SwiGLU output's 1x128 groups quantised in the epilogue) and K steps of 128 (one scale block),
     16-row blocks when decoding, 64 up to 64 rows per expert, else 128 rows with 8 warps and 4
-    stages for both GEMMs (:func:`fp8_tiles` then fits the tiles to I). On the H200
-    (``.ci/bench_fused_moe_fp8.py``) against bf16 weights: 1.41x and 1.32x for Mixtral-8x7B at 4096
-    and 16384 tokens (720 TFLOP/s), 1.35x and 1.31x for DeepSeek-V3, 1.70x and 1.88x at 64 tokens;
-    64-row blocks or 64-column gate/up tiles (which spill no registers, where 128 x 128 spills 24
-    bytes) were 10 to 28% slower. From FP8_WIDE_ROWS rows per expert the gate/up GEMM runs 16 warps
-    and 3 stages (128 registers, no spill): Mixtral-8x7B at 4096 tokens 4060 -> 3890 us, at 16384
-    16360 -> 15484 (1.33x and 1.43x bf16's, in one run of 2026-12-05:
-    docs/results/fp8_moe/fused_moe_fp8_warps.json); DeepSeek-V3 at 16384 tokens
-    (512 rows an expert) 19391 -> 19296; at 128 rows an expert (4096 tokens) 16 warps were 0.7% slower,
-    and so was the down GEMM on 16 warps everywhere."""
+    stages for both GEMMs (:func:`fp8_tiles` then fits the tiles to I); 64-row blocks or 64-column
+    gate/up tiles, which spill no registers where 128 x 128 spills 24 bytes, are slower. From
+    FP8_WIDE_ROWS rows per expert the gate/up GEMM runs 16 warps and 3 stages (128 registers, no
+    spill); with fewer rows per expert, and for the down GEMM, 16 warps are slower."""
     rows = tokens * topk / max(experts, 1)
     if fp8:
         if rows <= DECODE_ROWS:

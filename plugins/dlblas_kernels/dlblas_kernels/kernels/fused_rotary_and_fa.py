@@ -35,7 +35,7 @@ run only when asked for.
 
 The baseline ``composite`` is what a model runs unfused: dlblas ``apply_rotary_pos_emb``, then
 ``F.scaled_dot_product_attention`` with the fastest backend that accepts the inputs (cuDNN, then
-flash: on the H200 cuDNN's forward and backward are the faster). It is also a candidate of the op
+flash: on sm_90 cuDNN's forward and backward are the faster). It is also a candidate of the op
 (:data:`dlblas_kernels.vendor.FUSED_ROTARY_AND_FA`, kind ``vendor``, on NVIDIA GPUs from sm_80), so
 that ``get_op`` takes it where it measures faster than the fused kernel: cuDNN's attention runs
 above what the Triton kernel reaches, and the rotary pass it adds costs a read and a write of q
@@ -181,7 +181,7 @@ def default_config(sig: Signature, profile: DeviceProfile | None) -> Config:
     """flash_attention_v2's blocks (:func:`~dlblas_kernels.kernels.flash_attention_v2.default_config`)
     fitted to the shared memory with the rotary tiles (:func:`dlblas_kernels.attention.fit`): at D
     128 in 16-bit, 128 x 128 blocks, 8 warps, 2 stages (k, cos, sin and v per stage, and the rotated
-    k tile: 229 408 bytes of the H200's 232 448)."""
+    k tile: 229 408 bytes of sm_90's 232 448)."""
     config = flash_attention_v2.default_config(sig, profile)
     _, _, _, d = sig.tensor("q").shape
     return attention.fit(config, d, sig.dtype.itemsize, profile, rotary=True)

@@ -65,8 +65,8 @@ SPACE_ELEMENT_BYTES = 2
 DECODE_ROWS = 64
 
 # The persistent kernel's tiles the heuristic weighs (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
-# num_stages) with their throughput relative to the best, measured on the H200 at 4096 rows
-# (bf16, .ci/sweep_gemm.py): 128x256 leads; smaller tiles pay ~7% but fill more multiprocessors
+# num_stages) with their throughput relative to the best at 4096 rows on sm_90 (bf16,
+# .ci/sweep_gemm.py): 128x256 leads; smaller tiles pay ~7% but fill more multiprocessors
 # (the two smallest, for a few hundred rows, estimated from 128 rows).
 TILES = (
     ((128, 256, 64, 8, 3), 1.0),
@@ -236,8 +236,8 @@ def _tile(block_m: int, block_n: int, block_k: int, warps: int, stages: int, **e
 
 
 def heuristic(m: int, n: int, k: int, profile: DeviceProfile | None, element_size: int = 2) -> Config:
-    """A config for ``[m, k] @ [k, n]`` on the device of ``profile``; the rules were read off the
-    H200 sweeps of the LLM presets (bf16, `python3 .ci/sweep_gemm.py sweep|bench`).
+    """A config for ``[m, k] @ [k, n]`` on the device of ``profile``; the rules follow sweeps of the
+    LLM presets (bf16, `python3 .ci/sweep_gemm.py sweep|bench`).
 
     - Decoding (``m <= 64``): the time is reading ``b`` once. A row block of the rows (16 at least,
       what ``tl.dot`` takes), 64-column tiles; split-K by 4 when the column tiles fill under half

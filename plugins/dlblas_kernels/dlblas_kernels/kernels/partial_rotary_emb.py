@@ -60,18 +60,15 @@ from dlcore.api import (
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ANY_LAYOUT = ("contiguous", "rows", "strided")
 # Heads a forward program takes by default (the plan caps it at the head count), and the elements
-# of q each of its threads holds (8 warps for DeepSeek-V2's 128 heads). On the H200 (bfloat16, 4096
-# tokens of DeepSeek-V2) 128 heads with 8 warps was the best of the configs of the space measured,
-# and 7% faster than the earlier default, 16 heads with 8 warps (0.2835 against 0.3051 ms).
+# of q each of its threads holds (8 warps for DeepSeek-V2's 128 heads: the best of the space's
+# configs at thousands of tokens; docs/performance.md, partial_rotary_emb).
 HEADS = 128
 PER_THREAD = 128
 # The backward loops over every head of a token and holds its key gradient sum: it steps over at most
 # this many heads at a time, and at most half of them rounded up to a power of two (two steps a token
 # from two heads on; the config's BLOCK_H, when smaller), with warps for about this many elements of each
-# gradient per thread (the config's num_warps is the forward's). On the H200 (bfloat16,
-# `.ci/sweep_partial_backward.py`, CUDA graphs) 32 and 32 were within 4% of the best at 128 heads and
-# 4096 tokens; at DeepSeek-V2-Lite's 16, two steps of 8 heads with 2 warps took 37.1 us at 4096
-# tokens against 38.5 for one step of 16 with 4 warps, and 134.4 against 133.9 at 16384 tokens.
+# gradient per thread (the config's num_warps is the forward's; `.ci/sweep_partial_backward.py`
+# sweeps both).
 BACKWARD_HEADS = 32
 BACKWARD_PER_THREAD = 32
 

@@ -16,18 +16,12 @@ elements).
   Each block's loads are issued before the previous block is reduced, so a program has two blocks
   in flight; the block is sized by how many programs share a core (:func:`loop_block`). The
   second pass's loads and stores are marked evict-first, so that the blocks still to be re-read
-  stay in L2. The re-read costs: on the H200 (bf16) rows of 32768 and 131072 move 84% and 78% of
-  a same-size copy's bandwidth, where rows held whole reach 91% (16384) to 97-100% (4096).
-  Reading a row once needs it held on chip across cores (a cluster's distributed shared memory,
-  which Triton does not expose). A grid of 2 to 8 programs an SM taking the rows in turn (fewer
-  rows in flight for L2 to hold; a variant of this kernel looping over its rows) was measured and
-  is not used: 44.4 to 52.7 us at 1024 x 32768 against 44.0 one program a row. Reading once by
-  splitting a row over programs that each hold a block in registers and exchange their maxima and
-  sums through global memory (an atomic count per row, the programs of a row waiting for each
-  other) was measured and is not used: H200, bf16, blocks of 2048 to 16384 elements, rows of
-  16384 to 131072 at 58-79% of a same-size copy (their best: 4096-element blocks, 4 warps), no
-  faster than the re-read; the zeroing launch the counters need costs 3.5 us, a start ticket per
-  program 4 us, and the time spent waiting is not the spinning (a backoff changed nothing).
+  stay in L2. Reading a row once needs it held on chip across cores (a cluster's distributed
+  shared memory, which Triton does not expose). Two ways round that are not used, being no faster
+  than the re-read (docs/performance.md, softmax): a grid of a few programs per core taking the
+  rows in turn (fewer rows in flight for L2 to hold), and a row split over programs that each hold
+  a block in registers and exchange their maxima and sums through global memory (an atomic count
+  per row, the programs of a row waiting for each other; the counters need a zeroing launch).
 
 Rows along another ``dim`` (``inner > 1``) step through memory by ``inner`` elements: correct, not
 coalesced (a transposed softmax is better served by the caller's layout).
@@ -165,7 +159,7 @@ def softmax_kernel(
         scale = (1.0 / tl.sum(sums, axis=1))[:, None]
         # Pass 2: last block first, while the row's latest blocks are still in L2; prefetched as
         # pass 1. Its loads and stores are marked evict-first, so that the blocks still to be
-        # re-read keep their place in L2 (H200, bf16, 1024 x 32768: about 50 -> 44 us).
+        # re-read keep their place in L2.
         last = (N - 1) // BLOCK_N * BLOCK_N
         x_next = tl.load(x_rows + (last + cols)[None, :] * stride_x_col, mask=(last + cols < N)[None, :], other=0.0,
                          eviction_policy="evict_first")
@@ -309,10 +303,9 @@ def loop_block(rows: int, cores: int) -> int:
     """The looped kernel's block for ``rows`` rows on ``cores`` cores: one row per program, so about
     ``rows / cores`` programs share a core, and together they should keep LOOP_ELEMENTS_PER_CORE
     elements in flight: the power of two at or below ``LOOP_ELEMENTS_PER_CORE * cores / rows``,
-    within MIN_LOOP_BLOCK and MAX_LOOP_BLOCK (the smallest without a core count). On the H200 (132
-    SMs, bf16, the second pass evict-first): 1024 rows of 32768 take 4096 with 8 warps (44.0 us,
-    84% of a same-size copy; 8192 with 16 warps: 46.6, with 8: 50.1; 16384: 60 to 62), 256 rows of
-    131072 take 16384 with 32 warps (47.1 us, 78%; 16 warps: 47.7, 8192: 53.5 to 58.9)."""
+    within MIN_LOOP_BLOCK and MAX_LOOP_BLOCK (the smallest without a core count): on 132 SMs, 1024
+    rows of 32768 take blocks of 4096, 256 rows of 131072 blocks of 16384 (larger blocks leave
+    too few programs a core, smaller ones too few elements in flight)."""
     if not cores:
         return MIN_LOOP_BLOCK
     want = max(LOOP_ELEMENTS_PER_CORE * cores // max(rows, 1), 1)
@@ -322,8 +315,7 @@ def loop_block(rows: int, cores: int) -> int:
 def heuristic_config(rows: int, n: int, cores: int) -> Config:
     """The default config for ``rows`` rows of ``n`` elements on ``cores`` cores: rows up to
     MAX_ONE_BLOCK whole, several short rows per program while at least MIN_PROGRAMS programs remain;
-    longer rows in blocks of :func:`loop_block`; about ELEMENTS_PER_THREAD elements per thread
-    (H200, bf16: rows of 4096 at 100% of a same-size copy, 16384 at 91%)."""
+    longer rows in blocks of :func:`loop_block`; about ELEMENTS_PER_THREAD elements per thread."""
     if n > MAX_ONE_BLOCK:
         block_n = loop_block(rows, cores)
         return {"BLOCK_M": 1, "BLOCK_N": block_n, "num_warps": min(block_n // (32 * ELEMENTS_PER_THREAD), 32)}
