@@ -45,6 +45,11 @@ class DeviceProfile:
         return f"{self.name} ({self.vendor} {self.arch}, {self.cores} cores{memory})"
 
 
+#: the profile of a device no available backend owns (meta tensors while lowering, a space asked for
+#: without a device): no cores known and every limit 0, and a limit of 0 bounds nothing
+UNKNOWN_DEVICE = DeviceProfile(backend="", vendor="", name="unknown device", arch="", cores=0)
+
+
 _target: contextvars.ContextVar[DeviceProfile | None] = contextvars.ContextVar("dlcore_planning_target",
                                                                               default=None)
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from dlcore.declarations.backend import Backend
-from dlcore.declarations.device import DeviceProfile
+from dlcore.declarations.device import UNKNOWN_DEVICE, DeviceProfile
 from dlcore.declarations.implementation import Implementation, ReferenceImplementation
 from dlcore.declarations.op import Op
 from dlcore.errors import BackendUnavailableError, PluginConflictError, UnknownOpError, UnknownStrategyError
@@ -39,7 +39,7 @@ class Registry:
         self.strategies: dict[str, Any] = {}
         self.passes: list[Any] = []
         self.pass_plugin: dict[str, str] = {}
-        self._profiles: dict[str, DeviceProfile] = {}
+        self._profiles: dict[torch.device, DeviceProfile] = {}
         self._availability: dict[str, Any] = {}
         self._complete: set[str] = set()  # ops whose every provider is loaded
         self._ignored: dict[str, set[str]] = {}  # plugin -> ops of its implementations left out
@@ -230,10 +230,21 @@ class Registry:
         return backend
 
     def profile(self, backend: Backend, device: torch.device) -> DeviceProfile:
-        key = str(device)
-        profile = self._profiles.get(key)
+        profile = self._profiles.get(device)
         if profile is None:
-            profile = self._profiles[key] = backend.profile(device)
+            profile = self._profiles[device] = backend.profile(device)
+        return profile
+
+    def device_profile(self, device: torch.device) -> DeviceProfile:
+        """The profile of ``device`` as the backend that owns it describes it, or
+        :data:`~dlcore.declarations.device.UNKNOWN_DEVICE` where no available backend does; what a
+        kernel's plans size themselves by, remembered with the registry (:func:`reset` forgets it)."""
+        profile = self._profiles.get(device)
+        if profile is None:
+            try:
+                profile = self.profile(self.backend_for(device), device)
+            except BackendUnavailableError:
+                profile = self._profiles[device] = UNKNOWN_DEVICE
         return profile
 
     def refine_space(self, space: Any, signature: Any, profile: DeviceProfile) -> Any:

@@ -1,5 +1,5 @@
-"""The kernel template: everything a Triton kernel module would otherwise repeat, generated from its
-op's declaration by one :func:`define_kernel` call.
+"""The kernel template: everything a Triton kernel module would otherwise repeat, made from its
+op's declaration by one :func:`define_kernel` call, which returns a :class:`Kernel`.
 
 A kernel module holds its ``@triton.jit`` code, its plans, its search space and heuristic default,
 its reference, and::
@@ -9,36 +9,37 @@ its reference, and::
     rms_norm = KERNEL.function
     dlcore_ops, dlcore_implementations = KERNEL.dlcore_ops, KERNEL.dlcore_implementations
 
-What it generates, ``<ns>`` being ``namespace`` (``dlblas`` for dlblas-kernels; a third party names
-its own):
+What the :class:`Kernel` holds, each a method or a small object a debugger shows by name, ``<ns>``
+being ``namespace`` (``dlblas`` for dlblas-kernels; a third party names its own):
 
-- **the custom op** ``<ns>::<op>``: its schema is the op's declared arguments (a ``TensorArg`` is a
-  ``Tensor``, an optional one a ``Tensor?``; a ``ScalarArg`` a ``bool``, ``int``, ``float`` or
-  ``str`` by its types, ``str?`` and so on when ``None`` is among them), less the ``inplace``
-  argument if one is named, then the launch config as trailing ``int`` arguments named after the
-  space's parameters, lowercased (``block_m``, ``num_warps``). All zero means the heuristic
-  default, computed in the body from the actual shapes. The body launches the plan, its launches
-  recorded per exact input and replayed after (:class:`~dlcore.runtime.torch_ops.Launches`);
-  float64 inputs take the reference (the path ``torch.autograd.gradcheck`` runs);
-- **its fake**: ``op.validate`` (so bad inputs raise while ``torch.compile`` traces), then
-  ``results(*args)``, the outputs allocated as the plan allocates them;
-- **its autograd** (with a :class:`Backward`): the named arguments and outputs saved, the backward
-  custom op ``<ns>::<op>_backward`` (schema: the backward reference's annotated signature, then the
-  same config ints), launched directly in plain eager autograd and through the op where a tracer
-  watches (:func:`~dlcore.runtime.torch_ops.run_backward`); with :class:`Residuals`, the custom op
-  also returns what the forward computes for the backward alone (saved, never shown to callers).
-  An argument that requires grad and gets no gradient (a table declared not differentiable) is
-  named by a :class:`~dlcore.runtime.torch_ops.NoGradientWarning`; a gradient of the gradients
-  (``create_graph=True``) runs autograd through the backward's reference where
-  ``Backward.second_order`` says it may, and raises
+- **the custom op** ``<ns>::<op>`` (its body :meth:`Kernel.forward`): its schema is the op's
+  declared arguments (a ``TensorArg`` is a ``Tensor``, an optional one a ``Tensor?``; a
+  ``ScalarArg`` a ``bool``, ``int``, ``float`` or ``str`` by its types, ``str?`` and so on when
+  ``None`` is among them), less the ``inplace`` argument if one is named, then the launch config as
+  trailing ``int`` arguments named after the space's parameters, lowercased (``block_m``,
+  ``num_warps``). All zero means the heuristic default, computed in the body from the actual shapes.
+  The body launches the plan, its launches recorded per exact input and replayed after
+  (:class:`~dlcore.runtime.torch_ops.Launches`); float64 inputs take the reference (the path
+  ``torch.autograd.gradcheck`` runs);
+- **its fake** (:meth:`Kernel.fake`): ``op.validate`` (so bad inputs raise while ``torch.compile``
+  traces), then ``results(*args)``, the outputs allocated as the plan allocates them;
+- **its autograd** (with a :class:`Backward`; :class:`Autograd`): the named arguments and outputs
+  saved, the backward custom op ``<ns>::<op>_backward`` (schema: the backward reference's annotated
+  signature, then the same config ints), launched directly in plain eager autograd and through the
+  op where a tracer watches (:func:`~dlcore.runtime.torch_ops.run_backward`); with
+  :class:`Residuals`, the custom op also returns what the forward computes for the backward alone
+  (saved, never shown to callers). An argument that requires grad and gets no gradient (a table
+  declared not differentiable) is named by a :class:`~dlcore.runtime.torch_ops.NoGradientWarning`; a
+  gradient of the gradients (``create_graph=True``) runs autograd through the backward's reference
+  where ``Backward.second_order`` says it may, and raises
   :class:`~dlcore.errors.NoDoubleBackwardError` elsewhere;
 - **the implementation** (a :class:`~dlcore.runtime.torch_ops.CustomOpTritonImplementation`): the
-  inference path launches the plan directly, the training path calls the custom op with the
-  selected config; its ``backward_plan`` (what ``dlcore lower`` compiles) comes from the backward's
-  own formula run on made-up output gradients;
-- **the public function** ``KERNEL.function``: the op's signature; validation, the heuristic config
-  and the implementation's ``run``, with no dispatcher; under ``torch.compile`` tracing the custom
-  op alone (one node, no graph break);
+  inference path launches the plan directly, the training path calls the custom op with the selected
+  config; its ``backward_plan`` (what ``dlcore lower`` compiles) comes from the backward's own
+  formula run on made-up output gradients;
+- **the public function** ``KERNEL.function`` (a :class:`PublicFunction`): the op's signature;
+  validation, the heuristic config and the implementation's ``run``, with no dispatcher; under
+  ``torch.compile`` tracing the custom op alone (one node, no graph break);
 - **the plugin hooks** ``dlcore_ops`` and ``dlcore_implementations``.
 
 Hardware comes from the device profile, never from constants in kernels. A plan is called as
@@ -62,12 +63,12 @@ from typing import Any
 
 import torch
 
-from dlcore.declarations.device import DeviceProfile, planning_target
+from dlcore.declarations.device import UNKNOWN_DEVICE, DeviceProfile, planning_target
 from dlcore.declarations.implementation import Config, LaunchPlan, LoweringLimit
 from dlcore.declarations.op import REQUIRED, Op, ScalarArg, TensorArg
 from dlcore.declarations.signature import Signature, make_signature
 from dlcore.declarations.space import SearchSpace
-from dlcore.errors import BackendUnavailableError, DeclarationError, InvalidInputError, NoDoubleBackwardError
+from dlcore.errors import DeclarationError, InvalidInputError, NoDoubleBackwardError
 from dlcore.plugins.hookspecs import hookimpl
 from dlcore.plugins.registry import registry
 from dlcore.runtime.replay import LIMIT, replay_key
@@ -84,28 +85,17 @@ Plan = Callable[[tuple, Config, DeviceProfile], LaunchPlan]
 #: ``gradients(backward, saved, grads, needs) -> {argument name: gradient}``: see :class:`Backward`
 Gradients = Callable[[Callable[..., Any], SimpleNamespace, tuple, Mapping[str, bool]], Mapping[str, Any]]
 
-#: the profile of a device no available backend owns: no cores known, no limit
-UNKNOWN_DEVICE = DeviceProfile(backend="", vendor="", name="unknown device", arch="", cores=0)
-
-_profiles: dict[torch.device, DeviceProfile] = {}
-
 
 def device_profile(device: torch.device) -> DeviceProfile:
-    """The profile of ``device`` as its backend describes it, or :data:`UNKNOWN_DEVICE`; for ``meta``
-    tensors, the target being lowered for (:func:`~dlcore.declarations.device.planning_for`), if any."""
+    """The profile of ``device`` as its backend describes it, or :data:`UNKNOWN_DEVICE`
+    (:meth:`Registry.device_profile <dlcore.plugins.registry.Registry.device_profile>`, remembered
+    with the registry, which ``dlcore.reset()`` forgets); for ``meta`` tensors, the target being
+    lowered for (:func:`~dlcore.declarations.device.planning_for`), if any."""
     if device.type == "meta":
         target = planning_target()
         if target is not None:
             return target
-    profile = _profiles.get(device)
-    if profile is None:
-        reg = registry()
-        try:
-            profile = reg.profile(reg.backend_for(device), device)
-        except BackendUnavailableError:
-            profile = UNKNOWN_DEVICE
-        _profiles[device] = profile
-    return profile
+    return registry().device_profile(device)
 
 
 @dataclass(frozen=True)
@@ -216,6 +206,12 @@ def _first_tensor(op: Op) -> int:
     return first
 
 
+
+def _same(args: tuple) -> tuple:
+    """The forward's arguments of a forward body: its own."""
+    return args
+
+
 class _Configs:
     """A body's config from its trailing ints: the named values, or (all zero) the heuristic default
     for the forward arguments ``forward(args)`` computes from the body's."""
@@ -235,15 +231,20 @@ class _Configs:
         return self.default_config(make_signature(self.op, forward, device), device_profile(device))
 
 
-def _on_device(plan: Plan, first: int) -> Callable[[tuple, Config], LaunchPlan]:
-    """``plan`` given the profile of its inputs' device; it keeps the plan's name and module (the
-    source hash in cache keys covers the kernel module, not this one)."""
+class _OnDevice:
+    """``plan`` given the profile of its inputs' device: ``planned(args, config)``. It keeps the
+    plan's name and module (the source hash in cache keys covers the kernel module, not this one)."""
 
-    @functools.wraps(plan)
-    def planned(args: tuple, config: Config) -> LaunchPlan:
-        return plan(args, config, device_profile(args[first].device))
+    def __init__(self, plan: Plan, first: int):
+        functools.update_wrapper(self, plan)
+        self.plan = plan
+        self.first = first
 
-    return planned
+    def __call__(self, args: tuple, config: Config) -> LaunchPlan:
+        return self.plan(args, config, device_profile(args[self.first].device))
+
+    def __repr__(self) -> str:
+        return f"<{self.plan.__module__}.{self.plan.__qualname__} on its inputs' device>"
 
 
 class _SecondOrderOnly(torch.autograd.Function):
@@ -284,7 +285,6 @@ class _BackwardOp:
         self.namespace = getattr(torch.ops, namespace)
         parameters = inspect.signature(reference).parameters
         names = tuple(parameters)
-        count = len(names)
         schema = torch.library.infer_schema(reference, mutates_args=())
         arguments, returns = schema.split(") -> ", 1)
         ints = ", ".join(f"int {k.lower()}" for k in keys)
@@ -295,36 +295,38 @@ class _BackwardOp:
             raise DeclarationError(
                 f"{kernel}: the backward's arguments {names} lack {missing}, which the default config "
                 f"reads; name the backward argument that holds each in renames")
-        sources = [names.index(backward.renames.get(a.name, a.name)) if backward.renames.get(a.name, a.name) in names
-                   else None for a in op.args]
-        defaults = [a.default for a in op.args]
-
-        def forward(args: tuple) -> tuple:
-            return tuple(defaults[i] if s is None else args[s] for i, s in enumerate(sources))
-
-        self.launches = Launches(_on_device(plan, 0), _Configs(keys, op, default_config, forward))
-        first = next(i for i, p in enumerate(parameters.values()) if "Tensor" in str(p.annotation))
-        launches = self.launches
-
-        def body(*values: Any) -> Any:
-            args = values[:count]
-            if args[first].dtype == torch.float64:
-                return reference(*args)
-            return launches.run(args, values[count:])
-
-        self.body = body
-        self.op = torch.library.custom_op(f"{namespace}::{self.name}", body, mutates_args=(), schema=schema)
-        self.op.register_fake(lambda *values: results(*values[:count]))
+        #: per forward argument, the position of the backward argument holding it (None: its default)
+        self.sources = tuple(names.index(backward.renames.get(a.name, a.name))
+                             if backward.renames.get(a.name, a.name) in names else None for a in op.args)
+        self.defaults = tuple(a.default for a in op.args)
+        self.launches = Launches(_OnDevice(plan, 0), _Configs(keys, op, default_config, self.forward_args))
+        self.first = next(i for i, p in enumerate(parameters.values()) if "Tensor" in str(p.annotation))
+        self.op = torch.library.custom_op(f"{namespace}::{self.name}", self.body, mutates_args=(), schema=schema)
+        self.op.register_fake(self.fake)
         #: the ops whose autograd runs this backward (``Backward.of`` adds to its kernel's)
         self.users = [op.name]
         self.reference = reference
-        self.count = count
+        self.count = len(names)
         self.second_order = backward.second_order
         if self.second_order:
             self.op.register_autograd(self._second_order, setup_context=self._save_inputs)
         else:
             self.op.register_autograd(self._first_order_only, setup_context=self._save_nothing)
         _BACKWARDS.append(self)
+
+    def forward_args(self, args: tuple) -> tuple:
+        """The forward's arguments the default config reads, from the backward's ``args``."""
+        return tuple(self.defaults[i] if s is None else args[s] for i, s in enumerate(self.sources))
+
+    def body(self, *values: Any) -> Any:
+        """The backward custom op's body: its launches, or its reference on float64 inputs."""
+        args = values[:self.count]
+        if args[self.first].dtype == torch.float64:
+            return self.reference(*args)
+        return self.launches.run(args, values[self.count:])
+
+    def fake(self, *values: Any) -> Any:
+        return self.results(*values[:self.count])
 
     def _save_inputs(self, ctx: Any, inputs: tuple, output: Any) -> None:
         values = inputs[:self.count]
@@ -388,18 +390,255 @@ class _Implementation(CustomOpTritonImplementation):
         return None if self._space_of is None else self._space_of(profile or UNKNOWN_DEVICE)
 
 
-class Kernel:
-    """What :func:`define_kernel` made: ``op``, ``implementation``, the public ``function``, the
-    custom op ``custom_op`` (and ``backward_op``), and the plugin hooks."""
+class Autograd:
+    """A kernel custom op's autograd formula: :meth:`save` keeps what the :class:`Backward` names,
+    :meth:`formula` runs its ``gradients``. An argument that requires grad and gets no gradient
+    from ``gradients`` (a table the op declares not differentiable) is named once by a
+    :class:`~dlcore.runtime.torch_ops.NoGradientWarning`, never left without one silently."""
 
-    def __init__(self, op: Op, implementation: CustomOpTritonImplementation, function: Callable[..., Any],
-                 custom_op: Any, backward: _BackwardOp | None):
-        self.op = op
-        self.implementation = implementation
-        self.function = function
-        self.custom_op = custom_op
+    def __init__(self, name: str, backward: Backward, backward_op: _BackwardOp, names: tuple[str, ...],
+                 outputs: tuple[str, ...], config_count: int):
+        index = {n: i for i, n in enumerate(names)}
+        unknown = [n for n in (*backward.saved, *backward.saved_for,
+                               *(x for v in backward.saved_for.values() for x in v))
+                   if n not in index and n not in outputs]
+        if unknown:
+            raise DeclarationError(f"{name}: Backward names {unknown}, neither arguments {names} nor outputs {outputs}")
+        self.name = name
         self.backward = backward
-        self.backward_op = backward.op if backward is not None else None
+        self.backward_op = backward_op
+        self.names = names
+        self.outputs = outputs
+        self.single = len(outputs) == 1
+        self.saved_for = tuple((index[n], extra) for n, extra in backward.saved_for.items())
+        self.none = (None,) * config_count
+        self.residuals = backward.residuals
+
+    def setup_context(self, ctx: Any, inputs: tuple, output: Any) -> None:
+        """The custom op's ``setup_context``."""
+        self.save(ctx, inputs, output, ctx.needs_input_grad)
+
+    def save(self, ctx: Any, inputs: tuple, output: Any, needs: tuple[bool, ...]) -> None:
+        """Keep on ``ctx`` what the formula reads: the named arguments and outputs, those of
+        ``saved_for`` whose argument ``needs`` a gradient, and the config ints."""
+        named = dict(zip(self.names, inputs))
+        residuals = self.residuals
+        if residuals is not None and not (residuals.shown_by is not None and named.get(residuals.shown_by)):
+            # The residuals the caller never sees get no gradient: None reaches the formula where
+            # autograd would otherwise allocate and zero-fill one the size of each (an MLP's [M, N]
+            # pre-activations: two fills and their memory every backward).
+            ctx.set_materialize_grads(False)
+        named.update(zip(self.outputs, (output,) if self.single else output))
+        keep = list(self.backward.saved)
+        for i, extra in self.saved_for:
+            if needs[i]:
+                keep.extend(n for n in extra if n not in keep)
+        tensors = [n for n in keep if isinstance(named[n], torch.Tensor)]
+        ctx.save_for_backward(*(named[n] for n in tensors))
+        ctx.tensor_names = tensors
+        ctx.values = {n: named[n] for n in keep if n not in tensors}
+        ctx.config = inputs[len(self.names):]
+        ctx.needs = needs
+
+    def formula(self, ctx: Any, *grads: Any) -> tuple:
+        """The gradients of the custom op's inputs (None for the config ints)."""
+        names = self.names
+        if all(g is None for g in grads):  # no gradient reached any output (gradcheck asks): none out
+            return (None,) * (len(names) + len(self.none))
+        saved = SimpleNamespace(**ctx.values, **dict(zip(ctx.tensor_names, ctx.saved_tensors)))
+        needs = ctx.needs
+        got = self.backward.gradients(functools.partial(self.backward_op.run, ctx.config), saved, grads,
+                                      dict(zip(names, needs)))
+        result = tuple(got.get(n) for n in names)
+        for n, need, grad in zip(names, needs, result):
+            if need and grad is None:
+                warn_no_gradient(self.name, n)
+        return (*result, *self.none)
+
+
+class EagerForward(torch.autograd.Function):
+    """A kernel custom op's body and autograd formula as a ``torch.autograd.Function``, the kernel
+    its first argument: what an eager training call runs
+    (:func:`~dlcore.runtime.torch_ops.plain_eager_forward`), sparing the custom-op dispatcher's tens
+    of microseconds a call; the same :class:`Autograd`, so the gradients are the custom op's. Each
+    kernel runs a subclass named ``<op>_eager`` (its nodes read ``<op>_eagerBackward``)."""
+
+    @staticmethod
+    def forward(ctx: Any, kernel: Kernel, *values: Any) -> Any:
+        # forward(ctx, ...) rather than a separate setup_context: Function.apply then binds no
+        # signature (inspect.signature) on every call
+        output = kernel.forward(*values)
+        ctx.autograd = kernel.autograd
+        kernel.autograd.save(ctx, values, output, ctx.needs_input_grad[1:])
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> tuple:
+        return (None, *ctx.autograd.formula(ctx, *grads))
+
+
+class _Capture:
+    """Stands for a backward op inside an autograd formula: keeps the arguments it is called with
+    and returns its outputs, allocated (the formula's result is not used)."""
+
+    def __init__(self, backward_op: _BackwardOp):
+        self.backward_op = backward_op
+        self.calls: list[tuple] = []
+
+    def __call__(self, *args: Any) -> Any:
+        self.calls.append(args)
+        return self.backward_op.results(*args)
+
+
+class Kernel:
+    """A Triton kernel as :func:`define_kernel` makes it from its op's declaration (see the module
+    docstring): ``op``, ``implementation``, the public ``function``, the custom op ``custom_op``
+    (body :meth:`forward`, fake :meth:`fake`, autograd ``autograd``), the backward op
+    (``backward``, ``backward_op``), and the plugin hooks."""
+
+    def __init__(self, op: Op, plan: Plan, *, kernels: tuple, results: Callable[..., Any],
+                 default_config: Callable[[Signature, DeviceProfile], Config],
+                 space: Callable[[DeviceProfile], SearchSpace] | None, backward: Backward | None,
+                 outputs: tuple[str, ...], inplace: str | None, namespace: str, name: str, replayable: bool,
+                 doc: str, limits: tuple[LoweringLimit, ...]):
+        space_params = space(UNKNOWN_DEVICE) if space is not None else None
+        keys = () if space_params is None else (*space_params.names, *space_params.fixed)
+        names = tuple(a.name for a in op.args if a.name != inplace)
+        taken = {k.lower() for k in keys} & set(names)
+        if taken or len({k.lower() for k in keys}) != len(keys):
+            raise DeclarationError(
+                f"{op.name}: config keys {keys} collide, lowercased, with each other or the arguments {names}")
+        self.op = op
+        self.keys = keys
+        self.names = names
+        self.count = len(names)
+        self.outputs = outputs
+        self.residuals = backward.residuals if backward is not None else None
+        self.returned = outputs if self.residuals is None else (*outputs, *self.residuals.names)
+        position = {a.name: i for i, a in enumerate(op.args)}
+        self.inplace_at = position.get(inplace) if inplace is not None else None
+        self.shown_at = self._shown_at(position)
+        self.first = _first_tensor(op)
+        self.converters = tuple(None if isinstance(a, TensorArg) else _scalar_type(a)[1]
+                                for a in op.args if a.name != inplace)
+        self.zeros = (0,) * len(keys)
+        planned = _OnDevice(plan, self.first)
+        # The custom op's body: the kernel's plan, or the one that also computes the residuals.
+        self.reference = op.reference if self.residuals is None else self.residuals.reference
+        self.results = results if self.residuals is None else self.residuals.results
+        body_plan = planned if self.residuals is None else _OnDevice(self.residuals.plan, self.first)
+        self.launches = Launches(body_plan, _Configs(keys, op, default_config, _same), op.validate)
+        self.custom_op = torch.library.custom_op(f"{namespace}::{op.name}", self.forward, mutates_args=(),
+                                                 schema=self._schema(inplace))
+        self.custom_op.register_fake(self.fake)
+        self.ops = getattr(torch.ops, namespace)
+        self.backward: _BackwardOp | None = None  # the backward op this kernel declares
+        self.backward_op = None
+        self.declared_backward: Backward | None = None
+        self.shared_backward: _BackwardOp | None = None  # the one its autograd runs, its own or another's
+        self.autograd: Autograd | None = None
+        self.eager: type[EagerForward] | None = None
+        self.differentiable = tuple(a.name for a in op.args if isinstance(a, TensorArg) and a.differentiable)
+        if backward is not None:
+            self._declare_backward(backward, namespace, default_config)
+        self.implementation = _Implementation(
+            op.name, name, plan=planned, kernels=kernels, default_config=default_config, space_of=space,
+            replayable=replayable, backward_plan=None if backward is None else self.backward_plan,
+            custom_op=self.call_custom_op, dtypes=op.dtypes(), doc=doc, limits=limits,
+        )
+        self.function = PublicFunction(self, plan.__module__)
+
+    def _shown_at(self, position: Mapping[str, int]) -> int | None:
+        """The position of ``Residuals.shown_by`` among the op's arguments, if it names one."""
+        if self.residuals is None or self.residuals.shown_by is None:
+            return None
+        at = position.get(self.residuals.shown_by)
+        if at is None or not isinstance(self.op.args[at], ScalarArg):
+            raise DeclarationError(f"{self.op.name}: Residuals.shown_by names {self.residuals.shown_by!r}, which "
+                                   f"is not one of its scalar arguments")
+        return at
+
+    def _schema(self, inplace: str | None) -> str:
+        """The custom op's schema: the op's arguments less ``inplace``, then the config ints."""
+        arguments = [f"Tensor{'?' if a.optional else ''} {a.name}" if isinstance(a, TensorArg)
+                     else f"{_scalar_type(a)[0]} {a.name}" for a in self.op.args if a.name != inplace]
+        arguments += [f"int {k.lower()}" for k in self.keys]
+        return f"({', '.join(arguments)}) -> {_returns(len(self.returned))}"
+
+    def _declare_backward(self, backward: Backward, namespace: str,
+                          default_config: Callable[[Signature, DeviceProfile], Config]) -> None:
+        """The backward op (this kernel's own, or ``backward.of``'s) and the custom op's autograd."""
+        if backward.of is None:
+            backward_op = self.backward = _BackwardOp(self.op.name, namespace, self.keys, self.op, backward,
+                                                      default_config)
+            self.backward_op = backward_op.op
+        else:
+            backward_op = backward.of.backward
+            if backward_op is None or backward_op.keys != self.keys:
+                raise DeclarationError(
+                    f"{self.op.name}: backward of {backward.of.op.name} needs its backward op and the same "
+                    f"config keys ({self.keys})")
+            backward_op.users.append(self.op.name)
+        self.declared_backward = backward
+        self.shared_backward = backward_op
+        self.autograd = Autograd(self.op.name, backward, backward_op, self.names, self.returned, len(self.keys))
+        self.custom_op.register_autograd(self.autograd.formula, setup_context=self.autograd.setup_context)
+        self.eager = type(f"{self.op.name}_eager", (EagerForward,), {"__module__": __name__})
+
+    def full(self, values: Sequence[Any]) -> tuple:
+        """The op's arguments from the custom op's: the ``inplace`` one put back, false."""
+        at = self.inplace_at
+        return tuple(values) if at is None else (*values[:at], False, *values[at:])
+
+    def forward(self, *values: Any) -> Any:
+        """The custom op's body: the plan's launches, replayed per exact input; float64 inputs take
+        the reference."""
+        args = self.full(values[:self.count])
+        if args[self.first].dtype == torch.float64:
+            return self.reference(*args)
+        return self.launches.run(args, values[self.count:])
+
+    def fake(self, *values: Any) -> Any:
+        """The custom op's fake: the inputs validated, the outputs allocated."""
+        args = self.full(values[:self.count])
+        if args[self.first].dtype != torch.float64:
+            self.op.validate(args)
+        return self.results(*args)
+
+    def call_custom_op(self, args: tuple, config: Config | None) -> Any:
+        """The op's bound ``args`` through the custom op with ``config`` (None: its heuristic
+        default), as an eager ``autograd.Function`` where nothing traces; the residuals dropped
+        unless shown, the results copied into the inputs for ``inplace``."""
+        ints = self.zeros if config is None else tuple(int(config[k]) for k in self.keys)
+        at = self.inplace_at
+        values = [a if c is None else c(a)
+                  for c, a in zip(self.converters, (a for i, a in enumerate(args) if i != at))]
+        if self.eager is not None and plain_eager_forward(values):
+            result = self.eager.apply(self, *values, *ints)
+        else:
+            result = getattr(self.ops, self.op.name)(*values, *ints)
+        if self.residuals is not None and not (self.shown_at is not None and args[self.shown_at]):
+            result = result[0] if len(self.outputs) == 1 else result[:len(self.outputs)]
+        if at is not None and args[at]:
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            return tuple(t.copy_(r) for t, r in zip(tensors, result))
+        return result
+
+    def backward_plan(self, args: tuple, config: Config) -> LaunchPlan:
+        """The backward's launches for the forward's bound ``args`` (``dlcore lower``): the formula
+        run on made-up output gradients, every declared-differentiable argument wanted, its backward
+        call captured and planned instead of run."""
+        backward, backward_op = self.declared_backward, self.shared_backward
+        single = len(self.returned) == 1
+        made = self.results(*args)
+        made = (made,) if single else tuple(made)
+        grads = self.results(*args)
+        grads = (grads,) if single else tuple(grads)
+        named = {**{a.name: v for a, v in zip(self.op.args, args)}, **dict(zip(self.returned, made))}
+        needs = {a.name: a.name in self.differentiable for a in self.op.args}
+        capture = _Capture(backward_op)
+        backward.gradients(capture, SimpleNamespace(**{n: named[n] for n in backward.saved}), grads, needs)
+        return backward_op.plan(capture.calls[0], config, device_profile(args[self.first].device))
 
     @hookimpl
     def dlcore_ops(self) -> list[Op]:
@@ -430,8 +669,8 @@ def define_kernel(
     doc: str = "",
     limits: tuple[LoweringLimit, ...] = (),
 ) -> Kernel:
-    """Generate ``op``'s custom op, fake, autograd, implementation, public function and hooks (see
-    the module docstring).
+    """``op``'s :class:`Kernel`: its custom op, fake, autograd, implementation, public function and
+    hooks (see the module docstring).
 
     :param plan: ``plan(args, config, profile)``: the launches for the op's bound ``args``.
     :param kernels: the ``@triton.jit`` functions the plans launch (lowering, source hash).
@@ -450,208 +689,9 @@ def define_kernel(
     :param doc: the implementation's one-line description (``dlcore ops``).
     :param limits: the kernels a backend's compiler cannot lower, and why (``dlcore ops``).
     """
-    space_params = space(UNKNOWN_DEVICE) if space is not None else None
-    keys = () if space_params is None else (*space_params.names, *space_params.fixed)
-    names = tuple(a.name for a in op.args if a.name != inplace)
-    taken = {k.lower() for k in keys} & set(names)
-    if taken or len({k.lower() for k in keys}) != len(keys):
-        raise DeclarationError(
-            f"{op.name}: config keys {keys} collide, lowercased, with each other or the arguments {names}")
-    converters = []
-    schema_args = []
-    for a in op.args:
-        if a.name == inplace:
-            continue
-        if isinstance(a, TensorArg):
-            schema_args.append(f"Tensor{'?' if a.optional else ''} {a.name}")
-            converters.append(None)
-        else:
-            kind, convert = _scalar_type(a)
-            schema_args.append(f"{kind} {a.name}")
-            converters.append(convert)
-    residuals = backward.residuals if backward is not None else None
-    returned = (*outputs, *residuals.names) if residuals is not None else outputs
-    schema = f"({', '.join([*schema_args, *(f'int {k.lower()}' for k in keys)])}) -> {_returns(len(returned))}"
-    position = {a.name: i for i, a in enumerate(op.args)}
-    at = position.get(inplace) if inplace is not None else None
-    shown_at = None
-    if residuals is not None and residuals.shown_by is not None:
-        shown_at = position.get(residuals.shown_by)
-        if shown_at is None or not isinstance(op.args[shown_at], ScalarArg):
-            raise DeclarationError(f"{op.name}: Residuals.shown_by names {residuals.shown_by!r}, which is not "
-                                   f"one of its scalar arguments")
-    count = len(names)
-    first = _first_tensor(op)
-    planned = _on_device(plan, first)
-    # The custom op's body: the kernel's plan, or the one that also computes the residuals.
-    reference = op.reference if residuals is None else residuals.reference
-    body_results = results if residuals is None else residuals.results
-
-    def full(values: Sequence[Any]) -> tuple:
-        """The op's arguments from the custom op's: the ``inplace`` one put back, false."""
-        return tuple(values) if at is None else (*values[:at], False, *values[at:])
-
-    body_plan = planned if residuals is None else _on_device(residuals.plan, first)
-    launches = Launches(body_plan, _Configs(keys, op, default_config, lambda args: args), op.validate)
-
-    def forward(*values: Any) -> Any:
-        args = full(values[:count])
-        if args[first].dtype == torch.float64:
-            return reference(*args)
-        return launches.run(args, values[count:])
-
-    def fake(*values: Any) -> Any:
-        args = full(values[:count])
-        if args[first].dtype != torch.float64:
-            op.validate(args)
-        return body_results(*args)
-
-    custom_op = torch.library.custom_op(f"{namespace}::{op.name}", forward, mutates_args=(), schema=schema)
-    custom_op.register_fake(fake)
-    ops = getattr(torch.ops, namespace)
-    zeros = (0,) * len(keys)
-
-    eager: list[type[torch.autograd.Function]] = []  # set below when the op has a backward
-
-    def call_custom_op(args: tuple, config: Config | None) -> Any:
-        ints = zeros if config is None else tuple(int(config[k]) for k in keys)
-        values = [a if c is None else c(a) for c, a in zip(converters, (a for i, a in enumerate(args) if i != at))]
-        if eager and plain_eager_forward(values):
-            result = eager[0].apply(*values, *ints)
-        else:
-            result = getattr(ops, op.name)(*values, *ints)
-        if residuals is not None and not (shown_at is not None and args[shown_at]):
-            result = result[0] if len(outputs) == 1 else result[:len(outputs)]
-        if at is not None and args[at]:
-            tensors = [a for a in args if isinstance(a, torch.Tensor)]
-            return tuple(t.copy_(r) for t, r in zip(tensors, result))
-        return result
-
-    backward_op = None
-    backward_plan = None
-    if backward is not None:
-        if backward.of is None:
-            backward_op = _BackwardOp(op.name, namespace, keys, op, backward, default_config)
-        else:
-            backward_op = backward.of.backward
-            if backward_op is None or backward_op.keys != keys:
-                raise DeclarationError(
-                    f"{op.name}: backward of {backward.of.op.name} needs its backward op and the same "
-                    f"config keys ({keys})")
-            backward_op.users.append(op.name)
-        setup_context, formula = _register_autograd(op.name, custom_op, backward, backward_op, names, returned,
-                                                    len(keys))
-        eager.append(_eager_function(op.name, forward, setup_context, formula))
-        backward_plan = _backward_plan(op, backward, backward_op, body_results, returned, first)
-
-    implementation = _Implementation(
-        op.name, name, plan=planned, kernels=kernels, default_config=default_config, space_of=space,
-        replayable=replayable, backward_plan=backward_plan, custom_op=call_custom_op, dtypes=op.dtypes(), doc=doc,
-        limits=limits,
-    )
-    function = _public_function(op, implementation, call_custom_op, plan.__module__, backward is not None)
-    return Kernel(op, implementation, function, custom_op, backward_op if backward and backward.of is None else None)
-
-
-def _register_autograd(name: str, custom_op: Any, backward: Backward, backward_op: _BackwardOp,
-                       names: tuple[str, ...], outputs: tuple[str, ...],
-                       config_count: int) -> tuple[Callable[..., None], Callable[..., tuple]]:
-    """``custom_op``'s autograd formula: save what ``backward`` names, run its ``gradients``;
-    returns ``(setup_context, formula)``. An argument that requires grad and gets no gradient from
-    ``gradients`` (a table the op declares not differentiable) is named once by a
-    :class:`~dlcore.runtime.torch_ops.NoGradientWarning`, never left without one silently."""
-    count = len(names)
-    index = {n: i for i, n in enumerate(names)}
-    unknown = [n for n in (*backward.saved, *backward.saved_for, *(x for v in backward.saved_for.values() for x in v))
-               if n not in index and n not in outputs]
-    if unknown:
-        raise DeclarationError(
-            f"{custom_op}: Backward names {unknown}, neither arguments {names} nor outputs {outputs}")
-    saved_for = [(index[n], extra) for n, extra in backward.saved_for.items()]
-    gradients = backward.gradients
-    none = (None,) * config_count
-    single = len(outputs) == 1
-
-    residuals = backward.residuals
-
-    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        named = dict(zip(names, inputs))
-        if residuals is not None and not (residuals.shown_by is not None and named.get(residuals.shown_by)):
-            # The residuals the caller never sees get no gradient: None reaches the formula where
-            # autograd would otherwise allocate and zero-fill one the size of each (an MLP's [M, N]
-            # pre-activations: two fills and their memory every backward).
-            ctx.set_materialize_grads(False)
-        named.update(zip(outputs, (output,) if single else output))
-        keep = list(backward.saved)
-        needs = ctx.needs_input_grad
-        for i, extra in saved_for:
-            if needs[i]:
-                keep.extend(n for n in extra if n not in keep)
-        tensors = [n for n in keep if isinstance(named[n], torch.Tensor)]
-        ctx.save_for_backward(*(named[n] for n in tensors))
-        ctx.tensor_names = tensors
-        ctx.values = {n: named[n] for n in keep if n not in tensors}
-        ctx.config = inputs[count:]
-
-    def formula(ctx: Any, *grads: Any) -> tuple:
-        if all(g is None for g in grads):  # no gradient reached any output (gradcheck asks): none out
-            return (None,) * (count + config_count)
-        saved = SimpleNamespace(**ctx.values, **dict(zip(ctx.tensor_names, ctx.saved_tensors)))
-        needs = ctx.needs_input_grad
-        got = gradients(functools.partial(backward_op.run, ctx.config), saved, grads, dict(zip(names, needs)))
-        result = tuple(got.get(n) for n in names)
-        for n, need, grad in zip(names, needs, result):
-            if need and grad is None:
-                warn_no_gradient(name, n)
-        return (*result, *none)
-
-    custom_op.register_autograd(formula, setup_context=setup_context)
-    return setup_context, formula
-
-
-def _eager_function(name: str, body: Callable[..., Any], setup_context: Callable[..., None],
-                    formula: Callable[..., tuple]) -> type[torch.autograd.Function]:
-    """The custom op's body and autograd formula as a ``torch.autograd.Function``: what an eager
-    training call runs (:func:`~dlcore.runtime.torch_ops.plain_eager_forward`), sparing the
-    custom-op dispatcher's tens of microseconds a call; the same setup and formula, so the
-    gradients are the custom op's."""
-    def forward(ctx: Any, *values: Any) -> Any:
-        # forward(ctx, ...) rather than a separate setup_context: Function.apply then binds no
-        # signature (inspect.signature) on every call
-        output = body(*values)
-        setup_context(ctx, values, output)
-        return output
-
-    return type(f"{name}_eager", (torch.autograd.Function,), {
-        "forward": staticmethod(forward),
-        "backward": staticmethod(formula),
-    })
-
-
-def _backward_plan(op: Op, backward: Backward, backward_op: _BackwardOp, results: Callable[..., Any],
-                   outputs: tuple[str, ...], first: int) -> Callable[[tuple, Config], LaunchPlan]:
-    """The backward's launches for the forward's bound ``args`` (``dlcore lower``): the formula run
-    on made-up output gradients, every declared-differentiable argument wanted, its backward call
-    captured and planned instead of run."""
-    names = tuple(a.name for a in op.args)
-    needs = {a.name: isinstance(a, TensorArg) and a.differentiable for a in op.args}
-
-    def backward_plan(args: tuple, config: Config) -> LaunchPlan:
-        made = results(*args)
-        made = (made,) if len(outputs) == 1 else tuple(made)
-        grads = results(*args)
-        grads = (grads,) if len(outputs) == 1 else tuple(grads)
-        named = {**dict(zip(names, args)), **dict(zip(outputs, made))}
-        captured: list[tuple] = []
-
-        def capture(*backward_args: Any) -> Any:
-            captured.append(backward_args)
-            return backward_op.results(*backward_args)
-
-        backward.gradients(capture, SimpleNamespace(**{n: named[n] for n in backward.saved}), grads, needs)
-        return backward_op.plan(captured[0], config, device_profile(args[first].device))
-
-    return backward_plan
+    return Kernel(op, plan, kernels=kernels, results=results, default_config=default_config, space=space,
+                  backward=backward, outputs=outputs, inplace=inplace, namespace=namespace, name=name,
+                  replayable=replayable, doc=doc, limits=limits)
 
 
 def _on_the_cpu(op: Op, bound: tuple) -> InvalidInputError:
@@ -662,63 +702,114 @@ def _on_the_cpu(op: Op, bound: tuple) -> InvalidInputError:
                              "TRITON_INTERPRET=1, set before triton is first imported, runs them on the CPU")
 
 
-def _public_function(op: Op, implementation: CustomOpTritonImplementation,
-                     call_custom_op: Callable[[tuple, Config | None], Any], module: str,
-                     differentiable: bool) -> Callable[..., Any]:
-    """The kernel's public function: a plain Python function with the op's parameters and defaults
-    (Python checks the arity, as it does for a hand-written one), validated, the heuristic config,
-    no dispatcher; under ``torch.compile`` tracing the custom op alone. The heuristic config is
-    worked out once per exact input metadata (:func:`~dlcore.runtime.replay.replay_key`, the key the
-    launches replay by), at most :data:`~dlcore.runtime.replay.LIMIT` of them, the oldest dropped
-    first; a call with another key pays the signature and the heuristic, several times the key's cost."""
-    if not all(n.isidentifier() for n in (op.name, *(a.name for a in op.args))):
-        raise DeclarationError(f"{op.usage()}: the op and its arguments need Python identifiers as names")
-    validate, default_config, run = op.validate, implementation.default_config, implementation.run
-    # Compiled kernels cannot read host memory; the interpreter (TRITON_INTERPRET=1 when triton was
-    # first imported) runs them on the CPU. Fixed for the process when the kernels are made.
-    on_cpu = implementation.interpreted
-    configs: dict[tuple, Config] = {}
+#: a parameter not yet given a value, while a call is bound
+_UNSET = object()
 
-    def call(bound: tuple) -> Any:
+
+class PublicFunction:
+    """A kernel's public function: called with the op's parameters and defaults (its
+    ``__signature__``, which ``help()`` and ``inspect.signature`` show), validated, the heuristic
+    config, no dispatcher; under ``torch.compile`` tracing the custom op alone. A positional call
+    (every argument, or those before the trailing defaults) binds nothing; any other is bound by
+    the op's argument names, a wrong arity raising ``TypeError`` as Python does for a function.
+
+    The heuristic config is worked out once per exact input metadata
+    (:func:`~dlcore.runtime.replay.replay_key`, the key the launches replay by), at most
+    :data:`~dlcore.runtime.replay.LIMIT` of them, the oldest dropped first; a call with another key
+    pays the signature and the heuristic, several times the key's cost."""
+
+    def __init__(self, kernel: Kernel, module: str):
+        op = kernel.op
+        if not all(n.isidentifier() for n in (op.name, *(a.name for a in op.args))):
+            raise DeclarationError(f"{op.usage()}: the op and its arguments need Python identifiers as names")
+        self.kernel = kernel
+        self.op = op
+        implementation = kernel.implementation
+        self.validate, self.default_config, self.run = op.validate, implementation.default_config, implementation.run
+        # Compiled kernels cannot read host memory; the interpreter (TRITON_INTERPRET=1 when triton was
+        # first imported) runs them on the CPU. Fixed for the process when the kernels are made.
+        self.on_cpu = implementation.interpreted
+        self.configs: dict[tuple, Config] = {}
+        # Python's rule: a parameter keeps its default only if every later one has one too (ffn's optional
+        # w1 and w3 come before the required rms_w: they are passed, as None where w13 replaces them).
+        trailing = len(op.args)
+        while trailing and op.args[trailing - 1].default is not REQUIRED:
+            trailing -= 1
+        self.arity = len(op.args)
+        self.required = trailing
+        self.defaults = tuple(a.default for a in op.args[trailing:])
+        self.position = {a.name: i for i, a in enumerate(op.args)}
+        self.__signature__ = inspect.Signature([
+            inspect.Parameter(a.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                              default=a.default if i >= trailing else inspect.Parameter.empty)
+            for i, a in enumerate(op.args)])
+        self.__name__ = self.__qualname__ = op.name
+        self.__module__ = module
+        wrt = ", ".join(op.args[i].name for i in op.differentiable())
+        self.__doc__ = (
+            f"{op.doc}.\n\nThe Triton kernel with its heuristic config (``dlcore.get_op`` selects and tunes); "
+            + (f"differentiable in {wrt}" if kernel.autograd is not None else "forward only")
+            + ", and one node under ``torch.compile``."
+        )
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        given = len(args)
+        if kwargs or given < self.required or given > self.arity:
+            args = self.bind(args, kwargs)
+        elif given < self.arity:
+            args = (*args, *self.defaults[given - self.required:])
+        return self.call(args)
+
+    def bind(self, args: tuple, kwargs: Mapping[str, Any]) -> tuple:
+        """The op's arguments in order from a call's, the defaults filled in; a ``TypeError`` worded as
+        Python's for a function called with arguments it does not take."""
+        name, arity, required = self.__name__, self.arity, self.required
+        if len(args) > arity:
+            raise TypeError(f"{name}() takes {arity} positional arguments but {len(args)} were given")
+        values = [*args, *((_UNSET,) * (arity - len(args)))]
+        for key, value in kwargs.items():
+            at = self.position.get(key)
+            if at is None:
+                raise TypeError(f"{name}() got an unexpected keyword argument {key!r}")
+            if values[at] is not _UNSET:
+                raise TypeError(f"{name}() got multiple values for argument {key!r}")
+            values[at] = value
+        missing = [a.name for a, value in zip(self.op.args[:required], values) if value is _UNSET]
+        if missing:
+            raise TypeError(f"{name}() missing {len(missing)} required argument(s): {', '.join(map(repr, missing))}")
+        for at in range(required, arity):
+            if values[at] is _UNSET:
+                values[at] = self.defaults[at - required]
+        return tuple(values)
+
+    def call(self, bound: tuple) -> Any:
+        """The op on its ``bound`` arguments."""
         if torch.compiler.is_compiling():
-            return call_custom_op(bound, None)
-        device = validate(bound)
+            return self.kernel.call_custom_op(bound, None)
+        device = self.validate(bound)
         if device.type == "meta":
             # no data to run a kernel on: the custom op's fake gives the outputs' shapes, as torch's ops do
-            return call_custom_op(bound, None)
-        if device.type == "cpu" and not on_cpu:
-            raise _on_the_cpu(op, bound)
+            return self.kernel.call_custom_op(bound, None)
+        if device.type == "cpu" and not self.on_cpu:
+            raise _on_the_cpu(self.op, bound)
+        configs = self.configs
         key: tuple | None = replay_key(bound)
         try:
             config = configs.get(key)
         except TypeError:  # an argument that cannot be a key (a list, say): worked out each call
             key = config = None
         if config is None:
-            config = default_config(make_signature(op, bound, device), device_profile(device))
+            config = self.default_config(make_signature(self.op, bound, device), device_profile(device))
             if key is not None:
                 if len(configs) >= LIMIT:
                     del configs[next(iter(configs))]
                 configs[key] = config
-        return run(bound, config)
+        return self.run(bound, config)
 
-    # Python's rule: a parameter keeps its default only if every later one has one too (ffn's optional
-    # w1 and w3 come before the required rms_w: they are passed, as None where w13 replaces them).
-    trailing = len(op.args)
-    while trailing and op.args[trailing - 1].default is not REQUIRED:
-        trailing -= 1
-    defaults = {f"_default_{a.name}": a.default for a in op.args[trailing:]}
-    parameters = ", ".join(f"{a.name}=_default_{a.name}" if f"_default_{a.name}" in defaults else a.name
-                           for a in op.args)
-    names = "".join(f"{a.name}, " for a in op.args)
-    scope: dict[str, Any] = {"_call": call, **defaults}
-    # The op's argument names are identifiers its declaration gave; the source holds nothing else.
-    exec(f"def {op.name}({parameters}):\n    return _call(({names}))\n", scope)  # noqa: S102
-    function = scope[op.name]
-    function.__module__ = module
-    wrt = ", ".join(op.args[i].name for i in op.differentiable())
-    function.__doc__ = (
-        f"{op.doc}.\n\nThe Triton kernel with its heuristic config (``dlcore.get_op`` selects and tunes); "
-        + (f"differentiable in {wrt}" if differentiable else "forward only")
-        + ", and one node under ``torch.compile``."
-    )
-    return function
+    def __get__(self, instance: Any, owner: type | None = None) -> PublicFunction:
+        # A non-data descriptor, as a function is: help() and inspect read it as a routine (its
+        # signature, its doc); as a class attribute it stays unbound.
+        return self
+
+    def __repr__(self) -> str:
+        return f"<kernel function {self.__module__}.{self.__name__}{self.__signature__}>"

@@ -3,6 +3,7 @@ namespace: ``scale(x, alpha) = alpha * x``, differentiable in x."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
 
@@ -21,6 +22,7 @@ from dlcore.declarations.op import Op, ScalarArg, TensorArg
 from dlcore.declarations.signature import Signature, cdiv, make_signature
 from dlcore.declarations.space import PowerOfTwo, SearchSpace
 from dlcore.errors import DeclarationError, NoDoubleBackwardError
+from dlcore.plugins.registry import registry
 from dlcore.runtime import torch_ops
 from dlcore.runtime.template import UNKNOWN_DEVICE, Backward, define_kernel, device_profile
 from dlcore.runtime.torch_ops import NoGradientWarning
@@ -125,6 +127,26 @@ def test_the_public_function_has_the_op_signature_and_runs_the_plan(device, gen)
     assert PROFILES == [device_profile(torch.device(device))] * 2 and PROFILES[0] is not UNKNOWN_DEVICE
     with pytest.raises(InvalidInputError, match="int32"):
         KERNEL.function(x.to(torch.int32))
+
+
+def test_plans_take_the_profile_the_registry_holds(monkeypatch):
+    # the profile is the registry's state (dlcore.reset() forgets it), not a cache of the template's
+    cpu = torch.device("cpu")
+    other = dataclasses.replace(device_profile(cpu), name="another cpu")
+    monkeypatch.setitem(registry()._profiles, cpu, other)
+    assert device_profile(cpu) is other
+
+
+def test_the_public_function_binds_as_python_does(device, gen):
+    x = randn(10, device=device, generator=gen)
+    torch.testing.assert_close(KERNEL.function(alpha=0.5, x=x), x / 2)
+    assert inspect.isroutine(KERNEL.function) and KERNEL.__class__.forward.__qualname__ == "Kernel.forward"
+    for args, kwargs, words in (((x, 1.0, 2), {}, "takes 2 positional arguments but 3 were given"),
+                                ((), {"alpha": 1.0}, "missing 1 required argument(s): 'x'"),
+                                ((x,), {"x": x}, "multiple values for argument 'x'"),
+                                ((x,), {"beta": 1.0}, "unexpected keyword argument 'beta'")):
+        with pytest.raises(TypeError, match=words.replace("(", r"\(").replace(")", r"\)")):
+            KERNEL.function(*args, **kwargs)
 
 
 def test_fake_validates(device):
