@@ -1,6 +1,7 @@
 """The five distributions' names: free on the package index (recorded offline), and pinned to each other."""
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -41,3 +42,28 @@ def test_siblings_pin_the_core_to_this_minor_version(path):
     assert "dlcore" not in requirements, "dlcore on the index is an unrelated project"
     pin = requirements["dlc-core"]
     assert pin.specifier.contains(core["version"]) and not pin.specifier.contains("0.2.0"), pin
+
+
+@pytest.mark.parametrize("path", PROJECTS, ids=lambda p: p.parent.name)
+def test_license_is_an_spdx_expression_setuptools_reads_without_deprecation(path, monkeypatch):
+    """PEP 639's string form: the `{text = ...}` table makes setuptools print a deprecation block per build."""
+    from setuptools.config.pyprojecttoml import apply_configuration
+    from setuptools.dist import Distribution
+    from setuptools.warnings import SetuptoolsDeprecationWarning
+
+    assert project(path)["license"] == "Apache-2.0"
+    monkeypatch.chdir(path.parent)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        dist = apply_configuration(Distribution(), "pyproject.toml")
+    assert dist.metadata.license_expression == "Apache-2.0"
+    deprecations = [str(w.message) for w in caught if issubclass(w.category, SetuptoolsDeprecationWarning)]
+    assert not deprecations, deprecations
+
+
+@pytest.mark.parametrize("path", PROJECTS, ids=lambda p: p.parent.name)
+def test_build_requires_a_setuptools_that_reads_a_license_expression(path):
+    """setuptools reads `license = "SPDX"` from 77.0.0 on; an older one rejects the string."""
+    requires = tomllib.loads(path.read_text())["build-system"]["requires"]
+    (setuptools,) = [r for r in map(Requirement, requires) if r.name == "setuptools"]
+    assert not setuptools.specifier.contains("76.1") and setuptools.specifier.contains("77.0.0"), setuptools
