@@ -178,6 +178,26 @@ def test_an_adapter_that_leaves_triton_operations_is_caught(tmp_path, monkeypatc
         pipeline.linalg(BOUNDED, _adapter_pipeline(), _context())
 
 
+def test_an_adapter_failing_on_a_newer_triton_s_ttir_says_in_one_line_which_triton_it_reads(tmp_path, monkeypatch):
+    """Triton 3.9's ttir holds ``ttg.barrier``, which the adapter has no dialect for."""
+    import triton
+
+    fake = _script(tmp_path / "adapter", "echo \"error: Dialect \\`ttg' not found for custom op 'ttg.barrier'\" >&2\n"
+                                         "exit 1\n")
+    monkeypatch.setenv("DLC_ASCEND_ADAPTER_OPT", str(fake))
+    monkeypatch.setattr(triton, "__version__", "3.9.0")
+    with pytest.raises(LoweringError) as caught:
+        pipeline.linalg(BOUNDED, _adapter_pipeline(), _context())
+    message = str(caught.value)
+    assert "\n" not in message and "Triton 3.9.0" in message, message
+    assert f"pip install triton=={pipeline.TTIR_TRITON}" in message and "nox -s ascend" in message
+    monkeypatch.setattr(triton, "__version__", pipeline.TTIR_TRITON)  # on the Triton it reads: its own error
+    with pytest.raises(LoweringError, match="ttg.barrier") as caught:
+        pipeline.linalg(BOUNDED, _adapter_pipeline(), _context())
+    assert "pip install triton" not in str(caught.value)
+    assert pipeline.triton_mismatch("3.6.1") == "" and pipeline.triton_mismatch("3.7.0")
+
+
 def _crashing_adapter(tmp_path: Path, crashes: int) -> Path:
     """A fake triton-adapter-opt: its first ``crashes`` runs die of SIGSEGV, later ones copy IN to OUT."""
     body = f"""count=$(cat {tmp_path}/runs 2>/dev/null || echo 0); echo $((count + 1)) > {tmp_path}/runs

@@ -58,3 +58,11 @@ def test_the_next_steps_are_real_commands(noxfile):
         words = shlex.split(line.split("  ")[0])
         if words[0] == "dlcore":
             parser.parse_args(words[1:])  # a usage error exits
+
+
+def test_the_ascend_session_installs_the_triton_whose_ttir_the_adapter_reads(noxfile):
+    from dlc_ascend.pipeline import TTIR_TRITON
+
+    session = FakeSession()
+    noxfile.ascend(session)
+    assert f"triton=={TTIR_TRITON}" in session.installs[0][0]

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 from dlc_ascend import invoke, passes
 from dlc_ascend.chips import Chip, chip
-from dlc_ascend.toolchain import ADAPTER, BISHENGIR, HIVMC, find, locate
+from dlc_ascend.toolchain import ADAPTER, ADAPTER_VERSION, BISHENGIR, HIVMC, find, locate
 from dlcore.api import (
     EVERY_IR_STAGE,
     Compile,
@@ -63,6 +63,8 @@ if TYPE_CHECKING:
     from dlcore.api import Found, KernelCall
 
 STAGES = ("ttir", "linalg", "hivm", "bin")
+#: the upstream Triton whose ttir the adapter reads (a newer one's holds operations it has no dialect for)
+TTIR_TRITON = "3.6.0"
 #: the Triton target whose backend runs the ttir passes: (backend, capability, warp size)
 TTIR_TARGET = ("cuda", 80, 32)
 
@@ -160,9 +162,29 @@ def linalg(ttir: str, pipeline: Pipeline, context: StageContext) -> list[StageOu
         raise LoweringError(f"the pass {passes.LOWERING} is switched off (--no-pass or DLCORE_DISABLE_PASSES): it "
                             "is what lowers ttir to linalg, so the npu pipeline cannot go past ttir; switch it on")
     locate(ADAPTER.name)
-    outputs = run_passes(ttir, stage_passes, context)
+    try:
+        outputs = run_passes(ttir, stage_passes, context)
+    except LoweringError as exc:
+        mismatch = triton_mismatch()
+        if mismatch and not isinstance(exc, ToolchainMissingError):
+            raise LoweringError(mismatch, exc.partial) from exc
+        raise
     check_linalg(str(outputs[-1].ir))
     return outputs
+
+
+def triton_mismatch(version: str | None = None) -> str:
+    """Why the adapter may not read this Triton's ttir, in one line ('' on the Triton it reads):
+    a newer Triton's ttir holds operations it has no dialect for (Triton 3.9's ``ttg.barrier``)."""
+    if version is None:
+        import triton
+
+        version = triton.__version__
+    if version.split(".")[:2] == TTIR_TRITON.split(".")[:2]:
+        return ""
+    return (f"{ADAPTER.name} (triton-ascend {ADAPTER_VERSION}) reads the ttir of upstream Triton {TTIR_TRITON}, "
+            f"and this is Triton {version}: lower for npu where triton=={TTIR_TRITON} is installed "
+            f"(`pip install triton=={TTIR_TRITON}` in a virtualenv of its own, or `nox -s ascend`)")
 
 
 @dataclass
