@@ -16,9 +16,12 @@ class UnknownOpError(DlcoreError, LookupError):
     """No op of that name is registered."""
 
     def __init__(self, name: str, known: list[str], closest: list[str], disabled: str = ""):
-        """:param disabled: when the op's plugin is installed but not loaded, which and why."""
+        """:param closest: near spellings among ``known``; a name that differs only in case
+            (``RMS_NORM``) is put first whether given or not.
+        :param disabled: when the op's plugin is installed but not loaded, which and why."""
         self.name = name
-        self.closest = closest
+        same = [k for k in known if k.lower() == name.lower()]
+        self.closest = closest = same + [c for c in closest if c not in same]
         self.disabled = disabled
         if disabled:
             super().__init__(f"op {name!r} is provided by {disabled}. Registered ops: {', '.join(sorted(known))}.")

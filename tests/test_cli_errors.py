@@ -108,11 +108,36 @@ def test_bench_on_a_cpu_warns_and_times_the_example_sizes_only(capsys, monkeypat
     assert "warning: on a CPU the kernels run in Triton's interpreter" in capsys.readouterr().err
 
 
-def test_tune_says_why_it_kept_the_reference(capsys):
-    assert main(["tune", "rms_norm", "--shape", "tokens=2,hidden=16", "--dtype", "bf16", "--budget", "1",
-                 "--device", "cpu"]) == 0
-    err = capsys.readouterr().err
-    assert "kept the reference, since every implementation declined" in err and "bfloat16" in err, err
+def test_a_tune_with_nothing_but_the_reference_to_run_says_why_and_stores_nothing(capsys, monkeypatch):
+    from dlcore.dispatch import dispatcher
+
+    monkeypatch.setattr(dispatcher.Dispatcher, "tune_op", lambda *a, **k: pytest.fail("the search ran"))
+    line = error_line(capsys, ["tune", "rms_norm", "--shape", "tokens=2,hidden=16", "--dtype", "bf16",
+                               "--budget", "1", "--device", "cpu"])
+    assert "nothing to tune, only the torch reference runs these inputs" in line and "bfloat16" in line, line
+
+
+def test_tune_without_an_op_is_a_usage_error(capsys):
+    assert "name an op" in error_line(capsys, ["tune"])
+
+
+def test_an_op_in_the_wrong_case_names_it(capsys):
+    assert "Did you mean 'rms_norm'" in error_line(capsys, ["ops", "RMS_NORM"])
+
+
+def test_a_device_whose_backend_is_installed_but_unavailable_names_what_is_missing(capsys):
+    line = error_line(capsys, ["check", "rms_norm", "--device", "npu"])
+    assert "npu backend (dlc-ascend" in line and "torch_npu is not installed" in line, line
+
+
+def test_version_names_each_installed_distribution(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("dlc-core 0.") and lines[-1].startswith("triton ")
+    names = {line.split()[0] for line in lines}
+    assert {"dlc-core", "dlc-cuda", "dlc-ascend", "dlc-mlu", "dlblas-kernels", "torch"} <= names
 
 
 def test_tune_into_a_cache_it_cannot_write_fails_before_the_search(capsys, monkeypatch, tmp_path):
@@ -140,3 +165,19 @@ def test_ctrl_c_ends_a_command_with_one_line(capsys, monkeypatch):
     monkeypatch.setattr(inventory, "run_ops", interrupted)  # the parser is built by each main()
     assert main(["ops"]) == 130
     assert capsys.readouterr().err == "dlcore: interrupted\n"
+
+
+def test_bench_on_a_cpu_defaults_to_float32(capsys, monkeypatch):
+    """bfloat16, the accelerators' default, is declined by the interpreter: the reference alone would be timed."""
+    from dlcore.bench import harness
+    from dlcore.errors import InvalidOptionError
+
+    seen = []
+
+    def run_bench(op, shapes, **kwargs):
+        seen.append(kwargs["dtype"])
+        raise InvalidOptionError("stop here")
+
+    monkeypatch.setattr(harness, "run_bench", run_bench)
+    assert main(["bench", "rms_norm", "--device", "cpu"]) == 2
+    assert seen == [torch.float32]

@@ -7,6 +7,7 @@ Lowering needs Triton's real compiler: those cases run in fresh processes withou
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -456,3 +457,43 @@ def test_progress_rewrites_one_status_line_on_a_terminal_and_says_nothing_elsewh
         progress.show("k")
         progress.clear()
         assert progress.stream.text == ""
+
+
+#: Triton 3.9's nvidia backend, emulated on any Triton: a compile that leaves FP fusion to an unset
+#: TRITON_DEFAULT_FP_FUSION warns (its default is to change in 3.10)
+UNSET_FUSION = """
+import json, os, warnings
+from triton.backends.nvidia.compiler import CUDABackend
+from dlcore.cli import main
+
+parse, asked = CUDABackend.parse_options, []
+def parse_options(self, opts):
+    asked.append(opts.get("enable_fp_fusion"))
+    if opts.get("enable_fp_fusion") is None and os.environ.get("TRITON_DEFAULT_FP_FUSION") is None:
+        warnings.warn("TRITON_DEFAULT_FP_FUSION is unset: defaulting to FP fusion ENABLED")
+    return parse(self, opts)
+CUDABackend.parse_options = parse_options
+warnings.simplefilter("error")
+status = main(["lower", "silu_and_mul", "--target", "cuda:90", "--stage", "ttir"])
+print(json.dumps({"status": status, "asked": asked}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("setting, fused", [(None, True), ("0", False), ("1", True)])
+def test_lowering_chooses_fp_fusion_as_a_launch_would_without_triton_s_unset_warning(setting, fused, tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DLCORE_") and k != "TRITON_DEFAULT_FP_FUSION"}
+    env.update(TRITON_INTERPRET="0", TRITON_CACHE_DIR=str(tmp_path), **({} if setting is None else
+                                                                        {"TRITON_DEFAULT_FP_FUSION": setting}))
+    done = subprocess.run([sys.executable, "-c", UNSET_FUSION], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert found["status"] == 0 and found["asked"] and set(found["asked"]) == {fused}, found
+
+
+@pytest.mark.slow
+def test_without_a_stage_or_a_folder_the_report_shows_and_says_how_to_get_the_ir():
+    done = lower_cli("silu_and_mul", "--target", "cuda:90")
+    assert done.returncode == 0, done.stderr
+    assert "// =====" not in done.stdout and len(done.stdout.splitlines()) < 20, done.stdout[:2000]
+    assert "silu_and_mul" in done.stdout and "--stage ttir|ttgir|llir|ptx|cubin" in done.stderr, done.stderr

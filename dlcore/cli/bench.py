@@ -13,7 +13,7 @@ from dlcore.bench.harness import KNOWN_BASELINES, MODES
 from dlcore.bench.presets import DEFAULT_PRESET, PRESET_TOKENS, PRESETS, TOKENS, VARIANTS
 from dlcore.bench.report import OWN
 from dlcore.bench.timing import TIMERS
-from dlcore.cli.options import DTYPES, require_plotting, resolve_device
+from dlcore.cli.options import DTYPES, default_dtype, require_plotting, resolve_device
 
 
 def _names(text: str) -> tuple[str, ...]:
@@ -50,7 +50,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=_counts, default=None,
                    help="token counts of the presets (default " + ",".join(map(str, TOKENS)) + "; " + "; ".join(
                        f"{name}: " + ",".join(map(str, counts)) for name, counts in PRESET_TOKENS.items()) + ")")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="bfloat16; float32 on a CPU")
     p.add_argument("--mode", choices=MODES, default="fwd",
                    help="fwd; bwd: the backward alone (the forward runs once untimed, then torch.autograd.grad of "
                         "the inputs the op declares differentiable, for a fixed grad_output); fwd+bwd")
@@ -104,6 +104,7 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     args.device = str(device)
+    args.dtype = default_dtype(args.dtype, device)
     if args.plot:
         require_plotting(args.plot)
     try:

@@ -37,7 +37,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-pass", dest="disable", action="append", default=[], metavar="NAME",
                    help="turn a pass off")
     p.add_argument("--report", action="store_true",
-                   help="one row per kernel and target instead of the IR")
+                   help="one row per kernel and target instead of the IR (what is shown when neither --stage nor "
+                        "--dump is given: every stage of every kernel runs to thousands of lines)")
     p.add_argument("--markdown", metavar="FILE", type=Path,
                    help="with --report: also write the portability page (docs/portability.md) to FILE")
     p.add_argument("--no-specialize", dest="specialize", action="store_false",
@@ -58,9 +59,14 @@ def run_lower(args: argparse.Namespace) -> int:
     if not args.name and not args.all:
         print("dlcore lower: name an op, op.implementation or kernel, or pass --all", file=sys.stderr)
         return 2
+    # the IR of every stage of every kernel is thousands of lines: without a stage or a folder to
+    # put it in, the report says what each kernel reached, and where to look next
+    hint = not (args.stage or args.dump or args.report)
+    args.report = args.report or hint
     reg = registry()
     dtype = None if args.dtype is None else DTYPES[args.dtype]
     rows, failed, said, short, known = [], False, set(), [], []
+    stages: dict[str, None] = {}  # the stages of the targets' pipelines, in order
     for target in args.target or [DEFAULT_TARGET]:
         backend_name, arch = parse_target(target)
         backend = reg.backends.get(backend_name)
@@ -116,11 +122,15 @@ def run_lower(args: argparse.Namespace) -> int:
             elif not args.report:
                 _print(lowering, launch, notes, passes.names, args.stage)
             rows.append(report.row(lowering, launch.name, str(launch.dtype).removeprefix("torch."), notes))
+            stages.update(dict.fromkeys(lowering.planned))
         progress.clear()
     if args.report:
         print(table(rows, report.HEADER))
         if args.markdown is not None:
             write_text(args.markdown, report.portability_page(rows, args.target or [DEFAULT_TARGET], _command(args)))
+    if hint:
+        print(f"dlcore lower: the IR itself: --stage {'|'.join(stages) or 'STAGE'} (repeatable), or --dump DIR "
+              "for every stage", file=sys.stderr)
     if args.stage and known:
         print(f"dlcore lower: {len(known)} kernels declared unable to reach {', '.join(args.stage)} "
               f"(see `dlcore ops`): {', '.join(known)}", file=sys.stderr)

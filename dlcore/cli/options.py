@@ -30,6 +30,9 @@ def resolve_device(requested: str | None) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError as exc:
+        unavailable = _backend_unavailable(name)
+        if unavailable:
+            raise InvalidOptionError(f"--device {name}: {unavailable}; here: {here}") from exc
         raise InvalidOptionError(f"--device {name}: not a device name ({str(exc).splitlines()[0]}); "
                                  f"use a torch device name, e.g. cpu, cuda, cuda:1, npu, mlu; here: {here}") from exc
     try:
@@ -38,6 +41,25 @@ def resolve_device(requested: str | None) -> torch.device:
         raise InvalidOptionError(f"--device {name}: this torch build cannot use it ({str(exc).splitlines()[0]}); "
                                  f"use {here}, or install the torch build (and dlcore backend) for it") from exc
     return device
+
+
+def _backend_unavailable(name: str) -> str:
+    """Why the installed backend for device ``name``'s type cannot run here (its own reason: "torch_npu
+    is not installed (...)"), or '' when no installed backend serves that type: torch knows an npu only
+    once torch_npu is imported, so without it the name alone says nothing."""
+    from dlcore.plugins.registry import registry
+
+    reg = registry()
+    backend = reg.backends.get(name.split(":", 1)[0])
+    if backend is None:
+        return ""
+    available = backend.available()
+    if available:
+        return ""
+    plugin = reg.backend_plugin.get(backend.name, "")
+    record = next((r for r in reg.plugins.records if r.id == plugin), None)
+    source = f" ({record.distribution} {record.version})" if record is not None else ""
+    return f"the {backend.name} backend{source} is installed, but {available.reason}"
 
 
 def require_plotting(path: str | None = None, option: str = "--plot") -> None:

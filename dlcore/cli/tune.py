@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import warnings
 
 from dlcore.bench.table import table
 from dlcore.cli.options import DTYPES, check_sizes, default_dtype, parse_sizes, require_plotting, resolve_device
@@ -40,6 +41,20 @@ def _shapes_for(op, args: argparse.Namespace) -> list[dict[str, int]]:
     return [dict(op.example_sizes)]
 
 
+def _nothing_to_tune(name: str, inputs, shape: str) -> str:
+    """Why nothing but the op's torch reference would run ``inputs`` (a search would time the
+    reference alone and store it), in one line; '' when an implementation to tune accepts them."""
+    from dlcore.dispatch.dispatcher import FallbackWarning, default
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)  # the line returned says the same
+        call = default().prepare(name, inputs)
+    if not all(getattr(c, "fallback_only", False) for c in call.candidates):
+        return ""
+    why = "; ".join(f"{impl}: {reason}" for impl, reason in call.declined.items())
+    return f"dlcore tune {name} ({shape}): nothing to tune, only the torch reference runs these inputs ({why})"
+
+
 class Progress:
     """One status line per search, rewritten after each evaluation."""
 
@@ -64,7 +79,7 @@ def run_tune(args: argparse.Namespace) -> int:
 
     reg = registry()
     if not args.op and not args.all:
-        raise SystemExit("dlcore tune: name an op, or give --all")
+        raise InvalidOptionError("dlcore tune: name an op (`dlcore ops` lists them), or give --all")
     ops = sorted(reg.ops) if args.all and not args.op else [args.op]
     strategies = [s.strip() for s in args.strategy.split(",") if s.strip()]
     device = resolve_device(args.device)
@@ -88,6 +103,12 @@ def run_tune(args: argparse.Namespace) -> int:
             full = {**op.example_sizes, **sizes}
             inputs = op.example_inputs(full, dtype, device)
             shape = ",".join(f"{k}={v}" for k, v in full.items())
+            untunable = _nothing_to_tune(name, inputs, shape)
+            if untunable and args.all:
+                print(untunable, file=sys.stderr)
+                continue
+            if untunable:
+                raise InvalidOptionError(untunable)
             for strategy in strategies:
                 progress = Progress(f"{name} {shape} [{strategy}]", args.budget)
                 bound, results = default().tune_op(name, inputs, strategy=strategy, budget=args.budget,
@@ -100,10 +121,8 @@ def run_tune(args: argparse.Namespace) -> int:
                                  result.best_config))
                 rows.append((name, shape, "-> kept", bound.impl.name, "", f"{bound.selection.time_ms:.4f}",
                              bound.config))
-                if getattr(bound.impl, "fallback_only", False) and bound.selection.declined:
-                    why = "; ".join(f"{impl}: {reason}" for impl, reason in bound.selection.declined.items())
-                    print(f"{name} {shape}: kept the reference, since every implementation declined ({why})",
-                          file=sys.stderr)
+    if not rows:
+        raise InvalidOptionError("dlcore tune --all: no op has an implementation to tune here (see above)")
     print(table(rows, ("op", "shape", "strategy", "implementation", "evaluations", "best ms", "config")))
     if args.plot:
         plot_curves(curves, args.plot)

@@ -153,7 +153,7 @@ def launch_signature(call: KernelCall, target: Any) -> KernelSignature:
     else:
         binder = create_function_from_signature(call.kernel.signature, call.kernel.params, backend)
         bound, specialization, options = binder(*args, **kwargs)
-        _, types, constexprs, attrs = pack_args(backend, kwargs, bound, specialization, options)
+        _, types, constexprs, attrs = pack_args(backend, {**fp_fusion(), **kwargs}, bound, specialization, options)
     options = {k: v for k, v in call.kwargs.items() if k in LAUNCH_OPTIONS}
     return KernelSignature(call.kernel.__name__, types, constexprs, options, attrs)
 
@@ -203,7 +203,24 @@ def compile_call(call: KernelCall, target: Any, specialize: bool = True) -> Any:
     import triton
 
     source, sig = _ast_source(call, target, specialize)
-    return triton.compile(source, target=target, options=sig.options)
+    return triton.compile(source, target=target, options=compile_options(sig))
+
+
+def compile_options(sig: KernelSignature) -> dict[str, Any]:
+    """``sig``'s launch options for ``triton.compile``, FP fusion among them (:func:`fp_fusion`)."""
+    return {**fp_fusion(), **sig.options}
+
+
+def fp_fusion() -> dict[str, bool]:
+    """``enable_fp_fusion`` as a launch on this Triton has it: the user's ``TRITON_DEFAULT_FP_FUSION``
+    where set, else Triton's default; nothing on a Triton without the knob. Passed explicitly, since
+    Triton 3.9 warns on every compile that leaves the choice to an unset variable (its default is to
+    change in 3.10), a warning a ``dlcore lower`` user did nothing to cause."""
+    import triton
+
+    language = getattr(getattr(triton, "knobs", None), "language", None)
+    fusion = getattr(language, "default_fp_fusion", None)
+    return {} if fusion is None else {"enable_fp_fusion": bool(fusion)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -301,7 +318,7 @@ def lower_with_triton(call: KernelCall, gpu_target: Any, target: str, passes: Pi
         knobs.compilation.always_compile = True  # a cache hit would skip every stage
         start = time.perf_counter()
         try:
-            compiled = triton.compile(src, target=gpu_target, options=sig.options)
+            compiled = triton.compile(src, target=gpu_target, options=compile_options(sig))
         except stages.StopCompile:
             pass
         except DlcoreError:
