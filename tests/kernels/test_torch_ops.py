@@ -102,10 +102,17 @@ def test_gradcheck_float64(name, device, gen):
     assert torch.autograd.gradcheck(lambda *a: op(*a), leaves(op_args, wrt))
 
 
-def test_kernels_reject_float64(device):
-    x = torch.randn(3, 8, dtype=torch.float64, device=device)
+def test_public_functions_take_float64_through_the_references(device):
+    """What docs/plugins.md tells a plugin author: ``gradcheck`` on a public function with float64
+    inputs checks the backward formula against finite differences (the references run, no kernel);
+    get_op still refuses float64, which no kernel computes."""
+    x = torch.randn(3, 8, dtype=torch.float64, device=device, requires_grad=True)
+    w = torch.randn(8, dtype=torch.float64, device=device, requires_grad=True)
+    torch.testing.assert_close(dlblas_kernels.rms_norm(x, w, 1e-6),
+                               x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w)
+    assert torch.autograd.gradcheck(dlblas_kernels.rms_norm, (x, w))
     with pytest.raises(InvalidInputError, match="float64"):
-        dlblas_kernels.rms_norm(x, x[0])
+        dlcore.get_op("rms_norm", (x.detach(), w.detach()))
 
 
 # -- get_op under autograd -------------------------------------------------------------------------
