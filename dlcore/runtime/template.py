@@ -678,7 +678,8 @@ def define_kernel(
     :param default_config: ``(signature, profile) -> config``, the heuristic default.
     :param space: ``space(profile)``: the search space; its parameters name the config ints. None:
         nothing to tune, the custom op takes no config ints.
-    :param backward: the autograd formula; None: forward only (a backward through the op raises).
+    :param backward: the autograd formula; None: forward only (on inputs that require grad it warns
+        once, ``ForwardOnlyWarning``, and its outputs carry no gradient).
     :param outputs: the outputs' names, in order (what ``Backward.saved`` may name).
     :param inplace: the name of a ``bool`` argument that, when true, writes the results into the
         leading tensor arguments: the custom op stays functional (the argument is not in its schema)
