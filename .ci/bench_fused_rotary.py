@@ -12,8 +12,8 @@ import os
 import torch
 import triton
 from dlblas_kernels import apply_rotary_pos_emb
+from dlblas_kernels.blocks.sdpa import sdpa_attention as sdpa
 from dlblas_kernels.kernels.fused_rotary_and_fa import OP, fused_rotary_and_fa
-from dlblas_kernels.sdpa import sdpa_attention as sdpa
 from torch.nn.attention import SDPBackend
 
 SEQ = [int(s) for s in os.environ.get("BENCH_SEQ", "2048,8192,16384").split(",")]

@@ -44,8 +44,8 @@ def bench(fn) -> float:
 
 
 def probe(sk: int) -> None:
+    from dlblas_kernels.blocks.sdpa import sdpa_attention
     from dlblas_kernels.kernels.flash_attention_v2 import flash_attention_v2
-    from dlblas_kernels.sdpa import sdpa_attention
     from torch.nn.attention import SDPBackend
 
     hk, hq, d = 8, 32, 128

@@ -102,7 +102,7 @@ def workloads(args, bound, vendor, flash, cudnn, planned):
 
 
 def main(path, sweep):
-    from dlblas_kernels import attention_decode as decode
+    from dlblas_kernels.blocks import attention_decode as decode
     from dlblas_kernels.kernels import flash_attention_v2 as fa
 
     import dlcore

@@ -11,9 +11,9 @@ against it by this script at 34d6caa.
 import json
 
 import torch
-from dlblas_kernels import attention_grad
+from dlblas_kernels.blocks import attention_grad
+from dlblas_kernels.blocks.rotary import rotation_calls
 from dlblas_kernels.kernels import fused_rotary_and_fa as F
-from dlblas_kernels.kernels.apply_rotary_pos_emb import rotation_calls
 from triton.testing import do_bench
 
 from dlcore.declarations.implementation import LaunchPlan

@@ -56,7 +56,7 @@ def tensors(batch, heads, seq, d, seed=0):
 def calls_for(config, q, k, v, out, lse, causal):
     """The launches of ``config``; with ``"rotary": 1`` in it, the q and k tiles rotated by LLaMA's
     tables (rotate-half) after loading."""
-    from dlblas_kernels.attention import forward_calls
+    from dlblas_kernels.blocks.attention import forward_calls
     from dlblas_kernels.kernels.apply_rotary_pos_emb import llama_cos_sin
 
     from dlcore.runtime.template import device_profile
@@ -95,7 +95,7 @@ def bench(fn) -> float:
 
 
 def baselines(q, k, v, causal) -> dict:
-    from dlblas_kernels.sdpa import sdpa_attention as sdpa
+    from dlblas_kernels.blocks.sdpa import sdpa_attention as sdpa
     from torch.nn.attention import SDPBackend
 
     found = {}
@@ -109,8 +109,8 @@ def baselines(q, k, v, causal) -> dict:
 
 
 def main() -> None:
+    from dlblas_kernels.blocks.sdpa import sdpa_attention as sdpa
     from dlblas_kernels.kernels.flash_attention_v2 import OP, cost, default_config
-    from dlblas_kernels.sdpa import sdpa_attention as sdpa
     from torch.nn.attention import SDPBackend
 
     from dlcore.declarations.signature import make_signature

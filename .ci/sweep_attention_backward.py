@@ -1,4 +1,4 @@
-"""Time flash attention's backward kernels (dlblas_kernels.attention_grad) over tile configs on the
+"""Time flash attention's backward kernels (dlblas_kernels.blocks.attention_grad) over tile configs on the
 GPU, next to SDPA's flash and cuDNN backward, bfloat16, BSHD: B 2, S 8192, D 128 and 64, heads 16/16
 and GQA 32/8, causal and not. Each kernel alone (do_bench medians, alternating nothing else on the
 GPU); the block's time is preprocess + dkdv + dq, the default (backward_config) and the best of the
@@ -24,7 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 import triton
-from dlblas_kernels import attention_grad as ag
+from dlblas_kernels.blocks import attention_grad as ag
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dlcore.runtime.template import device_profile

@@ -128,7 +128,7 @@ def selection(m: int, k: int, n: int) -> None:
 
 def references(args: tuple, profile) -> tuple[dict[str, float], torch.Tensor]:
     """The matmul over [w1; w3] alone (cuBLAS, Triton) and the eager composite, in us; the float32 output."""
-    from dlblas_kernels import gemm
+    from dlblas_kernels.blocks import gemm
     from dlblas_kernels.kernels import ffn
     from dlblas_kernels.kernels import matmul as mm
 

@@ -95,7 +95,7 @@ def operands(m: int, n: int, k: int):
 
 
 def calls_for(config: dict, a, w, c):
-    from dlblas_kernels import gemm
+    from dlblas_kernels.blocks import gemm
 
     from dlcore.runtime.template import device_profile
     return gemm.gemm_calls(a, w.T, c, config, device_profile(c.device))[0]

@@ -63,7 +63,7 @@ def labelled_configs(tokens: int, hidden: int, inter: int) -> list[tuple[str, di
 
 
 def calls_for(config: dict, dh, xn, c):
-    from dlblas_kernels import gemm
+    from dlblas_kernels.blocks import gemm
 
     from dlcore.runtime.template import device_profile
     return gemm.gemm_calls(dh.T, xn, c, config, device_profile(c.device))[0]

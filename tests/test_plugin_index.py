@@ -59,7 +59,8 @@ def test_a_second_process_loads_only_the_plugins_of_the_op_it_asks_for(plugin_si
     assert second["impls"] == first["impls"] == ["chunked", "reference", "triton"]
     assert second["err"] < 1e-4
     # rms_norm's module and the helper it sizes its npu tiles by: no other kernel module
-    kernels = ["dlblas_kernels.kernels", "dlblas_kernels.kernels.rms_norm", "dlblas_kernels.npu"]
+    kernels = ["dlblas_kernels.blocks", "dlblas_kernels.blocks.npu", "dlblas_kernels.kernels",
+               "dlblas_kernels.kernels.rms_norm"]
     assert second["modules"] == [*kernels, "dlc_thirdparty_demo.rms_norm"]
     for name in ("ffn", "silu_and_mul", "matmul", "softcap"):
         assert second["status"][f"dlcore.kernels:{name}"] == "deferred", name

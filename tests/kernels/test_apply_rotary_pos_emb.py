@@ -5,6 +5,7 @@ import importlib
 import dlblas_kernels
 import pytest
 import torch
+from dlblas_kernels.blocks.rotary import bsd_strides, bshd_strides, flat_stride, rotation_calls
 from dlblas_kernels.kernels.apply_rotary_pos_emb import (
     KERNEL,
     OP,
@@ -12,12 +13,8 @@ from dlblas_kernels.kernels.apply_rotary_pos_emb import (
     apply_rotary_pos_emb_backward_reference,
     apply_rotary_pos_emb_reference,
     backward_plan,
-    bsd_strides,
-    bshd_strides,
-    flat_stride,
     llama_cos_sin,
     plan,
-    rotation_calls,
     torch_apply_rotary_pos_emb,
 )
 from gradients import check_backward

@@ -1,4 +1,4 @@
-"""The decode block of flash attention (dlblas_kernels.attention_decode) through ``decode_calls``:
+"""The decode block of flash attention (dlblas_kernels.blocks.attention_decode) through ``decode_calls``:
 the split kernel alone (one split) and with the combine kernel (several), against the float64
 formula ``softmax(scale * q k^T) v`` with the bottom-right causal mask, and its log-sum-exp.
 
@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 from conftest import ON_GPU
-from dlblas_kernels import attention_decode as decode
+from dlblas_kernels.blocks import attention_decode as decode
 from isolated import run_json
 
 from dlcore import InvalidInputError
@@ -220,7 +220,7 @@ CUBIN_SCRIPT = """
 import json, torch
 from triton.backends.compiler import GPUTarget
 from dlcore.compiler.lowering import compile_call, target_profile
-from dlblas_kernels import attention_decode as decode
+from dlblas_kernels.blocks import attention_decode as decode
 
 def e(*shape, dtype):
     return torch.empty(*shape, device="meta", dtype=dtype)

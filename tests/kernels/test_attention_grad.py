@@ -1,4 +1,4 @@
-"""The backward block of flash attention (dlblas_kernels.attention_grad): dq, dk and dv against torch
+"""The backward block of flash attention (dlblas_kernels.blocks.attention_grad): dq, dk and dv against torch
 autograd of the float64 formula ``softmax(scale q k^T) v`` (GQA, causal bottom-right, the rotary
 variant with the rotation applied first). ``out`` and ``lse`` come from the same float64 forward,
 cast down, so these tests need no forward kernel."""
@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 from conftest import ON_GPU
-from dlblas_kernels import attention_grad as ag
+from dlblas_kernels.blocks import attention_grad as ag
 from isolated import run_json
 
 from dlcore.testing import assert_close, poison, randn
@@ -244,7 +244,7 @@ CUBIN_SCRIPT = """
 import json, torch
 from triton.backends.compiler import GPUTarget
 from dlcore.compiler.lowering import compile_call, target_profile
-from dlblas_kernels import attention_grad as ag
+from dlblas_kernels.blocks import attention_grad as ag
 
 def e(*shape, dtype):
     return torch.empty(*shape, device="meta", dtype=dtype)

@@ -7,8 +7,8 @@ import dlblas_kernels
 import pytest
 import torch
 from conftest import ON_GPU
-from dlblas_kernels import gemm, swiglu_pair
-from dlblas_kernels.ffn_decode import TMA_DECODE_TILE, decode_columns, decode_splits, decode_tma
+from dlblas_kernels.blocks import gemm, swiglu_pair
+from dlblas_kernels.blocks.ffn_decode import TMA_DECODE_TILE, decode_columns, decode_splits, decode_tma
 from dlblas_kernels.kernels.ffn import (
     KERNEL,
     OP,

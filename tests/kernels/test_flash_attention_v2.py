@@ -1,4 +1,4 @@
-"""flash_attention_v2's forward and the attention block's forward (dlblas_kernels.attention) against
+"""flash_attention_v2's forward and the attention block's forward (dlblas_kernels.blocks.attention) against
 the float64 reference of ``softmax(scale * q k^T) v``: odd sizes (Sq, Sk no multiple of a block,
 Sq != Sk both ways), every head dimension, GQA and MQA, causal or not, out and lse, outputs poisoned
 first; rows that see no key; q, k and v sliced from a packed projection; the rotary tiles against
@@ -14,7 +14,7 @@ import dlblas_kernels
 import pytest
 import torch
 from conftest import ON_GPU
-from dlblas_kernels import attention
+from dlblas_kernels.blocks import attention
 from dlblas_kernels.kernels.apply_rotary_pos_emb import apply_rotary_pos_emb_reference
 from dlblas_kernels.kernels.flash_attention_v2 import (
     KERNEL,
@@ -463,7 +463,7 @@ def test_blocks_within_the_npu_unified_buffer():
     overflowed the Ascend 910B's 192 KiB unified buffer with 128 x 128 causal blocks (D 64 and 128)
     and 128-row blocks at D 256 (192 and 256); the backward's preprocess takes 32 rows of heads of
     256. CUDA keeps its tiles."""
-    from dlblas_kernels import attention_grad
+    from dlblas_kernels.blocks import attention_grad
 
     npu, hopper = target_profile("npu:Ascend910B2"), target_profile("cuda:90")
     expected = {(64, False): (128, 128), (64, True): (128, 64), (128, False): (128, 128), (128, True): (128, 64),
@@ -489,7 +489,7 @@ CUBIN_SCRIPT = """
 import json, re, torch
 from triton.backends.compiler import GPUTarget
 from dlcore.compiler.lowering import compile_call, target_profile
-from dlblas_kernels.attention import forward_calls
+from dlblas_kernels.blocks.attention import forward_calls
 
 def e(*shape, dtype=torch.bfloat16):
     return torch.empty(*shape, device="meta", dtype=dtype)
@@ -567,7 +567,7 @@ def test_bfloat16_at_the_benchmark_shape(causal, gen):
     """B 2, H 16, S 8192, D 128 in bfloat16 against float32 attention on the same values: the
     output's error at most SDPA flash's own plus a quarter of bfloat16's tolerance; lse within
     float32's tolerance of a reduction over D."""
-    from dlblas_kernels.sdpa import sdpa_attention as sdpa
+    from dlblas_kernels.blocks.sdpa import sdpa_attention as sdpa
     from torch.nn.attention import SDPBackend
 
     q, k, v = inputs(2, 8192, 8192, 16, 16, 128, torch.bfloat16, "cuda", gen)

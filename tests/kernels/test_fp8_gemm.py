@@ -16,7 +16,8 @@ import re
 import pytest
 import torch
 from conftest import ON_GPU
-from dlblas_kernels import fp8_gemm, gemm, vendor
+from dlblas_kernels import fp8_gemm, vendor
+from dlblas_kernels.blocks import gemm
 from dlblas_kernels.kernels import fp8_gemm as F
 from dlblas_kernels.kernels.quantize_fp8 import quantize_fp8_reference
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import ON_GPU
-from dlblas_kernels import grouped, vendor
+from dlblas_kernels import vendor
+from dlblas_kernels.blocks import grouped
 from dlblas_kernels.kernels import fused_moe as moe
 from dlblas_kernels.kernels.fused_moe import (
     KERNEL,

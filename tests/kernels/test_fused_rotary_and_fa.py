@@ -8,7 +8,8 @@ import dlblas_kernels
 import pytest
 import torch
 from conftest import ON_GPU
-from dlblas_kernels import attention, attention_grad, vendor
+from dlblas_kernels import vendor
+from dlblas_kernels.blocks import attention, attention_grad
 from dlblas_kernels.kernels import fused_rotary_and_fa as fused_rotary_and_fa_module
 from dlblas_kernels.kernels.apply_rotary_pos_emb import apply_rotary_pos_emb_reference
 from dlblas_kernels.kernels.fused_rotary_and_fa import (

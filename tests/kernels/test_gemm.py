@@ -1,5 +1,5 @@
-"""The GEMM building block (dlblas_kernels.gemm) through its host entry points: the epilogues, the
-three launch paths and the prefill ffn's SwiGLU pair (dlblas_kernels.swiglu_pair), against float64
+"""The GEMM building block (dlblas_kernels.blocks.gemm) through its host entry points: the epilogues, the
+three launch paths and the prefill ffn's SwiGLU pair (dlblas_kernels.blocks.swiglu_pair), against float64
 references.
 
 On a CPU the tensor-descriptor kernel runs in the interpreter under a profile that claims sm_90
@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from dlblas_kernels import gemm, swiglu_pair
+from dlblas_kernels.blocks import gemm, swiglu_pair
 
 from dlcore.testing import assert_close, poison, randn
 

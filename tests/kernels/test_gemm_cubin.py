@@ -1,4 +1,4 @@
-"""Every launch variant of the GEMM block (dlblas_kernels.gemm) and matmul's backward compiles to a
+"""Every launch variant of the GEMM block (dlblas_kernels.blocks.gemm) and matmul's backward compiles to a
 cubin for cuda:80, cuda:90 and cuda:100 on a CPU-only machine: plans built on ``meta`` tensors,
 each launch through ``triton.compile`` in a process without ``TRITON_INTERPRET``. The descriptor
 variants are planned for an sm_90 profile (where they run) and compiled for every target; the
@@ -17,7 +17,7 @@ SCRIPT = """
 import dataclasses, json, re, torch
 from triton.backends.compiler import GPUTarget
 from dlcore.compiler.lowering import compile_call, target_profile
-from dlblas_kernels import gemm
+from dlblas_kernels.blocks import gemm
 from dlblas_kernels.kernels import matmul
 
 hopper = target_profile("cuda:90")

@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
-from dlblas_kernels.gemm import ACTIVATIONS
-from dlblas_kernels.sdpa import sdpa_attention
+from dlblas_kernels.blocks.gemm import ACTIVATIONS
+from dlblas_kernels.blocks.sdpa import sdpa_attention
 from dlcore.api import DeviceProfile, Implementation, InvalidInputError, Signature, VendorImplementation, hookimpl
 
 

@@ -65,9 +65,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dlblas_kernels.gemm import TMA_ALIGNMENT, TMA_ARCHS, fit_stages
-from dlblas_kernels.kernels.apply_rotary_pos_emb import rotate_pairs
-from dlblas_kernels.npu import on_npu
+from dlblas_kernels.blocks.gemm import TMA_ALIGNMENT, TMA_ARCHS, fit_stages
+from dlblas_kernels.blocks.npu import on_npu
+from dlblas_kernels.blocks.rotary import rotate_pairs
 from dlcore.api import Config, DeviceProfile, KernelCall, cdiv, ensure_allocator, next_power_of_2
 
 LOG2E = 1.4426950408889634

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dlblas_kernels.attention import block_d as tile_width
+from dlblas_kernels.blocks.attention import block_d as tile_width
 from dlcore.api import Config, DeviceProfile, InvalidInputError, KernelCall, cdiv, next_power_of_2
 
 OP = "flash_attention_v2"

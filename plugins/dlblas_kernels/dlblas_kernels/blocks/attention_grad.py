@@ -54,10 +54,10 @@ import torch
 import triton
 import triton.language as tl
 
-from dlblas_kernels import gemm
-from dlblas_kernels.attention import block_d as tile_width
-from dlblas_kernels.kernels.apply_rotary_pos_emb import rotation_calls
-from dlblas_kernels.npu import buffer_tile
+from dlblas_kernels.blocks import gemm
+from dlblas_kernels.blocks.attention import block_d as tile_width
+from dlblas_kernels.blocks.npu import buffer_tile
+from dlblas_kernels.blocks.rotary import rotation_calls
 from dlcore.api import Config, DeviceProfile, KernelCall, LaunchPlan, cdiv, ensure_allocator
 
 LOG2E = 1.4426950408889634

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dlblas_kernels import gemm as gemm_block
+from dlblas_kernels.blocks import gemm as gemm_block
 from dlcore.api import Config, DeviceProfile, KernelCall, cdiv, ensure_allocator, next_power_of_2
 
 # tl.dot's smallest row count: the weight-streaming kernel pads its row block to it.
@@ -213,7 +213,7 @@ def decode_tma(config: Config, profile: DeviceProfile | None, w1: torch.Tensor, 
     """``(BLOCK_K, num_stages)`` of the streaming kernel reading the weights through tensor
     descriptors, or None for pointer loads. Only on a device whose copy engine takes them (sm_90),
     both weights (w13's halves: views) with unit K strides and 16-byte aligned rows and bases
-    (:func:`dlblas_kernels.gemm.tma_aligned`). ``config['TMA']`` 0 never; 1 always there, with the
+    (:func:`dlblas_kernels.blocks.gemm.tma_aligned`). ``config['TMA']`` 0 never; 1 always there, with the
     config's K slice and depth; unset (the default and the space's configs), where each program's
     columns fill at least three quarters of its ``BLOCK_N`` rows of the descriptor's box and K is
     not sliced, with TMA_DECODE_TILE, for 16-bit weights and at most TMA_DECODE_ROWS rows (the rows measured; more

@@ -71,7 +71,7 @@ How the later GEMMs use it:
 Host side, :func:`gemm_calls` turns operands, outputs, epilogue and a config into the
 :class:`~dlcore.declarations.implementation.KernelCall` list (and the scratch tensors) of a
 launch plan; :func:`swiglu_calls` / :func:`swiglu` are the prefill ffn's entry point (on sm_90 its
-pair-tile kernel, :mod:`dlblas_kernels.swiglu_pair`, built on this module's loop pieces).
+pair-tile kernel, :mod:`dlblas_kernels.blocks.swiglu_pair`, built on this module's loop pieces).
 """
 
 from __future__ import annotations

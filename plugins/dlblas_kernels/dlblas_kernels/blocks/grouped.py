@@ -22,7 +22,7 @@ plan replays): at most ``cdiv(T * k, BLOCK_M) + min(E, T * k)`` row blocks are u
 expert that receives a slot adds at most one partly filled block); programs of the blocks past
 the total see expert -1 and do nothing.
 
-The GEMMs take their K loops and epilogues from :mod:`dlblas_kernels.gemm` (``dot_range``,
+The GEMMs take their K loops and epilogues from :mod:`dlblas_kernels.blocks.gemm` (``dot_range``,
 ``dot_range_pair``, ``store_tile``):
 
 - :func:`grouped_gemm_kernel`: ``c[row] = epilogue(a[row] @ b[e])`` for every row block of the
@@ -47,8 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dlblas_kernels.gemm import SCALE_BLOCK, dot_range, dot_range_pair, epilogue, grouped_tile, store_tile
-from dlblas_kernels.kernels.quantize_fp8 import quantise, scale_of
+from dlblas_kernels.blocks.fp8 import quantise, scale_of
+from dlblas_kernels.blocks.gemm import SCALE_BLOCK, dot_range, dot_range_pair, epilogue, grouped_tile, store_tile
 from dlcore.api import Config, KernelCall, cdiv, next_power_of_2
 
 #: the most (chunk, expert) counts the offsets kernel holds at once

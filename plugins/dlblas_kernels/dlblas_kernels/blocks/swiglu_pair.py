@@ -1,7 +1,7 @@
 """The prefill ffn's pair tile: one product over w1's and w3's tiles side by side.
 
 :func:`swiglu_pair_tma_kernel` is the sm_90 form of the GEMM block's SwiGLU epilogue
-(:mod:`dlblas_kernels.gemm`) for ``ffn``'s prefill: persistent, w1's and w3's ``[BLOCK_N, BLOCK_K]``
+(:mod:`dlblas_kernels.blocks.gemm`) for ``ffn``'s prefill: persistent, w1's and w3's ``[BLOCK_N, BLOCK_K]``
 tiles loaded as the two planes of one tensor descriptor, so each K step is ONE ``[BLOCK_M, 2 *
 BLOCK_N]`` product, whose halves the epilogue takes as gate and up (each scaled by the row's
 ``rstd`` under ``ROW_SCALE``) through SwiGLU. Weights too far apart (or at one address) for one
@@ -9,9 +9,9 @@ descriptor's two planes take a two-accumulator loop in the same kernel (:data:`P
 The device's last, partial wave of tiles is split over K (:func:`pair_tail`), its slices summed
 through a float32 workspace and per-tile counters (:func:`swiglu_pair_calls`).
 
-It shares the GEMM block's tile order (:func:`~dlblas_kernels.gemm.grouped_tile`), epilogue
-(:func:`~dlblas_kernels.gemm.epilogue`), copy-engine checks (:func:`~dlblas_kernels.gemm.takes_tma`)
-and shared-memory fitting (:func:`~dlblas_kernels.gemm.fit_stages`).
+It shares the GEMM block's tile order (:func:`~dlblas_kernels.blocks.gemm.grouped_tile`), epilogue
+(:func:`~dlblas_kernels.blocks.gemm.epilogue`), copy-engine checks (:func:`~dlblas_kernels.blocks.gemm.takes_tma`)
+and shared-memory fitting (:func:`~dlblas_kernels.blocks.gemm.fit_stages`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dlblas_kernels.gemm import (
+from dlblas_kernels.blocks.gemm import (
     GROUP_M,
     Epilogue,
     epilogue,

@@ -11,7 +11,7 @@ The row scale factors out of the product, ``xn @ w.T = rstd[:, None] * ((x * rms
 normalised input is never written at full precision and the GEMMs need only ``rstd`` per row. Two
 regimes, chosen by the config: when one row block holds every row (``rows <= BLOCK_M``),
 
-- **weight streaming** (decoding, a few tokens; :mod:`dlblas_kernels.ffn_decode`): one kernel, one
+- **weight streaming** (decoding, a few tokens; :mod:`dlblas_kernels.blocks.ffn_decode`): one kernel, one
   program per ``BLOCK_N`` columns of both weights (fewer where N spreads evenly over whole waves of
   the cores), every row in it. Each program computes the rows' sums of squares and ``x * rms_w``
   in its K loop from ``x`` (a few kilobytes, read from L2), and streams its slices of ``w1`` and
@@ -25,10 +25,10 @@ otherwise
   (float32), then one GEMM computes ``xs @ w1.T`` and ``xs @ w3.T`` in the same program, scales both
   by ``rstd`` and applies SwiGLU in its epilogue: the ``[M, 2N]`` pre-activations never reach
   memory. On sm_90 (``JOINT``, where the copy engine takes the operands) it is the pair-tile kernel
-  (:func:`dlblas_kernels.swiglu_pair.swiglu_pair_calls`): persistent, w1's and w3's tiles loaded as the two
+  (:func:`dlblas_kernels.blocks.swiglu_pair.swiglu_pair_calls`): persistent, w1's and w3's tiles loaded as the two
   planes of one tensor descriptor, so each K step is ONE ``[BLOCK_M, 2 * BLOCK_N]`` product, the
   matmul's loop, faster than two accumulators fed from the same ``xs`` tile (the GEMM block's
-  :func:`dlblas_kernels.gemm.swiglu_calls`, which runs everywhere else).
+  :func:`dlblas_kernels.blocks.gemm.swiglu_calls`, which runs everywhere else).
 
 The ``tl.dot`` inputs keep the input dtype (float16 / bfloat16 tensor cores, exact float32 for
 float32 inputs), accumulating in float32.
@@ -65,10 +65,10 @@ import torch
 import triton
 import triton.language as tl
 
-from dlblas_kernels import gemm as gemm_block
-from dlblas_kernels import swiglu_pair
-from dlblas_kernels.ffn_decode import DECODE_KERNELS, MIN_SLICE_STEPS, decode_calls
-from dlblas_kernels.gemm import dot_range, gemm_calls, grouped_tile, swiglu_calls
+from dlblas_kernels.blocks import gemm as gemm_block
+from dlblas_kernels.blocks import swiglu_pair
+from dlblas_kernels.blocks.ffn_decode import DECODE_KERNELS, MIN_SLICE_STEPS, decode_calls
+from dlblas_kernels.blocks.gemm import dot_range, gemm_calls, grouped_tile, swiglu_calls
 from dlblas_kernels.kernels import rms_norm
 from dlcore.api import (
     Backward,
@@ -99,7 +99,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 # Widest row slice the row kernel holds at once (longer rows loop).
 MAX_ROW_BLOCK = 4096
-# Most rows the heuristic default streams the weights for (decoding, :mod:`dlblas_kernels.ffn_decode`);
+# Most rows the heuristic default streams the weights for (decoding, :mod:`dlblas_kernels.blocks.ffn_decode`);
 # more take the prefill GEMM.
 DECODE_ROWS = 64
 # Widest row slice of the SwiGLU backward's programs.
@@ -302,9 +302,9 @@ def prefill_calls(xs: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | 
                   out2: torch.Tensor, config: Config, profile: DeviceProfile, w13: torch.Tensor | None,
                   gate2: torch.Tensor | None, up2: torch.Tensor | None) -> tuple[list[KernelCall], tuple]:
     """The prefill GEMM: with ``JOINT`` (the default) where the copy engine takes the operands, the
-    pair-tile kernel (:func:`dlblas_kernels.swiglu_pair.swiglu_pair_calls`: one ``[BLOCK_M, 2 * BLOCK_N]``
+    pair-tile kernel (:func:`dlblas_kernels.blocks.swiglu_pair.swiglu_pair_calls`: one ``[BLOCK_M, 2 * BLOCK_N]``
     product over w1's and w3's tiles side by side, the matmul's loop); else the GEMM block's
-    two-accumulator SwiGLU GEMM (:func:`dlblas_kernels.gemm.swiglu_calls`). Returns the launches and
+    two-accumulator SwiGLU GEMM (:func:`dlblas_kernels.blocks.gemm.swiglu_calls`). Returns the launches and
     their scratch (the pair kernel's split last wave: ``(part, count)``, ``count`` for the row kernel
     to zero)."""
     v1, v3 = weights(w1, w3, w13)
@@ -315,7 +315,7 @@ def prefill_calls(xs: torch.Tensor, w1: torch.Tensor | None, w3: torch.Tensor | 
 
 def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     """Weight streaming when one row block holds every row; otherwise the row kernel and the GEMM
-    block's SwiGLU GEMM (:func:`dlblas_kernels.gemm.swiglu_calls`)."""
+    block's SwiGLU GEMM (:func:`dlblas_kernels.blocks.gemm.swiglu_calls`)."""
     out = output(*args)
     if out.numel() == 0:
         return LaunchPlan(calls=[], result=out)
@@ -387,7 +387,7 @@ def input_grad_tma(dh: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, dxn: to
                    profile: DeviceProfile | None, splits: int) -> bool:
     """Whether :func:`ffn_input_grad_tma_kernel` computes ``dxn``: unsliced (``splits`` 1), ``gemm``'s
     ``TMA`` not 0, on a device whose copy engine takes the operands (sm_90, its core count known):
-    dh, its second half, the weights and dxn as :func:`dlblas_kernels.gemm.tma_aligned` asks."""
+    dh, its second half, the weights and dxn as :func:`dlblas_kernels.blocks.gemm.tma_aligned` asks."""
     if (splits > 1 or not gemm.get("TMA", 1) or profile is None or profile.arch not in gemm_block.TMA_ARCHS
             or profile.cores <= 0):
         return False
@@ -539,7 +539,7 @@ def default_config(sig: Signature, profile: DeviceProfile) -> Config:
     """By the row count (rounded up to a power of two), from sweeps at LLaMA-3-8B's shape (K 4096,
     N 14336, bfloat16; docs/performance.md, ffn):
 
-    - up to DECODE_ROWS: weight streaming (:mod:`dlblas_kernels.ffn_decode`), at most 128 columns
+    - up to DECODE_ROWS: weight streaming (:mod:`dlblas_kernels.blocks.ffn_decode`), at most 128 columns
       of each weight per program, spread over whole waves of the multiprocessors
       (``decode_columns``), 64-wide K slices four stages deep; on sm_90, where the programs'
       columns nearly fill the tile and K is not sliced, the weights through tensor descriptors in
@@ -551,7 +551,7 @@ def default_config(sig: Signature, profile: DeviceProfile) -> Config:
     - more: :data:`PREFILL_TILE`, 128 x 128 tiles of each weight (a 128 x 256 output tile).
 
     On sm_90 the pair-tile kernel splits its last, partial wave over K
-    (:func:`dlblas_kernels.swiglu_pair.pair_tail`), so that the wave's SMs are not left idle.
+    (:func:`dlblas_kernels.blocks.swiglu_pair.pair_tail`), so that the wave's SMs are not left idle.
 
     The GEMM takes the pair-tile kernel (``JOINT``) where the copy engine takes the operands;
     float32 inputs take K slices half as wide. Pipelining stages are dropped while the tiles

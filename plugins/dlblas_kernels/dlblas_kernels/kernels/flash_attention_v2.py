@@ -10,12 +10,12 @@
 to 256 (64, 96, 128, 192 and 256 in models). q, k and v take any strides, read in place (a packed
 qkv projection ``[B, S, 3, H, D]`` sliced into three views costs no copy).
 
-The kernel is the attention block's (:mod:`dlblas_kernels.attention`): flash attention 2, one program
+The kernel is the attention block's (:mod:`dlblas_kernels.blocks.attention`): flash attention 2, one program
 per block of query rows, the online softmax in float32, causal blocks above the diagonal skipped
 and only the diagonal's masked, tiles moved by the copy engine on Hopper. ``return_lse=True`` also
 returns ``lse``; the custom op computes it always, for the backward
 (:class:`~dlcore.runtime.template.Residuals` shown by ``return_lse``). Backward: the attention
-block's backward kernels (:mod:`dlblas_kernels.attention_grad`), from q, k, v, out and lse.
+block's backward kernels (:mod:`dlblas_kernels.blocks.attention_grad`), from q, k, v, out and lse.
 
 Key padding (FlashAttention's varlen API in a padded batch): ``kv_start`` and ``kv_end``, each
 None or int32 ``[B]``, restrict batch ``b`` to the keys ``kv_start[b] <= j < kv_end[b]`` (bounds
@@ -33,10 +33,10 @@ from typing import Any
 import torch
 from torch.nn.attention import SDPBackend
 
-from dlblas_kernels import attention_decode, attention_grad
-from dlblas_kernels.attention import FORWARD_KERNELS, block_d, fit, forward_calls, shared_memory_bytes
-from dlblas_kernels.gemm import TMA_ARCHS
-from dlblas_kernels.sdpa import sdpa_attention
+from dlblas_kernels.blocks import attention_decode, attention_grad
+from dlblas_kernels.blocks.attention import FORWARD_KERNELS, block_d, fit, forward_calls, shared_memory_bytes
+from dlblas_kernels.blocks.gemm import TMA_ARCHS
+from dlblas_kernels.blocks.sdpa import sdpa_attention
 from dlcore.api import (
     Backward,
     Choice,

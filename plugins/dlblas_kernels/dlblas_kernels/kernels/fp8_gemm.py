@@ -15,7 +15,7 @@ granularity (:class:`Granularity`):
 M, N and K need not be multiples of 128 (the tail blocks are partial); K must be a multiple of 16
 (the copy engine's 16-byte rows, and ``torch._scaled_mm``'s rule).
 
-The GEMM is :mod:`dlblas_kernels.gemm`'s, the same tile loops as ``matmul``: per-row and per-tensor
+The GEMM is :mod:`dlblas_kernels.blocks.gemm`'s, the same tile loops as ``matmul``: per-row and per-tensor
 scales are its epilogue's row and column scales (a 0-dim scale read with stride 0); block scales
 scale each K step's product inside the loop (``BLOCK_SCALED``), so ``BLOCK_K`` and ``BLOCK_N``
 must divide 128 there: a config's ``BLOCK_N`` above 128 runs as 128 under block scales (one
@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from dlblas_kernels import gemm
+from dlblas_kernels.blocks import gemm
 from dlblas_kernels.kernels.quantize_fp8 import quantize_fp8_reference
 from dlcore.api import (
     Choice,
@@ -212,7 +212,7 @@ def space(profile: DeviceProfile) -> SearchSpace:
     step lies in one scale block), the pipelined tiles within the profile's shared memory.
 
     Never warp-specialised (``WARP_SPECIALIZE`` 0 only; the GEMM block runs a config that asks for
-    it unspecialised, :func:`dlblas_kernels.gemm.loop_flags`): on sm_90 with Triton 3.6.0 the
+    it unspecialised, :func:`dlblas_kernels.blocks.gemm.loop_flags`): on sm_90 with Triton 3.6.0 the
     specialised descriptor loop over fp8 operands gives wrong products at the DeepSeek-V3 shapes of
     ``.ci/sweep_fp8_gemm.py`` (block, row and tensor scales alike; docs/performance.md, Other
     measurements), where the same loop over bf16 operands is right. It compiles, so only a GPU run

@@ -11,10 +11,10 @@ metadata); the kernels treat ids outside ``[0, E)`` as dropped all the same.
 
 The forward, six launches, none of them waiting on the host:
 
-1. the alignment (:func:`dlblas_kernels.grouped.align_calls`): the ``T * k`` (token, choice)
+1. the alignment (:func:`dlblas_kernels.blocks.grouped.align_calls`): the ``T * k`` (token, choice)
    slots sorted by expert, each expert's slots padded to the row block ``BLOCK_M``, with the
    expert of every row block;
-2. the gate/up GEMM (:func:`~dlblas_kernels.grouped.grouped_gemm_kernel`, the GEMM block's
+2. the gate/up GEMM (:func:`~dlblas_kernels.blocks.grouped.grouped_gemm_kernel`, the GEMM block's
    ``dot_range_pair``): each row block's tokens gathered from ``hidden`` by pointer (token =
    slot // k), both halves of its expert's ``w13`` in one pass over them, SwiGLU in the epilogue,
    ``act [T * k, I]`` written by slot;
@@ -31,7 +31,7 @@ token and 128 columns (``quantize_fp8(x, 'block')``'s rule): ``hidden`` by a lau
 ``quantize_fp8``'s kernel before the gate/up GEMM, the SwiGLU output (float32) in the gate/up GEMM's
 epilogue where its column tile covers the 128-column group (I a multiple of 128: each tile *is*
 one group, so its rows' maxima are local), else stored in float32 and quantised by a launch of its
-own. Both GEMMs then run on fp8 tiles (:func:`~dlblas_kernels.grouped.grouped_fp8_gemm_kernel`,
+own. Both GEMMs then run on fp8 tiles (:func:`~dlblas_kernels.blocks.grouped.grouped_fp8_gemm_kernel`,
 the GEMM block's ``BLOCK_SCALED`` loops): each 128-deep K step's product is summed alone and added
 scaled by its row's and its weight block's scales. The output is in ``hidden``'s dtype. The
 tiles are fitted to the blocks (:func:`fp8_tiles`): K steps and column tiles within 128, and the
@@ -56,7 +56,7 @@ cost the backward a GEMM of the gate/up GEMM's size (two thirds of the forward's
 costs the forward a write of ``2 T k I`` elements. The alignment is recomputed (three small
 launches). Then: ``dout`` and ``hidden`` in expert order (a gather), ``r`` in float32 (a grouped
 GEMM), ``dg``, ``du``, ``w a`` and the routing weights' gradient (:func:`moe_swiglu_backward_kernel`),
-the weight gradients as reductions over each expert's rows (:func:`~dlblas_kernels.grouped.expert_gemm_kernel`),
+the weight gradients as reductions over each expert's rows (:func:`~dlblas_kernels.blocks.grouped.expert_gemm_kernel`),
 ``[dg | du] @ w13[e]`` by slot (a grouped GEMM) and its sum over the choices of each token.
 """
 
@@ -70,9 +70,9 @@ import triton
 import triton.language as tl
 from torch._subclasses.fake_tensor import is_fake  # torch's own test for fake tensors; no public one
 
-from dlblas_kernels import grouped
+from dlblas_kernels.blocks import grouped
+from dlblas_kernels.blocks.npu import on_npu
 from dlblas_kernels.kernels import quantize_fp8 as Q
-from dlblas_kernels.npu import on_npu
 from dlcore.api import (
     Backward,
     Choice,

@@ -13,13 +13,13 @@ key (``Sq > Sk``) have no row and need none (their output is 0); without ``causa
 refused: those queries would precede the tables' first position. ``scale`` is ``softmax_scale`` or
 ``D ** -0.5``.
 
-The forward is the attention block's (:func:`dlblas_kernels.attention.forward_calls` with
+The forward is the attention block's (:func:`dlblas_kernels.blocks.attention.forward_calls` with
 ``rotary=(cos, sin, interleaved)``): each program rotates its q tile once after loading it and each
 k tile as it streams through, so the rotated q and k never reach memory; that saves the composite's
 rotary kernel, a read and a write of q and k (``apply_rotary_pos_emb`` then attention). It also
 writes the log-sum-exp ``lse [B, Hq, Sq]`` (float32), which the backward needs and callers do not
 see (:class:`~dlcore.runtime.template.Residuals`). The backward
-(:func:`dlblas_kernels.attention_grad.rotary_backward_plan`) computes the attention gradients of the
+(:func:`dlblas_kernels.blocks.attention_grad.rotary_backward_plan`) computes the attention gradients of the
 rotated q' and k' and applies the transposed rotation to dq' and dk': ``dq = dq' * cos_q -
 rotate(dq' * sin_q)`` (the rotation is linear, its gradient its transpose). It writes q' and k' to
 scratch with :mod:`apply_rotary_pos_emb`'s kernel (q' from the tables' last Sq rows), runs
@@ -49,14 +49,10 @@ from typing import Any
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from dlblas_kernels import attention, attention_grad
+from dlblas_kernels.blocks import attention, attention_grad
+from dlblas_kernels.blocks.rotary import rotary_kernel
 from dlblas_kernels.kernels import flash_attention_v2
-from dlblas_kernels.kernels.apply_rotary_pos_emb import (
-    apply_rotary_pos_emb,
-    llama_cos_sin,
-    rotary_kernel,
-    rotate,
-)
+from dlblas_kernels.kernels.apply_rotary_pos_emb import apply_rotary_pos_emb, llama_cos_sin, rotate
 from dlblas_kernels.kernels.flash_attention_v2 import scale_of, training_outputs
 from dlcore.api import (
     Backward,
@@ -179,7 +175,7 @@ def training_plan(args: tuple, config: Config, profile: DeviceProfile) -> Launch
 
 def default_config(sig: Signature, profile: DeviceProfile | None) -> Config:
     """flash_attention_v2's blocks (:func:`~dlblas_kernels.kernels.flash_attention_v2.default_config`)
-    fitted to the shared memory with the rotary tiles (:func:`dlblas_kernels.attention.fit`): at D
+    fitted to the shared memory with the rotary tiles (:func:`dlblas_kernels.blocks.attention.fit`): at D
     128 in 16-bit, 128 x 128 blocks, 8 warps, 2 stages (k, cos, sin and v per stage, and the rotated
     k tile: 229 408 bytes of sm_90's 232 448)."""
     config = flash_attention_v2.default_config(sig, profile)
@@ -189,7 +185,7 @@ def default_config(sig: Signature, profile: DeviceProfile | None) -> Config:
 
 def space(profile: DeviceProfile) -> SearchSpace:
     """flash_attention_v2's space without the warp-specialised loop, which the rotary kernel's loop
-    does not compile to (:mod:`dlblas_kernels.attention`)."""
+    does not compile to (:mod:`dlblas_kernels.blocks.attention`)."""
     return flash_attention_v2.space(profile)
 
 

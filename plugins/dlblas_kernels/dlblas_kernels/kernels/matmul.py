@@ -5,7 +5,7 @@
 ``w [N, K]`` (strides ``(1, K)``), read as it lies, no copy. ``activation`` is one of ``None``,
 ``"relu"``, ``"silu"``, ``"gelu_tanh"``, applied with the bias in the GEMM's epilogue.
 
-The GEMM is :mod:`dlblas_kernels.gemm`'s: on sm_90 a persistent kernel over the multiprocessors
+The GEMM is :mod:`dlblas_kernels.blocks.gemm`'s: on sm_90 a persistent kernel over the multiprocessors
 moving tiles through tensor descriptors, elsewhere a tiled pointer kernel, and split-K for few
 rows and a long K (decoding); the config (``TMA``, ``SPLIT_K``) chooses, the heuristic default
 by the row regime and a wave-count model of the device's cores (see :func:`heuristic`).
@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dlblas_kernels import gemm
+from dlblas_kernels.blocks import gemm
 from dlcore.api import (
     Backward,
     Choice,
@@ -309,7 +309,7 @@ def _shared_memory_bytes(c: Config) -> int:
 
 def space(profile: DeviceProfile) -> SearchSpace:
     """The tile shapes, warps and pipelining depth of the GEMM (the grouped program order fixed at
-    groups of 8 row blocks, :data:`dlblas_kernels.gemm.GROUP_M`), the persistent
+    groups of 8 row blocks, :data:`dlblas_kernels.blocks.gemm.GROUP_M`), the persistent
     descriptor kernel or the pointer kernel (``TMA``; the descriptor kernel runs on sm_90 only,
     elsewhere TMA=1 runs the pointer kernel), the descriptor kernel warp-specialised or not, and
     split-K; the pipelined tiles within the shared memory a program may use on the device (no

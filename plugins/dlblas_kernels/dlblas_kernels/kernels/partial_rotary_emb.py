@@ -31,13 +31,8 @@ import triton
 import triton.language as tl
 
 import dlcore.language as dl
-from dlblas_kernels.kernels.apply_rotary_pos_emb import (
-    bsd_strides,
-    bshd_strides,
-    check_token_layouts,
-    llama_cos_sin,
-    rotate_pairs,
-)
+from dlblas_kernels.blocks.rotary import bsd_strides, bshd_strides, check_token_layouts, rotate_pairs
+from dlblas_kernels.kernels.apply_rotary_pos_emb import llama_cos_sin
 from dlcore.api import (
     Backward,
     Config,

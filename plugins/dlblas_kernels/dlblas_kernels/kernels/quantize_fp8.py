@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dlblas_kernels.blocks.fp8 import FP8_MAX, quantise, scale_of
 from dlcore.api import (
     Config,
     DeviceProfile,
@@ -45,26 +46,10 @@ from dlcore.api import (
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GRANULARITIES = ("block", "block_128x128", "row", "tensor")
 FP8 = torch.float8_e4m3fn
-#: the largest finite float8_e4m3fn
-FP8_MAX = 448.0
 #: the K extent of a block (and the M extent of a 128x128 one)
 GROUP = 128
 #: the widest K step of the row kernels
 MAX_BLOCK_K = 1024
-
-
-@triton.jit
-def scale_of(amax):
-    """``amax / 448`` (rounded correctly, as :func:`quantise` divides), or 1 where the group is all zeros."""
-    return tl.where(amax > 0.0, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), 1.0)
-
-
-@triton.jit
-def quantise(x, scale):
-    """``x / scale`` clamped to the e4m3 range and rounded to float8_e4m3fn. The division rounded
-    correctly (``div_rn``): Triton's ``/`` is the approximate ``div.full.f32`` on CUDA, which
-    quantised about one element in 10 million differently from torch."""
-    return tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0).to(tl.float8e4nv)
 
 
 @triton.jit

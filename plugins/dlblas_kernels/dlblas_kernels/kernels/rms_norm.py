@@ -39,7 +39,7 @@ import triton
 import triton.language as tl
 
 import dlcore.language as dl
-from dlblas_kernels.npu import buffer_tile
+from dlblas_kernels.blocks.npu import buffer_tile
 from dlcore.api import (
     Backward,
     Config,

@@ -52,7 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dlblas_kernels.npu import buffer_tile
+from dlblas_kernels.blocks.npu import buffer_tile
 from dlcore.api import (
     Backward,
     Config,

@@ -64,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dlblas_kernels.npu import buffer_tile, on_npu
+from dlblas_kernels.blocks.npu import buffer_tile, on_npu
 from dlcore.api import (
     Backward,
     Config,
