@@ -226,6 +226,19 @@ def _attend(acc, l_i, m_i, q, q_b, start, end,
 
 
 @triton.jit
+def key_bounds(kv_start_ptr, kv_end_ptr, b, SK, KV_START: tl.constexpr, KV_END: tl.constexpr):
+    """Batch ``b``'s keys ``[lo, hi)`` under key padding, clamped to ``[0, SK]`` so that bounds out of
+    range read nothing out of bounds; ``(0, SK)`` without it."""
+    lo = 0
+    hi = SK
+    if KV_START:
+        lo = tl.minimum(tl.maximum(tl.load(kv_start_ptr + b), 0), SK)
+    if KV_END:
+        hi = tl.maximum(tl.minimum(tl.load(kv_end_ptr + b), SK), 0)
+    return lo, hi
+
+
+@triton.jit
 def attention_forward_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, cos_ptr, sin_ptr, kv_start_ptr, kv_end_ptr,
     SQ, SK, HQ, GROUP, qk_scale,
@@ -321,12 +334,7 @@ def attention_forward_kernel(
     # Key padding: batch b's keys are [lo, hi) (clamped to [0, SK]: out-of-range bounds read nothing
     # out of bounds). The blocks run [first, full_lo) masked (the one cut by lo), [full_lo, full_hi)
     # whole, [full_hi, end) masked (cut by hi, the diagonal or SK).
-    lo = 0
-    hi = SK
-    if KV_START:
-        lo = tl.minimum(tl.maximum(tl.load(kv_start_ptr + b), 0), SK)
-    if KV_END:
-        hi = tl.maximum(tl.minimum(tl.load(kv_end_ptr + b), SK), 0)
+    lo, hi = key_bounds(kv_start_ptr, kv_end_ptr, b, SK, KV_START, KV_END)
     PADDED: tl.constexpr = KV_START or KV_END
     first = 0
     if PADDED:

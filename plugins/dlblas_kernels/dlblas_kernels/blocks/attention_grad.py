@@ -56,6 +56,7 @@ import triton.language as tl
 
 from dlblas_kernels.blocks import gemm
 from dlblas_kernels.blocks.attention import block_d as tile_width
+from dlblas_kernels.blocks.attention import key_bounds
 from dlblas_kernels.blocks.npu import buffer_tile
 from dlblas_kernels.blocks.rotary import rotation_calls
 from dlcore.api import Config, DeviceProfile, KernelCall, LaunchPlan, cdiv, ensure_allocator
@@ -349,12 +350,7 @@ def attention_dq_kernel(
         full = SK // BLOCK_N
         masked_end = SK
     masked = tl.cdiv(tl.maximum(masked_end - full * BLOCK_N, 0), BLOCK_N)
-    lo = 0
-    hi = SK
-    if KV_START:
-        lo = tl.minimum(tl.maximum(tl.load(kv_start_ptr + b), 0), SK)
-    if KV_END:
-        hi = tl.maximum(tl.minimum(tl.load(kv_end_ptr + b), SK), 0)
+    lo, hi = key_bounds(kv_start_ptr, kv_end_ptr, b, SK, KV_START, KV_END)
     PADDED: tl.constexpr = KV_START or KV_END
     if PADDED:
         # One masked walk over the key blocks from lo's to min(masked_end, hi).
