@@ -279,6 +279,10 @@ def _check_callable(where: str, param: str, fn: Callable[..., Any] | None, takes
 class TritonImplementation(Implementation):
     """An implementation made of Triton kernels.
 
+    Its callables take no device profile: ``plan(args, config)`` and ``space()``. A kernel made by
+    :func:`~dlcore.runtime.template.define_kernel` (a new op) takes ``plan(args, config, profile)``
+    and ``space(profile)`` instead. Given the other form, this class raises ``DeclarationError``.
+
     :param plan: ``plan(args, config) -> LaunchPlan``; allocates the outputs (on the inputs'
         device, which may be ``meta`` when lowering) and describes every launch.
     :param kernels: the ``@triton.jit`` functions the plan launches.

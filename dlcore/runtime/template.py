@@ -672,6 +672,10 @@ def define_kernel(
     """``op``'s :class:`Kernel`: its custom op, fake, autograd, implementation, public function and
     hooks (see the module docstring).
 
+    Its callables take the device profile: ``plan(args, config, profile)`` and ``space(profile)``.
+    A hand-made :class:`~dlcore.declarations.implementation.TritonImplementation` (a second
+    implementation of an existing op) takes ``plan(args, config)`` and ``space()`` instead.
+
     :param plan: ``plan(args, config, profile)``: the launches for the op's bound ``args``.
     :param kernels: the ``@triton.jit`` functions the plans launch (lowering, source hash).
     :param results: ``results(*args)``: the outputs, allocated as the plan allocates them (the fake).
