@@ -711,8 +711,10 @@ def _on_the_cpu(op: Op, bound: tuple) -> InvalidInputError:
 _UNSET = object()
 
 
-def _float64(t: Any) -> bool:
-    return isinstance(t, torch.Tensor) and t.dtype == torch.float64
+def _all_float64(bound: tuple) -> bool:
+    """Every floating tensor argument is float64, and there is one."""
+    floats = [t.dtype for t in bound if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return bool(floats) and all(d == torch.float64 for d in floats)
 
 
 class PublicFunction:
@@ -795,9 +797,10 @@ class PublicFunction:
         """The op on its ``bound`` arguments."""
         if torch.compiler.is_compiling():
             return self.kernel.call_custom_op(bound, None)
-        if _float64(bound[self.kernel.first]):
+        if self.kernel.autograd is not None and _all_float64(bound):
             # the references, forward and backward (torch.autograd.gradcheck's inputs): the custom op's
-            # body takes them for float64, so gradcheck checks the backward formula against them
+            # body takes them for float64, so gradcheck checks the backward formula against them; a
+            # float64 tensor beside other floats is refused by the validation below, as before
             return self.kernel.call_custom_op(bound, None)
         device = self.validate(bound)
         if device.type == "meta":

@@ -88,13 +88,11 @@ def test_backward_non_contiguous_input(dtype, device, gen, relayout):
     check_backward(silu_and_mul, silu_and_mul_reference, (x,), (0,), gen)
 
 
-@pytest.mark.parametrize("case", ["int32 x", "float64 x", "rank-0 x", "odd last dim", "interleaved rows"])
+@pytest.mark.parametrize("case", ["int32 x", "rank-0 x", "odd last dim", "interleaved rows"])
 def test_bad_inputs_raise_before_launch(case, device, no_launch):
     x = torch.randn(4, 6, 32, device=device)
     if case == "int32 x":
         x = x.to(torch.int32)
-    elif case == "float64 x":
-        x = x.double()
     elif case == "rank-0 x":
         x = x[0, 0, 0]
     elif case == "odd last dim":

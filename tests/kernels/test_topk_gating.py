@@ -400,14 +400,14 @@ def test_npu_assign_writes_dropped_choices_to_the_dump_slot(tokens, experts, k, 
     assert dropped and int(with_dump[-1]) in dropped
 
 
-@pytest.mark.parametrize("case", ["k 0", "k above E", "k a float", "1-D logits", "3-D logits", "float64 logits",
+@pytest.mark.parametrize("case", ["k 0", "k above E", "k a float", "1-D logits", "3-D logits",
                                   "int logits", "capacity_factor 0", "capacity_factor negative",
                                   "capacity_factor nan", "capacity_factor inf", "min_capacity negative",
                                   "no tokens", "too many slots"])
 def test_bad_inputs_raise_before_launch(case, device, no_launch):
     logits, k, capacity_factor, min_capacity = torch.randn(5, 8, device=device), 2, 1.0, 2
     named = {"k 0": "k", "k above E": "k", "k a float": "k", "1-D logits": "logits", "3-D logits": "logits",
-             "float64 logits": "logits", "int logits": "logits", "no tokens": "logits",
+             "int logits": "logits", "no tokens": "logits",
              "min_capacity negative": "min_capacity"}.get(case, "capacity_factor")
     if case == "k 0":
         k = 0
@@ -419,8 +419,6 @@ def test_bad_inputs_raise_before_launch(case, device, no_launch):
         logits = logits[0]
     elif case == "3-D logits":
         logits = logits[None]
-    elif case == "float64 logits":
-        logits = logits.double()
     elif case == "int logits":
         logits = logits.int()
     elif case == "capacity_factor 0":

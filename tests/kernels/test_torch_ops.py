@@ -113,6 +113,10 @@ def test_public_functions_take_float64_through_the_references(device):
     assert torch.autograd.gradcheck(dlblas_kernels.rms_norm, (x, w))
     with pytest.raises(InvalidInputError, match="float64"):
         dlcore.get_op("rms_norm", (x.detach(), w.detach()))
+    with pytest.raises(InvalidInputError, match="float64"):  # beside a float32 weight: a mistake, refused
+        dlblas_kernels.rms_norm(x, w.float())
+    with pytest.raises(InvalidInputError, match="float64"):  # forward only: nothing for gradcheck to check
+        dlblas_kernels.quantize_fp8(x.detach(), "row")
 
 
 # -- get_op under autograd -------------------------------------------------------------------------
