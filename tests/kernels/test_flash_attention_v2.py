@@ -265,7 +265,7 @@ def check_padded(out, lse, q, k, v, causal, kv_start, kv_end):
 PADDED_SHAPES = [
     # batch, Sq, Sk, Hq, Hk, D, causal
     (4, 37, 37, 4, 2, 32, True),    # prefill: left-padded rows see no key before their first valid one
-    (4, 37, 37, 4, 2, 32, False),
+    pytest.param((4, 37, 37, 4, 2, 32, False), marks=pytest.mark.slow),
     (3, 20, 45, 2, 1, 24, True),    # a chunk against a longer cache
     (5, 1, 41, 4, 1, 16, True),     # a decoding step: the decode block
 ]
@@ -300,7 +300,7 @@ def test_key_padding_both_load_paths(padding, profile_of_path, device, gen):
 
 
 @pytest.mark.parametrize("padding", ["left", "right"])
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("causal", [pytest.param(False, marks=pytest.mark.slow), True], ids=["full", "causal"])
 def test_key_padding_backward(causal, padding, device, gen):
     """dq, dk and dv through the custom op against autograd through the float64 reference (GQA);
     the keys a batch does not see get zero dk and dv."""
