@@ -66,3 +66,10 @@ def test_the_ascend_session_installs_the_triton_whose_ttir_the_adapter_reads(nox
     session = FakeSession()
     noxfile.ascend(session)
     assert f"triton=={TTIR_TRITON}" in session.installs[0][0]
+
+
+def test_the_test_session_installs_transformers_for_the_integrations(noxfile):
+    """tests/integrations leaves itself out where transformers is missing: the session CI runs has it."""
+    session = FakeSession()
+    noxfile.test(session, noxfile.TRITON_VERSIONS[0])
+    assert any("./plugins/dlblas_kernels[transformers]" in args for args, _ in session.installs)
