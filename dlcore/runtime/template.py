@@ -797,7 +797,9 @@ class PublicFunction:
         """The op on its ``bound`` arguments."""
         if torch.compiler.is_compiling():
             return self.kernel.call_custom_op(bound, None)
-        if self.kernel.autograd is not None and _all_float64(bound):
+        first = bound[self.kernel.first]
+        if (isinstance(first, torch.Tensor) and first.dtype == torch.float64 and self.kernel.autograd is not None
+                and _all_float64(bound)):  # one dtype read on the hot path; the scan only for float64
             # the references, forward and backward (torch.autograd.gradcheck's inputs): the custom op's
             # body takes them for float64, so gradcheck checks the backward formula against them; a
             # float64 tensor beside other floats is refused by the validation below, as before
