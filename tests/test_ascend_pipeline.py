@@ -136,7 +136,11 @@ def test_linalg_driver_runs_each_adapter_pass_and_checks_the_result():
 
 
 @needs_adapter
-def test_the_coalescing_pass_turns_a_scattered_mask_into_a_contiguous_load():
+def test_the_coalescing_pass_turns_a_scattered_mask_into_a_contiguous_load(monkeypatch):
+    import triton
+
+    # the expected failure is the adapter's own, not the one-line version message (Triton 3.9 in CI)
+    monkeypatch.setattr(triton, "__version__", pipeline.TTIR_TRITON)
     on = pipeline.linalg(EVEN, _adapter_pipeline(), _context())
     coalesced = str(on[0].ir)  # after discrete_mask_access_conversion
     loads = [line for line in coalesced.splitlines() if "tt.load" in line]
