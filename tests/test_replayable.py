@@ -54,8 +54,14 @@ def test_why_not_replayable_names_an_undeclared_tensor():
     assert replay.why_not_replayable((x,), declared) is None
     undeclared = LaunchPlan(calls=[KernelCall(_kernel, (1,), (x, stray, out), {})], result=out)
     assert "launch 0 (_kernel), argument 1: a tensor (8,)" in replay.why_not_replayable((x,), undeclared)
-    view = LaunchPlan(calls=[KernelCall(_kernel, (1,), (x[1:], out), {})], result=out)
-    assert "argument 0" in replay.why_not_replayable((x,), view)  # a view at an offset is no input
+    view = LaunchPlan(calls=[KernelCall(_kernel, (1,), (x[1:], out[2:]), {})], result=out)
+    assert replay.why_not_replayable((x,), view) is None  # views into an input and a result: replayed as views
+    stray_view = LaunchPlan(calls=[KernelCall(_kernel, (1,), (x, stray[1:], out), {})], result=out)
+    assert "argument 1" in replay.why_not_replayable((x,), stray_view)
+    y = torch.ones(8)
+    q, k = y[:4], y[4:]
+    ambiguous = LaunchPlan(calls=[KernelCall(_kernel, (1,), (q[1:], out), {})], result=out)
+    assert "argument 0" in replay.why_not_replayable((q, k), ambiguous)  # a view of q's storage, or of k's?
     shared = LaunchPlan(calls=[KernelCall(_kernel, (1,), (x,), {})], result=x[:2])
     assert "shares memory" in replay.why_not_replayable((x,), shared)
 

@@ -42,7 +42,10 @@ def replay_key(args: tuple) -> tuple:
 
 class _Launch:
     """One recorded launch: ``compiled.run`` with the grid and arguments of the first call;
-    ``slots`` says which arguments are taken from the call's inputs, results or scratch."""
+    ``slots`` says which arguments are taken from the call's inputs, results or scratch: per
+    argument its position and ``(kind, index, view)``, ``view`` None for the tensor itself, else
+    ``(offset, shape, strides)``: a view of it that many elements further into its storage (a
+    plan's row chunk of an input, say)."""
 
     __slots__ = ("compiled", "grid", "values", "slots")
 
@@ -91,8 +94,10 @@ class Recording:
             values = launch.values
             if launch.slots:
                 values = list(values)
-                for position, (kind, index) in launch.slots:
-                    values[position] = sources[kind][index]
+                for position, (kind, index, view) in launch.slots:
+                    source = sources[kind][index]
+                    values[position] = source if view is None else source.as_strided(
+                        view[1], view[2], source.storage_offset() + view[0])
             run_compiled(launch.compiled, launch.grid, stream, values)
         return outs[0] if self.single else tuple(outs)
 
@@ -111,12 +116,15 @@ def _flat_results(result: Any) -> tuple[list[torch.Tensor], bool]:
 
 @dataclass
 class _Sources:
-    """Where each tensor of a call lives: per data pointer (0: input, 1: result, 2: scratch; index)."""
+    """Where each tensor of a call lives: per data pointer (0: input, 1: result, 2: scratch; index),
+    and per storage the one tensor of the call in it (None where several share a storage: a view
+    of it could not tell which one it is of)."""
 
     pointers: dict[int, tuple[int, int]]
     results: list[tuple | None]
     scratch: list[tuple]
     from_input: dict[int, int]
+    storages: dict[int, tuple[int, int, torch.Tensor] | None]
 
 
 def _sources(args: tuple, results: list[torch.Tensor], scratch: tuple) -> _Sources:
@@ -148,15 +156,35 @@ def _sources(args: tuple, results: list[torch.Tensor], scratch: tuple) -> _Sourc
             raise NotReplayable("a scratch tensor shares memory with an input, a result or another")
         pointers[t.data_ptr()] = (2, i)
         scratch_specs.append((tuple(t.shape), t.stride(), t.dtype, t.device))
-    return _Sources(pointers, specs, scratch_specs, from_input)
+    storages: dict[int, tuple[int, int, torch.Tensor] | None] = {}
+    tensors = [(0, i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+    tensors += [(1, i, r) for i, r in enumerate(results) if specs[i] is not None]  # not an in-place op's input
+    tensors += [(2, i, t) for i, t in enumerate(scratch)]
+    for kind, index, t in tensors:
+        storage = t.untyped_storage().data_ptr()
+        storages[storage] = None if storage in storages else (kind, index, t)
+    return _Sources(pointers, specs, scratch_specs, from_input, storages)
 
 
-def _traced(compiled: Any, values: list[Any], pointers: dict[int, tuple[int, int]]) -> list[tuple[int, tuple]] | None:
+def _source(tensor: torch.Tensor, sources: _Sources) -> tuple[int, int, tuple | None] | None:
+    """Where a launch's tensor argument comes from: an input, result or scratch tensor itself, or a
+    view into the storage of exactly one of them with its dtype; None if neither."""
+    found = sources.pointers.get(tensor.data_ptr())
+    if found is not None:
+        return (*found, None)
+    base = sources.storages.get(tensor.untyped_storage().data_ptr())
+    if base is None or base[2].dtype != tensor.dtype:
+        return None
+    kind, index, t = base
+    return kind, index, (tensor.storage_offset() - t.storage_offset(), tuple(tensor.shape), tensor.stride())
+
+
+def _traced(compiled: Any, values: list[Any], sources: _Sources) -> list[tuple[int, tuple]] | None:
     """Each tensor argument's source, its value cleared in ``values``; None if one has none."""
     slots = []
     for position, v in enumerate(values):
         if isinstance(v, torch.Tensor):
-            source = pointers.get(v.data_ptr())
+            source = _source(v, sources)
             if source is None:
                 return None
             slots.append((position, source))
@@ -176,7 +204,7 @@ def _unsourced(args: tuple, plan: LaunchPlan) -> str | tuple[int, Any, int, torc
     for n, call in enumerate(plan.calls):
         for position, value in enumerate((*call.args, *call.kwargs.values())):
             tensor = getattr(value, "base", None) if not isinstance(value, torch.Tensor) else value
-            if isinstance(tensor, torch.Tensor) and tensor.data_ptr() not in sources.pointers:
+            if isinstance(tensor, torch.Tensor) and _source(tensor, sources) is None:
                 return n, call, position, tensor
     return None
 
@@ -188,14 +216,14 @@ def _described(found: str | tuple[int, Any, int, torch.Tensor] | None) -> str | 
     n, call, position, tensor = found
     name = getattr(call.kernel, "__name__", str(call.kernel))
     return (f"launch {n} ({name}), argument {position}: a tensor {tuple(tensor.shape)} that is "
-            f"neither an input, a result nor a declared scratch tensor at offset zero")
+            f"neither an input, a result nor a declared scratch tensor, nor a view into one of them")
 
 
 def why_not_replayable(args: tuple, plan: LaunchPlan) -> str | None:
     """Why :class:`Replay` would not record ``plan`` for ``args`` (so that every call of a bound op
     would run the plan again, on the host), as far as is known without compiling: its result's
     form, inputs or results sharing memory, or a launch's tensor argument (a tensor descriptor's
-    base included) that is neither an input, a result nor a declared scratch tensor at offset zero.
+    base included) that is neither an input, a result nor a declared scratch tensor, nor a view into one of them.
     None: nothing found. For tests and ``dlcore`` checks; needs no GPU."""
     return _described(_unsourced(args, plan))
 
@@ -235,7 +263,7 @@ def record(args: tuple, plan: LaunchPlan) -> tuple[Any, Recording | None]:
         compiled, values = found.launch(call)
         if launches is None:
             continue
-        slots = _traced(compiled, values, sources.pointers) if compiled is not None else None
+        slots = _traced(compiled, values, sources) if compiled is not None else None
         if slots is None:
             launches = None
             continue
@@ -244,7 +272,7 @@ def record(args: tuple, plan: LaunchPlan) -> tuple[Any, Recording | None]:
         return plan.result, None
     # A result no launch is handed was filled on the host (zeros for an empty sum, say): a replay
     # would hand back uninitialised memory.
-    handed = {index for launch in launches for _, (kind, index) in launch.slots if kind == 1}
+    handed = {index for launch in launches for _, (kind, index, _view) in launch.slots if kind == 1}
     if any(spec is not None and i not in handed and results[i].numel() for i, spec in enumerate(sources.results)):
         return plan.result, None
     device = internals.found.driver.get_current_device()
@@ -297,10 +325,11 @@ class Replay:
     replays never pay for.
 
     A call is not recorded (and keeps taking the plan's path) when a launch argument is a tensor
-    that is neither an input, a result nor a declared scratch tensor at offset zero, when two inputs
-    start at one address, when two results share memory, when a result that is not empty is handed
-    to no launch (the plan filled it on the host), or when Triton does not hand back a compiled
-    kernel. Recordings are kept for at most :data:`LIMIT` exact inputs, the oldest dropped first, and
+    that is neither an input, a result nor a declared scratch tensor, nor a view into one of them
+    (replayed as the same view of the call's own), when two inputs start at one address, when two
+    results share memory, when a result that is not empty is handed to no launch (the plan filled
+    it on the host), or when Triton does not hand back a compiled kernel. Recordings are kept for at
+    most :data:`LIMIT` exact inputs, the oldest dropped first, and
     recorded again when the installed compiler-stage hook changes (the compiled kernels would).
     """
 
