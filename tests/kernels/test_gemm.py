@@ -156,6 +156,25 @@ def test_warp_specialised_loop_flags():
     assert gemm.loop_flags(config, eight_bit=True) == {"FLATTEN": True, "WARP_SPECIALIZE": False}
 
 
+@pytest.mark.parametrize("path", ["pointers", "descriptors"], indirect=True)
+def test_accumulate_adds_the_product_to_c(path, dtype, device, gen):
+    """``accumulate``: ``c += a @ b (+ bias)``, the sum over row chunks of a weight gradient; a
+    transposed ``a`` (``dlogits.T``) as the weight gradient takes it."""
+    profile, extra, kernel = path
+    m, n, k = 40, 56, 24  # no multiple of a tile; 16-byte aligned rows of a.T and c for the copy engine
+    a = randn(k, m, dtype=dtype, device=device, generator=gen).T
+    b = randn(k, n, dtype=dtype, device=device, generator=gen)
+    bias = randn(n, dtype=dtype, device=device, generator=gen)
+    c = randn(m, n, dtype=dtype, device=device, generator=gen)
+    before = c.double()
+    calls, _ = gemm.gemm_calls(a, b, c, {**SMALL, **extra}, profile, epilogue=gemm.Epilogue(bias=bias, accumulate=True))
+    assert calls[0].kernel.__name__ == kernel and calls[0].kwargs["ACCUMULATE"]
+    run(calls)
+    assert_close(c, before + a.double() @ b.double() + bias.double(), dtype, reduce_dim=k)
+    with pytest.raises(ValueError, match="does not accumulate"):
+        gemm.gemm_calls(a, b, c, {**SMALL, "SPLIT_K": 2}, profile, epilogue=gemm.Epilogue(accumulate=True))
+
+
 def test_bad_epilogues_raise(profile, device):
     a, b, c = (torch.empty(*s, device=device) for s in ((8, 8), (8, 8), (8, 8)))
     with pytest.raises(ValueError, match="activation"):

@@ -46,6 +46,7 @@ The epilogue, selected by constexprs, runs in float32 on the accumulator before 
     out = silu(z) * z3                 SWIGLU: z3 from a second operand b3 accumulated alongside
     out = dc * act'(z)                 ACT_GRAD: the gradient through the activation (backward)
     c   = out cast to c's dtype; z (and z3) stored too when pre-activations are asked for
+    c   = (c + out) cast to c's dtype instead, under ACCUMULATE (a sum over row chunks)
 
 **fp8** (``fp8_gemm``, e4m3 operands): the same two kernels and loops with ``tl.dot`` on fp8
 tiles (sm_89 and later; Hopper's ``wgmma`` takes 8-bit tiles K-major only, so the descriptor
@@ -242,9 +243,10 @@ def epilogue(acc, acc3, dc, offs_m, offs_n, M, N, bias_ptr, scale_ptr, col_scale
 def store_tile(acc, acc3, offs_m, offs_n, M, N, c_ptr, pre_ptr, pre3_ptr, dc_ptr, stride_cm, stride_cn,
                bias_ptr, scale_ptr, col_scale_ptr, stride_sm, stride_tn,
                HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_COL_SCALE: tl.constexpr,
-               ACTIVATION: tl.constexpr, SWIGLU: tl.constexpr, ACT_GRAD: tl.constexpr, STORE_PRE: tl.constexpr):
+               ACTIVATION: tl.constexpr, SWIGLU: tl.constexpr, ACT_GRAD: tl.constexpr, STORE_PRE: tl.constexpr,
+               ACCUMULATE: tl.constexpr):
     """The epilogue of one tile and its masked stores (``c``, ``pre``, ``pre3`` and ``dc`` share
-    ``c``'s strides)."""
+    ``c``'s strides); ACCUMULATE: ``c``'s old value added to the result before the store."""
     offsets = offs_m[:, None] * stride_cm + offs_n[None, :] * stride_cn
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     dc = acc
@@ -252,6 +254,8 @@ def store_tile(acc, acc3, offs_m, offs_n, M, N, c_ptr, pre_ptr, pre3_ptr, dc_ptr
         dc = tl.load(dc_ptr + offsets, mask=mask, other=0.0)
     out, z, z3 = epilogue(acc, acc3, dc, offs_m, offs_n, M, N, bias_ptr, scale_ptr, col_scale_ptr, stride_sm,
                           stride_tn, HAS_BIAS, HAS_SCALE, HAS_COL_SCALE, ACTIVATION, SWIGLU, ACT_GRAD)
+    if ACCUMULATE:
+        out += tl.load(c_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
     tl.store(c_ptr + offsets, out.to(c_ptr.dtype.element_ty), mask=mask)
     if STORE_PRE:
         tl.store(pre_ptr + offsets, z.to(pre_ptr.dtype.element_ty), mask=mask)
@@ -271,6 +275,7 @@ def gemm_kernel(
     SPLIT_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_COL_SCALE: tl.constexpr, BLOCK_SCALED: tl.constexpr,
     ACTIVATION: tl.constexpr, SWIGLU: tl.constexpr, ACT_GRAD: tl.constexpr, STORE_PRE: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
 ):
     """One output tile per program (axis 0), one K range per program (axis 1, SPLIT_K of them).
     With SPLIT_K > 1 ``c_ptr`` is the float32 workspace ``[SPLIT_K, M, N]`` and the epilogue is
@@ -316,7 +321,7 @@ def gemm_kernel(
     else:
         store_tile(acc, acc3, offs_m, offs_n, M, N, c_ptr, pre_ptr, pre3_ptr, dc_ptr, stride_cm, stride_cn,
                    bias_ptr, scale_ptr, col_scale_ptr, stride_sm, stride_tn, HAS_BIAS, HAS_SCALE, HAS_COL_SCALE,
-                   ACTIVATION, SWIGLU, ACT_GRAD, STORE_PRE)
+                   ACTIVATION, SWIGLU, ACT_GRAD, STORE_PRE, ACCUMULATE)
 
 
 @triton.jit
@@ -339,7 +344,7 @@ def splitk_reduce_kernel(
         ws_ptrs += slice_size
     store_tile(acc, acc, offs_m, offs_n, M, N, c_ptr, c_ptr, c_ptr, dc_ptr, stride_cm, stride_cn,
                bias_ptr, scale_ptr, col_scale_ptr, stride_sm, stride_tn, HAS_BIAS, HAS_SCALE, HAS_COL_SCALE,
-               ACTIVATION, False, ACT_GRAD, False)
+               ACTIVATION, False, ACT_GRAD, False, False)
 
 
 @triton.jit
@@ -352,7 +357,7 @@ def gemm_tma_kernel(
     SPLIT_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, FLATTEN: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_COL_SCALE: tl.constexpr, BLOCK_SCALED: tl.constexpr,
     ACTIVATION: tl.constexpr, SWIGLU: tl.constexpr, ACT_GRAD: tl.constexpr, STORE_PRE: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, ACCUMULATE: tl.constexpr,
 ):
     """Persistent: program ``pid`` computes work units ``pid, pid + programs, ...`` (an output
     tile, or with SPLIT_K > 1 one K range of one, summed into the float32 workspace ``c_ptr``
@@ -453,6 +458,8 @@ def gemm_tma_kernel(
             out, z, z3 = epilogue(acc, acc3, dc, offs_m, offs_n, M, N, bias_ptr, scale_ptr, col_scale_ptr,
                                   stride_sm, stride_tn, HAS_BIAS, HAS_SCALE, HAS_COL_SCALE, ACTIVATION, SWIGLU,
                                   ACT_GRAD)
+            if ACCUMULATE:
+                out += c_desc.load([off_m, off_n]).to(tl.float32)
             c_desc.store([off_m, off_n], out.to(c_desc.dtype))
             if STORE_PRE:
                 pre_desc.store([off_m, off_n], z.to(pre_desc.dtype))
@@ -477,6 +484,8 @@ class Epilogue:
     :param act_grad: ``dc [M, N]`` with the output's strides: the output is ``dc * act'(z)``.
     :param pre: ``[M, N]`` with the output's strides: receives ``z`` (the pre-activation).
     :param pre3: with ``pre``, under SwiGLU: receives ``z3``.
+    :param accumulate: ``c`` receives its old value plus the result (added in float32; a sum over
+        row chunks, such as a weight gradient); not under split-K.
     """
 
     bias: torch.Tensor | None = None
@@ -486,6 +495,7 @@ class Epilogue:
     act_grad: torch.Tensor | None = None
     pre: torch.Tensor | None = None
     pre3: torch.Tensor | None = None
+    accumulate: bool = False
 
 
 @dataclass(frozen=True)
@@ -663,8 +673,8 @@ def gemm_calls(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Config
         raise ValueError(f"activation {e.activation!r} is none of {ACTIVATIONS}")
     swiglu = b3 is not None
     split_k = config.get("SPLIT_K", 1)
-    if split_k > 1 and (swiglu or e.pre is not None):
-        raise ValueError("split-K takes no second operand and stores no pre-activations")
+    if split_k > 1 and (swiglu or e.pre is not None or e.accumulate):
+        raise ValueError("split-K takes no second operand, stores no pre-activations and does not accumulate")
     block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     if (e.col_scale is not None or block_scales is not None) and swiglu:
         raise ValueError("column and block scales take no second operand")
@@ -693,10 +703,11 @@ def gemm_calls(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Config
         # The products alone into the workspace; the reduce runs the epilogue.
         target = torch.empty(split_k, m, n, dtype=torch.float32, device=c.device)
         gemm_flags = {"HAS_BIAS": False, "HAS_SCALE": False, "HAS_COL_SCALE": False, "ACTIVATION": None,
-                      "ACT_GRAD": False, "SWIGLU": False, "STORE_PRE": False}
+                      "ACT_GRAD": False, "SWIGLU": False, "STORE_PRE": False, "ACCUMULATE": False}
         scratch: tuple = (target,)
     else:
-        target, gemm_flags, scratch = c, {**flags, "SWIGLU": swiglu, "STORE_PRE": e.pre is not None}, ()
+        target, gemm_flags, scratch = c, {**flags, "SWIGLU": swiglu, "STORE_PRE": e.pre is not None,
+                                          "ACCUMULATE": e.accumulate}, ()
     gemm_flags["BLOCK_SCALED"] = block_scales is not None
     tiles = cdiv(m, block_m) * cdiv(n, block_n)
     if config.get("TMA", 1) and takes_tma(profile, a, b, c, b3, e):

@@ -225,7 +225,7 @@ def grouped_gemm_tile(
         else:
             store_tile(acc, acc3, out_rows, offs_n, c_rows, N, c_ptr, pre_ptr, pre3_ptr, c_ptr, stride_cm,
                        stride_cn, scale_ptr, scale_ptr, scale_ptr, 1, 0, False, HAS_SCALE, False, None, SWIGLU, False,
-                       STORE_PRE)
+                       STORE_PRE, False)
 
 
 @triton.jit
@@ -292,7 +292,7 @@ def expert_gemm_kernel(
                     k_start, k_end, stride_ak, stride_bk, BLOCK_K, INPUT_PRECISION)
     c_expert = c_ptr + expert.to(tl.int64) * stride_ce
     store_tile(acc, acc, offs_m, offs_n, M, N, c_expert, c_expert, c_expert, c_expert, stride_cm, stride_cn,
-               c_expert, c_expert, c_expert, 0, 0, False, False, False, None, False, False, False)
+               c_expert, c_expert, c_expert, 0, 0, False, False, False, None, False, False, False, False)
 
 
 @triton.jit
