@@ -711,11 +711,11 @@ def test_public_function_works_out_its_config_once_per_exact_input(monkeypatch):
     templates: the signature and the heuristic run on the first call of an exact input only."""
     from dlblas_kernels.kernels.rms_norm import rms_norm
 
-    from dlcore.runtime import template
+    from dlcore.runtime import public_function
 
     made = []
-    real = template.make_signature
-    monkeypatch.setattr(template, "make_signature", lambda *a, **k: made.append(1) or real(*a, **k))
+    real = public_function.make_signature
+    monkeypatch.setattr(public_function, "make_signature", lambda *a, **k: made.append(1) or real(*a, **k))
     # shapes no other test uses: the memo lives as long as the process
     x, w = torch.randn(5, 1013), torch.randn(1013)
     first = rms_norm(x, w)
