@@ -85,7 +85,7 @@ def main() -> None:
             composite_ms = median_ms(functools.partial(vendor.fused_moe, *args[:5]))
             base = moe.heuristic(tokens, experts, topk, 2, profile)
             regime = 16 if base["BLOCK_M"] == 16 else (64 if base["BLOCK_M"] <= 64 else 128)
-            configs = [base] + [moe._config(bm, up, down) for bm, up, down in ALTERNATIVES[regime]]
+            configs = [base] + [moe.tile_config(bm, up, down) for bm, up, down in ALTERNATIVES[regime]]
             timed = []
             for config in configs:
                 run = runner(moe.KERNEL.implementation, config)

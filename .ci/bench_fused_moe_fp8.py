@@ -102,7 +102,7 @@ def main() -> None:
                            {"rel_err_fp32": loop_reference(*bf16[:5])})
             refs = {"rel_err_fp32": loop_reference(*fp8), "rel_err_quantised": loop_reference(*fp8, torch.float64)}
             base8 = moe.heuristic(tokens, experts, topk, 1, profile, fp8=True)
-            configs = [base8] + [moe._config(bm, up, down) for bm, up, down in ALTERNATIVES[base8["BLOCK_M"]]]
+            configs = [base8] + [moe.tile_config(bm, up, down) for bm, up, down in ALTERNATIVES[base8["BLOCK_M"]]]
             found = [timed(fp8, c, refs) for c in configs]
             ok = [f for f in found if "us" in f]
             row = {"model": model, "tokens": tokens, "flops": moe.cost(bf16)[1], "bf16": base16, "fp8": found}
