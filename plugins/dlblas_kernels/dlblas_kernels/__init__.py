@@ -19,9 +19,11 @@ from typing import Any
 __all__ = [
     "add_rms_norm",
     "apply_rotary_pos_emb",
+    "cross_entropy",
     "ffn",
     "flash_attention_v2",
     "fp8_gemm",
+    "fused_linear_cross_entropy",
     "fused_moe",
     "fused_rotary_and_fa",
     "matmul",
