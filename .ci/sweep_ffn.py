@@ -11,7 +11,7 @@ the first timing after the GPU idled).
 SWEEP_SHAPES (``MxKxN,...``) narrows the shapes (SWEEP_SELECTION=0 skips get_op's selection); at 16
 rows or fewer the streaming kernel's column spreads, tiles, depths and K slice counts are timed,
 each with its share of the copy bandwidth. ``--apply`` rewrites ``PREFILL_TILE`` in the installed
-and the checked-out ``kernels/ffn.py`` to the config of least summed time over the shapes above 128
+and the checked-out ``blocks/ffn_prefill.py`` to the config of least summed time over the shapes above 128
 rows, when it beats the current one by more than 2% and lies in the op's space.
 """
 
@@ -94,10 +94,11 @@ def bench(fn) -> float:
 
 
 def apply(best: dict) -> None:
-    from dlblas_kernels.kernels import ffn
+    from dlblas_kernels.blocks import ffn_prefill
 
     line = "PREFILL_TILE = dict(" + ", ".join(f"{k}={v}" for k, v in best.items()) + ")"
-    for path in {pathlib.Path(ffn.__file__), pathlib.Path("plugins/dlblas_kernels/dlblas_kernels/kernels/ffn.py")}:
+    for path in {pathlib.Path(ffn_prefill.__file__),
+                 pathlib.Path("plugins/dlblas_kernels/dlblas_kernels/blocks/ffn_prefill.py")}:
         text = path.read_text()
         path.write_text(re.sub(r"^PREFILL_TILE = dict\(.*\)$", line, text, count=1, flags=re.M))
         print(f"applied to {path}: {line}")
