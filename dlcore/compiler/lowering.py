@@ -2,12 +2,13 @@
 
 A :class:`~dlcore.declarations.implementation.LaunchPlan` built on ``meta`` tensors names every kernel with its
 real arguments; from those, each kernel's Triton signature and constexprs are derived and
-``triton.compile`` runs for a ``GPUTarget`` (no device needed), giving every IR stage.
+``triton.compile`` runs for a ``GPUTarget`` (no device needed), giving every IR stage
+(:mod:`dlcore.compiler.signatures`).
 
 By default a kernel is specialized on its argument values as a real launch would specialize it
-(:func:`launch_signature`): pointers and integers known divisible by 16 carry
-``tt.divisibility = 16``, integers equal to 1 become constants. Without that, loads come out
-unvectorised and register counts inflated, so the code would not be the code that runs.
+(:func:`~dlcore.compiler.signatures.launch_signature`): pointers and integers known divisible by
+16 carry ``tt.divisibility = 16``, integers equal to 1 become constants. Without that, loads come
+out unvectorised and register counts inflated, so the code would not be the code that runs.
 
 :func:`lower_with_triton` is what a backend's ``lower`` runs: a real compile (Triton's cache is not
 read) with the pipeline's IR passes, every stage's output and time recorded, optionally stopped
@@ -18,7 +19,6 @@ inputs on ``meta`` tensors, the default config, the ``ast`` and ``launch`` passe
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import shutil
 import time
 from collections import Counter
@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
+from dlcore.compiler.signatures import ast_source, compile_options
+from dlcore.compiler.signatures import compile_call as compile_call
 from dlcore.declarations.device import DeviceProfile, planning_for
 from dlcore.declarations.implementation import KernelCall
 from dlcore.errors import DlcoreError, InvalidInputError, LoweringError, ToolchainMissingError
@@ -36,192 +38,6 @@ if TYPE_CHECKING:
     from dlcore.compiler.stages import StageOutput
     from dlcore.declarations.op import Op
     from dlcore.plugins.registry import Registry
-
-TRITON_TYPES = {
-    torch.float64: "fp64",
-    torch.float32: "fp32",
-    torch.float16: "fp16",
-    torch.bfloat16: "bf16",
-    torch.int64: "i64",
-    torch.int32: "i32",
-    torch.int16: "i16",
-    torch.int8: "i8",
-    torch.uint8: "u8",
-    torch.bool: "i1",
-}
-for _name, _code in (("float8_e4m3fn", "fp8e4nv"), ("float8_e5m2", "fp8e5")):
-    if hasattr(torch, _name):
-        TRITON_TYPES[getattr(torch, _name)] = _code
-
-#: launch options that are not kernel parameters
-LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
-
-
-def _scalar_type(value: Any) -> str:
-    if isinstance(value, bool):
-        return "i1"
-    if isinstance(value, int):
-        return "i32" if -(2**31) <= value < 2**31 else "i64"
-    if isinstance(value, float):
-        return "fp32"
-    raise TypeError(f"cannot type kernel argument {value!r} ({type(value).__name__})")
-
-
-@dataclass
-class KernelSignature:
-    name: str
-    types: dict[str, str]
-    #: keyed by parameter name or by Triton's argument path (``(index,)``)
-    constexprs: dict[Any, Any]
-    options: dict[str, Any]
-    #: Triton's attributes by argument path, e.g. ``{(0,): [["tt.divisibility", 16]]}``
-    attrs: dict[tuple[int, ...], list] = field(default_factory=dict)
-
-
-def kernel_signature(call: KernelCall) -> KernelSignature:
-    """The Triton signature of one launch, unspecialized: each parameter's type, the constexpr
-    values, the options; no divisibility attributes, integers equal to 1 stay arguments."""
-    fn = call.kernel
-    names = list(fn.arg_names)
-    params = inspect.signature(fn.fn).parameters
-    values = dict(zip(names, call.args))
-    options = {k: v for k, v in call.kwargs.items() if k in LAUNCH_OPTIONS}
-    values.update({k: v for k, v in call.kwargs.items() if k not in LAUNCH_OPTIONS})
-    types: dict[str, str] = {}
-    constexprs: dict[str, Any] = {}
-    for p, name in zip(fn.params, names):
-        if name not in values:
-            default = params[name].default
-            if default is inspect.Parameter.empty:
-                raise TypeError(f"{fn.__name__}: no value for parameter {name!r}")
-            values[name] = default
-        value = values[name]
-        if p.is_constexpr or value is None:
-            types[name] = "constexpr"
-            constexprs[name] = value
-        elif isinstance(value, torch.Tensor):
-            types[name] = "*" + TRITON_TYPES[value.dtype]
-        else:
-            types[name] = _scalar_type(value)
-    return KernelSignature(fn.__name__, types, constexprs, options)
-
-
-class _MetaPointer:
-    """A ``meta`` tensor as Triton's specialization sees a tensor argument: a dtype and an address.
-
-    A meta tensor has no storage, so the address is assumed: its storage starts 16-byte aligned,
-    as every block of the CUDA caching allocator does, and the tensor starts ``storage_offset``
-    elements into it.
-    """
-
-    def __init__(self, tensor: torch.Tensor):
-        self.dtype = tensor.dtype
-        self._address = tensor.storage_offset() * tensor.element_size()
-
-    def data_ptr(self) -> int:
-        return self._address
-
-
-def _as_launched(value: Any) -> Any:
-    if isinstance(value, torch.Tensor) and value.device.type == "meta":
-        return _MetaPointer(value)
-    return value
-
-
-def launch_signature(call: KernelCall, target: Any) -> KernelSignature:
-    """The Triton signature a real launch of ``call`` compiles with on ``target`` (a ``GPUTarget``).
-
-    Triton's own specialization runs on the argument values, as ``JITFunction.run`` does at a
-    launch, honouring the kernel's ``do_not_specialize`` and ``do_not_specialize_on_alignment``:
-    a tensor whose address is a multiple of 16, and an integer divisible by 16, carry
-    ``tt.divisibility = 16``; an integer equal to 1 becomes a constexpr. A ``meta`` tensor has no
-    address: it is taken to be 16-byte aligned when ``storage_offset * element_size`` is a
-    multiple of 16 (its storage assumed to start where the CUDA caching allocator's blocks do, on
-    a 16-byte boundary or better), unaligned otherwise.
-    """
-    from triton.compiler import make_backend
-
-    backend = make_backend(target)
-    args = [_as_launched(a) for a in call.args]
-    kwargs = {k: _as_launched(v) for k, v in call.kwargs.items()}
-    try:
-        from triton.runtime.jit import create_function_from_signature
-
-        pack_args = call.kernel._pack_args
-    except (ImportError, AttributeError):
-        types, constexprs, attrs = _specialize_by_rule(call.kernel, args, kwargs, backend)
-    else:
-        binder = create_function_from_signature(call.kernel.signature, call.kernel.params, backend)
-        bound, specialization, options = binder(*args, **kwargs)
-        _, types, constexprs, attrs = pack_args(backend, {**fp_fusion(), **kwargs}, bound, specialization, options)
-    options = {k: v for k, v in call.kwargs.items() if k in LAUNCH_OPTIONS}
-    return KernelSignature(call.kernel.__name__, types, constexprs, options, attrs)
-
-
-def _specialize_by_rule(fn: Any, args: list, kwargs: dict, backend: Any) -> tuple[dict, dict, dict]:
-    """What ``launch_signature`` computes, for a Triton whose binder it cannot call: the rules of
-    ``specialize_impl`` in Triton 3.6 and 3.9, for tensors and scalars (not tuples or descriptors)."""
-    params = inspect.signature(fn.fn).parameters
-    values = {**{k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty},
-              **dict(zip(fn.arg_names, args)), **kwargs}
-    types: dict[str, str] = {}
-    constexprs: dict[tuple[int, ...], Any] = {}
-    attrs: dict[tuple[int, ...], list] = {}
-    for i, (p, name) in enumerate(zip(fn.params, fn.arg_names)):
-        value = values[name]
-        annotated = p.annotation_type if isinstance(p.annotation_type, str) else ""
-        specialize = not p.do_not_specialize and not (annotated == "u1" or annotated[:2] in ("fp", "bf"))
-        aligned = specialize and not p.do_not_specialize_on_alignment
-        if p.is_constexpr or value is None or (specialize and not annotated and type(value) is int and value == 1):
-            types[name], constexprs[(i,)] = "constexpr", value
-            continue
-        if hasattr(value, "data_ptr"):
-            types[name] = ("*k" if p.is_const else "*") + TRITON_TYPES[value.dtype]
-            divisible = aligned and value.data_ptr() % 16 == 0
-        else:
-            types[name] = "u1" if isinstance(value, bool) else _scalar_type(value)
-            divisible = aligned and type(value) is int and value % 16 == 0
-        types[name] = annotated or types[name]
-        if divisible:
-            attrs[(i,)] = backend.parse_attr("D")
-    return types, constexprs, attrs
-
-
-def _ast_source(call: KernelCall, target: Any, specialize: bool) -> tuple[Any, KernelSignature]:
-    from triton.compiler import ASTSource
-
-    sig = launch_signature(call, target) if specialize else kernel_signature(call)
-    return ASTSource(call.kernel, sig.types, constexprs=sig.constexprs, attrs=sig.attrs), sig
-
-
-def compile_call(call: KernelCall, target: Any, specialize: bool = True) -> Any:
-    """``triton.compile`` one launch for ``target`` (a ``GPUTarget``); returns the compiled kernel.
-
-    :param specialize: specialize on the argument values as a launch does (see
-        :func:`launch_signature`); ``False``: only on the types and constexprs.
-    """
-    import triton
-
-    source, sig = _ast_source(call, target, specialize)
-    return triton.compile(source, target=target, options=compile_options(sig))
-
-
-def compile_options(sig: KernelSignature) -> dict[str, Any]:
-    """``sig``'s launch options for ``triton.compile``, FP fusion among them (:func:`fp_fusion`)."""
-    return {**fp_fusion(), **sig.options}
-
-
-def fp_fusion() -> dict[str, bool]:
-    """``enable_fp_fusion`` as a launch on this Triton has it: the user's ``TRITON_DEFAULT_FP_FUSION``
-    where set, else Triton's default; nothing on a Triton without the knob. Passed explicitly, since
-    Triton 3.9 warns on every compile that leaves the choice to an unset variable (its default is to
-    change in 3.10), a warning a ``dlcore lower`` user did nothing to cause."""
-    import triton
-
-    language = getattr(getattr(triton, "knobs", None), "language", None)
-    fusion = getattr(language, "default_fp_fusion", None)
-    return {} if fusion is None else {"enable_fp_fusion": bool(fusion)}
-
 
 # --------------------------------------------------------------------------------------------
 # lowering one launch
@@ -303,7 +119,8 @@ def lower_with_triton(call: KernelCall, gpu_target: Any, target: str, passes: Pi
     :param passes: the pipeline whose IR passes run during the compile.
     :param stop_after: end the compile after this stage (the stages after it are not run).
     :param specialize: specialize on the argument values as a launch does (see
-        :func:`launch_signature`); ``False``: only on the types and constexprs.
+        :func:`~dlcore.compiler.signatures.launch_signature`); ``False``: only on the types and
+        constexprs.
     """
     import triton
     from triton import knobs
@@ -311,7 +128,7 @@ def lower_with_triton(call: KernelCall, gpu_target: Any, target: str, passes: Pi
     from dlcore.compiler import source, stages
 
     _require_compilable(call)
-    src, sig = _ast_source(call, gpu_target, specialize)
+    src, sig = ast_source(call, gpu_target, specialize)
     python = stages.StageOutput("python", source.source_of(call.kernel), 0.0)
     compiled, failure = None, None
     with knobs.compilation.scope(), stages.capturing(passes, stop_after) as capture:

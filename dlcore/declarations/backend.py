@@ -107,7 +107,7 @@ class Backend:
             before, see :func:`dlcore.compiler.rewrite.apply_launch_passes`).
         :param specialize: specialize the kernel on the argument values as a launch on the target
             would (16-byte aligned pointers, integers divisible by 16, integers equal to 1; see
-            :func:`dlcore.compiler.lowering.launch_signature`); ``False``: on types and constexprs only.
+            :func:`dlcore.compiler.signatures.launch_signature`); ``False``: on types and constexprs only.
         :raises LoweringError: the target is not this backend's, or the kernel cannot be compiled.
         :raises ToolchainMissingError: the pipeline stops where a compiler is not installed; its
             ``partial`` holds the stages reached.
