@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dlcore.cli.options import DTYPES, parse_sizes
@@ -47,13 +48,24 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_lower)
 
 
+@dataclass
+class _Tally:
+    """What a ``dlcore lower`` run gathers over its targets and launches."""
+
+    rows: list = field(default_factory=list)
+    failed: bool = False
+    #: the notes and the (missing tools, target) errors said once
+    said: set = field(default_factory=set)
+    #: launches that fell short of the stages asked for, and those declared unable to reach them
+    short: list = field(default_factory=list)
+    known: list = field(default_factory=list)
+    #: the stages of the targets' pipelines, in order
+    stages: dict[str, None] = field(default_factory=dict)
+
+
 def run_lower(args: argparse.Namespace) -> int:
-    from dlcore.bench.table import table
-    from dlcore.cachedir import write_text
-    from dlcore.compiler import report, source
     from dlcore.compiler.lowering import launches, parse_target, target_profile
     from dlcore.compiler.passes import pipeline
-    from dlcore.errors import LoweringError, ToolchainMissingError
     from dlcore.plugins.registry import registry
 
     if not args.name and not args.all:
@@ -65,10 +77,9 @@ def run_lower(args: argparse.Namespace) -> int:
     args.report = args.report or hint
     reg = registry()
     dtype = None if args.dtype is None else DTYPES[args.dtype]
-    rows, failed, said, short, known = [], False, set(), [], []
-    stages: dict[str, None] = {}  # the stages of the targets' pipelines, in order
+    tally = _Tally()
     for target in args.target or [DEFAULT_TARGET]:
-        backend_name, arch = parse_target(target)
+        backend_name, _ = parse_target(target)
         backend = reg.backends.get(backend_name)
         if backend is None:
             print(f"dlcore lower: no backend {backend_name!r} is installed (loaded: {', '.join(reg.backends)}); "
@@ -79,65 +90,87 @@ def run_lower(args: argparse.Namespace) -> int:
         todo, skipped = launches(reg, None if args.all else args.name, dtype, args.shape, target_profile(target),
                                  passes)
         for note in skipped:
-            if note not in said:
-                said.add(note)
+            if note not in tally.said:
+                tally.said.add(note)
                 print(f"skipped {note}", file=sys.stderr)
         progress = Progress(target, len(todo), quiet=not (args.report or args.dump))
         for launch in todo:
-            progress.show(f"{launch.name}/{source.kernel_name(launch.original)}")
-            notes = list(launch.notes) + ([] if args.specialize else ["not specialized (--no-specialize)"])
-            error = None
-            try:
-                # specialize= only when asked off: a backend written before the option still lowers
-                lowering = backend.lower(launch.call, target, passes,
-                                         **({} if args.specialize else {"specialize": False}))
-            except LoweringError as exc:
-                error, lowering = exc, exc.partial
-            if lowering is not None:
-                notes.extend(lowering.notes)
-            enough = _enough(lowering, error, args.stage)
-            missing = error.missing if isinstance(error, ToolchainMissingError) else ()
-            kernel = source.kernel_name(launch.original)
-            declared = _declared(reg, launch, backend_name, kernel, arch) if error is not None else None
-            if declared is not None:
-                notes.append(f"declared: stops before {declared.stage} on {declared.backend}: {declared.reason}")
-            if not enough and declared is not None:
-                # a kernel its implementation declares it cannot lower (`dlcore ops` says why): named, no failure
-                known.append(f"{launch.name}/{kernel} ({target})")
-            elif not enough:
-                failed = True
-                short.append((f"{launch.name}/{kernel} ({target})", missing, target))
-            if error is not None:
-                # a missing tool that stops every kernel after the stages asked for is no failure: said once
-                if not enough or (missing, target) not in said:
-                    progress.clear()
-                    print(f"dlcore lower: {launch.name}: {error}", file=sys.stderr)
-                    said.add((missing, target))
-                notes.append(f"needs {', '.join(missing)}" if missing else f"stopped: {str(error).splitlines()[0]}")
-                if lowering is None:
-                    continue
-            if args.dump is not None:
-                progress.clear()  # the folder's line goes to stdout, on the same terminal
-                _write(lowering, args.dump, args.stage, _folder_suffix(launch))
-            elif not args.report:
-                _print(lowering, launch, notes, passes.names, args.stage)
-            rows.append(report.row(lowering, launch.name, str(launch.dtype).removeprefix("torch."), notes))
-            stages.update(dict.fromkeys(lowering.planned))
+            _lower_launch(args, reg, backend, target, passes, launch, progress, tally)
         progress.clear()
+    _summarise(args, tally, hint)
+    return 1 if tally.failed else 0
+
+
+def _lower_launch(args: argparse.Namespace, reg, backend, target: str, passes, launch, progress: Progress,
+                  tally: _Tally) -> None:
+    """Lower one launch for ``target``: its IR printed or written, its report row and any shortfall
+    added to ``tally``."""
+    from dlcore.compiler import report, source
+    from dlcore.compiler.lowering import parse_target
+    from dlcore.errors import LoweringError, ToolchainMissingError
+
+    backend_name, arch = parse_target(target)
+    progress.show(f"{launch.name}/{source.kernel_name(launch.original)}")
+    notes = list(launch.notes) + ([] if args.specialize else ["not specialized (--no-specialize)"])
+    error = None
+    try:
+        # specialize= only when asked off: a backend written before the option still lowers
+        lowering = backend.lower(launch.call, target, passes, **({} if args.specialize else {"specialize": False}))
+    except LoweringError as exc:
+        error, lowering = exc, exc.partial
+    if lowering is not None:
+        notes.extend(lowering.notes)
+    enough = _enough(lowering, error, args.stage)
+    missing = error.missing if isinstance(error, ToolchainMissingError) else ()
+    kernel = source.kernel_name(launch.original)
+    declared = _declared(reg, launch, backend_name, kernel, arch) if error is not None else None
+    if declared is not None:
+        notes.append(f"declared: stops before {declared.stage} on {declared.backend}: {declared.reason}")
+    if not enough and declared is not None:
+        # a kernel its implementation declares it cannot lower (`dlcore ops` says why): named, no failure
+        tally.known.append(f"{launch.name}/{kernel} ({target})")
+    elif not enough:
+        tally.failed = True
+        tally.short.append((f"{launch.name}/{kernel} ({target})", missing, target))
+    if error is not None:
+        # a missing tool that stops every kernel after the stages asked for is no failure: said once
+        if not enough or (missing, target) not in tally.said:
+            progress.clear()
+            print(f"dlcore lower: {launch.name}: {error}", file=sys.stderr)
+            tally.said.add((missing, target))
+        notes.append(f"needs {', '.join(missing)}" if missing else f"stopped: {str(error).splitlines()[0]}")
+        if lowering is None:
+            return
+    if args.dump is not None:
+        progress.clear()  # the folder's line goes to stdout, on the same terminal
+        _write(lowering, args.dump, args.stage, _folder_suffix(launch))
+    elif not args.report:
+        _print(lowering, launch, notes, passes.names, args.stage)
+    tally.rows.append(report.row(lowering, launch.name, str(launch.dtype).removeprefix("torch."), notes))
+    tally.stages.update(dict.fromkeys(lowering.planned))
+
+
+def _summarise(args: argparse.Namespace, tally: _Tally, hint: bool) -> None:
+    """The report (and its portability page), then on stderr where to find the IR and which kernels
+    did not get as far as asked."""
+    from dlcore.bench.table import table
+    from dlcore.cachedir import write_text
+    from dlcore.compiler import report
+
     if args.report:
-        print(table(rows, report.HEADER))
+        print(table(tally.rows, report.HEADER))
         if args.markdown is not None:
-            write_text(args.markdown, report.portability_page(rows, args.target or [DEFAULT_TARGET], _command(args)))
+            write_text(args.markdown, report.portability_page(tally.rows, args.target or [DEFAULT_TARGET],
+                                                              _command(args)))
     if hint:
-        print(f"dlcore lower: the IR itself: --stage {'|'.join(stages) or 'STAGE'} (repeatable), or --dump DIR "
+        print(f"dlcore lower: the IR itself: --stage {'|'.join(tally.stages) or 'STAGE'} (repeatable), or --dump DIR "
               "for every stage", file=sys.stderr)
-    if args.stage and known:
-        print(f"dlcore lower: {len(known)} kernels declared unable to reach {', '.join(args.stage)} "
-              f"(see `dlcore ops`): {', '.join(known)}", file=sys.stderr)
-    if short:
+    if args.stage and tally.known:
+        print(f"dlcore lower: {len(tally.known)} kernels declared unable to reach {', '.join(args.stage)} "
+              f"(see `dlcore ops`): {', '.join(tally.known)}", file=sys.stderr)
+    if tally.short:
         goal = f"reach {', '.join(args.stage)}" if args.stage else "finish their pipeline"
-        print(f"dlcore lower: {len(short)} kernels did not {goal}: {_shortfall(short)}", file=sys.stderr)
-    return 1 if failed else 0
+        print(f"dlcore lower: {len(tally.short)} kernels did not {goal}: {_shortfall(tally.short)}", file=sys.stderr)
 
 
 class Progress:
