@@ -66,8 +66,7 @@ def test_why_not_replayable_names_an_undeclared_tensor():
     assert "shares memory" in replay.why_not_replayable((x,), shared)
 
 
-def test_an_unreplayed_plan_warns_once(monkeypatch):
-    monkeypatch.setattr(replay, "_not_replayed", set())
+def test_an_unreplayed_plan_warns_once():
     x, out, stray = torch.ones(4), torch.empty(4), torch.empty(8)
     plan = LaunchPlan(calls=[KernelCall(_kernel, (1,), (x, stray, out), {})], result=out)
     with pytest.warns(replay.NotReplayedWarning, match="each call plans again: launch 0"):
@@ -77,10 +76,9 @@ def test_an_unreplayed_plan_warns_once(monkeypatch):
         replay._warn_not_replayed(_kernel, (x,), plan)
 
 
-def test_a_plan_that_makes_an_input_contiguous_does_not_warn(monkeypatch):
+def test_a_plan_that_makes_an_input_contiguous_does_not_warn():
     # An expanded gradient (sum().backward()) made contiguous by the plan: not recorded for that
     # input, rightly, and nothing the plan's author could declare; a stray tensor still warns.
-    monkeypatch.setattr(replay, "_not_replayed", set())
     grad = torch.ones(()).expand(2, 3)
     copy, out = grad.reshape(6).contiguous(), torch.empty(6)
     plan = LaunchPlan(calls=[KernelCall(_kernel, (1,), (copy, out), {})], result=out)
@@ -93,10 +91,8 @@ def test_a_plan_that_makes_an_input_contiguous_does_not_warn(monkeypatch):
         replay._warn_not_replayed(_kernel, (grad,), stray)
 
 
-def test_a_custom_op_body_is_named_by_its_plan(monkeypatch):
+def test_a_custom_op_body_is_named_by_its_plan():
     from dlcore.runtime.torch_ops import Launches
-
-    monkeypatch.setattr(replay, "_not_replayed", set())
 
     def ffn_like_plan(args, config):
         raise AssertionError("not called")

@@ -415,6 +415,14 @@ def programs_for(call: KernelCall, profile: DeviceProfile) -> int:
 refusals: dict[str, str] = {}
 
 
+def clear() -> None:
+    """Forget the folded kernels and the refusals (``dlcore.reset()``): each is made again when next
+    launched."""
+    with _lock:
+        _folded.clear()
+    refusals.clear()
+
+
 def fold_launch(call: KernelCall, profile: DeviceProfile) -> KernelCall | None:
     """The ``grid_folding`` launch pass: fold a grid larger than the device holds at once."""
     programs = programs_for(call, profile)

@@ -205,6 +205,12 @@ def _current() -> _Cache:
     return _cache
 
 
+def clear() -> None:
+    """Forget the passes and pipelines derived from the registry (``dlcore.reset()``)."""
+    global _cache
+    _cache = _Cache()
+
+
 def registered() -> list[Pass]:
     """Every pass the loaded plugins provide, validated once per registry."""
     return _current().passes

@@ -83,6 +83,12 @@ _rewrites: dict[tuple, tuple[Any, Any]] = {}
 _lock = threading.Lock()
 
 
+def clear() -> None:
+    """Forget the rewritten kernels (``dlcore.reset()``): each is rewritten again when next asked for."""
+    with _lock:
+        _rewrites.clear()
+
+
 def _rewrite(kernel: Any, ast_passes: tuple[Pass, ...]) -> Any:
     tree = source.syntax_tree(kernel)
     changed = []

@@ -259,6 +259,11 @@ def find(toolchain: Toolchain, name: str) -> Found | None:
 _checked: dict[tuple[str, int, int], Health] = {}
 
 
+def clear() -> None:
+    """Forget the probe results (``dlcore.reset()``): each tool is run again when next checked."""
+    _checked.clear()
+
+
 def check(found: Found) -> Health:
     """Run the tool's probe (once per file and process) and say whether it answered as the tool."""
     probe = found.tool.probe

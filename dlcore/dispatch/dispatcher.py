@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from dlcore.compiler import folding, passes, rewrite, toolchain
 from dlcore.compiler.passes import default_pipeline
 from dlcore.compiler.rewrite import launch_transform
 from dlcore.declarations.backend import Backend
@@ -31,6 +32,7 @@ from dlcore.dispatch.store import CacheWarning, DiskCache, make_record
 from dlcore.errors import InvalidCallError, InvalidOptionError, NoKernelError, UnknownImplementationError
 from dlcore.plugins.registry import Registry, registry
 from dlcore.plugins.registry import reset as reset_registry
+from dlcore.runtime import launch, replay, shelf, template, torch_ops
 from dlcore.tuning.policy import Tune, TunePolicy, resolve, satisfies
 from dlcore.tuning.selection import How, Selection, select, without_measuring
 from dlcore.tuning.strategy import Evaluation, SearchResult
@@ -406,11 +408,18 @@ def get_op(name: str, args: tuple | list, kwargs: dict[str, Any] | None = None, 
 
 
 def reset() -> None:
-    """Forget the plugins and every choice of the default dispatcher: the next ``get_op``
-    rediscovers everything and reads the disk store (of ``DLCORE_CACHE_DIR`` then) anew."""
+    """Forget the plugins, every choice of the default dispatcher and everything the process
+    remembered besides: the next ``get_op`` rediscovers everything and reads the disk store (of
+    ``DLCORE_CACHE_DIR`` then) anew, every warning given once warns again, and what was derived
+    once (kernels' configs and recorded launches, compiled-kernel entries, the Triton installation's
+    stamp, rewritten and folded kernels, toolchain probes, pass pipelines) is derived again. The
+    custom ops stay registered with torch, and the compiler-stages hook installed, as long as the
+    process."""
     global _default
     if _default is not None:
         _default.clear()
     _default = None
     _warned_fallback.clear()
+    for module in (template, torch_ops, replay, launch, shelf, rewrite, folding, toolchain, passes):
+        module.clear()
     reset_registry()

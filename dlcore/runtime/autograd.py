@@ -41,7 +41,9 @@ class SecondOrderOnly(torch.autograd.Function):
             f"{ctx.users} in torch (its op's reference)")
 
 
-#: every backward op defined in this process, for the ops :class:`NoDoubleBackwardError` lists
+#: every backward op defined in this process, for the ops :class:`NoDoubleBackwardError` lists. Not
+#: cleared by ``dlcore.reset()``: it mirrors the custom ops registered with torch, which last as long
+#: as the process
 _BACKWARDS: list[BackwardOp] = []
 
 

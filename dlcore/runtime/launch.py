@@ -181,6 +181,12 @@ def entry(kernel: Any) -> KernelEntry | None:
     return found
 
 
+def clear() -> None:
+    """Forget every kernel's entry (``dlcore.reset()``): the next launch of each finds its compiled
+    specializations again, on the shelf or through Triton."""
+    _entries.clear()
+
+
 def launch(call: KernelCall) -> None:
     """Launch ``call``: directly through its compiled kernel when this specialization ran before."""
     found = entry(call.kernel)

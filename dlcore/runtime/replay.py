@@ -286,7 +286,13 @@ class NotReplayedWarning(UserWarning):
     the host. Once per plan; a fault of the plan's declaration, for its author."""
 
 
+#: the plans already warned about (NotReplayedWarning), by name; :func:`clear` forgets them
 _not_replayed: set[str] = set()
+
+
+def clear() -> None:
+    """Forget which plans were warned about, so that each warns again (``dlcore.reset()``)."""
+    _not_replayed.clear()
 
 
 def _warn_not_replayed(plan_fn: Callable[..., Any], args: tuple, plan: LaunchPlan) -> None:

@@ -54,6 +54,13 @@ def stamp() -> str:
     return _stamp
 
 
+def clear() -> None:
+    """Forget the installation's stamp (``dlcore.reset()``): the next one reads the installation and
+    the ``TRITON_*`` variables again."""
+    global _stamp
+    _stamp = None
+
+
 def shelf_name(kernel: Any, key: tuple, kwargs: dict[str, Any]) -> str | None:
     """The shelf's name for a specialization, or None when it is not shelved: a stages hook or a
     JIT cache hook installed, compilation forced or dumped, or a constexpr of no plain type."""

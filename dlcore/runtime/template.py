@@ -63,6 +63,7 @@ known and every limit 0, and a limit of 0 bounds nothing.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
@@ -155,6 +156,7 @@ class Kernel:
         )
         self.function = PublicFunction(op, self.implementation, self.call_custom_op, first=self.first,
                                        differentiable=self.autograd is not None, module=plan.__module__)
+        _kernels.add(self)
 
     def _shown_at(self, position: Mapping[str, int]) -> int | None:
         """The position of ``Residuals.shown_by`` among the op's arguments, if it names one."""
@@ -256,8 +258,27 @@ class Kernel:
     def dlcore_implementations(self) -> list[CustomOpTritonImplementation]:
         return [self.implementation]
 
+    def clear(self) -> None:
+        """Forget what its calls remembered: the public function's heuristic configs and the
+        recorded launches of its custom op and of the backward op it declares."""
+        self.function.configs.clear()
+        self.launches.clear()
+        if self.backward is not None:
+            self.backward.launches.clear()
+
     def __repr__(self) -> str:
         return f"<Kernel {self.op.name}: {self.custom_op}>"
+
+
+#: every kernel made in this process (not kept alive by this set), for :func:`clear`
+_kernels: weakref.WeakSet[Kernel] = weakref.WeakSet()
+
+
+def clear() -> None:
+    """Forget what every kernel's calls remembered (``dlcore.reset()``; :meth:`Kernel.clear`). The
+    custom ops stay registered with torch, as long as the process."""
+    for kernel in list(_kernels):
+        kernel.clear()
 
 
 def define_kernel(

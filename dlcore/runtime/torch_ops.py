@@ -82,6 +82,13 @@ def warn_no_gradient(op: str, arg: str) -> None:
     )
 
 
+def clear() -> None:
+    """Forget which implementations and arguments were warned about, so that each warns again
+    (``dlcore.reset()``)."""
+    _warned_forward_only.clear()
+    _warned_no_gradient.clear()
+
+
 def needs_autograd(args: Sequence[Any]) -> bool:
     """True when a call must go through its custom op: while ``torch.compile`` traces, or when grad
     mode is on and a tensor argument requires grad."""
@@ -157,6 +164,10 @@ class Launches:
 
         # Named after ``plan``, so that what a replay reports (NotReplayedWarning) names the kernel's plan.
         self.planned = functools.wraps(plan)(planned)
+
+    def clear(self) -> None:
+        """Forget every recording: each exact input plans again on its next call."""
+        self.replays.clear()
 
     def run(self, args: tuple, ints: tuple) -> Any:
         replay = self.replays.get(ints)

@@ -15,7 +15,7 @@ from dlcore.declarations.op import Op, TensorArg
 from dlcore.declarations.signature import cdiv
 from dlcore.runtime.runner import runner
 from dlcore.runtime.template import define_kernel
-from dlcore.runtime.torch_ops import ForwardOnlyWarning, _warned_forward_only
+from dlcore.runtime.torch_ops import ForwardOnlyWarning
 
 
 @triton.jit
@@ -35,13 +35,6 @@ OP = Op("double_fwd_only", args=(TensorArg("x", (torch.float32,), layouts=("cont
         reference=lambda x: x * 2, doc="2 * x")
 KERNEL = define_kernel(OP, _plan, kernels=(_double,), namespace="dlc_forward_only_test",
                        results=lambda x: torch.empty_like(x), default_config=lambda signature, profile: {})
-
-
-@pytest.fixture(autouse=True)
-def warn_anew():
-    _warned_forward_only.clear()
-    yield
-    _warned_forward_only.clear()
 
 
 def forward_only_warnings(call, x: torch.Tensor) -> list[str]:
