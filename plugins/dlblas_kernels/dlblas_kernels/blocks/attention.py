@@ -65,97 +65,14 @@ import torch
 import triton
 import triton.language as tl
 
+from dlblas_kernels.blocks.attention_rotary import load_rows, pair_sources, rotated_pairs, rotated_tiles
 from dlblas_kernels.blocks.gemm import TMA_ALIGNMENT, TMA_ARCHS, fit_stages
 from dlblas_kernels.blocks.npu import on_npu
-from dlblas_kernels.blocks.rotary import rotate_pairs
 from dlcore.api import Config, DeviceProfile, KernelCall, cdiv, ensure_allocator, next_power_of_2
 
 LOG2E = 1.4426950408889634
 #: tl.dot's smallest reduction: narrower heads (and pair halves) are padded to it
 MIN_DOT_K = 16
-
-
-@triton.jit
-def _load_rows(base, rows, row_mask, cols, col_mask, stride_row, stride_col):
-    """The ``[len(rows), len(cols)]`` tile at ``base``, masked-off elements 0."""
-    return tl.load(base + rows[:, None] * stride_row + cols[None, :] * stride_col,
-                   mask=row_mask[:, None] & col_mask[None, :], other=0.0)
-
-
-@triton.jit
-def _load_pairs(base, rows, row_mask, p, stride_row, stride_col, HEAD_DIM: tl.constexpr,
-                INTERLEAVED: tl.constexpr):
-    """The two halves ``(a, b)`` of the rotary pairs of each row: columns ``(p, p + D/2)``, or
-    ``(2p, 2p + 1)`` when INTERLEAVED, for ``p < D/2`` (beyond: 0)."""
-    p_mask = p < HEAD_DIM // 2
-    if INTERLEAVED:
-        a = _load_rows(base, rows, row_mask, 2 * p, p_mask, stride_row, stride_col)
-        b = _load_rows(base, rows, row_mask, 2 * p + 1, p_mask, stride_row, stride_col)
-    else:
-        a = _load_rows(base, rows, row_mask, p, p_mask, stride_row, stride_col)
-        b = _load_rows(base, rows, row_mask, p + HEAD_DIM // 2, p_mask, stride_row, stride_col)
-    return a, b
-
-
-@triton.jit
-def _rotated_pairs(base, rows, row_mask, positions, cos_base, sin_base, p,
-                   stride_row, stride_col, stride_cos_s, stride_cos_d, stride_sin_s, stride_sin_d,
-                   HEAD_DIM: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """The pair halves of rows ``rows`` rotated by the table rows ``positions``, in the input dtype."""
-    a, b = _load_pairs(base, rows, row_mask, p, stride_row, stride_col, HEAD_DIM, INTERLEAVED)
-    # Query rows before the first position (Sq > Sk) have no table row: they rotate to 0.
-    table_mask = row_mask & (positions >= 0)
-    cos_a, cos_b = _load_pairs(cos_base, positions, table_mask, p, stride_cos_s, stride_cos_d, HEAD_DIM, INTERLEAVED)
-    sin_a, sin_b = _load_pairs(sin_base, positions, table_mask, p, stride_sin_s, stride_sin_d, HEAD_DIM, INTERLEAVED)
-    out_a, out_b = rotate_pairs(a.to(tl.float32), b.to(tl.float32), cos_a.to(tl.float32), cos_b.to(tl.float32),
-                                sin_a.to(tl.float32), sin_b.to(tl.float32), False)
-    return out_a.to(a.dtype), out_b.to(a.dtype)
-
-
-@triton.jit
-def _pair_sources(base, n_rows, stride_row, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """Tensor descriptors of the rotary pair halves of ``[n_rows, HEAD_DIM]`` rows (unit column
-    stride) at ``base``: rotate-half, one per half (columns ``[0, D/2)`` and ``[D/2, D)``, each a
-    ``[BLOCK_R, BLOCK_P]`` block, zero past the half); interleaved, the whole row twice (the halves
-    are split after the load)."""
-    if INTERLEAVED:
-        whole = tl.make_tensor_descriptor(base, shape=[n_rows, HEAD_DIM], strides=[stride_row, 1],
-                                          block_shape=[BLOCK_R, BLOCK_D])
-        return whole, whole
-    else:
-        first = tl.make_tensor_descriptor(base, shape=[n_rows, HEAD_DIM // 2], strides=[stride_row, 1],
-                                          block_shape=[BLOCK_R, BLOCK_P])
-        second = tl.make_tensor_descriptor(base + HEAD_DIM // 2, shape=[n_rows, HEAD_DIM // 2],
-                                           strides=[stride_row, 1], block_shape=[BLOCK_R, BLOCK_P])
-        return first, second
-
-
-@triton.jit
-def _tile_pairs(first, second, row, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """The pair halves ``(a, b)`` of rows ``row ... row + BLOCK_R`` from :func:`_pair_sources`'s
-    descriptors (zero past the end of the rows): two loads, or one whole-row load split into its
-    even and odd lanes."""
-    if INTERLEAVED:
-        whole = first.load([row, 0])
-        a, b = tl.split(tl.reshape(whole, [BLOCK_R, BLOCK_P, 2]))
-    else:
-        a = first.load([row, 0])
-        b = second.load([row, 0])
-    return a, b
-
-
-@triton.jit
-def _rotated_tiles(x_first, x_second, cos_first, cos_second, sin_first, sin_second, row, position,
-                   BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, INTERLEAVED: tl.constexpr):
-    """:func:`_rotated_pairs` through descriptors: the pair halves of rows ``row ...`` rotated by the
-    table rows ``position ...`` (not negative), in the input dtype (rows past the end are 0)."""
-    a, b = _tile_pairs(x_first, x_second, row, BLOCK_R, BLOCK_P, INTERLEAVED)
-    cos_a, cos_b = _tile_pairs(cos_first, cos_second, position, BLOCK_R, BLOCK_P, INTERLEAVED)
-    sin_a, sin_b = _tile_pairs(sin_first, sin_second, position, BLOCK_R, BLOCK_P, INTERLEAVED)
-    out_a, out_b = rotate_pairs(a.to(tl.float32), b.to(tl.float32), cos_a.to(tl.float32), cos_b.to(tl.float32),
-                                sin_a.to(tl.float32), sin_b.to(tl.float32), False)
-    return out_a.to(a.dtype), out_b.to(a.dtype)
 
 
 @triton.jit
@@ -172,7 +89,7 @@ def _attend(acc, l_i, m_i, q, q_b, start, end,
     updated, ``m`` in base 2. MASKED: scores of keys past SK (PADDED: of keys outside ``[kv_lo,
     kv_hi)``), and with CAUSAL of keys past the diagonal (key ``j`` > row ``i + diagonal``), are
     -inf; otherwise every score counts. With TMA
-    the ``*_src`` are tensor descriptors (:func:`_pair_sources` for the rotary ones: ``k_src2``,
+    the ``*_src`` are tensor descriptors (:func:`pair_sources` for the rotary ones: ``k_src2``,
     ``cos_src2``, ``sin_src2`` the second pair halves), otherwise base pointers. WARP_SPECIALIZE:
     the loop warp-specialised (a producer partition for the copies, two consumer warpgroups)."""
     d_mask = offs_d < HEAD_DIM
@@ -185,10 +102,10 @@ def _attend(acc, l_i, m_i, q, q_b, start, end,
             key_mask = keys < SK
         if ROTARY:
             if TMA:
-                k_a, k_b = _rotated_tiles(k_src, k_src2, cos_src, cos_src2, sin_src, sin_src2, n, n,
+                k_a, k_b = rotated_tiles(k_src, k_src2, cos_src, cos_src2, sin_src, sin_src2, n, n,
                                           BLOCK_N, BLOCK_P, INTERLEAVED)
             else:
-                k_a, k_b = _rotated_pairs(k_src, keys, key_mask, keys, cos_src, sin_src, p, stride_ks, stride_kd,
+                k_a, k_b = rotated_pairs(k_src, keys, key_mask, keys, cos_src, sin_src, p, stride_ks, stride_kd,
                                           stride_cos_s, stride_cos_d, stride_sin_s, stride_sin_d, HEAD_DIM,
                                           INTERLEAVED)
             s = tl.dot(q, tl.trans(k_a), input_precision=INPUT_PRECISION)
@@ -197,7 +114,7 @@ def _attend(acc, l_i, m_i, q, q_b, start, end,
             if TMA:
                 k = k_src.load([n, 0])
             else:
-                k = _load_rows(k_src, keys, key_mask, offs_d, d_mask, stride_ks, stride_kd)
+                k = load_rows(k_src, keys, key_mask, offs_d, d_mask, stride_ks, stride_kd)
             s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         if MASKED:
             keep = key_mask[None, :]
@@ -219,7 +136,7 @@ def _attend(acc, l_i, m_i, q, q_b, start, end,
         if TMA:
             v = v_src.load([n, 0])
         else:
-            v = _load_rows(v_src, keys, key_mask, offs_d, d_mask, stride_vs, stride_vd)
+            v = load_rows(v_src, keys, key_mask, offs_d, d_mask, stride_vs, stride_vd)
         acc = tl.dot(prob.to(v.dtype), v, acc, input_precision=INPUT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -289,7 +206,7 @@ def attention_forward_kernel(
     cos_base = cos_ptr + b * stride_cos_b
     sin_base = sin_ptr + b * stride_sin_b
     if ROTARY:
-        q, q_b = _rotated_pairs(q_base, offs_m, row_mask, offs_m + diagonal, cos_base, sin_base, p,
+        q, q_b = rotated_pairs(q_base, offs_m, row_mask, offs_m + diagonal, cos_base, sin_base, p,
                                 stride_qs, stride_qd, stride_cos_s, stride_cos_d, stride_sin_s, stride_sin_d,
                                 HEAD_DIM, INTERLEAVED)
     else:
@@ -299,13 +216,13 @@ def attention_forward_kernel(
                                                block_shape=[BLOCK_M, BLOCK_D])
             q = q_desc.load([m0, 0])
         else:
-            q = _load_rows(q_base, offs_m, row_mask, offs_d, offs_d < HEAD_DIM, stride_qs, stride_qd)
+            q = load_rows(q_base, offs_m, row_mask, offs_d, offs_d < HEAD_DIM, stride_qs, stride_qd)
     if TMA:
         if ROTARY:
-            k_src, k_src2 = _pair_sources(k_base, SK, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_P, INTERLEAVED)
-            cos_src, cos_src2 = _pair_sources(cos_base, SK, stride_cos_s, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_P,
+            k_src, k_src2 = pair_sources(k_base, SK, stride_ks, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_P, INTERLEAVED)
+            cos_src, cos_src2 = pair_sources(cos_base, SK, stride_cos_s, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_P,
                                               INTERLEAVED)
-            sin_src, sin_src2 = _pair_sources(sin_base, SK, stride_sin_s, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_P,
+            sin_src, sin_src2 = pair_sources(sin_base, SK, stride_sin_s, HEAD_DIM, BLOCK_N, BLOCK_D, BLOCK_P,
                                               INTERLEAVED)
         else:
             k_src = tl.make_tensor_descriptor(k_base, shape=[SK, HEAD_DIM], strides=[stride_ks, 1],
