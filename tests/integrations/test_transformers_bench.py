@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from dlblas_kernels.integrations.transformers import bench  # noqa: E402
+from dlblas_kernels.integrations.transformers import bench, bench_phases  # noqa: E402
 
 from dlcore.cli import main as dlcore_main  # noqa: E402
 
@@ -56,7 +56,7 @@ def test_a_failing_phase_is_recorded_and_the_run_goes_on(monkeypatch, tmp_path):
     def broken(model, settings):
         raise RuntimeError("prefill broke\nsecond line")
 
-    monkeypatch.setattr(bench, "prefill_phase", broken)
+    monkeypatch.setattr(bench_phases, "prefill_phase", broken)
     assert bench.main([*TINY, "--columns", "eager", "--out", str(tmp_path)]) == 0
     (column,) = json.loads((tmp_path / "tiny-llama.json").read_text())["columns"]
     assert column["status"] == "partial"
@@ -110,7 +110,7 @@ def test_the_performance_page_renders_the_tables_and_the_targets(report, tmp_pat
 def test_a_decode_that_does_not_use_the_cache_is_a_failure(monkeypatch, tmp_path):
     """A forward that drops the cache argument (one under another name) would time decoding against
     nothing: the decode phases fail instead of reporting numbers."""
-    monkeypatch.setattr(bench, "cache_keyword", lambda model: "kv_cache_under_another_name")
+    monkeypatch.setattr(bench_phases, "cache_keyword", lambda model: "kv_cache_under_another_name")
     bench.main([*TINY, "--columns", "eager", "--phases", "decode", "--out", str(tmp_path)])
     (column,) = json.loads((tmp_path / "tiny-llama.json").read_text())["columns"]
     assert column["status"] == "failed"

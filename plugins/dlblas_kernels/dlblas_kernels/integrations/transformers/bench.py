@@ -30,7 +30,9 @@ Times are CUDA events around each run (``time.perf_counter`` on a CPU), after ``
 runs (where ``torch.compile`` compiles and dlcore selects its kernels); a phase's time is the median
 of ``--iters`` runs. Progress goes to stderr; each preset's JSON is written to ``--out`` after every
 column, so a run stopped early keeps what it measured. ``docs/results/render.py`` renders the JSON
-of ``docs/results/e2e/`` into docs/performance.md.
+of ``docs/results/e2e/`` into docs/performance.md. The presets and columns are
+:mod:`~dlblas_kernels.integrations.transformers.bench_presets`'s, the phases and their timing
+:mod:`~dlblas_kernels.integrations.transformers.bench_phases`'s; this module runs them and reports.
 """
 
 from __future__ import annotations
@@ -38,23 +40,32 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import enum
-import gc
 import importlib
-import inspect
 import json
 import os
 import shlex
-import statistics
 import sys
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from dlblas_kernels.integrations.transformers.bench_phases import Settings, phase_names, release, run_phase
+from dlblas_kernels.integrations.transformers.bench_presets import (
+    COLUMN_NAMES,
+    COLUMNS,
+    DEFAULT_PRESETS,
+    LIGER_FUNCTIONS,
+    PHASES,
+    PRESETS,
+    Column,
+    ModelPreset,
+    Patch,
+    dlcore_apply,
+    unavailable,
+)
 from dlcore.api import first_line, table, versions
 
 #: where the command writes its JSON by default (from the repository's root)
@@ -63,330 +74,6 @@ DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.floa
           "fp32": torch.float32, "float32": torch.float32}
 #: the lines of a failure's traceback kept in the JSON
 TRACEBACK_LINES = 12
-
-
-# -- presets ------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelPreset:
-    """A model's configuration: its transformers ``model_type`` and the fields of its config.json that
-    shape it (any number of decoder layers is built from it)."""
-
-    name: str
-    model_type: str
-    #: the checkpoint whose config.json this is
-    source: str
-    config: dict[str, Any]
-
-    @property
-    def moe(self) -> bool:
-        return "num_experts" in self.config or "num_local_experts" in self.config
-
-    def build_config(self, layers: int) -> Any:
-        from transformers import AutoConfig
-
-        return AutoConfig.for_model(self.model_type, num_hidden_layers=layers, **self.config)
-
-    def modeling_module(self) -> str:
-        return f"transformers.models.{self.model_type}.modeling_{self.model_type}"
-
-
-PRESETS: dict[str, ModelPreset] = {p.name: p for p in (
-    ModelPreset("llama3-8b", "llama", "meta-llama/Meta-Llama-3-8B", {
-        "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_key_value_heads": 8,
-        "vocab_size": 128256, "max_position_embeddings": 8192, "rms_norm_eps": 1e-5,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}, "tie_word_embeddings": False}),
-    ModelPreset("qwen3-30b-a3b", "qwen3_moe", "Qwen/Qwen3-30B-A3B", {
-        "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
-        "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
-        "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0}, "tie_word_embeddings": False}),
-    # The same code path at sizes a CPU runs in seconds (Triton's interpreter included): for checking
-    # an installation and for the tests, never for numbers.
-    ModelPreset("tiny-llama", "llama", "(a tiny LLaMA for checks)", {
-        "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "vocab_size": 128, "max_position_embeddings": 256, "tie_word_embeddings": False}),
-    ModelPreset("tiny-qwen3-moe", "qwen3_moe", "(a tiny Qwen3-MoE for checks)", {
-        "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32, "num_experts": 4,
-        "num_experts_per_tok": 2, "norm_topk_prob": True, "mlp_only_layers": [], "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 128, "max_position_embeddings": 256,
-        "tie_word_embeddings": False}),
-)}
-DEFAULT_PRESETS = ("llama3-8b", "qwen3-30b-a3b")
-
-
-# -- columns ------------------------------------------------------------------------------------------------
-
-
-class Patch(str, enum.Enum):
-    """What is done to a built model: nothing, Liger-Kernel's patch, or dlcore's."""
-
-    NONE = "none"
-    LIGER = "liger"
-    DLCORE = "dlcore"
-
-
-#: model_type -> Liger-Kernel's function patching a built model of the family
-LIGER_FUNCTIONS = {"llama": "apply_liger_kernel_to_llama", "mistral": "apply_liger_kernel_to_mistral",
-                   "mixtral": "apply_liger_kernel_to_mixtral", "qwen2": "apply_liger_kernel_to_qwen2",
-                   "qwen3": "apply_liger_kernel_to_qwen3", "qwen3_moe": "apply_liger_kernel_to_qwen3_moe"}
-#: where ``apply`` lives (imported when a dlcore column runs)
-INTEGRATION = "dlblas_kernels.integrations.transformers"
-
-
-@dataclass(frozen=True)
-class Column:
-    """One way of running the model. ``experts``: the MoE ``experts_implementation`` it is built with
-    (None: transformers' default)."""
-
-    name: str
-    description: str
-    experts: str | None = "eager"
-    patch: Patch = Patch.NONE
-    compiled: bool = False
-    moe_only: bool = False
-
-
-COLUMNS: tuple[Column, ...] = (
-    Column("eager", "transformers as built: SDPA attention, MoE experts as the per-expert loop"),
-    Column("compile", "torch.compile of the model as transformers builds it by default (SDPA; MoE experts "
-           "grouped_mm where torch has it)", experts=None, compiled=True),
-    Column("liger", "Liger-Kernel's apply_liger_kernel_to_<family>(model=...) on the eager model",
-           patch=Patch.LIGER),
-    Column("grouped_mm", "transformers' grouped_mm experts (torch._grouped_mm), SDPA attention",
-           experts="grouped_mm", moe_only=True),
-    Column("dlcore", "dlblas_kernels.integrations.transformers.apply(model) on the eager model",
-           patch=Patch.DLCORE),
-    Column("dlcore+compile", "apply(model), then torch.compile", patch=Patch.DLCORE, compiled=True),
-)
-COLUMN_NAMES = tuple(c.name for c in COLUMNS)
-PHASES = ("train", "prefill", "decode")
-
-
-def dlcore_apply() -> Callable[..., Any] | None:
-    """The integration's ``apply``, or None where it is not there (yet)."""
-    try:
-        module = importlib.import_module(INTEGRATION)
-    except ImportError:
-        return None
-    return getattr(module, "apply", None)
-
-
-def unavailable(column: Column, preset: ModelPreset) -> str | None:
-    """Why ``column`` cannot run ``preset`` here, or None."""
-    if column.moe_only and not preset.moe:
-        return f"{preset.name} has no experts"
-    if column.patch == Patch.LIGER:
-        if preset.model_type not in LIGER_FUNCTIONS:
-            return f"Liger-Kernel has no apply_liger_kernel_to_* for {preset.model_type}"
-        try:
-            liger = importlib.import_module("liger_kernel.transformers")
-        except ImportError as exc:
-            return f"Liger-Kernel is not installed ({first_line(exc)}): pip install liger-kernel"
-        if not hasattr(liger, LIGER_FUNCTIONS[preset.model_type]):
-            return f"this Liger-Kernel has no {LIGER_FUNCTIONS[preset.model_type]}"
-    if column.patch == Patch.DLCORE and dlcore_apply() is None:
-        return f"{INTEGRATION}.apply is not available in this installation"
-    return None
-
-
-# -- settings and timing ------------------------------------------------------------------------------------
-
-
-@dataclass
-class Settings:
-    """What every column of a run measures, and how."""
-
-    device: torch.device
-    dtype: torch.dtype = torch.bfloat16
-    layers: int = 2
-    batch: int = 1
-    tokens: int = 4096
-    decode_batches: tuple[int, ...] = (1, 32)
-    cache_tokens: int = 4096
-    decode_steps: int = 1
-    warmup: int = 2
-    iters: int = 5
-    seed: int = 0
-    phases: tuple[str, ...] = PHASES
-    #: ``time.monotonic()`` after which no further column or phase starts (None: no limit)
-    deadline: float | None = None
-
-    def out_of_time(self) -> bool:
-        return self.deadline is not None and time.monotonic() > self.deadline
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed_ms(run: Callable[[], object], device: torch.device) -> float:
-    """Milliseconds of one call of ``run``: CUDA events on a GPU (the device idle before it), else the clock."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
-    begin = time.perf_counter()
-    run()
-    return (time.perf_counter() - begin) * 1e3
-
-
-def reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def peak_bytes(device: torch.device) -> int | None:
-    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-
-
-def release(device: torch.device) -> None:
-    """Free what the last column left: its tensors, compiled graphs and cached blocks."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
-
-
-def measure(run: Callable[[], object], settings: Settings, before: Callable[[], object] | None = None,
-            ) -> dict[str, Any]:
-    """``run`` warmed up, then timed ``settings.iters`` times, ``before`` (untimed) ahead of each call:
-    every time, their median, the warm-up's seconds and the peak memory of the timed runs."""
-    device = settings.device
-    begin = time.perf_counter()
-    for _ in range(settings.warmup):
-        if before is not None:
-            before()
-        run()
-    synchronize(device)
-    warmup_s = time.perf_counter() - begin
-    reset_peak(device)
-    runs = []
-    for _ in range(settings.iters):
-        if before is not None:
-            before()
-        runs.append(timed_ms(run, device))
-    return {"status": "ok", "ms": statistics.median(runs), "runs_ms": runs, "warmup_s": round(warmup_s, 3),
-            "peak_memory_bytes": peak_bytes(device)}
-
-
-# -- the phases -----------------------------------------------------------------------------------------------
-
-
-def token_ids(vocab: int, batch: int, tokens: int, settings: Settings, offset: int = 0) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(settings.seed + offset)
-    return torch.randint(0, vocab, (batch, tokens), generator=generator).to(settings.device)
-
-
-def train_phase(model: Any, settings: Settings) -> dict[str, Any]:
-    ids = token_ids(model.config.vocab_size, settings.batch, settings.tokens, settings)
-    model.train()
-
-    def step() -> None:
-        model(input_ids=ids, labels=ids).loss.backward()
-
-    result = measure(step, settings, before=lambda: model.zero_grad(set_to_none=True))
-    model.zero_grad(set_to_none=True)
-    result["tokens_per_s"] = settings.batch * settings.tokens / (result["ms"] / 1e3)
-    return result
-
-
-def prefill_phase(model: Any, settings: Settings) -> dict[str, Any]:
-    from transformers import DynamicCache
-
-    ids = token_ids(model.config.vocab_size, settings.batch, settings.tokens, settings, offset=1)
-    model.eval()
-
-    cache = cache_keyword(model)
-
-    def prefill() -> None:
-        with torch.no_grad():
-            model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache: DynamicCache(config=model.config)})
-
-    result = measure(prefill, settings)
-    result["tokens_per_s"] = settings.batch * settings.tokens / (result["ms"] / 1e3)
-    return result
-
-
-def filled_cache(model: Any, batch: int, settings: Settings) -> Any:
-    """A ``DynamicCache`` holding ``settings.cache_tokens`` random keys and values in every layer.
-
-    It is filled with ``decode_steps`` tokens more, then cropped, as it is after every timed run: each
-    run starts from the same layout (``torch.compile`` guards on strides)."""
-    from transformers import DynamicCache
-
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    shape = (batch, config.num_key_value_heads, settings.cache_tokens + settings.decode_steps, head_dim)
-    generator = torch.Generator(settings.device).manual_seed(settings.seed + 2)
-    cache = DynamicCache(config=config)
-    for layer in range(config.num_hidden_layers):
-        keys, values = (torch.randn(shape, generator=generator, device=settings.device, dtype=settings.dtype)
-                        for _ in range(2))
-        cache.update(keys, values, layer)
-    cache.crop(-settings.decode_steps)
-    return cache
-
-
-def cache_keyword(model: Any) -> str:
-    """The forward's name for the KV cache: ``cache`` since transformers 5.25 (``past_key_values`` before,
-    and in forwards that Liger-Kernel puts in place)."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-
-
-def decode_phase(model: Any, batch: int, settings: Settings) -> dict[str, Any]:
-    cache = filled_cache(model, batch, settings)
-    steps = [token_ids(model.config.vocab_size, batch, 1, settings, offset=3 + i)
-             for i in range(settings.decode_steps)]
-    keyword = cache_keyword(model)
-    model.eval()
-    runs = []
-
-    def decode() -> None:
-        with torch.no_grad():
-            for ids in steps:
-                model(input_ids=ids, use_cache=True, **{keyword: cache})
-        runs.append(cache.get_seq_length())
-
-    def check() -> None:
-        # a forward that dropped the cache argument would time decoding without the cache
-        if runs and runs[-1] != settings.cache_tokens + settings.decode_steps:
-            raise RuntimeError(f"the model's cache holds {runs[-1]} tokens after {settings.decode_steps} decode "
-                               f"steps from {settings.cache_tokens}: the forward did not use it")
-
-    def crop() -> None:
-        check()
-        grown = cache.get_seq_length() - settings.cache_tokens
-        if grown > 0:
-            cache.crop(-grown)
-
-    result = measure(decode, settings, before=crop)
-    check()
-    result["ms_per_token"] = result["ms"] / settings.decode_steps
-    result["tokens_per_s"] = batch / (result["ms_per_token"] / 1e3)
-    return result
-
-
-def phase_names(settings: Settings) -> list[str]:
-    names = [p for p in ("train", "prefill") if p in settings.phases]
-    if "decode" in settings.phases:
-        names += [f"decode_b{b}" for b in settings.decode_batches]
-    return names
-
-
-def run_phase(name: str, model: Any, settings: Settings) -> dict[str, Any]:
-    if name == "train":
-        return train_phase(model, settings)
-    if name == "prefill":
-        return prefill_phase(model, settings)
-    return decode_phase(model, int(name.removeprefix("decode_b")), settings)
 
 
 # -- a column -------------------------------------------------------------------------------------------------
