@@ -228,16 +228,32 @@ def cross_entropy_training_reference(logits: torch.Tensor, labels: torch.Tensor,
     return loss, lse, count_scale(labels, logits.shape[-1], ignore_index, reduction, compute)
 
 
+def logits_gradient_reference(logits: torch.Tensor, labels: torch.Tensor, dloss: torch.Tensor, ignore_index: int,
+                              label_smoothing: float, logit_softcap: float | None) -> torch.Tensor:
+    """The gradient of each row's loss with respect to its (raw) logits, times ``dloss`` (per row
+    ``[T]``, or 0-dim for all), in float32 (or wider): the module doc's formula, without autograd
+    (a custom op's body runs below it)."""
+    compute = torch.promote_types(logits.dtype, torch.float32)
+    rows, vocab = logits.shape
+    z = softcap_reference(logits.to(compute), logit_softcap)
+    valid = (labels != ignore_index) & (labels >= 0) & (labels < vocab)
+    target = torch.zeros_like(z)
+    target[valid, labels[valid].long()] = 1.0 - label_smoothing
+    d = torch.softmax(z, dim=-1) - target - label_smoothing / vocab
+    if logit_softcap is not None:
+        d = d * (1 - (z / logit_softcap) ** 2)
+    g = dloss.to(compute).reshape(-1, 1) if dloss.dim() else dloss.to(compute)
+    return torch.where(valid[:, None], d * g, 0.0)
+
+
 def cross_entropy_backward_reference(dloss: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
                                      lse: torch.Tensor, scale: torch.Tensor, ignore_index: int, reduction: str,
                                      label_smoothing: float, logit_softcap: float | None) -> torch.Tensor:
-    """The gradient of the logits: autograd through :func:`cross_entropy_reference`, in the logits' dtype."""
-    compute = torch.promote_types(logits.dtype, torch.float32)
-    with torch.enable_grad():
-        x = logits.detach().to(compute).requires_grad_()
-        loss = cross_entropy_reference(x, labels, ignore_index, reduction, label_smoothing, logit_softcap)
-        (grad,) = torch.autograd.grad(loss, x, dloss.to(compute))
-    return grad.to(logits.dtype)
+    """The gradient of the logits (:func:`logits_gradient_reference`, times the reduction's scale),
+    in the logits' dtype."""
+    g = dloss if reduction == "none" else dloss * scale.to(dloss.dtype).reshape(())
+    return logits_gradient_reference(logits, labels, g, ignore_index, label_smoothing,
+                                     logit_softcap).to(logits.dtype)
 
 
 def default_config(sig: Signature, profile: DeviceProfile) -> Config:

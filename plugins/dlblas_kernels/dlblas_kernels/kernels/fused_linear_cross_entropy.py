@@ -24,10 +24,11 @@ One program then reduces the row losses (and counts the rows not ignored for ``"
 three GEMMs in all, where recomputing the logits in the backward takes four; the backward only
 scales the saved gradients by the loss gradient times the reduction's scale, in place (their
 memory is the gradients' own). So a second backward through the same loss (``retain_graph=True``)
-is refused. ``"none"`` gives each row its own loss gradient, which the forward cannot know: its
-forward keeps the log-sum-exps, and its backward recomputes each chunk's logits (four GEMMs). Under
-autograd every gradient is made, also for a weight that does not require one (a frozen LM head
-costs the forward one GEMM more than it needs). The decision rests on the GEMM count; timing both
+is refused, by torch's own check of saved tensors modified in place. ``"none"`` gives each row its
+own loss gradient, which the forward cannot know: its forward keeps the log-sum-exps, and its
+backward recomputes each chunk's logits (four GEMMs). Under autograd every gradient is made, also
+for a weight that does not require one (a frozen LM head costs the forward one GEMM more than it
+needs). The decision rests on the GEMM count; timing both
 on a GPU is still to be done (docs/performance.md).
 """
 
@@ -47,7 +48,6 @@ from dlcore.api import (
     Backward,
     Config,
     DeviceProfile,
-    DlcoreError,
     KernelCall,
     LaunchPlan,
     Op,
@@ -231,11 +231,23 @@ def fused_linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Ten
                                         label_smoothing, logit_softcap)
 
 
+def _gradients_reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None,
+                         dloss: torch.Tensor, ignore_index: int, label_smoothing: float,
+                         logit_softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dhidden, dweight, dbias)`` in float32 (or wider) for the row losses' gradients ``dloss``
+    (``[T]``, or 0-dim for all), through the logits' gradient (no autograd: a custom op's body runs below it)."""
+    compute = torch.promote_types(hidden.dtype, torch.float32)
+    dz = xent.logits_gradient_reference(logits_reference(hidden, weight, bias), labels, dloss, ignore_index,
+                                        label_smoothing, logit_softcap)
+    dbias = dz.sum(0) if bias is not None else torch.empty(0, dtype=compute, device=hidden.device)
+    return dz @ weight.to(compute), dz.T @ hidden.to(compute), dbias
+
+
 def fused_linear_cross_entropy_training_reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                                                   bias: torch.Tensor | None = None, ignore_index: int = -100,
                                                   reduction: str = "mean", label_smoothing: float = 0.0,
                                                   logit_softcap: float | None = None) -> tuple:
-    """:func:`training_outputs` in torch: the gradients by autograd through the summed row losses."""
+    """:func:`training_outputs` in torch."""
     loss = fused_linear_cross_entropy_reference(hidden, weight, labels, bias, ignore_index, reduction,
                                                 label_smoothing, logit_softcap)
     compute = loss.dtype
@@ -246,31 +258,21 @@ def fused_linear_cross_entropy_training_reference(hidden: torch.Tensor, weight: 
     if reduction == "none":
         z = xent.softcap_reference(logits_reference(hidden, weight, bias), logit_softcap)
         return loss, empty(0, hidden.dtype), empty(0, weight.dtype), empty(0), empty(0), torch.logsumexp(z, -1)
-    with torch.enable_grad():
-        leaves = [t.detach().to(compute).requires_grad_() for t in (hidden, weight)]
-        b = None if bias is None else bias.detach().to(compute).requires_grad_()
-        summed = fused_linear_cross_entropy_reference(*leaves, labels, b, ignore_index, "sum", label_smoothing,
-                                                      logit_softcap)
-        grads = torch.autograd.grad(summed, leaves + ([b] if b is not None else []))
-    dbias = grads[2] if bias is not None else empty(0)
+    one = torch.ones((), dtype=compute, device=hidden.device)
+    dhidden, dweight, dbias = _gradients_reference(hidden, weight, labels, bias, one, ignore_index, label_smoothing,
+                                                   logit_softcap)
     scale = xent.count_scale(labels, weight.shape[0], ignore_index, reduction, compute)
-    return loss, grads[0].to(hidden.dtype), grads[1].to(weight.dtype), dbias, scale, empty(0)
+    return loss, dhidden.to(hidden.dtype), dweight.to(weight.dtype), dbias, scale, empty(0)
 
 
 def fused_linear_cross_entropy_backward_reference(
         dloss: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
         bias: torch.Tensor | None, lse: torch.Tensor, ignore_index: int, label_smoothing: float,
         logit_softcap: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``reduction="none"``'s backward by autograd through the composite: ``(dhidden, dweight, dbias)``."""
-    compute = torch.promote_types(hidden.dtype, torch.float32)
-    with torch.enable_grad():
-        leaves = [t.detach().to(compute).requires_grad_() for t in (hidden, weight)]
-        b = None if bias is None else bias.detach().to(compute).requires_grad_()
-        loss = fused_linear_cross_entropy_reference(*leaves, labels, b, ignore_index, "none", label_smoothing,
-                                                    logit_softcap)
-        grads = torch.autograd.grad(loss, leaves + ([b] if b is not None else []), dloss.to(compute))
-    dbias = grads[2] if bias is not None else torch.empty(0, dtype=compute, device=hidden.device)
-    return grads[0].to(hidden.dtype), grads[1].to(weight.dtype), dbias.to(torch.float32)
+    """``reduction="none"``'s backward: ``(dhidden, dweight, dbias)``, ``dbias`` float32 (or wider)."""
+    dhidden, dweight, dbias = _gradients_reference(hidden, weight, labels, bias, dloss, ignore_index,
+                                                   label_smoothing, logit_softcap)
+    return dhidden.to(hidden.dtype), dweight.to(weight.dtype), dbias
 
 
 def default_config(sig: Signature, profile: DeviceProfile) -> Config:
@@ -361,18 +363,13 @@ OP = Op(
 )
 
 
-class SecondBackwardError(DlcoreError):
-    """A second backward through one fused_linear_cross_entropy loss: its gradients were scaled in place."""
-
-
-def _scaled_once(t: torch.Tensor) -> None:
-    if torch.compiler.is_compiling():
-        return
-    if getattr(t, "_dlcore_scaled", False):
-        raise SecondBackwardError(
-            "fused_linear_cross_entropy: a second backward through the same loss (retain_graph=True): its "
-            "gradients are made in the forward and scaled in place by the first backward; compute the loss again")
-    t._dlcore_scaled = True
+def _scaled(t: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """``t * factor`` in ``t``'s dtype: in place (the forward made ``t`` for this backward alone, so
+    its memory becomes the gradient's), except for float64 (the references' path, which gradcheck
+    runs backward through repeatedly) and while compiling (traced functionally)."""
+    if t.dtype == torch.float64 or torch.compiler.is_compiling():
+        return (t * factor).to(t.dtype)
+    return t.mul_(factor)
 
 
 def _gradients(backward, saved, grads, needs) -> dict:
@@ -380,9 +377,8 @@ def _gradients(backward, saved, grads, needs) -> dict:
         dhidden, dweight, dbias = backward(grads[0], saved.hidden, saved.weight, saved.labels, saved.bias, saved.lse,
                                            saved.ignore_index, saved.label_smoothing, saved.logit_softcap)
     else:
-        _scaled_once(saved.dhidden)
-        g = saved.scale * grads[0]
-        dhidden, dweight, dbias = saved.dhidden.mul_(g), saved.dweight.mul_(g), saved.dbias.mul_(g)
+        factor = saved.scale * grads[0]
+        dhidden, dweight, dbias = (_scaled(t, factor) for t in (saved.dhidden, saved.dweight, saved.dbias))
     found = {"hidden": dhidden, "weight": dweight}
     if saved.bias is not None:
         found["bias"] = dbias.to(saved.bias.dtype)
