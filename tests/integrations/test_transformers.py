@@ -207,6 +207,37 @@ def test_dlcore_kernels_run(monkeypatch, unwarned):
 
 @pytest.mark.slow
 @NO_FALLBACK
+def test_training_loss_is_fused_linear_cross_entropy_without_logits(monkeypatch, unwarned):
+    """In training with labels the loss is fused_linear_cross_entropy's (no logits made), equal to
+    the unpatched model's with its gradients; num_items_in_batch divides a sum as transformers
+    does; evaluation and a forward without labels keep their logits."""
+    spy = OpSpy(monkeypatch)
+    reference, patched = models("llama")
+    patched.train()
+    reference.train()
+    ids = tokens(2, 8)
+    labels = ids.clone()
+    labels[0, :3] = -100  # a prompt's tokens, ignored
+    out = patched(ids, labels=labels)
+    expected = reference(ids, labels=labels)
+    assert out.logits is None and spy.calls["fused_linear_cross_entropy"] == 1
+    assert_close(out.loss, expected.loss)
+    out.loss.backward()
+    expected.loss.backward()
+    for (name, p), q in zip(patched.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+    items = torch.tensor(11)
+    assert_close(patched(ids, labels=labels, num_items_in_batch=items).loss,
+                 reference(ids, labels=labels, num_items_in_batch=items).loss)
+    assert patched(ids).logits.shape == (2, 8, 128)
+    patched.eval()
+    with torch.no_grad():
+        assert_close(patched(ids, labels=labels).logits, reference(ids, labels=labels).logits)
+    assert spy.calls["fused_linear_cross_entropy"] == 2
+
+
+@pytest.mark.slow
+@NO_FALLBACK
 def test_fused_moe_runs_the_experts(monkeypatch, unwarned):
     spy = OpSpy(monkeypatch)
     reference, patched = models("qwen3_moe")

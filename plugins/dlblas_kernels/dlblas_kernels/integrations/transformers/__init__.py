@@ -7,7 +7,8 @@
 its mask function (:mod:`.attention`), the experts interface and its fp8 twin (:mod:`.experts`).
 Then ``from_config(cfg, attn_implementation="dlcore", experts_implementation="dlcore")`` works.
 :func:`apply` registers, switches a built model to ``"dlcore"`` and switches its RMSNorm, rotary and
-SwiGLU MLP modules to dlcore's ops in place (:mod:`.modules`, per family: :mod:`.families`).
+SwiGLU MLP modules to dlcore's ops in place (:mod:`.modules`, per family: :mod:`.families`), and a
+causal LM's training loss to ``fused_linear_cross_entropy`` (:mod:`.loss`).
 Whatever an op cannot take runs the model's own code for that call, with a warning once
 (:mod:`.fallback`); the results are the unpatched model's.
 """
@@ -24,6 +25,7 @@ from dlblas_kernels.integrations.transformers.attention import NAME, dlcore_atte
 from dlblas_kernels.integrations.transformers.experts import dlcore_experts, dlcore_fp8_experts
 from dlblas_kernels.integrations.transformers.fallback import ModelFallbackWarning
 from dlblas_kernels.integrations.transformers.families import FAMILIES, Family
+from dlblas_kernels.integrations.transformers.loss import can_switch_loss, switch_loss
 from dlblas_kernels.integrations.transformers.modules import (
     NormedMLPForward,
     is_swiglu_mlp,
@@ -45,7 +47,7 @@ def register() -> None:
 
 
 def apply(model: nn.Module, *, attention: bool = True, experts: bool = True, norms: bool = True,
-          rotary: bool = True, mlp: bool = True) -> nn.Module:
+          rotary: bool = True, mlp: bool = True, loss: bool = True) -> nn.Module:
     """Switch ``model`` (a transformers ``PreTrainedModel``) to dlcore's kernels in place; returns it.
 
     - ``attention``: ``attn_implementation="dlcore"`` (``flash_attention_v2``);
@@ -55,7 +57,10 @@ def apply(model: nn.Module, *, attention: bool = True, experts: bool = True, nor
     - ``mlp``: a dense SwiGLU MLP and the RMSNorm before it run as one ``ffn`` (the norm inside it,
       whatever ``norms`` says), then the down projection. That norm module then passes its input
       on: a hook on it, or a caller of it other than the decoder layer, sees the input un-normed
-      (``mlp=False`` keeps it a norm).
+      (``mlp=False`` keeps it a norm);
+    - ``loss``: a causal LM's training loss (labels given, training mode) is
+      ``fused_linear_cross_entropy`` of the last hidden states and the LM head, the logits never
+      made (:mod:`.loss`); the output then has no logits.
 
     Parameters, buffers and the state dict do not change. A family without an entry in
     :data:`~.families.FAMILIES` gets attention and experts only. Applying again changes nothing."""
@@ -64,6 +69,8 @@ def apply(model: nn.Module, *, attention: bool = True, experts: bool = True, nor
         model.set_attn_implementation(NAME)
     if experts and _has_experts(model):
         model.set_experts_implementation(NAME)
+    if loss and can_switch_loss(model):
+        switch_loss(model)
     family = FAMILIES.get(getattr(model.config, "model_type", None))
     if family is None:
         return model
