@@ -149,9 +149,18 @@ def test_kv_length_and_causal_are_optional_dimensions():
 
 
 def test_unknown_size_names_keep_their_example_value():
-    shapes, notes = shapes_for({"tokens": 5, "vocab": 100}, "qwen2.5-7b", tokens=(1, 2))
-    assert [s.sizes for s in shapes] == [{"tokens": 1, "vocab": 100}, {"tokens": 2, "vocab": 100}]
-    assert "vocab is not a model dimension" in notes[0]
+    shapes, notes = shapes_for({"tokens": 5, "experts_of_mine": 100}, "qwen2.5-7b", tokens=(1, 2))
+    assert [s.sizes for s in shapes] == [{"tokens": 1, "experts_of_mine": 100}, {"tokens": 2, "experts_of_mine": 100}]
+    assert "experts_of_mine is not a model dimension" in notes[0]
+
+
+def test_the_lm_head_preset_gives_the_vocabulary_and_others_keep_the_example_s():
+    example = {"tokens": 37, "hidden": 64, "vocab": 500}
+    shapes, _ = shapes_for(example, "lm-head")
+    assert {(s.sizes["tokens"], s.sizes["hidden"], s.sizes["vocab"]) for s in shapes} == {
+        (4096, 4096, 128256), (16384, 4096, 128256), (4096, 3584, 152064), (16384, 3584, 152064)}
+    shapes, _ = shapes_for({"tokens": 5, "vocab": 100}, "deepseek-v3", tokens=(1,))
+    assert [s.sizes for s in shapes] == [{"tokens": 1, "vocab": 100}]  # a model without one: the example's
 
 
 def test_explicit_named_and_positional_sizes():

@@ -52,16 +52,18 @@ ALIASES: dict[str, tuple[str, ...]] = {
     "interleaved": ("interleaved",),
     # fp8 weights with block scales (1) or 16-bit weights (0): the -fp8 setups set it
     "fp8": ("fp8",),
+    # the vocabulary: an LM head's rows, a loss's classes
+    "vocab": ("vocab", "vocab_size", "classes"),
 }
 #: canonical dimensions a model or setup may leave unset: the op's example value (batch: 1 with tokens)
-OPTIONAL = ("batch", "kv_tokens", "causal", "interleaved", "fp8")
+OPTIONAL = ("batch", "kv_tokens", "causal", "interleaved", "fp8", "vocab")
 _CANONICAL = {alias: name for name, aliases in ALIASES.items() for alias in aliases}
 
 #: model -> its dimensions under canonical names (from each model's published config.json)
 MODELS: dict[str, dict[str, int]] = {
-    "llama3-8b": {"hidden": 4096, "inter": 14336, "heads": 32, "kv_heads": 8, "head_dim": 128},
+    "llama3-8b": {"hidden": 4096, "inter": 14336, "heads": 32, "kv_heads": 8, "head_dim": 128, "vocab": 128256},
     "llama3-70b": {"hidden": 8192, "inter": 28672, "heads": 64, "kv_heads": 8, "head_dim": 128},
-    "qwen2.5-7b": {"hidden": 3584, "inter": 18944, "heads": 28, "kv_heads": 4, "head_dim": 128},
+    "qwen2.5-7b": {"hidden": 3584, "inter": 18944, "heads": 28, "kv_heads": 4, "head_dim": 128, "vocab": 152064},
     # MLA: the rotary embedding covers the 64 rope dimensions of the query heads and of one shared
     # key head (q_pe [.., H, 64], k_pe [.., 1, 64]); nope 128 and v 128 for the MLA layout. The FFN
     # width is the dense layers'.
@@ -115,6 +117,8 @@ PRESETS: dict[str, tuple[str, ...]] = {
     "gating": ("gating-e64-k2", "gating-e64-k8", "gating-e256-k2", "gating-e256-k8"),
     # issue #18: fp8_gemm at DeepSeek-V3's shapes, M 128, 4096 and 16384
     "deepseek-fp8": tuple(name for name in SETUPS if name.startswith("deepseek-fp8-")),
+    # issue #42: the LM head and its loss (fused_linear_cross_entropy, cross_entropy) of LLaMA-3-8B and Qwen2.5-7B
+    "lm-head": ("llama3-8b", "qwen2.5-7b"),
     **{name: (name,) for name in MODELS},
 }
 DEFAULT_PRESET = "all"
@@ -125,6 +129,7 @@ PRESET_TOKENS: dict[str, tuple[int, ...]] = {
     "decode": (1024, 2048, 4096, 8192, 16384, 32768, 65536),
     "gating": (1, 16, 64, 4096, 16384),
     "deepseek-fp8": (128, 4096, 16384),
+    "lm-head": (4096, 16384),
 }
 #: preset -> the canonical dimension its token counts go to (the others: ``tokens``)
 PRESET_AXIS: dict[str, str] = {"decode": "kv_tokens"}

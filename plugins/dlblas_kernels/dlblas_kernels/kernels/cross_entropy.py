@@ -281,7 +281,7 @@ def example_labels(rows: int, vocab: int, device: torch.device, generator: torch
 def example(sizes: dict[str, int], dtype: torch.dtype, device: torch.device, generator: torch.Generator) -> tuple:
     """Logits ``[tokens, vocab]`` spread as a language model's (standard deviation 4), random labels."""
     logits = (4 * torch.randn(sizes["tokens"], sizes["vocab"], generator=generator)).to(device=device, dtype=dtype)
-    return (logits, example_labels(sizes["tokens"], sizes["vocab"], device, generator))
+    return (logits, example_labels(sizes["tokens"], sizes["vocab"], device, generator), -100, "mean", 0.0, None)
 
 
 def cost(args: tuple, mode: str = "fwd") -> tuple[int, int]:

@@ -304,7 +304,7 @@ def example(sizes: dict[str, int], dtype: torch.dtype, device: torch.device, gen
     tokens, width, vocab = sizes["tokens"], sizes["hidden"], sizes["vocab"]
     hidden = torch.randn(tokens, width, generator=generator).to(device=device, dtype=dtype)
     weight = (torch.randn(vocab, width, generator=generator) / width ** 0.5).to(device=device, dtype=dtype)
-    return (hidden, weight, xent.example_labels(tokens, vocab, device, generator))
+    return (hidden, weight, xent.example_labels(tokens, vocab, device, generator), None, -100, "mean", 0.0, None)
 
 
 def cost(args: tuple, mode: str = "fwd") -> tuple[int, int]:
