@@ -61,7 +61,7 @@ def op_plan(name, args):
     reg = registry()
     op = reg.op(name)
     impl = next(i for i in reg.implementations_of(name) if i.kind == "triton")
-    return impl.plan(args, impl.default_config(make_signature(op, args, DEVICE), None))
+    return impl.plan(args, impl.default_config(make_signature(op, args, DEVICE), None), reg.device_profile(DEVICE))
 
 
 def randn(*shape):

@@ -69,7 +69,8 @@ def correct() -> None:
         emit(what="correct", dtype="bfloat16", shape=list(shape), dim=dim,
              max_abs=error(dlblas_kernels.softmax(x, dim), torch.softmax(x.float(), dim)))
     x = logits(300, 50000)
-    looped = sm.KERNEL.implementation.plan((x, -1), {"BLOCK_M": 2, "BLOCK_N": 1024, "num_warps": 4}).run()
+    looped = sm.KERNEL.implementation.plan((x, -1), {"BLOCK_M": 2, "BLOCK_N": 1024, "num_warps": 4},
+                                           device_profile(x.device)).run()
     emit(what="correct", dtype="bfloat16", shape=[300, 50000], dim=-1, config="2x1024 looped",
          max_abs=error(looped, torch.softmax(x.float(), -1)))
 
@@ -89,7 +90,7 @@ def sweep() -> None:
             tile, warps = name.split("/")
             block_m, block_n = map(int, tile.split("x"))
             config = {"BLOCK_M": block_m, "BLOCK_N": block_n, "num_warps": int(warps)}
-            plan = impl.plan((x, -1), config)
+            plan = impl.plan((x, -1), config, device_profile(x.device))
             err = error(plan.run(), ref)
             work[name] = plan.run
             if err > 0.02:

@@ -18,6 +18,7 @@ from triton.backends.compiler import GPUTarget
 from dlcore.compiler.lowering import compile_call
 from dlcore.plugins.registry import registry
 from dlcore.declarations.signature import make_signature
+from dlcore.runtime.profile import device_profile, first_device
 
 reg = registry()
 meta = torch.device("meta")
@@ -29,7 +30,7 @@ for name, op in sorted(reg.ops.items()):
         for dtype in impl.dtypes or op.dtypes():
             args = op.example(op.example_sizes, dtype, meta, torch.Generator().manual_seed(0))
             config = impl.default_config(make_signature(op, args, meta), None)
-            plan = impl.plan(args, config)
+            plan = impl.plan(args, config, device_profile(first_device(args)))
             for call in plan.calls:
                 for capability in (80, 90):
                     if impl.limit("cuda", call.kernel.__name__, str(capability)) is not None:

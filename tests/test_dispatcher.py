@@ -75,8 +75,8 @@ def test_clear_forgets_the_choices_of_this_process_only(tmp_path):
 
 
 def test_a_triton_implementation_checks_its_callables_as_it_is_declared():
-    """define_kernel's plan and space take the device profile, a TritonImplementation's do not: a
-    plugin that mixes them up is told so when it declares, naming the implementation and the
+    """A TritonImplementation's plan and space take the device profile, as define_kernel's do: a
+    plugin that leaves it out is told so when it declares, naming the implementation and the
     callable, rather than every selection of the op failing later."""
     import pytest
 
@@ -84,18 +84,19 @@ def test_a_triton_implementation_checks_its_callables_as_it_is_declared():
     from dlcore.declarations.space import PowerOfTwo, SearchSpace
     from dlcore.errors import DeclarationError
 
-    def plan(args, config):
+    def plan(args, config, profile):
         raise AssertionError("not called")
 
     def default_config(signature, profile):
         return {}
 
     ok = TritonImplementation("softcap", "t", plan=plan, kernels=(), default_config=default_config,
-                              space=lambda: SearchSpace([PowerOfTwo("BLOCK", 16, 64)]))
+                              space=lambda profile: SearchSpace([PowerOfTwo("BLOCK", 16, 64)]))
     assert ok.space() is not None
-    with pytest.raises(DeclarationError, match=r"softcap.t: space is called as space\(\)"):
+    with pytest.raises(DeclarationError, match=r"softcap.t: space is called as space\(profile\)"):
         TritonImplementation("softcap", "t", plan=plan, kernels=(), default_config=default_config,
-                             space=lambda profile: SearchSpace([PowerOfTwo("BLOCK", 16, 64)]))
-    with pytest.raises(DeclarationError, match=r"plan is called as plan\(args, config\).*define_kernel's do"):
-        TritonImplementation("softcap", "t", plan=lambda args, config, profile: None, kernels=(),
+                             space=lambda: SearchSpace([PowerOfTwo("BLOCK", 16, 64)]))
+    with pytest.raises(DeclarationError,
+                       match=r"plan is called as plan\(args, config, profile\).*its third argument"):
+        TritonImplementation("softcap", "t", plan=lambda args, config: None, kernels=(),
                              default_config=default_config)

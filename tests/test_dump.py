@@ -21,6 +21,7 @@ from dlcore.compiler.lowering import compile_call, target_profile
 from dlcore.compiler.rewrite import apply_launch_passes
 from dlcore.plugins.registry import registry
 from dlcore.declarations.signature import make_signature
+from dlcore.runtime.profile import device_profile, first_device
 
 os.chdir({cwd!r})
 reg = registry()
@@ -30,7 +31,7 @@ for name in ("silu_and_mul", "rms_norm"):
     op = reg.ops[name]
     impl = next(i for i in reg.implementations_of(name) if i.kind == "triton")
     args = op.example(op.example_sizes, torch.float16, meta, torch.Generator().manual_seed(0))
-    plan = impl.plan(args, impl.default_config(make_signature(op, args, meta), None))
+    plan = impl.plan(args, impl.default_config(make_signature(op, args, meta), None), device_profile(meta))
     # what a launch does first: apply the launch passes, which hooks the IR passes into Triton
     for call in apply_launch_passes(plan, target_profile("cuda:90")).calls:
         compile_call(call, GPUTarget("cuda", 90, 32))

@@ -19,6 +19,7 @@ from dlcore.declarations.implementation import KernelCall, LaunchPlan
 from dlcore.declarations.signature import make_signature
 from dlcore.errors import FoldingRefused
 from dlcore.plugins.registry import registry
+from dlcore.runtime.profile import device_profile
 
 
 def profile(backend: str, cores: int = 3) -> DeviceProfile:
@@ -48,7 +49,8 @@ def test_registered_kernels_fold_bit_exactly(op_name, sizes, dtype):
     op = registry().op(op_name)
     impl = next(i for i in registry().implementations_of(op_name) if i.kind == "triton")
     args = op.example(sizes, dtype, torch.device("cpu"), torch.Generator().manual_seed(1))
-    plan = impl.plan(args, impl.default_config(make_signature(op, args, torch.device("cpu")), None))
+    cpu = torch.device("cpu")
+    plan = impl.plan(args, impl.default_config(make_signature(op, args, cpu), None), device_profile(cpu))
     expected = run_poisoned(plan)
     total = math.prod(plan.calls[0].grid)
     assert total > 2, "the example must launch a few programs"
@@ -237,7 +239,8 @@ def _silu_plan(tokens=37):
     impl = next(i for i in registry().implementations_of("silu_and_mul") if i.kind == "triton")
     args = op.example({"tokens": tokens, "inter": 64}, torch.float32, torch.device("cpu"),
                       torch.Generator().manual_seed(2))
-    return impl.plan(args, impl.default_config(make_signature(op, args, torch.device("cpu")), None))
+    cpu = torch.device("cpu")
+    return impl.plan(args, impl.default_config(make_signature(op, args, cpu), None), device_profile(cpu))
 
 
 def test_the_pass_is_on_by_default_for_npu_and_mlu_and_for_small_programs_on_cuda(monkeypatch):

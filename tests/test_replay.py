@@ -112,7 +112,7 @@ def launches(kernel):
 
 
 def scale_plan(kernel, *, view=False, scratch=False, offset=False, inplace=False, pair=False, declare=False):
-    def plan(args, config):
+    def plan(args, config, profile=None):  # a Replay's plan takes (args, config), an implementation's the profile too
         (x,) = args
         out = x if inplace else torch.empty_like(x)
         src = x.reshape(-1) if view else x[1:] if offset else x

@@ -31,14 +31,14 @@ def test_every_plan_is_replayable(name, sizes, target, monkeypatch):
     reg = registry()
     op = reg.ops[name]
     profile = template.device_profile(CPU) if target == "cpu" else target_profile(target)
-    # plans on these CPU tensors see the target's profile: the paths it takes, real addresses
+    # plans on these CPU tensors see the target's profile (nested plans too): the paths it takes, real addresses
     monkeypatch.setitem(reg._profiles, CPU, profile)
     dtype = torch.bfloat16 if name == "fp8_gemm" else torch.float16
     args = op.bind(op.example_inputs(sizes, dtype, CPU, seed=0), None)
     impls = [i for i in reg.implementations_of(name) if getattr(i, "replayable", False)]
     assert impls
     for impl in impls:
-        plan = impl.plan(args, impl.default_config(make_signature(op, args, CPU), profile))
+        plan = impl.plan(args, impl.default_config(make_signature(op, args, CPU), profile), profile)
         assert plan.calls
         assert replay.why_not_replayable(args, plan) is None
 

@@ -35,7 +35,7 @@ def _warns(category: type[Warning], fn) -> int:
 
 
 def test_a_forward_only_warning_warns_again_after_reset():
-    impl = TritonImplementation("reset_op", "fwd", plan=lambda args, config: None, kernels=(),
+    impl = TritonImplementation("reset_op", "fwd", plan=lambda args, config, profile: None, kernels=(),
                                 default_config=lambda signature, profile: {})
     x = torch.ones(2, requires_grad=True)
     assert _warns(torch_ops.ForwardOnlyWarning, lambda: torch_ops.warn_forward_only(impl, (x,))) == 1

@@ -381,9 +381,9 @@ class SelectionPlugin:
     def dlcore_implementations(self):
         kernel = matmul_kernel.KERNEL.implementation
 
-        def plan(args, config):
+        def plan(args, config, profile):
             time.sleep(SLOW_SECONDS)
-            return kernel.plan(args, config)
+            return kernel.plan(args, config, profile)
 
         return [TritonImplementation("matmul", "slow", plan=plan, kernels=kernel.kernels,
                                      default_config=kernel.default_config)]

@@ -97,10 +97,11 @@ def _compile_chunk(job: tuple[str, str, dict[str, int], str, list[Config]]) -> i
     op = reg.op(op_name)
     impl = next(i for i in reg.implementations_of(op_name) if i.name == impl_name)
     args = op.example_inputs(sizes, getattr(torch, dtype), "cuda")
+    profile = reg.device_profile(next(a for a in args if isinstance(a, torch.Tensor)).device)
     compiled = 0
     for config in configs:
         try:
-            for call in impl.plan(args, config).calls:
+            for call in impl.plan(args, config, profile).calls:
                 call.kernel.warmup(*call.args, grid=call.grid, **call.kwargs)
             compiled += 1
         except Exception:  # noqa: BLE001 - the timing pass records the reason

@@ -51,7 +51,7 @@ def warm(device: str = "cuda") -> dict[str, float]:
 
     x = torch.randn(1, 512, device=device, dtype=torch.float16)
     bound = dlcore.get_op("silu_and_mul", (x,))
-    plan = KERNEL.implementation.plan((x,), bound.config)
+    plan = KERNEL.implementation.plan((x,), bound.config, bound.profile)
     (call,) = plan.calls
     out = plan.result
 

@@ -305,10 +305,10 @@ def launches(reg: Registry, selector: str | None, dtype: torch.dtype | None, siz
                 args = op.example_inputs(path, impl_dtype, meta)
                 config = impl.default_config(make_signature(op, args, meta), profile)
                 with planning_for(profile):  # the plans size their grids for the target, not for meta
-                    plans.append((label, False, impl.plan(args, config)))
+                    plans.append((label, False, impl.plan(args, config, profile)))
                     if getattr(impl, "backward_plan", None) is not None:
                         try:
-                            plans.append((label, True, impl.backward_plan(args, config)))
+                            plans.append((label, True, impl.backward_plan(args, config, profile)))
                         except InvalidInputError as exc:  # a forward-only form (fused_moe's fp8 weights)
                             note = f"{name}.{impl.name} backward: {exc}"
                             if note not in skipped:  # one note, whichever of the paths refused

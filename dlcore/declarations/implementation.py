@@ -8,7 +8,7 @@ Three kinds (:attr:`Implementation.kind`; each backend lists the kinds it runs):
 - ``vendor``: the vendor's library reached through torch (:class:`VendorImplementation`: cuBLAS
   and cuBLASLt on CUDA, CANN through torch_npu on Ascend), a candidate timed against the kernels.
 
-A Triton implementation does not launch kernels itself: its ``plan(args, config)`` returns a
+A Triton implementation does not launch kernels itself: its ``plan(args, config, profile)`` returns a
 :class:`LaunchPlan` (the kernels, grids, arguments and the result tensors). Running the plan
 launches it; lowering (``dlcore lower``) compiles the same plan for a target without a device;
 launch-stage passes rewrite it. One description serves all three.
@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from dlcore.declarations.device import UNKNOWN_DEVICE
 from dlcore.errors import DeclarationError
 
 if TYPE_CHECKING:
@@ -273,28 +274,31 @@ def _check_callable(where: str, param: str, fn: Callable[..., Any] | None, takes
     except TypeError:
         raise DeclarationError(
             f"{where}: {param} is called as {form}, which {getattr(fn, '__qualname__', fn)}{signature} cannot take "
-            "(a TritonImplementation's plan and space take no device profile; define_kernel's do)") from None
+            "(a plan takes the device profile as its third argument, plan(args, config, profile), and a space "
+            "takes it alone, space(profile))") from None
 
 
 class TritonImplementation(Implementation):
     """An implementation made of Triton kernels.
 
-    Its callables take no device profile: ``plan(args, config)`` and ``space()``. A kernel made by
-    :func:`~dlcore.runtime.template.define_kernel` (a new op) takes ``plan(args, config, profile)``
-    and ``space(profile)`` instead. Given the other form, this class raises ``DeclarationError``.
+    Its callables take the device profile, as :func:`~dlcore.runtime.template.define_kernel`'s do:
+    ``plan(args, config, profile)`` and ``space(profile)``, ``profile`` being the
+    :class:`~dlcore.declarations.device.DeviceProfile` of the device the inputs live on (the
+    call's, ``Call.profile``; :data:`~dlcore.declarations.device.UNKNOWN_DEVICE` where none is in
+    view). Given a callable that cannot take it, this class raises ``DeclarationError``.
 
-    :param plan: ``plan(args, config) -> LaunchPlan``; allocates the outputs (on the inputs'
-        device, which may be ``meta`` when lowering) and describes every launch.
+    :param plan: ``plan(args, config, profile) -> LaunchPlan``; allocates the outputs (on the
+        inputs' device, which may be ``meta`` when lowering) and describes every launch.
     :param kernels: the ``@triton.jit`` functions the plan launches.
     :param default_config: ``(signature, profile | None) -> config``.
     :param supports: optional extra ``(signature, profile) -> reason | None``.
-    :param space: optional ``() -> SearchSpace``.
+    :param space: optional ``(profile) -> SearchSpace``.
     :param replayable: the plan's launches depend only on the inputs' shapes, strides, dtypes,
         device and alignment (not on their values), and it allocates its results uninitialised
         (``torch.empty``) for its kernels to write in full. A bound op then records its launches
         once per exact input and replays them (:class:`dlcore.runtime.replay.Replay`).
-    :param backward_plan: optional ``backward_plan(args, config) -> LaunchPlan``: the launches of
-        the backward for the forward's ``args`` and ``config``, the output gradients made up as new
+    :param backward_plan: optional ``backward_plan(args, config, profile) -> LaunchPlan``: the
+        launches of the backward for the forward's ``args`` and ``config``, the output gradients made up as new
         tensors (meta tensors must work); ``dlcore lower`` lowers them besides ``plan``'s.
     """
 
@@ -305,20 +309,20 @@ class TritonImplementation(Implementation):
         op: str,
         name: str,
         *,
-        plan: Callable[[tuple, Config], LaunchPlan],
+        plan: Callable[[tuple, Config, DeviceProfile], LaunchPlan],
         kernels: tuple,
         default_config: Callable[[Signature, DeviceProfile | None], Config],
         supports: Callable[[Signature, DeviceProfile], str | None] | None = None,
-        space: Callable[[], SearchSpace] | None = None,
+        space: Callable[[DeviceProfile], SearchSpace] | None = None,
         replayable: bool = False,
-        backward_plan: Callable[[tuple, Config], LaunchPlan] | None = None,
+        backward_plan: Callable[[tuple, Config, DeviceProfile], LaunchPlan] | None = None,
         **kwargs: Any,
     ):
         super().__init__(op, name, **kwargs)
-        for param, fn, takes in (("plan", plan, ("args", "config")),
+        for param, fn, takes in (("plan", plan, ("args", "config", "profile")),
                                  ("default_config", default_config, ("signature", "profile")),
-                                 ("supports", supports, ("signature", "profile")), ("space", space, ()),
-                                 ("backward_plan", backward_plan, ("args", "config"))):
+                                 ("supports", supports, ("signature", "profile")), ("space", space, ("profile",)),
+                                 ("backward_plan", backward_plan, ("args", "config", "profile"))):
             _check_callable(f"{op}.{name}", param, fn, takes)
         self.plan = plan
         self.backward_plan = backward_plan
@@ -344,10 +348,11 @@ class TritonImplementation(Implementation):
         return dict(self._default_config(signature, profile))
 
     def space(self, profile: DeviceProfile | None = None) -> SearchSpace | None:
-        return self._space() if self._space is not None else None
+        return None if self._space is None else self._space(UNKNOWN_DEVICE if profile is None else profile)
 
     def source_hash(self) -> str:
         return self._hash
 
-    def run(self, args: tuple, config: Config) -> Any:
-        return self.plan(args, config).run()
+    def run(self, args: tuple, config: Config, profile: DeviceProfile | None = None) -> Any:
+        """The plan's launches for ``args``; ``profile`` is the device's (None: none in view)."""
+        return self.plan(args, config, UNKNOWN_DEVICE if profile is None else profile).run()

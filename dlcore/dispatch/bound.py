@@ -138,7 +138,7 @@ class BoundOp:
         self.cache_key = cache_key
         #: each candidate's kind in words (``Implementation.describe``), for ``explain``
         self.kinds = kinds or {impl.name: impl.describe()}
-        self._run = runner(impl, self.config, transform, InputCheck(op, impl, signature, profile))
+        self._run = runner(impl, self.config, transform, InputCheck(op, impl, signature, profile), profile)
         self._nargs = len(op.args)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, TritonImplementation
 from dlcore.declarations.op import REQUIRED, Op
 from dlcore.declarations.signature import make_signature
@@ -63,7 +64,8 @@ class PublicFunction:
         # Compiled kernels cannot read host memory; the interpreter (TRITON_INTERPRET=1 when triton was
         # first imported) runs them on the CPU. Fixed for the process when the kernels are made.
         self.on_cpu = implementation.interpreted
-        self.configs: dict[tuple, Config] = {}
+        #: the heuristic config and the device's profile, by exact input metadata
+        self.configs: dict[tuple, tuple[Config, DeviceProfile]] = {}
         # Python's rule: a parameter keeps its default only if every later one has one too (ffn's optional
         # w1 and w3 come before the required rms_w: they are passed, as None where w13 replaces them).
         trailing = len(op.args)
@@ -136,16 +138,17 @@ class PublicFunction:
         configs = self.configs
         key: tuple | None = replay_key(bound)
         try:
-            config = configs.get(key)
+            chosen = configs.get(key)
         except TypeError:  # an argument that cannot be a key (a list, say): worked out each call
-            key = config = None
-        if config is None:
-            config = self.default_config(make_signature(self.op, bound, device), device_profile(device))
+            key = chosen = None
+        if chosen is None:
+            profile = device_profile(device)
+            chosen = (self.default_config(make_signature(self.op, bound, device), profile), profile)
             if key is not None:
                 if len(configs) >= LIMIT:
                     del configs[next(iter(configs))]
-                configs[key] = config
-        return self.run(bound, config)
+                configs[key] = chosen
+        return self.run(bound, chosen[0], chosen[1])
 
     def __get__(self, instance: Any, owner: type | None = None) -> PublicFunction:
         # A non-data descriptor, as a function is: help() and inspect read it as a routine (its

@@ -316,7 +316,8 @@ def _warn_not_replayed(plan_fn: Callable[..., Any], args: tuple, plan: LaunchPla
 class Replay:
     """The run function of a bound op whose implementation is replayable, and of a custom op's body
     (:class:`dlcore.runtime.torch_ops.Launches`): ``plan(args, config)`` is called only to record,
-    ``config`` being whatever ``plan`` takes (a config, or a body's config ints).
+    ``config`` being whatever ``plan`` takes (a config, or a body's config ints); an
+    implementation's plan comes with its device profile bound (:mod:`dlcore.runtime.profile`).
 
     A bound op's plan depends only on its inputs' shapes, strides, dtypes, device and pointer
     alignment (the contract of a *replayable* implementation, see

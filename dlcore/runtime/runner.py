@@ -26,8 +26,10 @@ from typing import Any
 
 import torch
 
+from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, Implementation, PlanTransform, TritonImplementation
 from dlcore.runtime.launch import run_plan
+from dlcore.runtime.profile import for_profile
 from dlcore.runtime.replay import LIMIT, Replay, replay_key
 from dlcore.runtime.torch_ops import CustomOpTritonImplementation, needs_autograd, warn_forward_only
 
@@ -71,13 +73,15 @@ def guarded(run: Runner, guard: Guard | None) -> Runner:
 
 
 def runner(impl: Implementation, config: Config, transform: PlanTransform | None = None,
-           guard: Guard | None = None) -> Runner:
+           guard: Guard | None = None, profile: DeviceProfile | None = None) -> Runner:
     """``impl`` with ``config`` bound, taking the bound arguments; ``transform`` rewrites each
     launch plan (the ``ast`` and ``launch`` compiler passes); ``guard`` checks each exact input
-    metadata once, before it runs."""
+    metadata once, before it runs; ``profile`` is the device's the plans are called with
+    (``plan(args, config, profile)``: the call's, ``Call.profile``; None: the profile of the
+    inputs' device, looked up on each plan)."""
     if not isinstance(impl, TritonImplementation):
         return guarded(lambda args: impl.run(args, config), guard)
-    launch = launches(impl, config, transform, guard)
+    launch = launches(impl, config, transform, guard, profile)
     if not isinstance(impl, CustomOpTritonImplementation):
         # Built without the template: no custom op and no backward, so forward only by construction.
         def plain(args: tuple) -> Any:
@@ -105,13 +109,14 @@ def runner(impl: Implementation, config: Config, transform: PlanTransform | None
 
 
 def launches(impl: TritonImplementation, config: Config, transform: PlanTransform | None,
-             guard: Guard | None = None) -> Runner:
+             guard: Guard | None = None, profile: DeviceProfile | None = None) -> Runner:
     """``impl``'s launches with ``config``, autograd aside: recorded once per exact input and
     replayed where the implementation is replayable and compiled, else planned on every call;
-    ``guard`` checks each exact input metadata once, before its plan."""
+    ``guard`` checks each exact input metadata once, before its plan; ``profile`` as
+    :func:`runner` takes it."""
+    plan = for_profile(impl.plan, profile)
     if impl.replayable and not impl.interpreted:
-        return Replay(impl.plan, config, transform, guard)
-    plan = impl.plan
+        return Replay(plan, config, transform, guard)
     if transform is None:
         return guarded(lambda args: run_plan(plan(args, config)), guard)
     return guarded(lambda args: run_plan(transform(plan(args, config))), guard)

@@ -55,10 +55,12 @@ Hardware comes from the device profile, never from constants in kernels. A plan 
 ``plan(args, config, profile)`` and a space as ``space(profile)``, ``profile`` being the
 :class:`~dlcore.declarations.device.DeviceProfile` of the device the inputs live on, as the backend
 that owns it describes it (:meth:`Registry.profile <dlcore.plugins.registry.Registry.profile>`, the
-object the dispatcher's ``Call`` carries): tuning passes ``Call.profile`` to the space; plans look
-it up by their inputs' device, once per device. Where no available backend owns the device (meta
-tensors while lowering, a space asked for without a device) it is :data:`UNKNOWN_DEVICE`: no cores
-known and every limit 0, and a limit of 0 bounds nothing.
+object the dispatcher's ``Call`` carries): tuning passes ``Call.profile`` to the space, the runner
+of a bound op or a selection passes it to the plans, the public function passes its inputs'
+device's; the custom op's body, which has no call, looks it up by its inputs' device. Where no
+available backend owns the device (meta tensors while lowering, a space asked for without a
+device) it is :data:`UNKNOWN_DEVICE`: no cores known and every limit 0, and a limit of 0 bounds
+nothing.
 """
 
 from __future__ import annotations
@@ -85,17 +87,6 @@ from dlcore.runtime.schema import BodyConfig, first_tensor, returns, same, scala
 from dlcore.runtime.torch_ops import CustomOpTritonImplementation, Launches, plain_eager_forward
 
 __all__ = ["UNKNOWN_DEVICE", "Backward", "Kernel", "Residuals", "define_kernel", "device_profile"]
-
-
-class _Implementation(CustomOpTritonImplementation):
-    """A template kernel's implementation: its space takes the device profile."""
-
-    def __init__(self, *args: Any, space_of: Callable[[DeviceProfile], SearchSpace] | None, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self._space_of = space_of
-
-    def space(self, profile: DeviceProfile | None = None) -> SearchSpace | None:
-        return None if self._space_of is None else self._space_of(profile or UNKNOWN_DEVICE)
 
 
 class Kernel:
@@ -149,8 +140,8 @@ class Kernel:
         self.differentiable = tuple(a.name for a in op.args if isinstance(a, TensorArg) and a.differentiable)
         if backward is not None:
             self._declare_backward(backward, namespace, default_config)
-        self.implementation = _Implementation(
-            op.name, name, plan=planned, kernels=kernels, default_config=default_config, space_of=space,
+        self.implementation = CustomOpTritonImplementation(
+            op.name, name, plan=plan, kernels=kernels, default_config=default_config, space=space,
             replayable=replayable, backward_plan=None if backward is None else self.backward_plan,
             custom_op=self.call_custom_op, dtypes=op.dtypes(), doc=doc, limits=limits,
         )
@@ -234,7 +225,7 @@ class Kernel:
             return tuple(t.copy_(r) for t, r in zip(tensors, result))
         return result
 
-    def backward_plan(self, args: tuple, config: Config) -> LaunchPlan:
+    def backward_plan(self, args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
         """The backward's launches for the forward's bound ``args`` (``dlcore lower``): the formula
         run on made-up output gradients, every declared-differentiable argument wanted, its backward
         call captured and planned instead of run."""
@@ -248,7 +239,7 @@ class Kernel:
         needs = {a.name: a.name in self.differentiable for a in self.op.args}
         capture = Capture(backward_op)
         backward.gradients(capture, SimpleNamespace(**{n: named[n] for n in backward.saved}), grads, needs)
-        return backward_op.plan(capture.calls[0], config, device_profile(args[self.first].device))
+        return backward_op.plan(capture.calls[0], config, profile)
 
     @hookimpl
     def dlcore_ops(self) -> list[Op]:
@@ -301,9 +292,9 @@ def define_kernel(
     """``op``'s :class:`Kernel`: its custom op, fake, autograd, implementation, public function and
     hooks (see the module docstring).
 
-    Its callables take the device profile: ``plan(args, config, profile)`` and ``space(profile)``.
-    A hand-made :class:`~dlcore.declarations.implementation.TritonImplementation` (a second
-    implementation of an existing op) takes ``plan(args, config)`` and ``space()`` instead.
+    Its callables take the device profile: ``plan(args, config, profile)`` and ``space(profile)``,
+    as a hand-made :class:`~dlcore.declarations.implementation.TritonImplementation`'s (a second
+    implementation of an existing op) do.
 
     :param plan: ``plan(args, config, profile)``: the launches for the op's bound ``args``.
     :param kernels: the ``@triton.jit`` functions the plans launch (lowering, source hash).

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from dlcore.declarations.device import UNKNOWN_DEVICE, DeviceProfile
 from dlcore.declarations.implementation import Config, LaunchPlan, TritonImplementation
 from dlcore.runtime.launch import run_plan
 from dlcore.runtime.replay import Replay
@@ -196,10 +197,10 @@ class CustomOpTritonImplementation(TritonImplementation):
         """Whether its custom op has an autograd formula (the kernel was given a ``Backward``)."""
         return self.backward_plan is not None
 
-    def run(self, args: tuple, config: Config) -> Any:
+    def run(self, args: tuple, config: Config, profile: DeviceProfile | None = None) -> Any:
         if torch.compiler.is_compiling() or (self.differentiable and needs_autograd(args)):
             return self.custom_op(args, config)
         if not self.differentiable:
             warn_forward_only(self, args)
-        return run_plan(self.plan(args, config))
+        return run_plan(self.plan(args, config, UNKNOWN_DEVICE if profile is None else profile))
 

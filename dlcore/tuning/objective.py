@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from dlcore.declarations.backend import Backend
+from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, Implementation, PlanTransform
 from dlcore.declarations.op import Op
 from dlcore.errors import InvalidOptionError, WrongResultError
@@ -28,7 +29,8 @@ class Objective:
     """``objective(config) -> milliseconds`` for one implementation on one set of inputs."""
 
     def __init__(self, op: Op, impl: Implementation, bound: tuple, backend: Backend, device: torch.device,
-                 check: str = "first", transform: PlanTransform | None = None, training: bool = False):
+                 check: str = "first", transform: PlanTransform | None = None, training: bool = False,
+                 profile: DeviceProfile | None = None):
         if check not in CHECKS:
             raise InvalidOptionError(f"check={check!r}; use one of {', '.join(CHECKS)}")
         self.op = op
@@ -38,6 +40,8 @@ class Objective:
         self.check = check
         self.transform = transform
         self.training = training
+        #: the device's profile the plans are called with (None: looked up by the inputs' device)
+        self.profile = profile
         self._inputs = clone_args(bound)
         self._pristine = clone_args(bound)
         self._reference: Reference | None = None
@@ -52,7 +56,8 @@ class Objective:
             return
         if self._reference is None:
             self._reference = Reference(self.op, self._pristine, training=self.training)
-        problem = wrong_result(runner(self.impl, config, self.transform), self._pristine, self._reference)
+        run = runner(self.impl, config, self.transform, profile=self.profile)
+        problem = wrong_result(run, self._pristine, self._reference)
         if problem is not None:
             raise WrongResultError(f"wrong result: {problem}")
         self._checked.add(key)
@@ -62,5 +67,5 @@ class Objective:
                 self.training and self.check != "none"):
             self.verify(config)
         self._evaluations += 1
-        run = step(runner(self.impl, config, self.transform), self._inputs, self.training)
+        run = step(runner(self.impl, config, self.transform, profile=self.profile), self._inputs, self.training)
         return self.backend.timer(run, self.device)

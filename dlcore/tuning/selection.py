@@ -201,7 +201,7 @@ def select(call: Call) -> Selection:
     for impl in call.candidates:
         config = configs[impl.name] = impl.default_config(call.signature, call.profile)
         try:
-            run = runner(impl, config, call.transform)
+            run = runner(impl, config, call.transform, profile=call.profile)
             problem = None
             if checking:
                 try:

@@ -31,7 +31,7 @@ def tune(
     signature, profile = call.signature, call.profile
     for impl in call.candidates:
         objective = Objective(call.op, impl, call.args, call.backend, call.device, check=policy.check,
-                              transform=call.transform, training=signature.training)
+                              transform=call.transform, training=signature.training, profile=profile)
         space = impl.space(profile)
         if space is None:
             space = SearchSpace(params=(), fixed=impl.default_config(signature, profile))

@@ -21,6 +21,7 @@ from dlcore.declarations.device import DeviceProfile  # noqa: E402
 from dlcore.declarations.implementation import KernelCall  # noqa: E402
 from dlcore.declarations.signature import make_signature  # noqa: E402
 from dlcore.runtime import replay  # noqa: E402
+from dlcore.runtime.profile import first_device  # noqa: E402
 from dlcore.runtime.template import device_profile  # noqa: E402
 from dlcore.testing import poison, strided_like  # noqa: E402
 
@@ -85,7 +86,7 @@ def run(launch):
     def _run(op, impl, args: tuple, config: dict | None = None):
         if config is None:
             config = impl.default_config(make_signature(op, args, args[0].device), device_profile(args[0].device))
-        return launch(impl.plan(args, config))
+        return launch(impl.plan(args, config, device_profile(first_device(args))))
 
     return _run
 

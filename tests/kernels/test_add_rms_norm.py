@@ -10,6 +10,7 @@ from dlblas_kernels.kernels.rms_norm import rms_norm_reference
 from gradients import check_backward
 
 from dlcore import InvalidInputError
+from dlcore.runtime.profile import device_profile
 from dlcore.testing import assert_close, randn, upcast
 
 TRITON = KERNEL.implementation
@@ -121,7 +122,7 @@ def test_zero_rows_launch_nothing(device, no_launch):
 
 def test_plan_on_meta_tensors_reads_no_data():
     x, w = torch.empty(6, 4, 100, device="meta"), torch.empty(100, device="meta", dtype=torch.float16)
-    plan = TRITON.plan((x, w, x, 1e-6), {"BLOCK_M": 2, "BLOCK_N": 64, "num_warps": 2})
+    plan = TRITON.plan((x, w, x, 1e-6), {"BLOCK_M": 2, "BLOCK_N": 64, "num_warps": 2}, device_profile(x.device))
     assert all(t.device.type == "meta" and t.shape == x.shape for t in plan.result)
     (call,) = plan.calls
     assert call.grid == (12,) and call.kwargs == {"BLOCK_M": 2, "BLOCK_N": 64, "ONE_BLOCK": False, "num_warps": 2}

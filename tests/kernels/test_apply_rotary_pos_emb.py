@@ -22,6 +22,7 @@ from gradients import check_backward
 from dlcore import InvalidInputError
 from dlcore.compiler.lowering import target_profile
 from dlcore.declarations.signature import make_signature
+from dlcore.runtime.profile import device_profile, first_device
 from dlcore.testing import assert_close, poison, randn, upcast
 
 TRITON = KERNEL.implementation
@@ -157,7 +158,7 @@ def test_zero_tokens_launch_nothing(device, no_launch):
 def test_plan_on_meta_tensors_reads_no_data():
     q, k = torch.empty(3, 10, 32, 128, device="meta"), torch.empty(3, 10, 8, 128, device="meta")
     cos = torch.empty(10, 128, device="meta")
-    plan = TRITON.plan((q, k, cos, cos, False, False), {"BLOCK_H": 16, "num_warps": 8})
+    plan = TRITON.plan((q, k, cos, cos, False, False), {"BLOCK_H": 16, "num_warps": 8}, device_profile(q.device))
     assert plan.result[0].shape == q.shape and plan.result[1].shape == k.shape
     (call,) = plan.calls
     # q: a token per program, its 32 heads in two steps of 16; k: 2 tokens of 8 heads per program
@@ -168,7 +169,8 @@ def test_plan_on_meta_tensors_reads_no_data():
     # q's tokens, sequence and first table row; k's tokens and sequence; heads; q's programs
     assert call.args[6:14] == (30, 10, 0, 30, 10, 32, 8, 30)
     assert call.args[30:33] == (0, 128, 1)  # cos shared by the batch: batch stride 0
-    (call,) = TRITON.plan((q[:, :, :4], k[:, :, :2], cos, cos, False, False), {"BLOCK_H": 8, "num_warps": 8}).calls
+    (call,) = TRITON.plan((q[:, :, :4], k[:, :, :2], cos, cos, False, False), {"BLOCK_H": 8, "num_warps": 8},
+                          device_profile(q.device)).calls
     # 4 q heads: 2 tokens per program (15 programs); 2 k heads: 4 tokens per program (8 programs)
     assert call.grid == (15 + 8,) and (call.kwargs["BLOCK_TQ"], call.kwargs["BLOCK_TK"]) == (2, 4)
     assert call.kwargs["num_warps"] == 4  # 8 rows of 128: 8 elements per thread with 4 warps
@@ -179,7 +181,7 @@ def test_default_config_rotates_a_token_per_program_in_steps_of_one_warp():
     cos = torch.empty(1, 4096, 128, device="meta")
     args = (q, k, cos, cos, False, False)
     config = TRITON.default_config(make_signature(OP, args, q.device), None)
-    (call,) = TRITON.plan(args, config).calls
+    (call,) = TRITON.plan(args, config, device_profile(first_device(args))).calls
     assert call.grid == (4096 + 2048,)  # q: a token per program, in two steps of 16 heads; k: 2 tokens of 8 heads
     assert (call.kwargs["BLOCK_TQ"], call.kwargs["BLOCK_HQ"], call.kwargs["BLOCK_HK"], call.kwargs["BLOCK_TK"],
             call.kwargs["num_warps"]) == (1, 16, 8, 2, 1)

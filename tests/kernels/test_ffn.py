@@ -29,6 +29,7 @@ from isolated import run_json
 from dlcore import InvalidInputError
 from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.signature import make_signature
+from dlcore.runtime.profile import device_profile, first_device
 from dlcore.runtime.template import UNKNOWN_DEVICE
 from dlcore.testing import assert_close, poison, randn, strided_like, tolerance, upcast
 
@@ -92,7 +93,7 @@ def test_decode_split_over_k(splits, k, n, dtype, device, gen, launch, launches)
     config = {**DECODE, "SPLIT_K": splits}
     for weights in ((w1, w3, None), (None, None, torch.cat([w1, w3]))):
         args = (x, weights[0], weights[1], rms_w, 1e-6, weights[2])
-        check(launch(TRITON.plan(args, config)), x, w1, w3, rms_w)
+        check(launch(TRITON.plan(args, config, device_profile(first_device(args)))), x, w1, w3, rms_w)
         got = launch(training_plan(args, config, UNKNOWN_DEVICE))
         for result, expected in zip(got, ffn_training_reference(*upcast(x, w1, w3, rms_w))):
             assert_close(result, expected, dtype, reduce_dim=k)
@@ -422,14 +423,15 @@ def test_plan_on_meta_tensors_reads_no_data():
     x = torch.empty(6, 40, 256, device="meta", dtype=torch.bfloat16)
     w = torch.empty(1000, 256, device="meta", dtype=torch.bfloat16)
     config = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
-    plan = TRITON.plan((x, w, w, torch.empty(256, device="meta"), 1e-6, None), config)
+    plan = TRITON.plan((x, w, w, torch.empty(256, device="meta"), 1e-6, None), config, device_profile(x.device))
     assert plan.result.device.type == "meta" and plan.result.shape == (6, 40, 1000)
     scale, gemm = plan.calls
     assert scale.grid == (240,) and [t.shape for t in plan.scratch] == [(240, 256), (240,)]
     assert gemm.kernel.__name__ == "gemm_kernel" and gemm.grid == (4 * 8, 1)
     assert gemm.kwargs["num_stages"] == 3 and gemm.kwargs["BLOCK_K"] == 64
     # 240 rows in one row block: one weight-streaming launch over the columns, the rows padded to 256
-    (stream,) = TRITON.plan((x, w, w, torch.empty(256, device="meta"), 1e-6, None), {**config, "BLOCK_M": 256}).calls
+    (stream,) = TRITON.plan((x, w, w, torch.empty(256, device="meta"), 1e-6, None), {**config, "BLOCK_M": 256},
+                            device_profile(x.device)).calls
     assert stream.kernel.__name__ == "ffn_decode_kernel" and stream.grid == (8, 1) and stream.kwargs["BLOCK_M"] == 256
 
 

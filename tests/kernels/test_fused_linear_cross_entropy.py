@@ -82,7 +82,7 @@ def test_plans_in_chunks_never_hold_the_whole_logits(reduction, device, gen, run
     training and backward plans give the composite's gradients, outputs poisoned first."""
     hidden, weight, labels, bias = inputs(40, 16, 60, torch.float32, device, gen, bias=True)
     args = (hidden, weight, labels, bias, -100, reduction, 0.0, None)
-    for made in (TRITON.plan(args, CHUNKED), training_plan(args, CHUNKED, profile)):
+    for made in (TRITON.plan(args, CHUNKED, profile), training_plan(args, CHUNKED, profile)):
         sizes = [t.numel() for call in made.calls for t in call.args if isinstance(t, torch.Tensor)]
         assert max(sizes) < 40 * 60 and 16 * 60 in sizes
     expected = fused_linear_cross_entropy_reference(*(a.double() if isinstance(a, torch.Tensor) and

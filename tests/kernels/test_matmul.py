@@ -24,6 +24,7 @@ import dlcore
 from dlcore import InvalidInputError
 from dlcore.compiler.lowering import target_profile
 from dlcore.declarations.signature import make_signature
+from dlcore.runtime.profile import device_profile, first_device
 from dlcore.testing import assert_close, randn, strided_like, upcast
 
 TRITON = KERNEL.implementation
@@ -318,7 +319,7 @@ def test_plan_on_meta_tensors_reads_no_data():
     a = torch.empty(6, 40, 256, device="meta", dtype=torch.bfloat16)
     b = torch.empty(1000, 256, device="meta", dtype=torch.bfloat16).T
     config = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3, SPLIT_K=1, TMA=0)
-    found = TRITON.plan(bound(a, b), config)
+    found = TRITON.plan(bound(a, b), config, device_profile(first_device(bound(a, b))))
     assert found.result.device.type == "meta" and found.result.shape == (6, 40, 1000)
     (call,) = found.calls
     assert call.grid == (4 * 8, 1)

@@ -18,6 +18,7 @@ from gradients import check_backward
 
 from dlcore import InvalidInputError
 from dlcore.declarations.signature import make_signature
+from dlcore.runtime.profile import device_profile, first_device
 from dlcore.runtime.template import UNKNOWN_DEVICE
 from dlcore.testing import assert_close, randn, upcast
 
@@ -114,7 +115,7 @@ def test_zero_tokens_launch_nothing(device, no_launch):
 
 def test_plan_on_meta_tensors_reads_no_data():
     args = inputs((2,), 7, 16, 128, 64, 128, torch.bfloat16, "meta", torch.Generator())
-    plan = TRITON.plan(args, {"BLOCK_H": 4, "num_warps": 4})
+    plan = TRITON.plan(args, {"BLOCK_H": 4, "num_warps": 4}, device_profile(first_device(args)))
     q_out, out_kv = plan.result
     assert q_out.shape == (2, 7, 16, 192) and out_kv.shape == (2, 7, 2, 16, 192)
     (call,) = plan.calls
@@ -183,7 +184,7 @@ def test_default_launches_at_deepseek_sizes(heads, forward, backward):
     on the H200 than one of 16), with about 32 elements per thread."""
     args = inputs((1,), 4096, heads, 128, 64, 128, torch.bfloat16, "meta", torch.Generator())
     config = TRITON.default_config(make_signature(OP, args, args[0].device), None)
-    (call,) = TRITON.plan(args, config).calls
+    (call,) = TRITON.plan(args, config, device_profile(first_device(args))).calls
     assert (call.kwargs["BLOCK_H"], call.kwargs["num_warps"]) == forward and call.grid == (4096, 1)
     q, k_pe, kv, cos, sin, nope, rope, v = args
     grads = (torch.empty(q.shape, dtype=q.dtype, device="meta"),

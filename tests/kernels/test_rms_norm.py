@@ -22,6 +22,7 @@ from gradients import check_backward
 from dlcore import InvalidInputError
 from dlcore.compiler.lowering import planning_for, target_profile
 from dlcore.declarations.signature import make_signature
+from dlcore.runtime.profile import device_profile
 from dlcore.runtime.template import UNKNOWN_DEVICE
 from dlcore.runtime.torch_ops import plain_eager
 from dlcore.testing import assert_close, poison, randn, upcast
@@ -93,7 +94,7 @@ def test_zero_rows_launch_nothing(device, no_launch):
 
 def test_plan_on_meta_tensors_reads_no_data():
     x, w = torch.empty(6, 4, 100, device="meta"), torch.empty(100, device="meta", dtype=torch.float16)
-    plan = TRITON.plan((x, w, 1e-6), {"BLOCK_M": 4, "BLOCK_N": 64, "num_warps": 2})
+    plan = TRITON.plan((x, w, 1e-6), {"BLOCK_M": 4, "BLOCK_N": 64, "num_warps": 2}, device_profile(x.device))
     assert plan.result.device.type == "meta" and plan.result.shape == x.shape
     (call,) = plan.calls
     assert call.grid == (6,) and call.kwargs == {"BLOCK_M": 4, "BLOCK_N": 64, "ONE_BLOCK": False, "num_warps": 2}

@@ -14,6 +14,7 @@ from dlblas_kernels.kernels.silu_and_mul import (
 from gradients import check_backward
 
 from dlcore import InvalidInputError
+from dlcore.runtime.profile import device_profile
 from dlcore.runtime.template import UNKNOWN_DEVICE
 from dlcore.testing import assert_close, randn, upcast
 
@@ -60,7 +61,7 @@ def test_zero_rows_launch_nothing(device, no_launch):
 
 def test_plan_on_meta_tensors_reads_no_data():
     x = torch.empty(6, 4, 2 * 100, device="meta", dtype=torch.bfloat16)
-    plan = TRITON.plan((x,), {"BLOCK_N": 64, "num_warps": 2})
+    plan = TRITON.plan((x,), {"BLOCK_N": 64, "num_warps": 2}, device_profile(x.device))
     assert plan.result.device.type == "meta" and plan.result.shape == (6, 4, 100)
     assert plan.result.dtype == torch.bfloat16
     (call,) = plan.calls

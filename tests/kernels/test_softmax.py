@@ -17,6 +17,7 @@ from dlcore import InvalidInputError
 from dlcore.compiler.lowering import target_profile
 from dlcore.declarations.signature import make_signature
 from dlcore.errors import NoDoubleBackwardError
+from dlcore.runtime.profile import device_profile
 from dlcore.runtime.template import UNKNOWN_DEVICE
 from dlcore.testing import assert_close, poison, randn, upcast
 
@@ -126,13 +127,13 @@ def test_zero_rows_launch_nothing(device, no_launch):
 def test_plan_on_meta_tensors_reads_no_data():
     x = torch.empty(6, 4, 100, device="meta", dtype=torch.bfloat16)
     config = {"BLOCK_M": 4, "BLOCK_N": 64, "num_warps": 2}
-    plan = TRITON.plan((x, -1), config)
+    plan = TRITON.plan((x, -1), config, device_profile(x.device))
     (call,) = plan.calls
     assert plan.result.shape == x.shape and plan.result.dtype == x.dtype
     assert call.grid == (6,) and call.kwargs == {"BLOCK_M": 4, "BLOCK_N": 64, "ONE_BLOCK": False, "INNER": False,
                                                   "num_warps": 2}
     # dim 1: 6 * 100 rows of 4 elements, (outer, inner) pairs; the block narrowed to the row
-    (call,) = TRITON.plan((x, 1), config).calls
+    (call,) = TRITON.plan((x, 1), config, device_profile(x.device)).calls
     assert call.grid == (150,) and call.args[2:5] == (600, 4, 100)
     assert call.kwargs == {"BLOCK_M": 4, "BLOCK_N": 16, "ONE_BLOCK": True, "INNER": True, "num_warps": 1}
     (call,) = backward_plan((x, x, -1), config, UNKNOWN_DEVICE).calls
@@ -226,7 +227,7 @@ def test_custom_op_passes_opcheck(device, gen):
 
 def test_poisoned_output_is_overwritten(device, gen):
     x = logits(3, 70, dtype=torch.float16, device=device, gen=gen)
-    plan = TRITON.plan((x, -1), LOOPING)
+    plan = TRITON.plan((x, -1), LOOPING, device_profile(x.device))
     poison(plan.result)
     assert_close(plan.run(), expected(x), torch.float16)
 

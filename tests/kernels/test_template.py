@@ -189,7 +189,7 @@ def test_space_and_backward_plan_take_a_profile(device):
     x = torch.empty(50, device="meta")
     config = KERNEL.implementation.default_config(make_signature(OP, (x, 2.0), x.device), UNKNOWN_DEVICE)
     # The backward's launches for lowering: the formula run on made-up gradients, its call planned.
-    (call,) = KERNEL.implementation.backward_plan((x, 2.0), config).calls
+    (call,) = KERNEL.implementation.backward_plan((x, 2.0), config, UNKNOWN_DEVICE).calls
     assert call.kernel is _scale_kernel and call.grid == (1,)
 
 

@@ -21,6 +21,7 @@ from gradients import leaves
 from dlcore import InvalidInputError
 from dlcore.declarations.device import planning_for
 from dlcore.declarations.signature import make_signature
+from dlcore.runtime.profile import first_device
 from dlcore.runtime.template import UNKNOWN_DEVICE, device_profile
 from dlcore.testing import assert_close, poison, randn
 from dlcore.tuning.verify import mismatch, reference_result
@@ -187,7 +188,7 @@ def launch(args, config=None):
     if config is None:
         device = args[0].device
         config = TRITON.default_config(make_signature(OP, args, device), device_profile(device))
-    plan = TRITON.plan(args, config)
+    plan = TRITON.plan(args, config, device_profile(first_device(args)))
     for t in plan.result:
         if t.is_floating_point():
             poison(t)
@@ -309,7 +310,7 @@ def test_opcheck(device, gen):
 
 def test_plan_on_meta_tensors_reads_no_data():
     logits = torch.empty(100, 64, device="meta", dtype=torch.bfloat16)
-    plan = TRITON.plan((logits, 8, 1.0, 2), {"BLOCK_S": 16, "num_warps": 4})
+    plan = TRITON.plan((logits, 8, 1.0, 2), {"BLOCK_S": 16, "num_warps": 4}, device_profile(logits.device))
     route, scan, assign = plan.calls
     assert route.grid == (7,) and route.kwargs == {"K": 8, "BLOCK_S": 16, "BLOCK_E": 64, "num_warps": 4}
     assert scan.grid == (4,) and scan.kwargs["BLOCK_EC"] == 16
@@ -348,7 +349,7 @@ def test_scan_tile_within_the_npu_unified_buffer():
         profile = target_profile(target)
         config = TRITON.default_config(make_signature(OP, (logits, 8, 1.0, 2), torch.device("meta")), profile)
         with planning_for(profile):
-            plan = TRITON.plan((logits, 8, 1.0, 2), config)
+            plan = TRITON.plan((logits, 8, 1.0, 2), config, device_profile(logits.device))
         select = plan.result[3]
         assert select.untyped_storage().nbytes() == (select.numel() + 1) * select.element_size()
         kwargs = plan.calls[1].kwargs
@@ -376,7 +377,7 @@ def test_token_blocks_within_the_npu_unified_buffer():
     logits = torch.empty(4096, 256, device="meta")
     config = {"BLOCK_S": 32, "num_warps": 16}
     with planning_for(npu):
-        forward = TRITON.plan((logits, 8, 1.0, 2), config)
+        forward = TRITON.plan((logits, 8, 1.0, 2), config, device_profile(logits.device))
     assert [forward.calls[i].kwargs["BLOCK_S"] for i in (0, 2)] == [8, 8] and forward.calls[0].grid == (512,)
 
 
@@ -387,7 +388,7 @@ def test_npu_assign_writes_dropped_choices_to_the_dump_slot(tokens, experts, k, 
     logits = randn(tokens, experts, device=device, generator=gen, scale=2.0)
     args = (logits, k, capacity_factor, 2)
     config = TRITON.default_config(make_signature(OP, args, logits.device), device_profile(logits.device))
-    plan = TRITON.plan(args, config)
+    plan = TRITON.plan(args, config, device_profile(first_device(args)))
     plan.calls[2].kwargs["DUMP_DROPPED"] = 1
     select = plan.result[3]
     with_dump = select.as_strided((select.numel() + 1,), (1,))

@@ -30,7 +30,7 @@ def _chunked_rms_norm(x_ptr, w_ptr, y_ptr, K, stride_xr, stride_xc, stride_yr, e
         tl.store(y_ptr + row * stride_yr + cols, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _plan(args, config):
+def _plan(args, config, profile):
     x, weight, eps = args
     x2 = as_rows(x)
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -50,7 +50,7 @@ CHUNKED = TritonImplementation(
     "rms_norm", "chunked",
     plan=_plan, kernels=(_chunked_rms_norm,),
     default_config=lambda signature, profile: {"CHUNK": 16},
-    space=lambda: SearchSpace([PowerOfTwo("CHUNK", 16, 128)]),
+    space=lambda profile: SearchSpace([PowerOfTwo("CHUNK", 16, 128)]),
     supports=_supports,
     dtypes=(torch.float16, torch.float32),
     doc="two passes in chunks of 16 (slow on purpose: selection must not pick it)",
