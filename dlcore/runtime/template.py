@@ -239,6 +239,8 @@ class Kernel:
         needs = {a.name: a.name in self.differentiable for a in self.op.args}
         capture = Capture(backward_op)
         backward.gradients(capture, SimpleNamespace(**{n: named[n] for n in backward.saved}), grads, needs)
+        if not capture.calls:  # a formula that made these gradients in the forward (scaled residuals): nothing
+            return LaunchPlan(calls=[], result=None)
         return backward_op.plan(capture.calls[0], config, profile)
 
     @hookimpl
