@@ -73,6 +73,8 @@ def label_args() -> tuple:
 def check_labels(op: Op, labels: torch.Tensor, rows: int, vocab: int, ignore_index: int, smoothing: float,
                  softcap: float | None) -> None:
     """The options and the labels: one per row, each in ``[0, vocab)`` or ``ignore_index``."""
+    if not -2**63 <= ignore_index < 2**63:
+        raise InvalidInputError(op.name, "ignore_index", f"is {ignore_index}", "an int64 (labels are compared with it)")
     if smoothing > 1:
         raise InvalidInputError(op.name, "label_smoothing", f"is {smoothing}", "a number in [0, 1]")
     if softcap is not None and softcap <= 0:
