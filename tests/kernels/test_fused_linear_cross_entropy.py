@@ -3,6 +3,7 @@ from __future__ import annotations
 import dlblas_kernels
 import pytest
 import torch
+from conftest import ON_GPU
 from dlblas_kernels.kernels.fused_linear_cross_entropy import (
     KERNEL,
     OP,
@@ -15,7 +16,7 @@ from dlblas_kernels.kernels.fused_linear_cross_entropy import (
 from gradients import leaves
 
 from dlcore import InvalidInputError
-from dlcore.testing import assert_close, randn
+from dlcore.testing import assert_close, randn, tolerance
 
 TRITON = KERNEL.implementation
 CHUNKED = {"CHUNK": 16, "BLOCK_V": 32, "num_warps": 1}  # ragged chunks, rows looping over blocks
@@ -153,3 +154,33 @@ def test_default_chunk():
     assert default_chunk(4096, 128256, 4096) == 256
     assert default_chunk(37, 100, 24) == 16
     assert dlblas_kernels.fused_linear_cross_entropy is fused_linear_cross_entropy
+
+
+@pytest.mark.skipif(not ON_GPU, reason="real sizes in bfloat16: a GPU's")
+@pytest.mark.parametrize("rows, width, vocab", [(4096, 4096, 128256), (1000, 3584, 152064)],
+                         ids=["llama3-8b-4096", "qwen2.5-7b-1000"])
+def test_real_sizes_in_bfloat16_hold_one_chunk_of_logits_above_the_gradients(rows, width, vocab):
+    """The loss and gradients against the float32 composite, and the peak memory of forward and
+    backward above the inputs and their gradients: one chunk's logits and small change, where the
+    composite holds the whole logits several times."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden = torch.randn(rows, width, device="cuda", generator=gen).bfloat16().requires_grad_()
+    weight = (torch.randn(vocab, width, device="cuda", generator=gen) / width ** 0.5).bfloat16().requires_grad_()
+    labels = torch.randint(0, vocab, (rows,), device="cuda", generator=gen)
+    labels[::7] = -100
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss = fused_linear_cross_entropy(hidden, weight, labels)
+    loss.backward()
+    torch.cuda.synchronize()
+    above = torch.cuda.max_memory_allocated() - base - 2 * (hidden.numel() + weight.numel())
+    chunk = default_chunk(rows, vocab, width) * vocab * 2
+    assert above <= 1.1 * chunk + 2**24, f"{above / 2**20:.0f} MiB above the gradients, a chunk {chunk / 2**20:.0f}"
+    h, w = (t.detach().float().requires_grad_() for t in (hidden, weight))
+    expected = torch.nn.functional.cross_entropy(h @ w.T, labels)
+    expected.backward()
+    atol, rtol = tolerance(torch.bfloat16, width)
+    torch.testing.assert_close(loss.float(), expected, atol=atol, rtol=rtol)
+    torch.testing.assert_close(hidden.grad.float(), h.grad, atol=atol, rtol=rtol)
+    torch.testing.assert_close(weight.grad.float(), w.grad, atol=atol, rtol=rtol)
