@@ -3,6 +3,7 @@ from __future__ import annotations
 import dlblas_kernels
 import pytest
 import torch
+from conftest import ON_GPU
 from dlblas_kernels.kernels.cross_entropy import (
     KERNEL,
     OP,
@@ -177,3 +178,20 @@ def test_custom_op_passes_opcheck(device, gen):
     x = logits(5, 24, dtype=torch.float32, device=device, gen=gen).requires_grad_()
     y = labels(5, 24, device, gen)
     torch.library.opcheck(torch.ops.dlblas.cross_entropy.default, (x, y, -100, "mean", 0.0, None, 0, 0))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="real sizes in bfloat16: a GPU's")
+@pytest.mark.parametrize("softcap", [None, 30.0], ids=["plain", "softcap"])
+def test_real_sizes_in_bfloat16(softcap):
+    """LLaMA-3's vocabulary at 4096 tokens: loss and gradient against the float32 composite."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = (4 * torch.randn(4096, 128256, device="cuda", generator=gen)).bfloat16().requires_grad_()
+    y = torch.randint(0, 128256, (4096,), device="cuda", generator=gen)
+    y[::7] = -100
+    loss = cross_entropy(x, y, label_smoothing=0.1, logit_softcap=softcap)
+    loss.backward()
+    x32 = x.detach().float().requires_grad_()
+    expected = cross_entropy_reference(x32, y, label_smoothing=0.1, logit_softcap=softcap)
+    expected.backward()
+    assert_close(loss, expected.detach(), torch.float32, reduce_dim=128256)
+    assert_close(x.grad, x32.grad, torch.bfloat16)
