@@ -37,11 +37,53 @@ PLUGIN_SOURCES = TESTS / "plugins"
 ASCEND_TOOLS = ("triton-adapter-opt", "bishengir-compile")
 
 
+#: parametrized tests whose first cases (in collection order) are the fast lane's sample; the rest
+#: are marked ``slow``, so the whole matrix runs in the slow lane (each of these took 6 to 35 s of
+#: the fast lane on a 2-core machine; the lane's budget is 6 minutes)
+FAST_SAMPLE = {
+    "tests/kernels/test_ffn.py::test_pair_tile_kernel": 2,
+    "tests/kernels/test_ffn.py::test_backward_matches_autograd": 2,
+    "tests/kernels/test_ffn.py::test_configs": 2,
+    "tests/kernels/test_ffn.py::test_pair_tile_split_last_wave": 1,
+    "tests/kernels/test_ffn.py::test_decode_split_over_k": 2,
+    "tests/kernels/test_fused_rotary_and_fa.py::test_backward_matches_reference": 3,
+    "tests/kernels/test_fused_rotary_and_fa.py::test_non_contiguous_inputs": 2,
+    "tests/kernels/test_fused_rotary_and_fa.py::test_matches_reference": 4,
+    "tests/kernels/test_attention_grad.py::test_rotary_gradients_match_autograd": 3,
+    "tests/kernels/test_attention_grad.py::test_tiles": 3,
+    "tests/kernels/test_flash_attention_v2.py::test_rotary_tiles": 3,
+    "tests/kernels/test_flash_attention_v2.py::test_warp_specialised_loop": 2,
+    "tests/kernels/test_attention_decode.py::test_matches_reference": 4,
+    "tests/kernels/test_gemm.py::test_epilogue": 10,
+    "tests/kernels/test_matmul.py::test_launch_paths": 6,
+    "tests/kernels/test_softmax.py::test_backward_plan_writes_every_output": 4,
+    "tests/kernels/test_softmax.py::test_any_dim": 6,
+    "tests/kernels/test_apply_rotary_pos_emb.py::test_configs": 4,
+    "tests/test_folding.py::test_registered_kernels_fold_bit_exactly": 2,
+}
+
+
+def _sampled(items: list[pytest.Item]) -> None:
+    """Mark ``slow`` the cases of :data:`FAST_SAMPLE`'s tests past each one's sample."""
+    seen: dict[str, int] = {}
+    for item in items:
+        function = item.nodeid.split("[")[0]
+        keep = FAST_SAMPLE.get(function)
+        if keep is None:
+            continue
+        seen[function] = seen.get(function, 0) + 1
+        if seen[function] > keep:
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects: the marks added here count
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``gpu`` need a CUDA device: without one they are skipped, and ``-m "not gpu"``
     leaves them out altogether. Tests marked ``ascend_tools`` (``@pytest.mark.ascend_tools`` or
     ``@pytest.mark.ascend_tools("bishengir-compile")``) are skipped, with the reason, unless each tool
-    is found and answers as itself (``nox -s ascend`` installs them)."""
+    is found and answers as itself (``nox -s ascend`` installs them). :data:`FAST_SAMPLE`'s tests
+    keep a sample of their cases in the fast lane."""
+    _sampled(items)
     no_gpu = pytest.mark.skip(reason="needs a CUDA device")
     missing: dict[tuple[str, ...], str | None] = {}
     for item in items:
