@@ -6,7 +6,8 @@ bound op call with the inputs.
 - any other Triton implementation: its plan, rewritten by the launch passes, through the warm
   launcher (:func:`dlcore.runtime.launch.run_plan`);
 - a custom-op implementation: the same, unless autograd or ``torch.compile`` must see the call
-  (:func:`dlcore.runtime.torch_ops.needs_autograd`), then its custom op;
+  (:func:`dlcore.runtime.torch_ops.through_custom_op`, the decision every route asks), then its
+  custom op;
 - a custom-op implementation without a backward (``define_kernel`` without ``Backward``), or a
   Triton implementation built without the template: its launches, with one
   :class:`~dlcore.runtime.torch_ops.ForwardOnlyWarning` the first time it runs on
@@ -31,7 +32,7 @@ from dlcore.declarations.implementation import Config, Implementation, PlanTrans
 from dlcore.runtime.launch import run_plan
 from dlcore.runtime.profile import for_profile
 from dlcore.runtime.replay import LIMIT, Replay, replay_key
-from dlcore.runtime.torch_ops import CustomOpTritonImplementation, needs_autograd, warn_forward_only
+from dlcore.runtime.torch_ops import CustomOpTritonImplementation, through_custom_op, warn_forward_only
 
 Runner = Callable[[tuple], Any]
 #: ``guard(args)`` raises for arguments a runner must not run (see the module doc)
@@ -89,23 +90,12 @@ def runner(impl: Implementation, config: Config, transform: PlanTransform | None
             return launch(args)
 
         return plain
-    if impl.differentiable:
-        train = guarded(lambda args: impl.custom_op(args, config), guard)
+    train = guarded(lambda args: impl.custom_op(args, config), guard)
 
-        def run(args: tuple) -> Any:
-            if needs_autograd(args):
-                return train(args)
-            return launch(args)
+    def run(args: tuple) -> Any:
+        return train(args) if through_custom_op(impl, args) else launch(args)
 
-        return run
-
-    def forward_only(args: tuple) -> Any:
-        if torch.compiler.is_compiling():
-            return impl.custom_op(args, config)
-        warn_forward_only(impl, args)
-        return launch(args)
-
-    return forward_only
+    return run
 
 
 def launches(impl: TritonImplementation, config: Config, transform: PlanTransform | None,

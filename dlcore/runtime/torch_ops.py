@@ -11,8 +11,9 @@ implementation and an autograd formula) whose trailing ``int`` arguments are the
 - ``torch.compile`` tracing: the public functions call only the custom op, which dynamo records as
   one node; its fake implementation validates the inputs, so bad inputs raise while tracing.
 
-:class:`CustomOpTritonImplementation` makes that choice in ``run``; the template's public functions
-make it too.
+:func:`through_custom_op` makes that choice, the one place that does: a bound op's runner
+(:mod:`dlcore.runtime.runner`) and :meth:`CustomOpTritonImplementation.run` (what a public function
+calls) both ask it.
 """
 
 from __future__ import annotations
@@ -88,6 +89,20 @@ def clear() -> None:
     (``dlcore.reset()``)."""
     _warned_forward_only.clear()
     _warned_no_gradient.clear()
+
+
+def through_custom_op(impl: TritonImplementation, args: Sequence[Any]) -> bool:
+    """Whether a call of ``impl`` on ``args`` goes through its custom op (every forward route asks
+    this): while ``torch.compile`` traces, or, for an implementation with a backward, when autograd
+    must record the call (:func:`needs_autograd`). Otherwise its launches run directly, and a
+    forward-only implementation on inputs that require grad warns once
+    (:class:`ForwardOnlyWarning`); a Triton implementation without a custom op always launches."""
+    if getattr(impl, "differentiable", False):
+        return needs_autograd(args)
+    if torch.compiler.is_compiling() and isinstance(impl, CustomOpTritonImplementation):
+        return True
+    warn_forward_only(impl, args)
+    return False
 
 
 def needs_autograd(args: Sequence[Any]) -> bool:
@@ -198,9 +213,7 @@ class CustomOpTritonImplementation(TritonImplementation):
         return self.backward_plan is not None
 
     def run(self, args: tuple, config: Config, profile: DeviceProfile | None = None) -> Any:
-        if torch.compiler.is_compiling() or (self.differentiable and needs_autograd(args)):
+        if through_custom_op(self, args):
             return self.custom_op(args, config)
-        if not self.differentiable:
-            warn_forward_only(self, args)
         return run_plan(self.plan(args, config, UNKNOWN_DEVICE if profile is None else profile))
 
