@@ -187,7 +187,7 @@ SPECIALIZE = """
 import importlib, json, torch
 import triton.runtime.jit
 from triton.backends.compiler import GPUTarget
-from dlcore.compiler.lowering import compile_call, launch_signature
+from dlcore.compiler.signatures import compile_call, launch_signature
 from dlcore.declarations.implementation import KernelCall
 from scale import scale_kernel
 
