@@ -185,8 +185,9 @@ def test_bad_epilogues_raise(profile, device):
 
 def test_descriptor_kernel_drops_stages_to_fit_its_epilogue():
     """A config tuned for the plain product (128x256 tiles, 3 stages: 208 KiB on sm_90) does not fit
-    beside the act_grad tile of a backward (Triton asked 240 KiB of the H200's 227): the launch
-    takes one stage less. The pointer kernel stages no output tile and keeps its config."""
+    beside the act_grad tile of a backward (Triton asked 240 KiB of the H200's 227) or the old
+    output of an accumulating product: the launch takes one stage less. The pointer kernel stages no
+    output tile and keeps its config."""
     from dlcore.compiler.lowering import target_profile
 
     hopper = target_profile("cuda:90")
@@ -198,6 +199,9 @@ def test_descriptor_kernel_drops_stages_to_fit_its_epilogue():
     plain, _ = gemm.gemm_calls(a, w.T, c, config, hopper)
     backward, _ = gemm.gemm_calls(a, w.T, c, config, hopper, epilogue=gemm.Epilogue(activation="silu", act_grad=c))
     assert (plain[0].kwargs["num_stages"], backward[0].kwargs["num_stages"]) == (3, 2)
+    # an accumulating product loads the old output the same way (3 stages asked 278 600 bytes on an H100)
+    accumulate, _ = gemm.gemm_calls(a, w.T, c, config, hopper, epilogue=gemm.Epilogue(accumulate=True))
+    assert accumulate[0].kwargs["num_stages"] == 2
     pointers, _ = gemm.gemm_calls(a, w.T, c, {**config, "TMA": 0}, hopper, epilogue=gemm.Epilogue(act_grad=c))
     assert pointers[0].kwargs["num_stages"] == 3
 
