@@ -28,6 +28,8 @@
 #              forward + backward (gating preset, vs its torch reference), fused_moe forward and backward
 #              (moe preset, vs the grouped_mm composite, the Triton kernel alone beside get_op's choice), and
 #              fused_moe with fp8 weights (moe-fp8 preset, vs its own bf16 path): about 4 minutes
+#   bench-loss fused_linear_cross_entropy (vs the eager composite and Liger-Kernel) and cross_entropy (vs torch and
+#              torch.compile), forward + backward, lm-head preset (issue #42)
 #   warp-specialize  the warp-specialised kernels (WARP_SPECIALIZE configs) against the defaults: the bf16 GEMM
 #              at M 4096 and 16384, the attention forward at D 128 (S 8192, causal and not); JSON lines in
 #              $OUT/ws_*.jsonl, each written as it goes (fp8_gemm never specialises: its space says why)
@@ -91,7 +93,7 @@ for stage in "$@"; do
         python3 -m dlcore.bench.landscape record partial_rotary_emb --shape $shape --dtype bfloat16 --workers 15 \
             --seconds "${ROTARY_SECONDS:-60}" --out "$OUT/partial_${shape//[=,]/_}.json" 2>&1 | tail -1
       done ;;
-    bench|bench-ops|bench-gemm|bench-gemm-bwd|bench-attention|bench-moe)
+    bench|bench-ops|bench-gemm|bench-gemm-bwd|bench-attention|bench-moe|bench-loss)
       # Every op's docs/results JSON (docs/performance.md is rendered from them):
       # OP:MODE:SHAPES:TOKENS:VS[:IMPLS] specs, one `dlcore bench` each, bf16, do_bench, 2 rounds;
       # results.tgz is rewritten after each, so what is done survives a time-out. BENCH_SPECS replaces the list,
@@ -117,12 +119,16 @@ for stage in "$@"; do
       moe=(fp8_gemm:fwd:deepseek-fp8::dequant topk_gating:fwd+bwd:gating::torch
            fused_moe:fwd:moe:1,64,4096,16384:torch:triton fused_moe:bwd:moe:1,64,4096,16384:torch:triton
            fused_moe:fwd:moe-fp8:64,4096,16384:bf16,torch:triton)
+      # issue #42: the LM head's loss on LLaMA-3-8B and Qwen2.5-7B at 4096 and 16384 tokens, forward + backward (the
+      # fused op refuses a second backward through one forward: its gradients are scaled in place)
+      loss=(fused_linear_cross_entropy:fwd+bwd:lm-head::torch,liger cross_entropy:fwd+bwd:lm-head::torch,compile)
       case $stage in
         bench) specs=("${ops[@]}" "${gemm[@]}") ;;
         bench-ops) specs=("${ops[@]}") ;;
         bench-gemm) specs=("${gemm[@]}") ;;
         bench-attention) specs=("${attention[@]}") ;;
         bench-moe) specs=("${moe[@]}") ;;
+        bench-loss) specs=("${loss[@]}") ;;
         *) specs=(ffn:bwd:gemm::torch,compile:triton,vendor) ;;
       esac
       [ -n "$BENCH_SPECS" ] && read -r -a specs <<< "$BENCH_SPECS"
