@@ -14,6 +14,7 @@ import torch
 from dlcore.compiler.lowering import target_profile
 from dlcore.declarations.implementation import KernelCall, LaunchPlan
 from dlcore.declarations.signature import make_signature
+from dlcore.errors import InvalidInputError
 from dlcore.plugins.registry import registry
 from dlcore.runtime import replay, template
 
@@ -38,9 +39,18 @@ def test_every_plan_is_replayable(name, sizes, target, monkeypatch):
     impls = [i for i in reg.implementations_of(name) if getattr(i, "replayable", False)]
     assert impls
     for impl in impls:
-        plan = impl.plan(args, impl.default_config(make_signature(op, args, CPU), profile), profile)
+        config = impl.default_config(make_signature(op, args, CPU), profile)
+        plan = impl.plan(args, config, profile)
         assert plan.calls
         assert replay.why_not_replayable(args, plan) is None
+        # a training call's plan, where the forward also computes what its backward reads
+        residuals = [k.residuals for k in list(template._kernels) if k.implementation is impl and k.residuals]
+        for training in residuals:
+            try:
+                training_plan = training.plan(args, config, profile)
+            except InvalidInputError:  # a path training refuses (fused_moe's fp8 weights are forward only)
+                continue
+            assert replay.why_not_replayable(args, training_plan) is None
 
 
 def _kernel(*args):  # stands for a compiled kernel: anything but Triton's InterpretedFunction
@@ -64,6 +74,10 @@ def test_why_not_replayable_names_an_undeclared_tensor():
     assert "argument 0" in replay.why_not_replayable((q, k), ambiguous)  # a view of q's storage, or of k's?
     shared = LaunchPlan(calls=[KernelCall(_kernel, (1,), (x,), {})], result=x[:2])
     assert "shares memory" in replay.why_not_replayable((x,), shared)
+    # tensors of no elements (all at address 0) hold no memory: they share none
+    empty_results = LaunchPlan(calls=[KernelCall(_kernel, (1,), (x, out), {})],
+                               result=(out, torch.empty(0), torch.empty(0)), scratch=(torch.empty(0),))
+    assert replay.why_not_replayable((x, torch.empty(0)), empty_results) is None
 
 
 def test_an_unreplayed_plan_warns_once():

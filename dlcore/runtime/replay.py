@@ -131,8 +131,9 @@ def _sources(args: tuple, results: list[torch.Tensor], scratch: tuple) -> _Sourc
     inputs = [a for a in args if isinstance(a, torch.Tensor)]
     input_index = {id(a): i for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
     pointers: dict[int, tuple[int, int]] = {}
+    # A tensor of no elements holds no memory: its address (0) tells nothing, and it shares nothing.
     for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
+        if isinstance(a, torch.Tensor) and a.numel():
             if a.data_ptr() in pointers:
                 # Two inputs at one address (sin passed as cos, say): a launch argument could not
                 # tell which one it is, and a later call may pass two different tensors.
@@ -145,22 +146,26 @@ def _sources(args: tuple, results: list[torch.Tensor], scratch: tuple) -> _Sourc
             specs.append(None)
             from_input[i] = input_index[id(r)]
             continue
-        if r.storage_offset() != 0 or r.data_ptr() in pointers or any(
-                r.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for x in inputs):
+        if r.numel() and (r.storage_offset() != 0 or r.data_ptr() in pointers or any(
+                r.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for x in inputs if x.numel())):
             raise NotReplayable("a result shares memory with an input or another result")
-        pointers[r.data_ptr()] = (1, i)
+        if r.numel():
+            pointers[r.data_ptr()] = (1, i)
         specs.append((tuple(r.shape), r.stride(), r.dtype, r.device))
     scratch_specs = []
     for i, t in enumerate(scratch):
-        if t.storage_offset() != 0 or t.data_ptr() in pointers:
+        if t.numel() and (t.storage_offset() != 0 or t.data_ptr() in pointers):
             raise NotReplayable("a scratch tensor shares memory with an input, a result or another")
-        pointers[t.data_ptr()] = (2, i)
+        if t.numel():
+            pointers[t.data_ptr()] = (2, i)
         scratch_specs.append((tuple(t.shape), t.stride(), t.dtype, t.device))
     storages: dict[int, tuple[int, int, torch.Tensor] | None] = {}
     tensors = [(0, i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     tensors += [(1, i, r) for i, r in enumerate(results) if specs[i] is not None]  # not an in-place op's input
     tensors += [(2, i, t) for i, t in enumerate(scratch)]
     for kind, index, t in tensors:
+        if not t.numel():
+            continue
         storage = t.untyped_storage().data_ptr()
         storages[storage] = None if storage in storages else (kind, index, t)
     return _Sources(pointers, specs, scratch_specs, from_input, storages)

@@ -150,9 +150,12 @@ def test_float64_takes_the_references_and_gradchecks(gen):
 
 
 def test_default_chunk():
-    assert default_chunk(16384, 128256, 4096) == 1024  # LLaMA-3: 263 MB of bf16 logits a chunk
-    assert default_chunk(4096, 128256, 4096) == 256
-    assert default_chunk(37, 100, 24) == 16
+    assert default_chunk(16384, 128256, 2) == 1024  # LLaMA-3: 263 MB of bf16 logits a chunk
+    assert default_chunk(4096, 128256, 2) == 1024
+    assert default_chunk(4096, 128256, 4) == 1024
+    assert default_chunk(4096, 2 * 262144, 2) == 512  # the logits' budget: 512 MiB
+    assert default_chunk(300, 128256, 2) == 512  # fewer rows: one chunk
+    assert default_chunk(5, 100, 4) == 16
     assert dlblas_kernels.fused_linear_cross_entropy is fused_linear_cross_entropy
 
 
@@ -175,7 +178,7 @@ def test_real_sizes_in_bfloat16_hold_one_chunk_of_logits_above_the_gradients(row
     loss.backward()
     torch.cuda.synchronize()
     above = torch.cuda.max_memory_allocated() - base - 2 * (hidden.numel() + weight.numel())
-    chunk = default_chunk(rows, vocab, width) * vocab * 2
+    chunk = default_chunk(rows, vocab, 2) * vocab * 2
     assert above <= 1.1 * chunk + 2**24, f"{above / 2**20:.0f} MiB above the gradients, a chunk {chunk / 2**20:.0f}"
     h, w = (t.detach().float().requires_grad_() for t in (hidden, weight))
     expected = torch.nn.functional.cross_entropy(h @ w.T, labels)

@@ -64,18 +64,27 @@ from dlcore.api import (
 
 DTYPES = xent.DTYPES
 ANY_LAYOUT = xent.ANY_LAYOUT
-#: the chunk rows the default config keeps within (a chunk's logits about as large as hidden, Liger's rule)
+#: the chunk rows the default config keeps within (see default_chunk)
 MIN_CHUNK, MAX_CHUNK = 16, 1024
+#: the most a chunk's logits take by default (a 262144-token vocabulary in bfloat16: 512 rows)
+LOGITS_BYTES = 512 << 20
 #: the bias gradient's column-sum tile
 BIAS_BLOCK_R, BIAS_BLOCK_V = 32, 128
 
 
-def default_chunk(rows: int, vocab: int, hidden: int) -> int:
-    """Rows per chunk: the power of two making a chunk's logits about as large as ``hidden``
-    (``rows * hidden / vocab`` rows), within MIN_CHUNK and MAX_CHUNK (at LLaMA-3's vocabulary,
-    1024 rows of bfloat16 logits are 263 MB)."""
-    want = cdiv(rows * hidden, max(vocab, 1))
-    return min(max(next_power_of_2(max(want, 1)), MIN_CHUNK), MAX_CHUNK)
+def default_chunk(rows: int, vocab: int, element_size: int = 2) -> int:
+    """Rows per chunk: MAX_CHUNK, fewer where the rows are fewer (one chunk) or a chunk's logits
+    would pass LOGITS_BYTES; at least MIN_CHUNK.
+
+    Each chunk reads and writes the whole weight gradient once (its accumulating GEMM), ``4 V H``
+    bytes in bfloat16, against the chunk's ``6 rows V H`` FLOPs: on an H100 (about 230 FLOPs a
+    byte) that traffic is about ``310 / rows`` of the GEMM time. Liger's rule (a chunk's logits as
+    large as ``hidden``: 256 rows at LLaMA-3's head and 4096 tokens) pays over a third more for it;
+    1024 rows of LLaMA-3's bfloat16 logits are 263 MB, a small part of what the composite holds
+    (docs/performance.md has the measured chunks)."""
+    by_memory = max(LOGITS_BYTES // max(vocab * element_size, 1), 1)
+    largest = 1 << (by_memory.bit_length() - 1)  # the power of two at most by_memory
+    return max(min(MAX_CHUNK, largest, next_power_of_2(max(rows, 1))), MIN_CHUNK)
 
 
 def _gemm_config(m: int, n: int, k: int, profile: DeviceProfile, element_size: int) -> Config:
@@ -276,9 +285,9 @@ def fused_linear_cross_entropy_backward_reference(
 
 
 def default_config(sig: Signature, profile: DeviceProfile) -> Config:
-    rows, hidden = sig.tensor("hidden").shape
+    hidden = sig.tensor("hidden")
     vocab = sig.tensor("weight").shape[0]
-    return {"CHUNK": default_chunk(rows, vocab, hidden), **xent.row_config(vocab)}
+    return {"CHUNK": default_chunk(hidden.shape[0], vocab, hidden.dtype.itemsize), **xent.row_config(vocab)}
 
 
 def space(profile: DeviceProfile) -> SearchSpace:
