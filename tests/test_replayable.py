@@ -75,9 +75,12 @@ def test_why_not_replayable_names_an_undeclared_tensor():
     shared = LaunchPlan(calls=[KernelCall(_kernel, (1,), (x,), {})], result=x[:2])
     assert "shares memory" in replay.why_not_replayable((x,), shared)
     # tensors of no elements (all at address 0) hold no memory: they share none
-    empty_results = LaunchPlan(calls=[KernelCall(_kernel, (1,), (x, out), {})],
-                               result=(out, torch.empty(0), torch.empty(0)), scratch=(torch.empty(0),))
-    assert replay.why_not_replayable((x, torch.empty(0)), empty_results) is None
+    none, unused = torch.empty(0), torch.empty(0)
+    empty_results = LaunchPlan(calls=[KernelCall(_kernel, (1,), (x, none, out), {})],
+                               result=(out, none, unused), scratch=(torch.empty(0),))
+    assert replay.why_not_replayable((x, torch.empty(0)), empty_results) is None  # none passed as itself
+    stray_empty = LaunchPlan(calls=[KernelCall(_kernel, (1,), (x, torch.empty(0), out), {})], result=(out, none))
+    assert "argument 1" in replay.why_not_replayable((x,), stray_empty)
 
 
 def test_an_unreplayed_plan_warns_once():

@@ -121,6 +121,8 @@ class _Sources:
     of it could not tell which one it is of)."""
 
     pointers: dict[int, tuple[int, int]]
+    #: the tensors of no elements (all at address 0), by identity
+    empties: dict[int, tuple[int, int]]
     results: list[tuple | None]
     scratch: list[tuple]
     from_input: dict[int, int]
@@ -160,20 +162,25 @@ def _sources(args: tuple, results: list[torch.Tensor], scratch: tuple) -> _Sourc
             pointers[t.data_ptr()] = (2, i)
         scratch_specs.append((tuple(t.shape), t.stride(), t.dtype, t.device))
     storages: dict[int, tuple[int, int, torch.Tensor] | None] = {}
+    empties: dict[int, tuple[int, int]] = {}
     tensors = [(0, i, a) for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
     tensors += [(1, i, r) for i, r in enumerate(results) if specs[i] is not None]  # not an in-place op's input
     tensors += [(2, i, t) for i, t in enumerate(scratch)]
     for kind, index, t in tensors:
         if not t.numel():
+            empties.setdefault(id(t), (kind, index))
             continue
         storage = t.untyped_storage().data_ptr()
         storages[storage] = None if storage in storages else (kind, index, t)
-    return _Sources(pointers, specs, scratch_specs, from_input, storages)
+    return _Sources(pointers, empties, specs, scratch_specs, from_input, storages)
 
 
 def _source(tensor: torch.Tensor, sources: _Sources) -> tuple[int, int, tuple | None] | None:
     """Where a launch's tensor argument comes from: an input, result or scratch tensor itself, or a
     view into the storage of exactly one of them with its dtype; None if neither."""
+    if not tensor.numel():
+        found = sources.empties.get(id(tensor))
+        return None if found is None else (*found, None)
     found = sources.pointers.get(tensor.data_ptr())
     if found is not None:
         return (*found, None)
