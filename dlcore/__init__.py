@@ -24,7 +24,7 @@ __all__ = [
     "get_op", "BoundOp",
     "Op", "TensorArg", "ScalarArg",
     "define_kernel", "Kernel", "Backward", "Residuals", "KernelCall", "LaunchPlan", "Config",
-    "Signature", "DeviceProfile", "as_rows", "cdiv", "next_power_of_2",
+    "Signature", "DeviceProfile", "as_rows", "cdiv", "next_power_of_2", "prev_power_of_2",
     "ensure_allocator",
     "Implementation", "TritonImplementation", "TorchImplementation", "VendorImplementation",
     "SearchSpace", "Choice", "PowerOfTwo", "IntRange", "Constraint", "num_warps", "num_stages",

@@ -36,7 +36,7 @@ from dlcore.declarations.implementation import (
 )
 from dlcore.declarations.layout import as_rows
 from dlcore.declarations.op import Op, ScalarArg, TensorArg
-from dlcore.declarations.signature import Signature, cdiv, next_power_of_2
+from dlcore.declarations.signature import Signature, cdiv, next_power_of_2, prev_power_of_2
 from dlcore.declarations.space import Choice, Constraint, IntRange, PowerOfTwo, SearchSpace, num_stages, num_warps
 from dlcore.dispatch.bound import BoundOp
 from dlcore.dispatch.dispatcher import FallbackWarning, get_op
@@ -75,7 +75,7 @@ __all__ = [
     "Op", "TensorArg", "ScalarArg",
     # writing a kernel: the template, its backward, the launches a plan returns
     "define_kernel", "Kernel", "Backward", "Residuals", "KernelCall", "LaunchPlan", "Config",
-    "Signature", "DeviceProfile", "as_rows", "cdiv", "next_power_of_2",
+    "Signature", "DeviceProfile", "as_rows", "cdiv", "next_power_of_2", "prev_power_of_2",
     # set Triton's allocator before launching a kernel that asks global scratch (device-side tensor descriptors)
     "ensure_allocator",
     # implementations of any kind

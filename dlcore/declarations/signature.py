@@ -85,6 +85,11 @@ def next_power_of_2(n: int) -> int:
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
+def prev_power_of_2(n: int) -> int:
+    """The power of two at or below ``n`` (1 for ``n`` of 1 or less)."""
+    return 1 if n <= 1 else 1 << (n.bit_length() - 1)
+
+
 def bucket_shape(shape: tuple[int, ...], policy: str | None) -> tuple[int, ...]:
     if policy is None or not shape:
         return tuple(shape)

@@ -60,6 +60,7 @@ from dlcore.api import (
     define_kernel,
     next_power_of_2,
     num_warps,
+    prev_power_of_2,
 )
 
 DTYPES = xent.DTYPES
@@ -78,13 +79,13 @@ def default_chunk(rows: int, vocab: int, element_size: int = 2) -> int:
 
     Each chunk reads and writes the whole weight gradient once (its accumulating GEMM), ``4 V H``
     bytes in bfloat16, against the chunk's ``6 rows V H`` FLOPs: on an H100 (about 230 FLOPs a
-    byte) that traffic is about ``310 / rows`` of the GEMM time. Liger's rule (a chunk's logits as
-    large as ``hidden``: 256 rows at LLaMA-3's head and 4096 tokens) pays over a third more for it;
-    1024 rows of LLaMA-3's bfloat16 logits are 263 MB, a small part of what the composite holds
-    (docs/performance.md has the measured chunks)."""
-    by_memory = max(LOGITS_BYTES // max(vocab * element_size, 1), 1)
-    largest = 1 << (by_memory.bit_length() - 1)  # the power of two at most by_memory
-    return max(min(MAX_CHUNK, largest, next_power_of_2(max(rows, 1))), MIN_CHUNK)
+    byte) that traffic is about ``310 / rows`` of the GEMM time when nothing hides it. Liger's rule
+    (a chunk's logits as large as ``hidden``: 256 rows at LLaMA-3's head and 4096 tokens) makes four
+    times the chunks, and the traffic most of the gap to the eager composite measured in
+    docs/performance.md; 1024 rows of LLaMA-3's bfloat16 logits are 263 MB, a small part of what
+    the composite holds."""
+    by_memory = prev_power_of_2(LOGITS_BYTES // max(vocab * element_size, 1))
+    return max(min(MAX_CHUNK, by_memory, next_power_of_2(rows)), MIN_CHUNK)
 
 
 def _gemm_config(m: int, n: int, k: int, profile: DeviceProfile, element_size: int) -> Config:

@@ -71,6 +71,7 @@ from dlcore.api import (
     define_kernel,
     next_power_of_2,
     num_warps,
+    prev_power_of_2,
 )
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -309,7 +310,7 @@ def loop_block(rows: int, cores: int) -> int:
     if not cores:
         return MIN_LOOP_BLOCK
     want = max(LOOP_ELEMENTS_PER_CORE * cores // max(rows, 1), 1)
-    return min(max(1 << (want.bit_length() - 1), MIN_LOOP_BLOCK), MAX_LOOP_BLOCK)
+    return min(max(prev_power_of_2(want), MIN_LOOP_BLOCK), MAX_LOOP_BLOCK)
 
 
 def heuristic_config(rows: int, n: int, cores: int) -> Config:
