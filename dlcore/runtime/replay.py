@@ -130,10 +130,10 @@ class _Sources:
 
 
 def _sources(args: tuple, results: list[torch.Tensor], scratch: tuple) -> _Sources:
-    inputs = [a for a in args if isinstance(a, torch.Tensor)]
+    # A tensor of no elements holds no memory: its address (0) tells nothing, and it shares nothing.
+    inputs = [a for a in args if isinstance(a, torch.Tensor) and a.numel()]
     input_index = {id(a): i for i, a in enumerate(args) if isinstance(a, torch.Tensor)}
     pointers: dict[int, tuple[int, int]] = {}
-    # A tensor of no elements holds no memory: its address (0) tells nothing, and it shares nothing.
     for i, a in enumerate(args):
         if isinstance(a, torch.Tensor) and a.numel():
             if a.data_ptr() in pointers:
@@ -148,17 +148,17 @@ def _sources(args: tuple, results: list[torch.Tensor], scratch: tuple) -> _Sourc
             specs.append(None)
             from_input[i] = input_index[id(r)]
             continue
-        if r.numel() and (r.storage_offset() != 0 or r.data_ptr() in pointers or any(
-                r.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for x in inputs if x.numel())):
-            raise NotReplayable("a result shares memory with an input or another result")
         if r.numel():
+            if r.storage_offset() != 0 or r.data_ptr() in pointers or any(
+                    r.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for x in inputs):
+                raise NotReplayable("a result shares memory with an input or another result")
             pointers[r.data_ptr()] = (1, i)
         specs.append((tuple(r.shape), r.stride(), r.dtype, r.device))
     scratch_specs = []
     for i, t in enumerate(scratch):
-        if t.numel() and (t.storage_offset() != 0 or t.data_ptr() in pointers):
-            raise NotReplayable("a scratch tensor shares memory with an input, a result or another")
         if t.numel():
+            if t.storage_offset() != 0 or t.data_ptr() in pointers:
+                raise NotReplayable("a scratch tensor shares memory with an input, a result or another")
             pointers[t.data_ptr()] = (2, i)
         scratch_specs.append((tuple(t.shape), t.stride(), t.dtype, t.device))
     storages: dict[int, tuple[int, int, torch.Tensor] | None] = {}
