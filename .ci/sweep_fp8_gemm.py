@@ -3,12 +3,18 @@ beside the dequantise-then-bf16-GEMM path and torch._scaled_mm; prints one JSON 
 and a summary (GPU time of CUDA-graph replays, medians; bf16 out).
 
     python3 .ci/sweep_fp8_gemm.py [block|tensor|row ...]   (default: block tensor)
+
+SWEEP_M=128,4096 (default 128,4096,16384) picks the row counts. Each row also times bf16 cuBLAS
+(``a @ b.T`` dequantised, what the fp8 targets are measured against) and the torch._scaled_mm
+candidate (``scaled_mm_tflops``; under block scales whatever its declines say, so that a host
+whose cuBLASLt takes blocks shows it).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 
 import torch
@@ -20,11 +26,13 @@ from dlblas_kernels.kernels.quantize_fp8 import quantize_fp8, quantize_fp8_refer
 from dlcore.declarations.signature import make_signature
 from dlcore.runtime.template import device_profile
 
-SHAPES = [(m, n, k) for m in (128, 4096, 16384) for n, k in ((7168, 2048), (2112, 7168), (24576, 1536),
+ROWS = tuple(int(m) for m in os.environ.get("SWEEP_M", "128,4096,16384").split(","))
+SHAPES = [(m, n, k) for m in ROWS for n, k in ((7168, 2048), (2112, 7168), (24576, 1536),
                                                             (7168, 16384), (4096, 7168))]
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K, TMA); never warp-specialised (fp8_gemm.space)
 CONFIGS = {
-    "block": [(128, 128, 128, 8, 4, 1, 1), (128, 128, 128, 4, 4, 1, 1), (64, 128, 128, 4, 5, 1, 1),
+    "block": [(128, 256, 128, 8, 3, 1, 1), (128, 256, 128, 16, 3, 1, 1), (64, 256, 128, 4, 3, 1, 1),
+              (128, 128, 128, 8, 4, 1, 1), (128, 128, 128, 4, 4, 1, 1), (64, 128, 128, 4, 5, 1, 1),
               (128, 128, 128, 8, 5, 1, 1), (256, 128, 128, 8, 3, 1, 1), (128, 64, 128, 4, 5, 1, 1),
               (64, 128, 128, 4, 4, 2, 1), (128, 128, 64, 8, 6, 1, 1), (128, 128, 128, 16, 4, 1, 1),
               (128, 128, 128, 16, 5, 1, 1), (256, 128, 128, 16, 3, 1, 1), (256, 128, 128, 16, 4, 1, 1)],
@@ -99,13 +107,16 @@ def main(granularities: list[str]) -> None:
             row["best_tflops"], row["heuristic_tflops"] = best, heur[0] if isinstance(heur, tuple) else None
             row["dequant_tflops"] = round(flops / bench(lambda args=args: F.dequant_gemm(*args)) / 1e9, 1)
             speedups.append(best / row["dequant_tflops"])
-            if gran != "block":
-                try:
-                    ms = bench(lambda args=args: vendor.fp8_gemm(*args))
-                    row["scaled_mm_tflops"] = round(flops / ms / 1e9, 1)
-                    vs_vendor.append(best / row["scaled_mm_tflops"])
-                except Exception as exc:  # noqa: BLE001
-                    row["scaled_mm_tflops"] = f"failed: {str(exc).splitlines()[0][:120]}"
+            a16, b16 = (t.to(torch.bfloat16) for t in F.dequantise(a, b, sa, sb, torch.float32))
+            row["bf16_cublas_tflops"] = round(flops / bench(lambda a16=a16, b16=b16: a16 @ b16.T) / 1e9, 1)
+            try:
+                out = vendor.fp8_gemm(*args).float()
+                row["scaled_mm_err"] = round(((out - reference).abs().max() / reference.abs().max()).item(), 5)
+                ms = bench(lambda args=args: vendor.fp8_gemm(*args))
+                row["scaled_mm_tflops"] = round(flops / ms / 1e9, 1)
+                vs_vendor.append(best / row["scaled_mm_tflops"])
+            except Exception as exc:  # noqa: BLE001
+                row["scaled_mm_tflops"] = f"failed: {str(exc).splitlines()[0][:120]}"
             print(json.dumps(row), flush=True)
         summary[gran] = {"geomean_vs_dequant": math.exp(sum(map(math.log, speedups)) / len(speedups)),
                          "geomean_vs_scaled_mm": (math.exp(sum(map(math.log, vs_vendor)) / len(vs_vendor))
@@ -114,5 +125,7 @@ def main(granularities: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    print(json.dumps({"torch": torch.__version__, "cuda": torch.version.cuda,
+                      "device": torch.cuda.get_device_name()}), flush=True)
     check_quantiser()
     main(sys.argv[1:] or ["block", "tensor"])

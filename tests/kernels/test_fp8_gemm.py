@@ -25,6 +25,7 @@ import dlcore
 from dlcore.cli.inventory import run_ops
 from dlcore.declarations.signature import make_signature
 from dlcore.errors import InvalidInputError
+from dlcore.runtime.profile import device_profile
 from dlcore.testing import assert_close, poison, tolerance
 
 # Interpreter-sized tiles; the descriptor kernel's persistent programs walk several tiles each.
@@ -132,19 +133,29 @@ def test_empty(device):
     assert out.shape == (0, 4) and out.dtype == torch.bfloat16
 
 
-def test_block_scales_clamp_wide_tiles(profile, gen):
-    """Under block scales a config's BLOCK_N above 128 runs as 128; the GEMM block refuses tiles
-    that straddle scale blocks."""
-    args = operands(gen, "block")
-    plan = F.plan((*args, torch.float32), {**SMALL, "BLOCK_N": 256, "TMA": 0}, profile)
-    assert plan.calls[0].kwargs["BLOCK_N"] == 128
-    a, b, a_scale, b_scale = args
+@pytest.mark.parametrize("tma", [0, 1])
+def test_block_scales_in_tiles_of_two_column_blocks(tma, profile, device, gen):
+    """Under block scales a tile of 256 columns spans two column blocks: both b-scales applied,
+    the second masked off in a last tile of 128 columns or fewer (N 300: 256 + 44)."""
+    if tma:
+        profile = dataclasses.replace(profile, arch="sm_90", cores=3 if device == "cpu" else profile.cores)
+    args = operands(gen, "block", n=300, device=device)
+    plan, out = run_plan((*args, torch.float32), {**SMALL, "BLOCK_N": 256, "TMA": tma}, profile)
+    assert plan.calls[0].kwargs["BLOCK_N"] == 256
+    assert_product(out, reference(*args), K)
+
+
+def test_block_scales_refuse_tiles_across_blocks(profile, gen):
+    """The GEMM block refuses K steps or tiles that straddle scale blocks, and epilogue scales
+    beside block scales."""
+    a, b, a_scale, b_scale = operands(gen, "block")
     c = torch.empty(M, N)
-    with pytest.raises(ValueError, match="BLOCK_K and BLOCK_N dividing 128"):
-        gemm.gemm_calls(a, b.T, c, {**SMALL, "BLOCK_K": 96}, profile, block_scales=gemm.BlockScales(a_scale, b_scale))
+    scales = gemm.BlockScales(a_scale, b_scale)
+    for bad in ({"BLOCK_K": 96}, {"BLOCK_N": 192}):
+        with pytest.raises(ValueError, match="BLOCK_K dividing 128 .* BLOCK_N dividing it or of 256"):
+            gemm.gemm_calls(a, b.T, c, {**SMALL, **bad}, profile, block_scales=scales)
     with pytest.raises(ValueError, match="replace the epilogue"):
-        gemm.gemm_calls(a, b.T, c, SMALL, profile, block_scales=gemm.BlockScales(a_scale, b_scale),
-                        epilogue=gemm.Epilogue(row_scale=a_scale[:, 0]))
+        gemm.gemm_calls(a, b.T, c, SMALL, profile, block_scales=scales, epilogue=gemm.Epilogue(row_scale=a_scale[:, 0]))
 
 
 def _bad(gen):
@@ -204,9 +215,10 @@ def test_space_never_warp_specialises(profile):
         assert "WARP_SPECIALIZE" in space.is_valid(dict(configs[0], WARP_SPECIALIZE=1))
 
 
-def test_scaled_mm_candidate_declines(profile, gen):
+def test_scaled_mm_candidate_declines(profile, gen, monkeypatch):
     hopper = dataclasses.replace(profile, backend="cuda", vendor="nvidia", arch="sm_90", cores=132)
     ampere = dataclasses.replace(hopper, arch="sm_80")
+    blackwell = dataclasses.replace(hopper, arch="sm_100")
 
     def declines(granularity, out_dtype=torch.bfloat16, where=hopper, m=8, n=48, k=256):
         args = (*operands(gen, granularity, m=m, n=n, k=k), out_dtype)
@@ -214,17 +226,46 @@ def test_scaled_mm_candidate_declines(profile, gen):
         return vendor.FP8_GEMM.supports(sig, where)
 
     assert declines("tensor") is None and declines("tensor", torch.float32) is None and declines("row") is None
-    assert "blocks" in declines("block")
+    monkeypatch.setattr(vendor, "_cuda_version", lambda: (12, 8))
+    assert "from CUDA 12.9" in declines("block")
+    monkeypatch.setattr(vendor, "_cuda_version", lambda: (13, 0))
+    assert declines("block") is None
+    assert "bfloat16" in declines("block", torch.float32)
+    assert "sm_90 only" in declines("block", where=blackwell)
     assert "bfloat16" in declines("row", torch.float16)
     assert "sm_89" in declines("tensor", where=ampere)
     assert "multiples of 16" in declines("tensor", n=40)
 
 
+def test_blockwise_scales_keep_values_and_take_cublas_layouts(gen):
+    """cuBLASLt's block-scale layouts: a_scale M-major, b.T's scales K-major with N strides padded
+    to 4 floats; values unchanged, quantize_fp8's M-major a_scale and K-aligned b_scale not copied."""
+    for m, kb, nb in ((37, 3, 2), (64, 56, 17), (5, 12, 1)):
+        m_major = torch.rand(kb, m, generator=gen).T
+        b_scale = torch.rand(nb, kb, generator=gen)
+        for a_scale in (m_major, m_major.contiguous()):
+            sa, sb = vendor.blockwise_scales(a_scale, b_scale)
+            assert torch.equal(sa, a_scale) and torch.equal(sb, b_scale.T)
+            assert sa.stride() == (1, m) and sb.stride()[0] == 1 and sb.stride()[1] % 4 == 0
+        assert sa.data_ptr() != m_major.data_ptr()
+        kept_a, kept_b = vendor.blockwise_scales(m_major, b_scale)
+        assert kept_a.data_ptr() == m_major.data_ptr()
+        assert (kept_b.data_ptr() == b_scale.data_ptr()) == (kb % 4 == 0)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch._scaled_mm needs a GPU from sm_89")
-@pytest.mark.parametrize("granularity", ["row", "tensor"])
-def test_scaled_mm_candidate(granularity, gen):
-    args = operands(gen, granularity, m=64, n=256, k=512, device="cuda")
-    assert_close(vendor.fp8_gemm(*args), reference(*args).to(torch.bfloat16), torch.bfloat16, reduce_dim=512)
+@pytest.mark.parametrize("granularity,m,n,k", [("row", 64, 256, 512), ("tensor", 64, 256, 512),
+                                                ("block", 64, 256, 512), ("block", 37, 272, 1536),
+                                                ("block", 300, 2112, 896)])
+def test_scaled_mm_candidate(granularity, m, n, k, gen):
+    args = operands(gen, granularity, m=m, n=n, k=k, device="cuda")
+    profile = device_profile(torch.device("cuda"))
+    sig = make_signature(F.OP, (*args, torch.bfloat16), torch.device("cuda"))
+    reason = vendor.FP8_GEMM.supports(sig, profile)
+    if reason is not None:
+        pytest.skip(reason)
+    out = vendor.fp8_gemm(*args)
+    assert_close(out, reference(*args).to(torch.bfloat16), torch.bfloat16, reduce_dim=k)
 
 
 def test_dequantise_baseline(gen):

@@ -289,20 +289,65 @@ fused_moe_plugin = VendorPlugin(FUSED_MOE)
 
 #: the first compute capability whose tensor cores take fp8, and the first where _scaled_mm scales per row
 FP8_MIN_SM, FP8_ROWWISE_MIN_SM = 89, 90
+#: cuBLASLt scales 1x128 blocks of a and 128x128 blocks of b on Hopper (sm_90) from CUDA 12.9
+FP8_BLOCKWISE_SM, FP8_BLOCKWISE_CUDA = 90, (12, 9)
+#: cuBLASLt reads each K column of the block scales as a 16-byte aligned run: columns padded to 4 floats
+_SCALE_ALIGN = 4
+
+
+def _cuda_version() -> tuple[int, ...]:
+    """The CUDA version torch was built with, ``(12, 9)``; ``()`` for a build without CUDA."""
+    return tuple(int(part) for part in (torch.version.cuda or "").split(".")[:2] if part.isdigit())
+
+
+def blockwise_scales(a_scale: torch.Tensor, b_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8_gemm's block scales in the layouts cuBLASLt takes them through ``torch._scaled_mm(a, b.T)``:
+    ``a_scale [M, K/128]`` M-major (strides ``(1, M)``: what quantize_fp8 gives, kept without a
+    copy) and ``b.T``'s ``[K/128, N/128]`` with unit K stride and the N stride a multiple of 4
+    (``b_scale [N/128, K/128]`` row-major with K/128 a multiple of 4 is kept without a copy; else
+    copied into padded rows)."""
+    m, kb = a_scale.shape
+    if a_scale.stride(0) != 1 or a_scale.stride(1) < max(m, 1):
+        a_scale = a_scale.T.contiguous().T
+    nb = b_scale.shape[0]
+    if b_scale.stride(1) != 1 or b_scale.stride(0) % _SCALE_ALIGN or b_scale.stride(0) < kb:
+        padded = torch.zeros(nb, -(-kb // _SCALE_ALIGN) * _SCALE_ALIGN, dtype=b_scale.dtype, device=b_scale.device)
+        padded[:, :kb] = b_scale
+        b_scale = padded[:, :kb]
+    return a_scale, b_scale.T
 
 
 def fp8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     """fp8_gemm by ``torch._scaled_mm``: ``b.T`` is the column-major operand it wants; per-row scales
-    go in as ``[M, 1]`` and ``[1, N]``, per-tensor as they are."""
-    scale_b = b_scale.T if b_scale.dim() == 2 else b_scale
-    return torch._scaled_mm(a, b.T, scale_a=a_scale, scale_b=scale_b, out_dtype=out_dtype)
+    go in as ``[M, 1]`` and ``[1, N]``, per-tensor as they are, block scales as
+    :func:`blockwise_scales` lays them out."""
+    if b_scale.dim() == 0:
+        scale_a, scale_b = a_scale, b_scale
+    elif tuple(b_scale.shape) == (b.shape[0], 1) and tuple(a_scale.shape) == (a.shape[0], 1):
+        scale_a, scale_b = a_scale, b_scale.T
+    else:
+        scale_a, scale_b = blockwise_scales(a_scale, b_scale)
+    return torch._scaled_mm(a, b.T, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+
+def _blockwise_declines(signature: Signature, profile: DeviceProfile) -> str | None:
+    """Why cuBLASLt's blockwise fp8 GEMM does not take ``signature``'s block scales, or None."""
+    if _sm(profile) != FP8_BLOCKWISE_SM:
+        return f"cuBLASLt scales fp8 in 1x128 and 128x128 blocks on sm_90 only (this is {profile.arch})"
+    if _cuda_version() < FP8_BLOCKWISE_CUDA:
+        return (f"cuBLASLt scales fp8 in blocks from CUDA 12.9; torch {torch.__version__} is built with "
+                f"CUDA {torch.version.cuda}")
+    if signature.scalar("out_dtype") != torch.bfloat16:
+        return "torch._scaled_mm scales in blocks with a bfloat16 output only"
+    return None
 
 
 def _scaled_mm_declines(signature: Signature, profile: DeviceProfile) -> str | None:
     """Why ``torch._scaled_mm`` does not take ``signature``, or None: it runs on NVIDIA GPUs from
     sm_89, scales per tensor (any output dtype) or, from sm_90, per row (bfloat16 output only);
-    never in blocks; row-major ``a`` and ``b`` (``b.T`` column-major), N and K multiples of 16."""
+    in 1x128 / 128x128 blocks on sm_90 from CUDA 12.9 (bfloat16 output only); row-major ``a``
+    and ``b`` (``b.T`` column-major), N and K multiples of 16."""
     if signature.device_type != "cuda" or profile.vendor != "nvidia" or _sm(profile) < FP8_MIN_SM:
         return f"torch._scaled_mm runs on NVIDIA GPUs from sm_{FP8_MIN_SM} (this is {profile.arch or 'none'})"
     a_scale, b_scale = signature.tensor("a_scale").shape, signature.tensor("b_scale").shape
@@ -317,12 +362,13 @@ def _scaled_mm_declines(signature: Signature, profile: DeviceProfile) -> str | N
         if _sm(profile) < FP8_ROWWISE_MIN_SM or signature.scalar("out_dtype") != torch.bfloat16:
             return "torch._scaled_mm scales per row on sm_90 and later, with a bfloat16 output only"
         return None
-    return "torch._scaled_mm takes per-tensor and per-row scales, not blocks"
+    return _blockwise_declines(signature, profile)
 
 
 FP8_GEMM = VendorImplementation(
     "fp8_gemm", "scaled_mm", fp8_gemm,
     library="torch._scaled_mm (cuBLASLt fp8 GEMM)", supports=_scaled_mm_declines,
-    doc="cuBLASLt's fp8 GEMM through torch._scaled_mm: per-tensor and per-row scales",
+    doc="cuBLASLt's fp8 GEMM through torch._scaled_mm: per-tensor and per-row scales; 1x128 / 128x128 blocks on "
+        "sm_90 from CUDA 12.9",
 )
 fp8_gemm_plugin = VendorPlugin(FP8_GEMM)

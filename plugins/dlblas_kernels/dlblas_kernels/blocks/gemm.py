@@ -56,8 +56,8 @@ column scales (a 0-dim scale read with stride 0). Blockwise scales (DeepSeek-V3:
 ceil(K/128)]`` per 1x128 of a row, ``b_scale [ceil(N/128), ceil(K/128)]`` per 128x128 block of
 ``b``; :class:`BlockScales`) are the loop's constexpr ``BLOCK_SCALED``: each K step's product is
 summed on its own and added scaled by its block's scales (:func:`block_scaled_dot`), which needs
-``BLOCK_K`` dividing 128 (a step inside one K block) and ``BLOCK_N`` dividing 128 (one b-scale per
-tile: a scalar load per step rather than a vector of per-column ones); under split-K the slices
+``BLOCK_K`` dividing 128 (a step inside one K block) and ``BLOCK_N`` dividing 128 or of 256 (one
+or two b-scales per tile: scalar loads per step rather than a vector of per-column ones); under split-K the slices
 are scaled before the reduce. The row scales of a tile are one load per step: an M-major
 ``a_scale`` (what ``quantize_fp8`` gives) makes it coalesced. For non-fp8 calls the new
 constexprs are off and the kernels compile as before (unused scale pointers and strides).
@@ -300,9 +300,10 @@ def _check_combination(e: Epilogue, swiglu: bool, split_k: int, block_scales: Bl
     if block_scales is not None:
         if e.row_scale is not None or e.col_scale is not None:
             raise ValueError("block scales replace the epilogue's row and column scales")
-        if SCALE_BLOCK.value % block_k or SCALE_BLOCK.value % block_n:
-            raise ValueError(f"block scales need BLOCK_K and BLOCK_N dividing {SCALE_BLOCK.value} (one scale of "
-                             f"each operand per K step), not {block_k} and {block_n}")
+        if SCALE_BLOCK.value % block_k or (SCALE_BLOCK.value % block_n and block_n != 2 * SCALE_BLOCK.value):
+            raise ValueError(f"block scales need BLOCK_K dividing {SCALE_BLOCK.value} (one K block per step) and "
+                             f"BLOCK_N dividing it or of {2 * SCALE_BLOCK.value} (one or two column blocks per tile), "
+                             f"not {block_k} and {block_n}")
 
 
 def _tma_call(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, tensors: tuple, swiglu: bool, e: Epilogue,

@@ -28,33 +28,41 @@ def grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
-def block_scaled_dot(acc, a, b, a_scale_ptrs, b_scale_ptr, mask_m, k, stride_sk, stride_tk):
-    """``acc + (a @ b) * a_scale[m, kb] * b_scale[kb]`` for the K step at ``k`` (in block ``kb = k //
-    128``): the step's product summed on its own, then scaled and added in float32 (DeepSeek-V3's
-    fp8 recipe: the tensor cores' partial sums are promoted every K block). ``a_scale_ptrs``: the
-    ``[BLOCK_M]`` row scales of K block 0 (``stride_sk`` apart per block); ``b_scale_ptr``: the
-    tile's column block's scale of K block 0 (``stride_tk`` apart)."""
+def block_scaled_dot(acc, a, b, a_scale_ptrs, b_scale_ptr, mask_m, k, stride_sk, stride_tk, stride_tn, n_left):
+    """``acc + (a @ b) * a_scale[m, kb] * b_scale[n // 128, kb]`` for the K step at ``k`` (in block
+    ``kb = k // 128``): the step's product summed on its own, then scaled and added in float32
+    (DeepSeek-V3's fp8 recipe: the tensor cores' partial sums are promoted every K block).
+    ``a_scale_ptrs``: the ``[BLOCK_M]`` row scales of K block 0 (``stride_sk`` apart per block);
+    ``b_scale_ptr``: the scale of the tile's first column block at K block 0 (``stride_tk`` apart
+    per K block, ``stride_tn`` per column block). A tile of 256 columns spans two column blocks:
+    two scalar loads, the second masked off where fewer than ``n_left`` > 128 columns remain."""
     kb = k // SCALE_BLOCK
     a_scale = tl.load(a_scale_ptrs + kb * stride_sk, mask=mask_m, other=0.0)
     b_scale = tl.load(b_scale_ptr + kb * stride_tk)
+    if b.shape[1] > SCALE_BLOCK:
+        b_scale2 = tl.load(b_scale_ptr + stride_tn + kb * stride_tk, mask=n_left > SCALE_BLOCK, other=0.0)
+        cols = tl.where(tl.arange(0, b.shape[1]) < SCALE_BLOCK, b_scale, b_scale2)
+        return acc + tl.dot(a, b) * (a_scale[:, None] * cols[None, :])
     return acc + tl.dot(a, b) * (a_scale[:, None] * b_scale)
 
 
 @triton.jit
 def dot_range(acc, a_ptrs, b_ptrs, mask_m, mask_n, offs_k, k_start, k_end, stride_ak, stride_bk,
               BLOCK_K: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-              a_scale_ptrs=None, b_scale_ptr=None, stride_sk=0, stride_tk=0, BLOCK_SCALED: tl.constexpr = False):
+              a_scale_ptrs=None, b_scale_ptr=None, stride_sk=0, stride_tk=0, stride_tn=0, n_left=0,
+              BLOCK_SCALED: tl.constexpr = False):
     """``acc`` plus the product of ``a``'s K range ``[k_start, k_end)`` with ``b``'s, loaded by pointers
     (``a_ptrs``: the ``[BLOCK_M, BLOCK_K]`` tile at ``k_start``, ``b_ptrs`` the ``[BLOCK_K, BLOCK_N]``
     one; the K strides 64-bit). Masked-off elements load as 0, so a ragged last slice adds nothing.
     BLOCK_SCALED: each step's product scaled by its K block's scales (:func:`block_scaled_dot`;
-    BLOCK_K divides 128, so a step lies in one block)."""
+    BLOCK_K divides 128, so a step lies in one block; ``n_left`` columns from the tile's first)."""
     for k in range(k_start, k_end, BLOCK_K):
         mask_k = offs_k < k_end - k
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         if BLOCK_SCALED:
-            acc = block_scaled_dot(acc, a, b, a_scale_ptrs, b_scale_ptr, mask_m, k, stride_sk, stride_tk)
+            acc = block_scaled_dot(acc, a, b, a_scale_ptrs, b_scale_ptr, mask_m, k, stride_sk, stride_tk,
+                                   stride_tn, n_left)
         else:
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
         a_ptrs += BLOCK_K * stride_ak
@@ -223,7 +231,8 @@ def gemm_kernel(
     elif BLOCK_SCALED:
         acc = dot_range(acc, a_ptrs, b_ptrs, mask_m, mask_n, offs_k, k_start, k_end, stride_ak, stride_bk,
                         BLOCK_K, INPUT_PRECISION, scale_ptr + offs_m * stride_sm,
-                        col_scale_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_tn, stride_sk, stride_tk, True)
+                        col_scale_ptr + (pid_n * BLOCK_N // SCALE_BLOCK) * stride_tn, stride_sk, stride_tk,
+                        stride_tn, N - pid_n * BLOCK_N, True)
     else:
         acc = dot_range(acc, a_ptrs, b_ptrs, mask_m, mask_n, offs_k, k_start, k_end, stride_ak, stride_bk,
                         BLOCK_K, INPUT_PRECISION)
@@ -287,7 +296,7 @@ def gemm_tma_kernel(
     stride of 0 for one scale of the whole tensor. BLOCK_SCALED: ``scale_ptr`` is ``a_scale [M,
     ceil(K/128)]`` (strides ``stride_sm, stride_sk``), ``col_scale_ptr`` is ``b_scale [ceil(N/128),
     ceil(K/128)]`` (``stride_tn, stride_tk``), applied to each K step in the loop; BLOCK_K divides
-    128 and BLOCK_N divides 128, so a step and a tile lie in one block of each."""
+    128, so a step lies in one K block, and BLOCK_N divides 128 or is 256 (two column blocks)."""
     if A_M_MAJOR:
         a_desc = tl.make_tensor_descriptor(a_ptr, shape=[K, M], strides=[stride_a, 1],
                                            block_shape=[BLOCK_K, BLOCK_M])
@@ -346,7 +355,8 @@ def gemm_tma_kernel(
             else:
                 b = b_desc.load([off_k, off_n])
             if BLOCK_SCALED:
-                acc = block_scaled_dot(acc, a, b, a_scale_ptrs, b_scale_ptr, scale_m < M, off_k, stride_sk, stride_tk)
+                acc = block_scaled_dot(acc, a, b, a_scale_ptrs, b_scale_ptr, scale_m < M, off_k, stride_sk, stride_tk,
+                                       stride_tn, N - off_n)
             else:
                 acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
             if SWIGLU:

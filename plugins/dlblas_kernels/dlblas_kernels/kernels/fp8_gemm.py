@@ -17,9 +17,9 @@ M, N and K need not be multiples of 128 (the tail blocks are partial); K must be
 
 The GEMM is :mod:`dlblas_kernels.blocks.gemm`'s, the same tile loops as ``matmul``: per-row and per-tensor
 scales are its epilogue's row and column scales (a 0-dim scale read with stride 0); block scales
-scale each K step's product inside the loop (``BLOCK_SCALED``), so ``BLOCK_K`` and ``BLOCK_N``
-must divide 128 there: a config's ``BLOCK_N`` above 128 runs as 128 under block scales (one
-b-scale per tile and K step: a scalar load, not a vector of per-column ones). fp8 ``tl.dot`` needs
+scale each K step's product inside the loop (``BLOCK_SCALED``), so ``BLOCK_K`` must divide 128
+there and ``BLOCK_N`` divide 128 or be 256 (one or two b-scales per tile and K step: scalar loads,
+not a vector of per-column ones; a wider config runs as 256). fp8 ``tl.dot`` needs
 sm_89 or later: on sm_80 the kernels do not compile (``dlcore ops`` says so).
 
 Precision: on Hopper, ``wgmma`` sums fp8 products inside the tensor cores with about 14
@@ -155,7 +155,7 @@ def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     epilogue, block_scales = gemm.Epilogue(), None
     if found is Granularity.BLOCK:
         block_scales = gemm.BlockScales(a_scale, b_scale)
-        config = {**config, "BLOCK_N": min(config["BLOCK_N"], BLOCK), "BLOCK_K": min(config["BLOCK_K"], BLOCK)}
+        config = {**config, "BLOCK_N": min(config["BLOCK_N"], 2 * BLOCK), "BLOCK_K": min(config["BLOCK_K"], BLOCK)}
     elif found is Granularity.ROW:
         epilogue = gemm.Epilogue(row_scale=a_scale[:, 0], col_scale=b_scale[:, 0])
     else:
