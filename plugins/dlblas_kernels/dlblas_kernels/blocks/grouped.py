@@ -201,10 +201,10 @@ def grouped_gemm_tile(
                 up_scale = b_scales + ((N + pid_n * BLOCK_N) // SCALE_BLOCK) * stride_tn
                 acc, acc3 = dot_range_pair(acc, acc, a_ptrs, b_ptrs, b_ptrs + b3_offset, mask_m, mask_n, offs_k, 0,
                                            K, step_a, step_b, step_b, BLOCK_K, INPUT_PRECISION, a_scale_ptrs,
-                                           tile_scale, up_scale, stride_sk, stride_tk, True)
+                                           tile_scale, up_scale, stride_sk, stride_tk, BLOCK_SCALED=True)
             else:
                 acc = dot_range(acc, a_ptrs, b_ptrs, mask_m, mask_n, offs_k, 0, K, step_a, step_b, BLOCK_K,
-                                INPUT_PRECISION, a_scale_ptrs, tile_scale, stride_sk, stride_tk, True)
+                                INPUT_PRECISION, a_scale_ptrs, tile_scale, stride_sk, stride_tk, BLOCK_SCALED=True)
                 acc3 = acc
         elif SWIGLU:
             acc, acc3 = dot_range_pair(acc, acc, a_ptrs, b_ptrs, b_ptrs + b3_offset, mask_m, mask_n, offs_k, 0, K,
