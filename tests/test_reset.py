@@ -96,8 +96,8 @@ def test_a_kernel_s_configs_and_recorded_launches_are_forgotten():
     x, w = torch.randn(3, 40), torch.randn(40)
     KERNEL.function(x, w)
     KERNEL.forward(x, w, 1e-6, *KERNEL.zeros)
-    assert KERNEL.function.configs and KERNEL.launches.replays
+    assert KERNEL.function.runner.seen and KERNEL.launches.replays
     reset()
-    assert not KERNEL.function.configs and not KERNEL.launches.replays
+    assert not KERNEL.function.runner.seen and not KERNEL.launches.replays
     torch.testing.assert_close(KERNEL.function(x, w), KERNEL.op.reference(x, w), rtol=1e-5, atol=1e-5)
 

@@ -9,13 +9,12 @@ from typing import Any
 
 import torch
 
-from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, TritonImplementation
 from dlcore.declarations.op import REQUIRED, Op
 from dlcore.declarations.signature import make_signature
 from dlcore.errors import DeclarationError, InvalidInputError
 from dlcore.runtime.profile import device_profile
-from dlcore.runtime.replay import LIMIT, replay_key
+from dlcore.runtime.runner import Runner
 
 
 def _on_the_cpu(op: Op, bound: tuple) -> InvalidInputError:
@@ -43,10 +42,12 @@ class PublicFunction:
     (every argument, or those before the trailing defaults) binds nothing; any other is bound by
     the op's argument names, a wrong arity raising ``TypeError`` as Python does for a function.
 
-    The heuristic config is worked out once per exact input metadata
-    (:func:`~dlcore.runtime.replay.replay_key`, the key the launches replay by), at most
-    :data:`~dlcore.runtime.replay.LIMIT` of them, the oldest dropped first; a call with another key
-    pays the signature and the heuristic, several times the key's cost."""
+    It runs through a :class:`~dlcore.runtime.runner.Runner` without a config, as a bound op
+    runs through one with its selected config: the inputs of each exact input metadata
+    (:func:`~dlcore.runtime.replay.replay_key`) validated and the heuristic config worked out
+    once, when the launches are recorded, replayed after; a call with new metadata pays the
+    validation, the signature, the heuristic and the plan. A condition on the data (fused_moe's
+    expert ids) is checked at the first call of each metadata, as a bound op checks it."""
 
     def __init__(self, op: Op, implementation: TritonImplementation,
                  custom_op: Callable[[tuple, Config | None], Any], *, first: int, differentiable: bool, module: str):
@@ -60,12 +61,12 @@ class PublicFunction:
         self.custom_op = custom_op
         self.first = first
         self.differentiable = differentiable
-        self.validate, self.default_config, self.run = op.validate, implementation.default_config, implementation.run
+        self.validate, self.default_config = op.validate, implementation.default_config
         # Compiled kernels cannot read host memory; the interpreter (TRITON_INTERPRET=1 when triton was
         # first imported) runs them on the CPU. Fixed for the process when the kernels are made.
         self.on_cpu = implementation.interpreted
-        #: the heuristic config and the device's profile, by exact input metadata
-        self.configs: dict[tuple, tuple[Config, DeviceProfile]] = {}
+        #: the implementation with its heuristic config, validated and replayed per exact input metadata
+        self.runner = Runner(implementation, None, guard=self.check, heuristic=self.heuristic)
         # Python's rule: a parameter keeps its default only if every later one has one too (ffn's optional
         # w1 and w3 come before the required rms_w: they are passed, as None where w13 replaces them).
         trailing = len(op.args)
@@ -129,26 +130,21 @@ class PublicFunction:
             # body takes them for float64, so gradcheck checks the backward formula against them; a
             # float64 tensor beside other floats is refused by the validation below, as before
             return self.custom_op(bound, None)
-        device = self.validate(bound)
-        if device.type == "meta":
+        if isinstance(first, torch.Tensor) and first.device.type == "meta":
             # no data to run a kernel on: the custom op's fake gives the outputs' shapes, as torch's ops do
             return self.custom_op(bound, None)
+        return self.runner(bound)
+
+    def check(self, bound: tuple) -> None:
+        """The op's validation of ``bound``, and that a compiled kernel is not handed CPU tensors."""
+        device = self.validate(bound)
         if device.type == "cpu" and not self.on_cpu:
             raise _on_the_cpu(self.op, bound)
-        configs = self.configs
-        key: tuple | None = replay_key(bound)
-        try:
-            chosen = configs.get(key)
-        except TypeError:  # an argument that cannot be a key (a list, say): worked out each call
-            key = chosen = None
-        if chosen is None:
-            profile = device_profile(device)
-            chosen = (self.default_config(make_signature(self.op, bound, device), profile), profile)
-            if key is not None:
-                if len(configs) >= LIMIT:
-                    del configs[next(iter(configs))]
-                configs[key] = chosen
-        return self.run(bound, chosen[0], chosen[1])
+
+    def heuristic(self, bound: tuple) -> Config:
+        """The heuristic config for ``bound``, on its device's profile."""
+        device = bound[self.first].device
+        return self.default_config(make_signature(self.op, bound, device), device_profile(device))
 
     def __get__(self, instance: Any, owner: type | None = None) -> PublicFunction:
         # A non-data descriptor, as a function is: help() and inspect read it as a routine (its

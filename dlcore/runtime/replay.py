@@ -25,6 +25,17 @@ from dlcore.runtime.launch import entry, grid3, run_compiled, run_plan
 LIMIT = 64
 
 _MISSING = object()
+#: an exact input checked by its guard, its launches not recorded (it ran through the custom op)
+CHECKED = object()
+
+
+def remember(entries: dict[tuple, Any], key: tuple, value: Any) -> None:
+    """``entries[key] = value``, the entry made the newest; at most :data:`LIMIT` kept, the oldest
+    dropped first."""
+    entries.pop(key, None)
+    if len(entries) >= LIMIT:
+        del entries[next(iter(entries))]
+    entries[key] = value
 
 
 def replay_key(args: tuple) -> tuple:
@@ -354,13 +365,14 @@ class Replay:
 
     __slots__ = ("plan", "config", "transform", "guard", "recordings")
 
-    def __init__(self, plan: Callable[[tuple, Any], LaunchPlan], config: Config | tuple,
+    def __init__(self, plan: Callable[[tuple, Any], LaunchPlan], config: Config | tuple | None,
                  transform: PlanTransform | None, guard: Callable[[tuple], None] | None = None):
         self.plan = plan
         self.config = config
         self.transform = transform
         self.guard = guard
-        self.recordings: dict[tuple, Recording | None] = {}
+        #: per exact input: its recording, None (not replayable: planned each call) or :data:`CHECKED`
+        self.recordings: dict[tuple, Recording | None | object] = {}
 
     def __call__(self, args: tuple) -> Any:
         key = replay_key(args)
@@ -372,21 +384,37 @@ class Replay:
             return run_plan(self._planned(args))
         if recording is None:
             return run_plan(self._planned(args))
-        if recording is not _MISSING:
-            if recording.hook is internals.found.runtime.add_stages_inspection_hook:
-                return recording.run(args)
-        elif self.guard is not None:
-            self.guard(args)
+        if recording is _MISSING:
+            if self.guard is not None:
+                self.guard(args)
+        elif recording is not CHECKED and recording.hook is internals.found.runtime.add_stages_inspection_hook:
+            return recording.run(args)
         plan = self._planned(args)
         result, recording = record(args, plan)
         if recording is None and plan.calls:
             _warn_not_replayed(self.plan, args, plan)
-        recordings = self.recordings
-        recordings.pop(key, None)
-        if len(recordings) >= LIMIT:
-            del recordings[next(iter(recordings))]
-        recordings[key] = recording
+        remember(self.recordings, key, recording)
         return result
+
+    def check(self, args: tuple) -> None:
+        """``guard(args)`` where this exact input metadata is new, remembered as :data:`CHECKED`: a
+        call that runs elsewhere (the custom op, under autograd) is checked once, as a replayed
+        one is; nothing while ``torch.compile`` traces (fake tensors have no address to key; the
+        custom op's fake validates)."""
+        if self.guard is None or torch.compiler.is_compiling():
+            return
+        try:
+            known = replay_key(args) in self.recordings
+        except TypeError:  # an argument that cannot be a key: checked on every call
+            self.guard(args)
+            return
+        if not known:
+            self.guard(args)
+            remember(self.recordings, replay_key(args), CHECKED)
+
+    def clear(self) -> None:
+        """Forget every exact input: each is checked and recorded again on its next call."""
+        self.recordings.clear()
 
     def _planned(self, args: tuple) -> LaunchPlan:
         plan = self.plan(args, self.config)

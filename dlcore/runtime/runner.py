@@ -1,112 +1,179 @@
-"""How a bound op runs its implementation: the function a selection, a search and ``get_op``'s
-bound op call with the inputs.
+"""How an implementation runs: the :class:`Runner` every route calls with the op's bound arguments
+(``get_op``'s bound op, a kernel's public function, a selection and a search).
 
-- a replayable Triton implementation on a device: its launches recorded once per exact input and
-  replayed after (:class:`dlcore.runtime.replay.Replay`);
-- any other Triton implementation: its plan, rewritten by the launch passes, through the warm
-  launcher (:func:`dlcore.runtime.launch.run_plan`);
-- a custom-op implementation: the same, unless autograd or ``torch.compile`` must see the call
-  (:func:`dlcore.runtime.torch_ops.through_custom_op`, the decision every route asks), then its
-  custom op;
-- a custom-op implementation without a backward (``define_kernel`` without ``Backward``), or a
-  Triton implementation built without the template: its launches, with one
-  :class:`~dlcore.runtime.torch_ops.ForwardOnlyWarning` the first time it runs on
-  inputs that require grad;
+A runner holds one implementation, one config (or None: the implementation's heuristic default for
+each exact input), and one table of the exact inputs it has seen (:func:`dlcore.runtime.replay.replay_key`).
+Per call it decides the route:
+
+- a custom-op implementation when autograd or ``torch.compile`` must see the call
+  (:func:`dlcore.runtime.torch_ops.through_custom_op`, the decision every route asks): its custom op;
+- else its launches: recorded once per exact input and replayed after where the implementation is
+  replayable and compiled (:class:`dlcore.runtime.replay.Replay`), else planned on every call,
+  rewritten by the launch passes, through the warm launcher (:func:`dlcore.runtime.launch.run_plan`);
+- a Triton implementation built without the template (no custom op, no backward): its launches,
+  with one :class:`~dlcore.runtime.torch_ops.ForwardOnlyWarning` the first time it runs on inputs
+  that require grad;
 - anything else: ``impl.run(args, config)``.
 
-A bound op hands its runner a guard (its check of inputs it was not made for): each path calls it
-once per exact input metadata (:func:`dlcore.runtime.replay.replay_key`) before running, a replay
-in its recording's place, the others through :class:`Guarded`; calls with metadata seen before
-skip it, and ``torch.compile`` tracing leaves it to the custom op's fake.
+A runner may hold a guard (a bound op's check of inputs it was not made for, a public function's
+validation): it runs once per exact input metadata, on whichever route sees it first, and is
+remembered in the same table as the recordings; calls with metadata seen before skip it, and
+``torch.compile`` tracing leaves it to the custom op's fake.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from dlcore.declarations.device import DeviceProfile
-from dlcore.declarations.implementation import Config, Implementation, PlanTransform, TritonImplementation
+from dlcore.declarations.implementation import Config, Implementation, LaunchPlan, PlanTransform, TritonImplementation
 from dlcore.runtime.launch import run_plan
 from dlcore.runtime.profile import for_profile
-from dlcore.runtime.replay import LIMIT, Replay, replay_key
+from dlcore.runtime.replay import Replay, remember, replay_key
 from dlcore.runtime.torch_ops import CustomOpTritonImplementation, through_custom_op, warn_forward_only
 
-Runner = Callable[[tuple], Any]
 #: ``guard(args)`` raises for arguments a runner must not run (see the module doc)
 Guard = Callable[[tuple], None]
+#: ``heuristic(args)``: the config of an implementation's default for these arguments
+Heuristic = Callable[[tuple], Config]
 
 
-class Guarded:
-    """``run`` behind ``guard``, which sees each exact input metadata once (at most :data:`LIMIT`
-    remembered, the oldest forgotten first) and each call whose arguments cannot be a key."""
+class Planned:
+    """``run(args, config)`` planned on every call, for implementations whose launches are not
+    replayed: ``guard`` sees each exact input metadata once, and the config of each (``config``,
+    or ``heuristic(args)`` where it is None) is worked out then and kept with it (at most
+    :data:`~dlcore.runtime.replay.LIMIT`, the oldest forgotten first); a call whose arguments
+    cannot be a key is checked and worked out each time."""
 
-    __slots__ = ("run", "guard", "seen")
+    __slots__ = ("run", "config", "heuristic", "guard", "configs")
 
-    def __init__(self, run: Runner, guard: Guard):
+    def __init__(self, run: Callable[[tuple, Config], Any], config: Config | None, heuristic: Heuristic | None,
+                 guard: Guard | None):
         self.run = run
+        self.config = config
+        self.heuristic = heuristic
         self.guard = guard
-        self.seen: dict[tuple, None] = {}
+        #: the config of each exact input seen
+        self.configs: dict[tuple, Config] = {}
 
     def __call__(self, args: tuple) -> Any:
         if torch.compiler.is_compiling():  # fake tensors have no address to key; the custom op's fake validates
-            return self.run(args)
-        key = replay_key(args)
+            return self.run(args, self._config(args))
         try:
-            if key in self.seen:
-                return self.run(args)
+            config = self.configs.get(replay_key(args))
         except TypeError:  # an argument that cannot be a key (a list, say): checked on every call
+            return self.run(args, self._first(args))
+        if config is None:
+            config = self._first(args)
+            remember(self.configs, replay_key(args), config)
+        return self.run(args, config)
+
+    def check(self, args: tuple) -> None:
+        """The guard of a call that runs elsewhere (the custom op), once per exact input metadata."""
+        if self.guard is None or torch.compiler.is_compiling():
+            return
+        try:
+            known = replay_key(args) in self.configs
+        except TypeError:
             self.guard(args)
-            return self.run(args)
-        self.guard(args)
-        seen = self.seen
-        if len(seen) >= LIMIT:
-            del seen[next(iter(seen))]
-        seen[key] = None
-        return self.run(args)
+            return
+        if not known:
+            remember(self.configs, replay_key(args), self._first(args))
+
+    def clear(self) -> None:
+        self.configs.clear()
+
+    def _first(self, args: tuple) -> Config:
+        if self.guard is not None:
+            self.guard(args)
+        return self._config(args)
+
+    def _config(self, args: tuple) -> Config:
+        return self.heuristic(args) if self.config is None else self.config
 
 
-def guarded(run: Runner, guard: Guard | None) -> Runner:
-    """``run``, behind ``guard`` when there is one."""
-    return run if guard is None else Guarded(run, guard)
+class Runner:
+    """``impl`` with ``config`` bound (None: its heuristic default per exact input, from
+    ``heuristic``), called with the op's bound arguments; see the module doc for the routes.
+
+    :param transform: rewrites each launch plan (the ``ast`` and ``launch`` compiler passes).
+    :param guard: checks each exact input metadata once, before it runs.
+    :param profile: the device's the plans are called with (``plan(args, config, profile)``: the
+        call's, ``Call.profile``; None: the profile of the inputs' device, looked up on each plan).
+    :param heuristic: the config where ``config`` is None (a public function's default).
+    """
+
+    __slots__ = ("impl", "config", "launches", "custom_op", "plain")
+
+    def __init__(self, impl: Implementation, config: Config | None, transform: PlanTransform | None = None,
+                 guard: Guard | None = None, profile: DeviceProfile | None = None,
+                 heuristic: Heuristic | None = None):
+        if config is None and heuristic is None:
+            raise ValueError("a runner without a config needs the heuristic that gives one")
+        self.impl = impl
+        self.config = config
+        #: the custom op's call where autograd or torch.compile must see it, else None
+        self.custom_op = impl.custom_op if isinstance(impl, CustomOpTritonImplementation) else None
+        #: a Triton implementation without a custom op: forward only by construction
+        self.plain = isinstance(impl, TritonImplementation) and self.custom_op is None
+        if isinstance(impl, TritonImplementation):
+            self.launches = launches(impl, config, transform, guard, profile, heuristic)
+        else:
+            self.launches = Planned(impl.run, config, heuristic, guard)
+
+    def __call__(self, args: tuple) -> Any:
+        if self.custom_op is not None:
+            if through_custom_op(self.impl, args):
+                self.launches.check(args)
+                return self.custom_op(args, self.config)
+        elif self.plain:
+            warn_forward_only(self.impl, args)
+        return self.launches(args)
+
+    @property
+    def seen(self) -> dict[tuple, Any]:
+        """The exact inputs this runner has seen (a recording or a config for each)."""
+        launched = self.launches
+        return launched.recordings if isinstance(launched, Replay) else launched.configs
+
+    def clear(self) -> None:
+        """Forget every exact input: each is checked, planned and recorded again on its next call."""
+        self.launches.clear()
 
 
 def runner(impl: Implementation, config: Config, transform: PlanTransform | None = None,
            guard: Guard | None = None, profile: DeviceProfile | None = None) -> Runner:
-    """``impl`` with ``config`` bound, taking the bound arguments; ``transform`` rewrites each
-    launch plan (the ``ast`` and ``launch`` compiler passes); ``guard`` checks each exact input
-    metadata once, before it runs; ``profile`` is the device's the plans are called with
-    (``plan(args, config, profile)``: the call's, ``Call.profile``; None: the profile of the
-    inputs' device, looked up on each plan)."""
-    if not isinstance(impl, TritonImplementation):
-        return guarded(lambda args: impl.run(args, config), guard)
-    launch = launches(impl, config, transform, guard, profile)
-    if not isinstance(impl, CustomOpTritonImplementation):
-        # Built without the template: no custom op and no backward, so forward only by construction.
-        def plain(args: tuple) -> Any:
-            warn_forward_only(impl, args)
-            return launch(args)
-
-        return plain
-    train = guarded(lambda args: impl.custom_op(args, config), guard)
-
-    def run(args: tuple) -> Any:
-        return train(args) if through_custom_op(impl, args) else launch(args)
-
-    return run
+    """A :class:`Runner` of ``impl`` with ``config``."""
+    return Runner(impl, config, transform, guard, profile)
 
 
-def launches(impl: TritonImplementation, config: Config, transform: PlanTransform | None,
-             guard: Guard | None = None, profile: DeviceProfile | None = None) -> Runner:
-    """``impl``'s launches with ``config``, autograd aside: recorded once per exact input and
-    replayed where the implementation is replayable and compiled, else planned on every call;
-    ``guard`` checks each exact input metadata once, before its plan; ``profile`` as
-    :func:`runner` takes it."""
+class _WithConfig:
+    """``plan(args, config)`` where a None config means ``heuristic(args)``'s (a replay's plan:
+    called only to record). It keeps the plan's name and module (what a NotReplayedWarning names)."""
+
+    def __init__(self, plan: Callable[[tuple, Config], LaunchPlan], heuristic: Heuristic):
+        functools.update_wrapper(self, plan)
+        self.plan = plan
+        self.heuristic = heuristic
+
+    def __call__(self, args: tuple, config: Config | None) -> LaunchPlan:
+        return self.plan(args, self.heuristic(args) if config is None else config)
+
+
+def launches(impl: TritonImplementation, config: Config | None, transform: PlanTransform | None,
+             guard: Guard | None = None, profile: DeviceProfile | None = None,
+             heuristic: Heuristic | None = None) -> Replay | Planned:
+    """``impl``'s launches with ``config`` (None: ``heuristic(args)``'s), autograd aside: recorded
+    once per exact input and replayed where the implementation is replayable and compiled, else
+    planned on every call; ``guard`` checks each exact input metadata once, before its plan;
+    ``profile`` as :class:`Runner` takes it."""
     plan = for_profile(impl.plan, profile)
     if impl.replayable and not impl.interpreted:
-        return Replay(plan, config, transform, guard)
+        return Replay(plan if config is not None else _WithConfig(plan, heuristic), config, transform, guard)
     if transform is None:
-        return guarded(lambda args: run_plan(plan(args, config)), guard)
-    return guarded(lambda args: run_plan(transform(plan(args, config))), guard)
+        return Planned(lambda args, chosen: run_plan(plan(args, chosen)), config, heuristic, guard)
+    return Planned(lambda args, chosen: run_plan(transform(plan(args, chosen))), config, heuristic, guard)

@@ -254,7 +254,7 @@ class Kernel:
     def clear(self) -> None:
         """Forget what its calls remembered: the public function's heuristic configs and the
         recorded launches of its custom op and of the backward op it declares."""
-        self.function.configs.clear()
+        self.function.runner.clear()
         self.launches.clear()
         if self.backward is not None:
             self.backward.launches.clear()

@@ -6,8 +6,8 @@
 ``hidden [T, H]``; ``topk_weights [T, k]`` (float32, or the hidden dtype) and ``topk_ids [T, k]``
 (int32 or int64; -1 drops a choice, which then contributes nothing). Every tensor may have any
 strides. Validation reads the range of ``topk_ids`` (one read back from the device: the public function
-pays it per call, ``get_op``'s bound ops when bound and at the first call of each exact input
-metadata); the kernels treat ids outside ``[0, E)`` as dropped all the same.
+and ``get_op``'s bound ops pay it at the first call of each exact input metadata, ``get_op`` when
+it binds); the kernels treat ids outside ``[0, E)`` as dropped all the same.
 
 The forward, six launches, none of them waiting on the host:
 
