@@ -75,7 +75,7 @@ def warm(device: str = "cuda") -> dict[str, float]:
         "kernel[grid](...) (output preallocated)": per_call_us(triton_launch),
         "kernel[grid](...) + torch.empty output": per_call_us(triton_launch_with_output),
         "bound op (get_op result)": per_call_us(lambda: bound(x)),
-        "dlblas_kernels.silu_and_mul (validates each call)": per_call_us(lambda: silu_module(x)),
+        "dlblas_kernels.silu_and_mul (public function)": per_call_us(lambda: silu_module(x)),
     }
     torch.cuda.synchronize()
     return results
