@@ -116,7 +116,7 @@ for stage in "$@"; do
       # issues #18 and #19: fp8_gemm on DeepSeek-V3's shapes against the dequantise-then-bf16 path,
       # topk_gating forward + backward against its torch reference, fused_moe against the grouped_mm composite
       # (forward and backward), and with fp8 weights against its own bf16 path
-      moe=(fp8_gemm:fwd:deepseek-fp8::dequant topk_gating:fwd+bwd:gating::torch
+      moe=(fp8_gemm:fwd:deepseek-fp8::dequant:triton,vendor topk_gating:fwd+bwd:gating::torch
            fused_moe:fwd:moe:1,64,4096,16384:torch:triton fused_moe:bwd:moe:1,64,4096,16384:torch:triton
            fused_moe:fwd:moe-fp8:64,4096,16384:bf16,torch:triton)
       # issue #42: the LM head's loss on LLaMA-3-8B and Qwen2.5-7B at 4096 and 16384 tokens, forward + backward (the
