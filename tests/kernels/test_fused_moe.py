@@ -12,6 +12,8 @@ routine, and the dequantised-weight comparison is made by that reference with to
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import ON_GPU
@@ -120,6 +122,46 @@ def test_forward_takes_any_strides_and_int64_ids(device, gen, run):
     args = (wide, w13.transpose(1, 2).contiguous().transpose(1, 2), w2.transpose(1, 2).contiguous().transpose(1, 2),
             weights.T.contiguous().T, ids.long().T.contiguous().T)
     check(run(OP, TRITON, (*args, None, None), SMALL), args)
+
+
+# The copy engine's GEMMs (blocks/grouped_tma.py): column tiles dividing INTER (48) and H (32).
+TMA = {**SMALL, "BLOCK_N": 16, "DOWN_BLOCK_N": 16, "TMA": 1}
+
+
+def _hopper(profile, device):
+    return dataclasses.replace(profile, arch="sm_90", cores=3 if device == "cpu" else profile.cores)
+
+
+def _kernels(plan):
+    return [call.kernel.__name__ for call in plan.calls]
+
+
+@pytest.mark.parametrize("experts", [E, 1])
+def test_forward_through_the_copy_engine(device, gen, profile, experts):
+    """Rows gathered into expert order, both GEMMs through tensor descriptors over every expert's
+    weight rows (an expert's tile ending where the next expert's rows begin), the down GEMM's rows
+    stored by slot; an empty expert, dropped choices, and one expert alone."""
+    dtype = torch.bfloat16 if ON_GPU else torch.float16
+    args = inputs(dtype, device, gen, experts=experts, topk=min(K, experts))
+    plan = moe.plan((*args, None, None), TMA, _hopper(profile, device))
+    assert _kernels(plan).count("grouped_tma_gemm_kernel") == 2
+    poison(plan.result)
+    check(plan.run(), args)
+
+
+def test_the_copy_engine_path_declines_what_it_cannot_read(device, gen, profile):
+    """Column tiles that do not divide I, float32 weights, a device without the persistent
+    descriptor kernel, or a training plan: the pointer kernels."""
+    hopper = _hopper(profile, device)
+    args = (*inputs(torch.float16, device, gen), None, None)
+    declined = [moe.plan(args, {**TMA, "BLOCK_N": 32}, hopper), moe.plan(args, TMA, profile)]
+    wide = (*inputs(torch.float32, device, gen), None, None)
+    declined.append(moe.plan(wide, TMA, hopper))
+    declined.append(moe.training_plan(args, TMA, hopper))
+    for plan in declined:
+        assert "grouped_tma_gemm_kernel" not in _kernels(plan)
+    assert moe.heuristic(4096, 8, 2, 2, hopper)["TMA"] == 1
+    assert moe.heuristic(4096, 256, 8, 2, hopper)["TMA"] == 0 and moe.heuristic(64, 8, 2, 2, hopper)["TMA"] == 0
 
 
 def test_nothing_routed_and_decode(device, gen):
@@ -425,6 +467,9 @@ def plans():
         out, gate, up = moe.training_outputs(*args)
         yield f"{tokens}", (80, 90), [moe.training_plan(args, config, hopper),
                                       moe.backward_plan((out, *args[:5], gate, up), config, hopper)]
+        if tokens > 8:  # Mixtral-like prefill, I a multiple of the column tiles: the copy engine's GEMMs
+            tma = (e(tokens, 256), e(8, 512, 256), e(8, 256, 256), *routing(tokens), None, None)
+            yield f"{tokens} tma", (90,), [moe.plan(tma, config, hopper)]
         # fp8: I = 256 (the SwiGLU output quantised in the epilogue), I = 208 (quantised by its own launch)
         for inter in (256, 208):
             fp8 = (e(tokens, 256), e(8, 2 * inter, 256, dtype=moe.FP8), e(8, 256, inter, dtype=moe.FP8),

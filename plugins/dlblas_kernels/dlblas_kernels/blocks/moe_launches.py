@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from dlblas_kernels.blocks import grouped
-from dlcore.api import Config, KernelCall, cdiv, next_power_of_2
+from dlblas_kernels.blocks import grouped, grouped_tma
+from dlcore.api import Config, DeviceProfile, KernelCall, cdiv, next_power_of_2
 
 # Widest column slice of the backward's elementwise programs, and the rows each takes.
 SWIGLU_BLOCK = 256
@@ -118,14 +118,29 @@ def sum_call(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, experts
 
 
 def forward_calls(args: tuple, config: Config, out: torch.Tensor, gate: torch.Tensor | None = None,
-                  up: torch.Tensor | None = None) -> tuple[list[KernelCall], tuple]:
+                  up: torch.Tensor | None = None,
+                  profile: DeviceProfile | None = None) -> tuple[list[KernelCall], tuple]:
     """The forward's launches and scratch with 16-bit or float32 weights into ``out`` (and the
-    pre-activations ``gate`` and ``up``, where the training plan stores them)."""
+    pre-activations ``gate`` and ``up``, where the training plan stores them). A config with
+    ``TMA`` 1 runs the inference forward's GEMMs through the copy engine
+    (:mod:`dlblas_kernels.blocks.grouped_tma`) where the device and the weights let it."""
     hidden, w13, w2, topk_weights, topk_ids = args[:5]
     tokens, h, experts, inter, topk = dims(hidden, w13, topk_ids)
     calls, align, scratch = grouped.align_calls(topk_ids, topk_weights, experts, config["BLOCK_M"])
-    act = torch.empty(tokens * topk, inter, dtype=hidden.dtype, device=hidden.device)
     y = torch.empty(tokens * topk, h, dtype=hidden.dtype, device=hidden.device)
+    if gate is None and config.get("TMA", 0) and grouped_tma.fits(profile, w13, w2, config):
+        rows = torch.empty(align.places, h, dtype=hidden.dtype, device=hidden.device)
+        act = torch.empty(align.places, inter, dtype=hidden.dtype, device=hidden.device)
+        calls += [
+            grouped.gather_call(align, hidden, rows, topk),
+            grouped_tma.grouped_tma_call(align, rows, w13, act, up_config(config), profile.cores, swiglu=True,
+                                         scatter=False, scale=False),
+            grouped_tma.grouped_tma_call(align, act, w2, y, down_config(config), profile.cores, swiglu=False,
+                                         scatter=True, scale=True),
+            sum_call(y, topk_ids, out, experts),
+        ]
+        return calls, (*scratch, *align.scratch(), rows, act, y)
+    act = torch.empty(tokens * topk, inter, dtype=hidden.dtype, device=hidden.device)
     calls += [
         grouped.grouped_call(align, hidden, w13, act, up_config(config), gather=True, scatter=True, a_div=topk,
                              swiglu=True, pre=gate, pre3=up, input_precision=PRECISION),

@@ -12,6 +12,9 @@ DECODE_ROWS = 16
 # Mean rows per expert from which fp8 weights' gate/up GEMM runs 16 warps (its two 128 x 128 float32
 # accumulators and each K step's scaled products in 128 registers a thread, where 8 warps spill).
 FP8_WIDE_ROWS = 512
+# Few large experts (Mixtral's 8), many rows each: the GEMMs through the copy engine (blocks/grouped_tma.py)
+# where the device has it, the rows gathered once into expert order.
+TMA_MAX_EXPERTS, TMA_ROWS = 16, 256
 # Declared for 16-bit inputs; a float32 config that overflows shared memory fails to compile and the
 # tuner records it as failed.
 SPACE_ELEMENT_BYTES = 2
@@ -29,7 +32,7 @@ def tile_config(block_m: int, up: tuple[int, int, int, int], down: tuple[int, in
     """A config from the row block and each GEMM's ``(BLOCK_N, BLOCK_K, warps, stages)``."""
     return {"BLOCK_M": block_m, "BLOCK_N": up[0], "BLOCK_K": up[1], "GROUP_M": 8, "num_warps": up[2],
             "num_stages": up[3], "DOWN_BLOCK_N": down[0], "DOWN_BLOCK_K": down[1], "DOWN_WARPS": down[2],
-            "DOWN_STAGES": down[3]}
+            "DOWN_STAGES": down[3], "TMA": 0}
 
 
 def _up_bytes(c: Config, element_size: int = SPACE_ELEMENT_BYTES) -> int:
@@ -51,7 +54,10 @@ def heuristic(tokens: int, experts: int, topk: int, element_size: int, profile: 
     - up to 64: 64-row blocks, 64 columns per gate/up accumulator, 128 for the down GEMM;
     - more: 128-row blocks, 128 x 128 per gate/up accumulator (8 warps, 3 stages), 128 x 256 down
       tiles in 4 stages; 4 gate/up stages with 128-column down tiles, 64-column gate/up tiles, K
-      steps of 128 and 64-row blocks are slower.
+      steps of 128 and 64-row blocks are slower. With at most TMA_MAX_EXPERTS experts and
+      TMA_ROWS rows each (Mixtral's prefill), 16-bit: the same tiles through the copy engine
+      (``TMA`` 1, :mod:`dlblas_kernels.blocks.grouped_tma`; the down GEMM in 3 stages), which
+      the plan takes where the device and the weights allow.
 
     float32 halves the K step; pipelining stages are dropped while the tiles overflow the device's
     shared memory (no bound where the profile knows none).
@@ -81,6 +87,8 @@ def heuristic(tokens: int, experts: int, topk: int, element_size: int, profile: 
         config = tile_config(64, (64, 64, 4, 4), (128, 64, 4, 4))
     else:
         config = tile_config(128, (128, 64, 8, 3), (256, 64, 8, 4))
+        if experts <= TMA_MAX_EXPERTS and rows >= TMA_ROWS and element_size == 2:
+            config = {**config, "DOWN_STAGES": 3, "TMA": 1}
     if element_size > 2:
         config["BLOCK_K"] //= 2
         config["DOWN_BLOCK_K"] //= 2
@@ -148,6 +156,7 @@ def space(profile: DeviceProfile) -> SearchSpace:
             PowerOfTwo("DOWN_BLOCK_K", 32, 256),
             Choice("DOWN_WARPS", (4, 8)),
             Choice("DOWN_STAGES", (2, 3, 4, 5)),
+            Choice("TMA", (0, 1)),
         ],
         [
             *fits,

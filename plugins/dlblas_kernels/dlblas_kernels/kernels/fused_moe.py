@@ -68,7 +68,7 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import is_fake  # torch's own test for fake tensors; no public one
 
-from dlblas_kernels.blocks import grouped
+from dlblas_kernels.blocks import grouped, grouped_tma
 from dlblas_kernels.blocks.moe_launches import (
     backward_calls,
     backward_outputs,
@@ -125,10 +125,10 @@ ANY_LAYOUT = ("contiguous", "rows", "strided")
 # --- plans ---------------------------------------------------------------------------------------------
 
 def _forward(args: tuple, config: Config, out: torch.Tensor, gate: torch.Tensor | None = None,
-             up: torch.Tensor | None = None) -> tuple[list[KernelCall], tuple]:
+             up: torch.Tensor | None = None, profile: DeviceProfile | None = None) -> tuple[list[KernelCall], tuple]:
     if args[1].dtype == FP8:
         return fp8_forward_calls(args, config, out)
-    return forward_calls(args, config, out, gate, up)
+    return forward_calls(args, config, out, gate, up, profile)
 
 
 def _empty(args: tuple) -> bool:
@@ -150,7 +150,7 @@ def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     out = output(*args)
     if _empty(args):
         return LaunchPlan(calls=_zeros_call(out, args[4]), result=out)
-    calls, scratch = _forward(args, config, out)
+    calls, scratch = _forward(args, config, out, profile=profile)
     return LaunchPlan(calls=calls, result=out, scratch=scratch)
 
 
@@ -421,7 +421,7 @@ FP8_KERNELS = (*(k.__name__ for k in grouped.FP8_KERNELS), "block_quantize_kerne
 
 KERNEL = define_kernel(
     OP, plan,
-    kernels=(*grouped.KERNELS, *grouped.FP8_KERNELS, Q.block_quantize_kernel, moe_sum_kernel,
+    kernels=(*grouped.KERNELS, *grouped.FP8_KERNELS, *grouped_tma.KERNELS, Q.block_quantize_kernel, moe_sum_kernel,
              moe_swiglu_backward_kernel),
     results=output,
     default_config=default_config,
