@@ -124,7 +124,8 @@ class BoundOp:
     layout, device or exact shape.
     """
 
-    __slots__ = ("op", "impl", "config", "selection", "signature", "profile", "cache_key", "kinds", "_run", "_nargs")
+    __slots__ = ("op", "impl", "config", "selection", "signature", "profile", "cache_key", "kinds", "runner", "_run",
+                 "_nargs")
 
     def __init__(self, op: Op, impl: Implementation, selection: Selection, signature: Signature,
                  profile: DeviceProfile, cache_key: str, transform: PlanTransform | None = None,
@@ -138,7 +139,8 @@ class BoundOp:
         self.cache_key = cache_key
         #: each candidate's kind in words (``Implementation.describe``), for ``explain``
         self.kinds = kinds or {impl.name: impl.describe()}
-        self._run = runner(impl, self.config, transform, InputCheck(op, impl, signature, profile), profile)
+        self.runner = runner(impl, self.config, transform, InputCheck(op, impl, signature, profile), profile)
+        self._run = self.runner.call
         self._nargs = len(op.args)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

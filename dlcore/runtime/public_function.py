@@ -67,6 +67,7 @@ class PublicFunction:
         self.on_cpu = implementation.interpreted
         #: the implementation with its heuristic config, validated and replayed per exact input metadata
         self.runner = Runner(implementation, None, guard=self.check, heuristic=self.heuristic)
+        self._run = self.runner.call
         # Python's rule: a parameter keeps its default only if every later one has one too (ffn's optional
         # w1 and w3 come before the required rms_w: they are passed, as None where w13 replaces them).
         trailing = len(op.args)
@@ -133,7 +134,7 @@ class PublicFunction:
         if isinstance(first, torch.Tensor) and first.device.type == "meta":
             # no data to run a kernel on: the custom op's fake gives the outputs' shapes, as torch's ops do
             return self.custom_op(bound, None)
-        return self.runner(bound)
+        return self._run(bound)
 
     def check(self, bound: tuple) -> None:
         """The op's validation of ``bound``, and that a compiled kernel is not handed CPU tensors."""

@@ -107,7 +107,7 @@ class Runner:
     :param heuristic: the config where ``config`` is None (a public function's default).
     """
 
-    __slots__ = ("impl", "config", "launches", "custom_op", "plain")
+    __slots__ = ("impl", "config", "launches", "custom_op", "plain", "call")
 
     def __init__(self, impl: Implementation, config: Config | None, transform: PlanTransform | None = None,
                  guard: Guard | None = None, profile: DeviceProfile | None = None,
@@ -124,15 +124,31 @@ class Runner:
             self.launches = launches(impl, config, transform, guard, profile, heuristic)
         else:
             self.launches = Planned(impl.run, config, heuristic, guard)
+        #: ``call(args)``: the route decided and run (a closure over the parts: the warm path's cost)
+        self.call = self._routes()
+
+    def _routes(self) -> Callable[[tuple], Any]:
+        impl, config, custom_op, launched = self.impl, self.config, self.custom_op, self.launches
+        if custom_op is not None:
+            check = launched.check
+
+            def call(args: tuple) -> Any:
+                if through_custom_op(impl, args):
+                    check(args)
+                    return custom_op(args, config)
+                return launched(args)
+
+            return call
+        if self.plain:
+            def plain(args: tuple) -> Any:
+                warn_forward_only(impl, args)
+                return launched(args)
+
+            return plain
+        return launched
 
     def __call__(self, args: tuple) -> Any:
-        if self.custom_op is not None:
-            if through_custom_op(self.impl, args):
-                self.launches.check(args)
-                return self.custom_op(args, self.config)
-        elif self.plain:
-            warn_forward_only(self.impl, args)
-        return self.launches(args)
+        return self.call(args)
 
     @property
     def seen(self) -> dict[tuple, Any]:

@@ -229,34 +229,34 @@ def test_scaled_mm_candidate_declines(profile, gen, monkeypatch):
     monkeypatch.setattr(vendor, "_cuda_version", lambda: (12, 8))
     assert "from CUDA 12.9" in declines("block")
     monkeypatch.setattr(vendor, "_cuda_version", lambda: (13, 0))
-    assert declines("block") is None
-    assert "bfloat16" in declines("block", torch.float32)
-    assert "sm_90 only" in declines("block", where=blackwell)
+    assert declines("block", k=512) is None and declines("block", k=2048) is None
+    assert "multiple of 4" in declines("block", k=896)
+    assert "bfloat16" in declines("block", torch.float32, k=512)
+    assert "sm_90 only" in declines("block", where=blackwell, k=512)
     assert "bfloat16" in declines("row", torch.float16)
     assert "sm_89" in declines("tensor", where=ampere)
     assert "multiples of 16" in declines("tensor", n=40)
 
 
 def test_blockwise_scales_keep_values_and_take_cublas_layouts(gen):
-    """cuBLASLt's block-scale layouts: a_scale M-major, b.T's scales K-major with N strides padded
-    to 4 floats; values unchanged, quantize_fp8's M-major a_scale and K-aligned b_scale not copied."""
-    for m, kb, nb in ((37, 3, 2), (64, 56, 17), (5, 12, 1)):
+    """cuBLASLt's block-scale layouts: a_scale M-major, b.T's scales K-major; values unchanged,
+    quantize_fp8's M-major a_scale and a row-major b_scale not copied."""
+    for m, kb, nb in ((36, 4, 2), (64, 56, 17), (8, 12, 1)):
         m_major = torch.rand(kb, m, generator=gen).T
         b_scale = torch.rand(nb, kb, generator=gen)
         for a_scale in (m_major, m_major.contiguous()):
             sa, sb = vendor.blockwise_scales(a_scale, b_scale)
             assert torch.equal(sa, a_scale) and torch.equal(sb, b_scale.T)
-            assert sa.stride() == (1, m) and sb.stride()[0] == 1 and sb.stride()[1] % 4 == 0
+            assert sa.stride() == (1, m) and sb.stride() == (1, kb)
         assert sa.data_ptr() != m_major.data_ptr()
         kept_a, kept_b = vendor.blockwise_scales(m_major, b_scale)
-        assert kept_a.data_ptr() == m_major.data_ptr()
-        assert (kept_b.data_ptr() == b_scale.data_ptr()) == (kb % 4 == 0)
+        assert kept_a.data_ptr() == m_major.data_ptr() and kept_b.data_ptr() == b_scale.data_ptr()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch._scaled_mm needs a GPU from sm_89")
 @pytest.mark.parametrize("granularity,m,n,k", [("row", 64, 256, 512), ("tensor", 64, 256, 512),
                                                 ("block", 64, 256, 512), ("block", 37, 272, 1536),
-                                                ("block", 300, 2112, 896)])
+                                                ("block", 300, 2112, 2048), ("block", 300, 2112, 896)])
 def test_scaled_mm_candidate(granularity, m, n, k, gen):
     args = operands(gen, granularity, m=m, n=n, k=k, device="cuda")
     profile = device_profile(torch.device("cuda"))

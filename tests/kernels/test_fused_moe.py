@@ -154,7 +154,8 @@ def test_the_copy_engine_path_declines_what_it_cannot_read(device, gen, profile)
     descriptor kernel, or a training plan: the pointer kernels."""
     hopper = _hopper(profile, device)
     args = (*inputs(torch.float16, device, gen), None, None)
-    declined = [moe.plan(args, {**TMA, "BLOCK_N": 32}, hopper), moe.plan(args, TMA, profile)]
+    ampere = dataclasses.replace(profile, arch="sm_80")
+    declined = [moe.plan(args, {**TMA, "BLOCK_N": 32}, hopper), moe.plan(args, TMA, ampere)]
     wide = (*inputs(torch.float32, device, gen), None, None)
     declined.append(moe.plan(wide, TMA, hopper))
     declined.append(moe.training_plan(args, TMA, hopper))

@@ -291,7 +291,7 @@ fused_moe_plugin = VendorPlugin(FUSED_MOE)
 FP8_MIN_SM, FP8_ROWWISE_MIN_SM = 89, 90
 #: cuBLASLt scales 1x128 blocks of a and 128x128 blocks of b on Hopper (sm_90) from CUDA 12.9
 FP8_BLOCKWISE_SM, FP8_BLOCKWISE_CUDA = 90, (12, 9)
-#: cuBLASLt reads each K column of the block scales as a 16-byte aligned run: columns padded to 4 floats
+#: cuBLASLt reads the block scales in 16-byte aligned runs of 4 floats, with no padding between them
 _SCALE_ALIGN = 4
 
 
@@ -302,19 +302,27 @@ def _cuda_version() -> tuple[int, ...]:
 
 def blockwise_scales(a_scale: torch.Tensor, b_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8_gemm's block scales in the layouts cuBLASLt takes them through ``torch._scaled_mm(a, b.T)``:
-    ``a_scale [M, K/128]`` M-major (strides ``(1, M)``: what quantize_fp8 gives, kept without a
-    copy) and ``b.T``'s ``[K/128, N/128]`` with unit K stride and the N stride a multiple of 4
-    (``b_scale [N/128, K/128]`` row-major with K/128 a multiple of 4 is kept without a copy; else
-    copied into padded rows)."""
-    m, kb = a_scale.shape
-    if a_scale.stride(0) != 1 or a_scale.stride(1) < max(m, 1):
+    ``a_scale [M, K/128]`` outer-dim-major (strides ``(1, M)``: what quantize_fp8 gives, kept
+    without a copy) and ``b.T``'s ``[K/128, N/128]`` with unit K stride (``b_scale [N/128, K/128]``
+    row-major, transposed without a copy). K/128 a multiple of 4 (the candidate declines others)."""
+    m = a_scale.shape[0]
+    if a_scale.stride(0) != 1 or a_scale.stride(1) != max(m, 1):
         a_scale = a_scale.T.contiguous().T
-    nb = b_scale.shape[0]
-    if b_scale.stride(1) != 1 or b_scale.stride(0) % _SCALE_ALIGN or b_scale.stride(0) < kb:
-        padded = torch.zeros(nb, -(-kb // _SCALE_ALIGN) * _SCALE_ALIGN, dtype=b_scale.dtype, device=b_scale.device)
-        padded[:, :kb] = b_scale
-        b_scale = padded[:, :kb]
-    return a_scale, b_scale.T
+    return a_scale, b_scale.contiguous().T
+
+
+def _blockwise_scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+                         out_dtype: torch.dtype) -> torch.Tensor:
+    """cuBLASLt's blockwise product; ``a``'s rows padded with zeros to a multiple of 4 where they are
+    not one (the M-major scales' column stride is M: 16-byte aligned only so)."""
+    m = a.shape[0]
+    rows = -(-m // _SCALE_ALIGN) * _SCALE_ALIGN
+    if rows != m:
+        a = torch.cat([a, a.new_zeros(rows - m, a.shape[1])])
+        a_scale = torch.cat([a_scale, a_scale.new_ones(rows - m, a_scale.shape[1])])
+    scale_a, scale_b = blockwise_scales(a_scale, b_scale)
+    out = torch._scaled_mm(a, b.T, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    return out if rows == m else out[:m]
 
 
 def fp8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
@@ -327,7 +335,7 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
     elif tuple(b_scale.shape) == (b.shape[0], 1) and tuple(a_scale.shape) == (a.shape[0], 1):
         scale_a, scale_b = a_scale, b_scale.T
     else:
-        scale_a, scale_b = blockwise_scales(a_scale, b_scale)
+        return _blockwise_scaled_mm(a, b, a_scale, b_scale, out_dtype)
     return torch._scaled_mm(a, b.T, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
 
 
@@ -340,6 +348,10 @@ def _blockwise_declines(signature: Signature, profile: DeviceProfile) -> str | N
                 f"CUDA {torch.version.cuda}")
     if signature.scalar("out_dtype") != torch.bfloat16:
         return "torch._scaled_mm scales in blocks with a bfloat16 output only"
+    k = signature.tensor("b").shape[1]
+    if -(-k // 128) % _SCALE_ALIGN:
+        return (f"cuBLASLt's block scales need ceil(K/128) a multiple of {_SCALE_ALIGN} (K a multiple of 512; "
+                f"K is {k})")
     return None
 
 

@@ -77,6 +77,8 @@ def grouped_tma_gemm_kernel(
 
 
 KERNELS = (grouped_tma_gemm_kernel,)
+#: the persistent loop flattened (the K loop of each unit fused into the loop over units)
+FLATTEN = True
 
 
 def _rows_view(w: torch.Tensor) -> bool:
@@ -116,4 +118,4 @@ def grouped_tma_call(align: Alignment, a: torch.Tensor, b: torch.Tensor, c: torc
         n, k, align.experts, b_rows, a.stride(0), b.stride(1), c.stride(0),
     ), {"BLOCK_M": align.block_m, "BLOCK_N": tiles["BLOCK_N"], "BLOCK_K": tiles["BLOCK_K"],
         "GROUP_M": tiles.get("GROUP_M", 8), "SWIGLU": swiglu, "SCATTER_C": scatter, "HAS_SCALE": scale,
-        "FLATTEN": True, "num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]})
+        "FLATTEN": FLATTEN, "num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]})
