@@ -138,6 +138,16 @@ OP_MEASURED = {
         "TFLOP/s at 4096 x 7168 x 16384 (5 stages 3% slower, 256 x 128 and 64-row tiles 15% and more); "
         "per-row and per-tensor scales, 128 x 128 where N is no multiple of 256: N 2112 5% faster than "
         "128 x 256.",
+        "Block scales at fp8 speed (H200, torch 2.11 with CUDA 13.0, `SWEEP_M=128,4096 python3 "
+        ".ci/sweep_fp8_gemm.py block tensor`, 2026-12-06). At 4096 rows cuBLASLt's blockwise GEMM (1x128 and "
+        "128x128 scales, `torch._scaled_mm`, get_op's vendor candidate) runs 948 to 1096 TFLOP/s, 1.22x to 1.38x "
+        "the Triton kernel's 690 to 805 and 1.40x to 1.59x bf16 cuBLAS's 636 to 689 (the same products "
+        "dequantised). At 128 rows each wins some shapes (Triton 213 to 527, cuBLAS 167 to 633 TFLOP/s). Tiles "
+        "of 256 columns under block scales (two b-scales a step) are correct and slower: 465 to 590 TFLOP/s at "
+        "4096 rows against 690 to 805 for 128 x 128 (they spill: 255 registers). The Triton loop waits for each "
+        "128-deep product before scaling it (`wgmma.wait_group 0` in every K step: the scaled sum is not a dot "
+        "accumulator, so Triton 3.6 cannot keep two wgmma groups in flight); with per-tensor scales the same "
+        "kernel reaches 1047 to 1314 TFLOP/s, 0.93x to 1.11x cuBLAS's per-tensor 1041 to 1188.",
     ],
     "apply_rotary_pos_emb": [
         "The default step of 2048 elements with one warp (`TILE`; H200, bf16, 4096 and 16384 tokens of "
