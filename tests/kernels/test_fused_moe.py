@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import ON_GPU
 from dlblas_kernels import vendor
-from dlblas_kernels.blocks import grouped
+from dlblas_kernels.blocks import grouped, moe_tiles
 from dlblas_kernels.kernels import fused_moe as moe
 from dlblas_kernels.kernels.fused_moe import (
     KERNEL,
@@ -161,7 +161,7 @@ def test_the_copy_engine_path_declines_what_it_cannot_read(device, gen, profile)
     declined.append(moe.training_plan(args, TMA, hopper))
     for plan in declined:
         assert "grouped_tma_gemm_kernel" not in _kernels(plan)
-    assert moe.heuristic(4096, 8, 2, 2, hopper)["TMA"] == 1
+    assert moe.heuristic(4096, 8, 2, 2, hopper)["TMA"] == int(moe_tiles.TMA_BY_DEFAULT)
     assert moe.heuristic(4096, 256, 8, 2, hopper)["TMA"] == 0 and moe.heuristic(64, 8, 2, 2, hopper)["TMA"] == 0
 
 
@@ -470,7 +470,7 @@ def plans():
                                       moe.backward_plan((out, *args[:5], gate, up), config, hopper)]
         if tokens > 8:  # Mixtral-like prefill, I a multiple of the column tiles: the copy engine's GEMMs
             tma = (e(tokens, 256), e(8, 512, 256), e(8, 256, 256), *routing(tokens), None, None)
-            yield f"{tokens} tma", (90,), [moe.plan(tma, config, hopper)]
+            yield f"{tokens} tma", (90,), [moe.plan(tma, {**config, "TMA": 1}, hopper)]
         # fp8: I = 256 (the SwiGLU output quantised in the epilogue), I = 208 (quantised by its own launch)
         for inter in (256, 208):
             fp8 = (e(tokens, 256), e(8, 2 * inter, 256, dtype=moe.FP8), e(8, 256, inter, dtype=moe.FP8),

@@ -13,7 +13,11 @@ DECODE_ROWS = 16
 # accumulators and each K step's scaled products in 128 registers a thread, where 8 warps spill).
 FP8_WIDE_ROWS = 512
 # Few large experts (Mixtral's 8), many rows each: the GEMMs through the copy engine (blocks/grouped_tma.py)
-# where the device has it, the rows gathered once into expert order.
+# where the device has it, the rows gathered once into expert order. Not taken by default, nor by the
+# tuner (TMA 0 only in the space): on an H200 at Mixtral's 4096 tokens its output differed from the
+# pointer kernels' (at most 4.27 against outputs of 2.45; identical at 16384 tokens), which the
+# interpreter-run tests, correct at small sizes, do not reproduce. A config may ask for it.
+TMA_BY_DEFAULT = False
 TMA_MAX_EXPERTS, TMA_ROWS = 16, 256
 # Declared for 16-bit inputs; a float32 config that overflows shared memory fails to compile and the
 # tuner records it as failed.
@@ -87,7 +91,7 @@ def heuristic(tokens: int, experts: int, topk: int, element_size: int, profile: 
         config = tile_config(64, (64, 64, 4, 4), (128, 64, 4, 4))
     else:
         config = tile_config(128, (128, 64, 8, 3), (256, 64, 8, 4))
-        if experts <= TMA_MAX_EXPERTS and rows >= TMA_ROWS and element_size == 2:
+        if TMA_BY_DEFAULT and experts <= TMA_MAX_EXPERTS and rows >= TMA_ROWS and element_size == 2:
             config = {**config, "DOWN_STAGES": 3, "TMA": 1}
     if element_size > 2:
         config["BLOCK_K"] //= 2
@@ -156,7 +160,7 @@ def space(profile: DeviceProfile) -> SearchSpace:
             PowerOfTwo("DOWN_BLOCK_K", 32, 256),
             Choice("DOWN_WARPS", (4, 8)),
             Choice("DOWN_STAGES", (2, 3, 4, 5)),
-            Choice("TMA", (0, 1)),
+            Choice("TMA", (0,)),
         ],
         [
             *fits,
