@@ -58,10 +58,10 @@ def heuristic(tokens: int, experts: int, topk: int, element_size: int, profile: 
     - up to 64: 64-row blocks, 64 columns per gate/up accumulator, 128 for the down GEMM;
     - more: 128-row blocks, 128 x 128 per gate/up accumulator (8 warps, 3 stages), 128 x 256 down
       tiles in 4 stages; 4 gate/up stages with 128-column down tiles, 64-column gate/up tiles, K
-      steps of 128 and 64-row blocks are slower. With at most TMA_MAX_EXPERTS experts and
-      TMA_ROWS rows each (Mixtral's prefill), 16-bit: the same tiles through the copy engine
-      (``TMA`` 1, :mod:`dlblas_kernels.blocks.grouped_tma`; the down GEMM in 3 stages), which
-      the plan takes where the device and the weights allow.
+      steps of 128 and 64-row blocks are slower. Where TMA_BY_DEFAULT (off: see it), with at
+      most TMA_MAX_EXPERTS experts and TMA_ROWS rows each (Mixtral's prefill), 16-bit: the same
+      tiles through the copy engine (``TMA`` 1, :mod:`dlblas_kernels.blocks.grouped_tma`; the
+      down GEMM in 3 stages), which the plan takes where the device and the weights allow.
 
     float32 halves the K step; pipelining stages are dropped while the tiles overflow the device's
     shared memory (no bound where the profile knows none).
