@@ -191,9 +191,14 @@ class Op:
         for i in self._writers:
             if bound[i]:
                 self._check_writes(self.args[i], bound)
+        self.check_values(bound)
+        return device if device is not None else torch.device("cpu")
+
+    def check_values(self, bound: tuple) -> None:
+        """The op's own ``check`` alone, without the declared dtypes and layouts: what the float64
+        reference path (``torch.autograd.gradcheck``'s inputs) runs, whose dtype the declarations refuse."""
         if self.check is not None:
             self.check(self, dict(zip(self._index, bound)))
-        return device if device is not None else torch.device("cpu")
 
     def _check_writes(self, spec: ScalarArg, bound: tuple) -> None:
         """The tensors ``spec`` makes the op write into overlap neither themselves nor another

@@ -129,7 +129,9 @@ class PublicFunction:
                 and _all_float64(bound)):  # one dtype read on the hot path; the scan only for float64
             # the references, forward and backward (torch.autograd.gradcheck's inputs): the custom op's
             # body takes them for float64, so gradcheck checks the backward formula against them; a
-            # float64 tensor beside other floats is refused by the validation below, as before
+            # float64 tensor beside other floats is refused by the validation below, as before; the op's
+            # own check (a label's range, say) runs all the same
+            self.op.check_values(bound)
             return self.custom_op(bound, None)
         if isinstance(first, torch.Tensor) and first.device.type == "meta":
             # no data to run a kernel on: the custom op's fake gives the outputs' shapes, as torch's ops do

@@ -142,6 +142,14 @@ def test_labels_out_of_range_are_refused_before_a_launch(bad, where, device, gen
         cross_entropy(x, y.clamp(min=0), logit_softcap=0.0)
 
 
+def test_the_float64_reference_path_checks_the_labels_too(gen):
+    """float64 inputs take the reference (gradcheck's path); a label out of range is named there
+    as it is for the kernels, not left to torch's IndexError."""
+    x = logits(4, 30, dtype=torch.float64, device="cpu", gen=gen)
+    with pytest.raises(InvalidInputError, match="labels.*holds 30"):
+        cross_entropy(x.requires_grad_(), torch.tensor([1, 30, -100, 2]))
+
+
 def test_a_bound_op_reused_with_an_out_of_range_label_counts_its_row_as_ignored(device, gen):
     """A bound op does not check the labels again: the kernel never reads at such a label."""
     x = logits(4, 30, dtype=torch.float32, device=device, gen=gen)
