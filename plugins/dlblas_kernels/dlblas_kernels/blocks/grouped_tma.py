@@ -43,6 +43,11 @@ def grouped_tma_gemm_kernel(
                                        block_shape=[BLOCK_M, BLOCK_K])
     b_desc = tl.make_tensor_descriptor(b_ptr, shape=[experts * b_rows, K], strides=[stride_bn, 1],
                                        block_shape=[BLOCK_N, BLOCK_K])
+    if SWIGLU:
+        # the up half through a descriptor of its own, N rows on (one load per descriptor and K step, as
+        # the GEMM block's SwiGLU loop has it)
+        b3_desc = tl.make_tensor_descriptor(b_ptr + N.to(tl.int64) * stride_bn, shape=[experts * b_rows - N, K],
+                                            strides=[stride_bn, 1], block_shape=[BLOCK_N, BLOCK_K])
     if not SCATTER_C:
         c_desc = tl.make_tensor_descriptor(c_ptr, shape=[places, N], strides=[stride_cm, 1],
                                            block_shape=[BLOCK_M, BLOCK_N])
@@ -62,7 +67,7 @@ def grouped_tma_gemm_kernel(
             a = a_desc.load([off_m, off_k])
             acc = tl.dot(a, b_desc.load([row_b, off_k]).T, acc)
             if SWIGLU:
-                acc3 = tl.dot(a, b_desc.load([row_b + N, off_k]).T, acc3)
+                acc3 = tl.dot(a, b3_desc.load([row_b, off_k]).T, acc3)
         offs_m = off_m + tl.arange(0, BLOCK_M)
         offs_n = off_n + tl.arange(0, BLOCK_N)
         slots = tl.load(sorted_ptr + offs_m).to(tl.int64)
