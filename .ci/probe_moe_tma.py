@@ -1,0 +1,62 @@
+"""fused_moe's copy-engine path (blocks/grouped_tma.py, a config's TMA 1) at Mixtral-8x7B's size on the GPU:
+its output and speed beside the pointer kernels', the grouped_mm composite's and the dense GEMM rate, flattened
+persistent loop and not. Off by default (moe_tiles.TMA_BY_DEFAULT) while its rows come out wrong here.
+
+    python3 .ci/probe_moe_tma.py [TOKENS ...]   (default 4096 16384)
+
+One JSON line per token count: each path's TFLOP/s (CUDA-graph replays, medians), its largest error against
+the composite and its rows off by more than 5% of the composite's largest output.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import triton.testing
+from dlblas_kernels import vendor
+from dlblas_kernels.blocks import grouped_tma
+from dlblas_kernels.kernels import fused_moe as M
+
+from dlcore.runtime.profile import device_profile
+
+H, INTER, E, K = 4096, 14336, 8, 2
+PATHS = {"pointer": (0, True), "tma": (1, True), "tma_unflattened": (1, False)}
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
+
+
+def main(token_counts: list[int]) -> None:
+    profile = device_profile(torch.device("cuda"))
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w13 = torch.randn(E, 2 * INTER, H, device="cuda", dtype=torch.bfloat16, generator=gen) * H ** -0.5
+    w2 = torch.randn(E, H, INTER, device="cuda", dtype=torch.bfloat16, generator=gen) * INTER ** -0.5
+    for tokens in token_counts:
+        x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+        weights, ids = torch.randn(tokens, E, device="cuda", generator=gen).softmax(-1).topk(K)
+        args = (x, w13, w2, weights, ids.to(torch.int32), None, None)
+        flops = 6 * tokens * K * H * INTER
+        base = M.heuristic(tokens, E, K, 2, profile)
+        reference = vendor.fused_moe(*args).float()
+        row: dict = {"tokens": tokens, "config": base}
+        for name, (tma, flatten) in PATHS.items():
+            grouped_tma.FLATTEN = flatten
+            plan = M.plan(args, base if not tma else {**base, "TMA": 1, "DOWN_STAGES": 3}, profile)
+            error = (plan.run().float() - reference).abs()
+            row[name] = {"tflops": round(flops / bench(plan.run) / 1e9, 1), "max_error": round(error.max().item(), 5),
+                         "bad_rows": int((error.amax(1) > 0.05 * reference.abs().max()).sum())}
+        grouped_tma.FLATTEN = True
+        row["grouped_mm_tflops"] = round(flops / triton.testing.do_bench(lambda args=args: vendor.fused_moe(*args),
+                                                                         rep=30, return_mode="median") / 1e9, 1)
+        a = torch.randn(tokens * K, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+        act = torch.randn(tokens * K, INTER, device="cuda", dtype=torch.bfloat16, generator=gen)
+        dense = lambda a=a, act=act: (a @ w13[0].T, act @ w2[0].T)  # noqa: E731 - the same FLOPs, one expert's weights
+        row["dense_tflops"] = round(flops / bench(dense) / 1e9, 1)
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main([int(t) for t in sys.argv[1:]] or [4096, 16384])
