@@ -253,6 +253,25 @@ def test_blockwise_scales_keep_values_and_take_cublas_layouts(gen):
         assert kept_a.data_ptr() == m_major.data_ptr() and kept_b.data_ptr() == b_scale.data_ptr()
 
 
+def test_blockwise_rows_padded_to_four(gen, monkeypatch):
+    """Rows of a not a multiple of 4: a padded with zero rows and a_scale with ones, the scales
+    handed over M-major, the product cut back to M rows."""
+    a, b, a_scale, b_scale = operands(gen, "block", m=37, n=256, k=512)
+    seen = {}
+
+    def scaled_mm(x, y, scale_a, scale_b, out_dtype):
+        seen.update(x=x, scale_a=scale_a, scale_b=scale_b)
+        return torch.zeros(x.shape[0], y.shape[1], dtype=out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm)
+    assert vendor.fp8_gemm(a, b, a_scale, b_scale).shape == (37, 256)
+    x, scale_a = seen["x"], seen["scale_a"]
+    assert x.shape == (40, 512) and torch.equal(x[:37].view(torch.uint8), a.view(torch.uint8))
+    assert not x[37:].view(torch.uint8).any()
+    assert scale_a.stride() == (1, 40) and torch.equal(scale_a[:37], a_scale) and (scale_a[37:] == 1).all()
+    assert torch.equal(seen["scale_b"], b_scale.T)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch._scaled_mm needs a GPU from sm_89")
 @pytest.mark.parametrize("granularity,m,n,k", [("row", 64, 256, 512), ("tensor", 64, 256, 512),
                                                 ("block", 64, 256, 512), ("block", 37, 272, 1536),

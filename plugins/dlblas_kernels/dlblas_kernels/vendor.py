@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
+from dlblas_kernels.blocks.fp8_scales import Granularity, granularity, signature_granularity
 from dlblas_kernels.blocks.gemm import ACTIVATIONS
 from dlblas_kernels.blocks.sdpa import sdpa_attention
 from dlcore.api import DeviceProfile, Implementation, InvalidInputError, Signature, VendorImplementation, hookimpl
@@ -319,7 +320,9 @@ def _blockwise_scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor
     rows = -(-m // _SCALE_ALIGN) * _SCALE_ALIGN
     if rows != m:
         a = torch.cat([a, a.new_zeros(rows - m, a.shape[1])])
-        a_scale = torch.cat([a_scale, a_scale.new_ones(rows - m, a_scale.shape[1])])
+        padded = a_scale.new_ones(a_scale.shape[1], rows)  # M-major as it is made: blockwise_scales keeps it
+        padded[:, :m] = a_scale.T
+        a_scale = padded.T
     scale_a, scale_b = blockwise_scales(a_scale, b_scale)
     out = torch._scaled_mm(a, b.T, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
     return out if rows == m else out[:m]
@@ -330,13 +333,11 @@ def fp8_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: t
     """fp8_gemm by ``torch._scaled_mm``: ``b.T`` is the column-major operand it wants; per-row scales
     go in as ``[M, 1]`` and ``[1, N]``, per-tensor as they are, block scales as
     :func:`blockwise_scales` lays them out."""
-    if b_scale.dim() == 0:
-        scale_a, scale_b = a_scale, b_scale
-    elif tuple(b_scale.shape) == (b.shape[0], 1) and tuple(a_scale.shape) == (a.shape[0], 1):
-        scale_a, scale_b = a_scale, b_scale.T
-    else:
+    found = granularity(a_scale, b_scale, a.shape[0], b.shape[0], a.shape[1])
+    if found is Granularity.BLOCK:
         return _blockwise_scaled_mm(a, b, a_scale, b_scale, out_dtype)
-    return torch._scaled_mm(a, b.T, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    scale_b = b_scale.T if found is Granularity.ROW else b_scale
+    return torch._scaled_mm(a, b.T, scale_a=a_scale, scale_b=scale_b, out_dtype=out_dtype)
 
 
 def _blockwise_declines(signature: Signature, profile: DeviceProfile) -> str | None:
@@ -362,15 +363,15 @@ def _scaled_mm_declines(signature: Signature, profile: DeviceProfile) -> str | N
     and ``b`` (``b.T`` column-major), N and K multiples of 16."""
     if signature.device_type != "cuda" or profile.vendor != "nvidia" or _sm(profile) < FP8_MIN_SM:
         return f"torch._scaled_mm runs on NVIDIA GPUs from sm_{FP8_MIN_SM} (this is {profile.arch or 'none'})"
-    a_scale, b_scale = signature.tensor("a_scale").shape, signature.tensor("b_scale").shape
     n, k = signature.tensor("b").shape
     if signature.tensor("a").layout != "contiguous" or signature.tensor("b").layout != "contiguous":
         return "torch._scaled_mm takes row-major a and b"
     if n % 16 or k % 16:
         return f"torch._scaled_mm needs N and K multiples of 16 (N {n}, K {k})"
-    if a_scale == () and b_scale == ():
+    found = signature_granularity(signature)
+    if found is Granularity.TENSOR:
         return None
-    if len(a_scale) == 2 and a_scale[1] == 1 and b_scale == (n, 1):
+    if found is Granularity.ROW:
         if _sm(profile) < FP8_ROWWISE_MIN_SM or signature.scalar("out_dtype") != torch.bfloat16:
             return "torch._scaled_mm scales per row on sm_90 and later, with a bfloat16 output only"
         return None

@@ -4,8 +4,9 @@ weight streaming :mod:`.ffn_decode`, prefill :mod:`.ffn_prefill` and backward :m
 attention (:mod:`.attention` with its rotary loads :mod:`.attention_rotary`, :mod:`.attention_grad`
 with its kernels :mod:`.attention_grad_kernels`, :mod:`.attention_decode`, SDPA's backends
 :mod:`.sdpa`), grouped GEMMs over experts (:mod:`.grouped`, with fused_moe's launches
-:mod:`.moe_launches` and tiles :mod:`.moe_tiles`), topk_gating's kernels (:mod:`.topk_routing`), the
-rotary embedding (:mod:`.rotary`), fp8 quantisation (:mod:`.fp8`) and the npu's tile budget
+:mod:`.moe_launches`, tiles :mod:`.moe_tiles` and copy-engine GEMMs :mod:`.grouped_tma`), topk_gating's
+kernels (:mod:`.topk_routing`), the rotary embedding (:mod:`.rotary`), fp8 quantisation (:mod:`.fp8`),
+fp8_gemm's scale granularity (:mod:`.fp8_scales`) and the npu's tile budget
 (:mod:`.npu`). A block never imports an op module (an import-linter contract in the root
 ``pyproject.toml``); an op module declares its op and plans its launches from blocks.
 """

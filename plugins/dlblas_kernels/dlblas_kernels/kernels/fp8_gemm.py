@@ -35,13 +35,16 @@ bfloat16, then a bfloat16 GEMM); the vendor candidate is ``torch._scaled_mm``
 
 from __future__ import annotations
 
-import enum
 import math
 from typing import Any
 
 import torch
 
 from dlblas_kernels.blocks import gemm
+from dlblas_kernels.blocks.fp8_scales import BLOCK as BLOCK
+from dlblas_kernels.blocks.fp8_scales import Granularity as Granularity
+from dlblas_kernels.blocks.fp8_scales import granularity as granularity
+from dlblas_kernels.blocks.fp8_scales import signature_granularity as signature_granularity
 from dlblas_kernels.kernels.quantize_fp8 import quantize_fp8_reference
 from dlcore.api import (
     Choice,
@@ -65,45 +68,8 @@ from dlcore.api import (
 
 FP8 = torch.float8_e4m3fn
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-#: the K (and b's N) extent of one block scale
-BLOCK = gemm.SCALE_BLOCK.value
 #: K must be a multiple of this (16-byte rows of fp8)
 K_MULTIPLE = 16
-
-
-class Granularity(enum.Enum):
-    """What one scale covers, read off the scales' shapes."""
-
-    BLOCK = "block"
-    ROW = "row"
-    TENSOR = "tensor"
-
-
-def granularity(a_scale: Any, b_scale: Any, m: int, n: int, k: int) -> Granularity | None:
-    """The granularity of scales of shapes ``a_scale.shape`` and ``b_scale.shape`` (tensors or
-    specs) for ``a [m, k]``, ``b [n, k]``; None when they fit none. Where the shapes fit both
-    (K <= 128 and N == 1) per-row and block scales mean the same product; per-row is named."""
-    sa, sb = tuple(a_scale.shape), tuple(b_scale.shape)
-    if sa == () and sb == ():
-        return Granularity.TENSOR
-    if sa == (m, 1) and sb == (n, 1):
-        return Granularity.ROW
-    if sa == (m, cdiv(k, BLOCK)) and sb == (cdiv(n, BLOCK), cdiv(k, BLOCK)):
-        return Granularity.BLOCK
-    return None
-
-
-def signature_granularity(sig: Signature) -> Granularity | None:
-    """:func:`granularity` from a signature (``a``'s rows are bucketed: the scales' own shapes tell)."""
-    sa, sb = sig.tensor("a_scale").shape, sig.tensor("b_scale").shape
-    n, k = sig.tensor("b").shape
-    if sa == () and sb == ():
-        return Granularity.TENSOR
-    if len(sa) == 2 and sa[1] == 1 and sb == (n, 1):
-        return Granularity.ROW
-    if len(sa) == 2 and sa[1] == cdiv(k, BLOCK) and sb == (cdiv(n, BLOCK), cdiv(k, BLOCK)):
-        return Granularity.BLOCK
-    return None
 
 
 def expand_scale(scale: torch.Tensor, rows: int, cols: int, block_rows: int, block_cols: int) -> torch.Tensor:
