@@ -38,6 +38,25 @@ def remember(entries: dict[tuple, Any], key: tuple, value: Any) -> None:
     entries[key] = value
 
 
+def check_once(entries: dict[tuple, Any], guard: Callable[[tuple], None] | None, args: tuple) -> None:
+    """``guard(args)`` where ``args``' exact input metadata has no entry, the key then remembered as
+    :data:`CHECKED`: a call that runs elsewhere (the custom op, under autograd) is checked once, as
+    one that runs through ``entries``' owner is; checked on every call where the arguments cannot be
+    a key; nothing while ``torch.compile`` traces (fake tensors have no address to key; the custom
+    op's fake validates)."""
+    if guard is None or torch.compiler.is_compiling():
+        return
+    try:
+        key = replay_key(args)
+        known = key in entries
+    except TypeError:  # an argument that cannot be a key (a list, say)
+        guard(args)
+        return
+    if not known:
+        guard(args)
+        remember(entries, key, CHECKED)
+
+
 def replay_key(args: tuple) -> tuple:
     """Everything a replayable plan may depend on, exactly: per tensor its dtype, shape, strides,
     device and 16-byte alignment; other arguments by type and value."""
@@ -397,20 +416,8 @@ class Replay:
         return result
 
     def check(self, args: tuple) -> None:
-        """``guard(args)`` where this exact input metadata is new, remembered as :data:`CHECKED`: a
-        call that runs elsewhere (the custom op, under autograd) is checked once, as a replayed
-        one is; nothing while ``torch.compile`` traces (fake tensors have no address to key; the
-        custom op's fake validates)."""
-        if self.guard is None or torch.compiler.is_compiling():
-            return
-        try:
-            known = replay_key(args) in self.recordings
-        except TypeError:  # an argument that cannot be a key: checked on every call
-            self.guard(args)
-            return
-        if not known:
-            self.guard(args)
-            remember(self.recordings, replay_key(args), CHECKED)
+        """The guard of a call that runs elsewhere, once per exact input (:func:`check_once`)."""
+        check_once(self.recordings, self.guard, args)
 
     def clear(self) -> None:
         """Forget every exact input: each is checked and recorded again on its next call."""

@@ -33,7 +33,7 @@ from dlcore.declarations.device import DeviceProfile
 from dlcore.declarations.implementation import Config, Implementation, LaunchPlan, PlanTransform, TritonImplementation
 from dlcore.runtime.launch import run_plan
 from dlcore.runtime.profile import for_profile
-from dlcore.runtime.replay import Replay, remember, replay_key
+from dlcore.runtime.replay import CHECKED, Replay, check_once, remember, replay_key
 from dlcore.runtime.torch_ops import CustomOpTritonImplementation, through_custom_op, warn_forward_only
 
 #: ``guard(args)`` raises for arguments a runner must not run (see the module doc)
@@ -57,40 +57,32 @@ class Planned:
         self.config = config
         self.heuristic = heuristic
         self.guard = guard
-        #: the config of each exact input seen
-        self.configs: dict[tuple, Config] = {}
+        #: the config of each exact input seen (:data:`~dlcore.runtime.replay.CHECKED` where only its guard ran)
+        self.configs: dict[tuple, Any] = {}
 
     def __call__(self, args: tuple) -> Any:
         if torch.compiler.is_compiling():  # fake tensors have no address to key; the custom op's fake validates
             return self.run(args, self._config(args))
         try:
-            config = self.configs.get(replay_key(args))
+            key = replay_key(args)
+            config = self.configs.get(key)
         except TypeError:  # an argument that cannot be a key (a list, say): checked on every call
-            return self.run(args, self._first(args))
-        if config is None:
-            config = self._first(args)
-            remember(self.configs, replay_key(args), config)
+            if self.guard is not None:
+                self.guard(args)
+            return self.run(args, self._config(args))
+        if config is None or config is CHECKED:
+            if config is None and self.guard is not None:
+                self.guard(args)
+            config = self._config(args)
+            remember(self.configs, key, config)
         return self.run(args, config)
 
     def check(self, args: tuple) -> None:
-        """The guard of a call that runs elsewhere (the custom op), once per exact input metadata."""
-        if self.guard is None or torch.compiler.is_compiling():
-            return
-        try:
-            known = replay_key(args) in self.configs
-        except TypeError:
-            self.guard(args)
-            return
-        if not known:
-            remember(self.configs, replay_key(args), self._first(args))
+        """The guard of a call that runs elsewhere, once per exact input (:func:`check_once`)."""
+        check_once(self.configs, self.guard, args)
 
     def clear(self) -> None:
         self.configs.clear()
-
-    def _first(self, args: tuple) -> Config:
-        if self.guard is not None:
-            self.guard(args)
-        return self._config(args)
 
     def _config(self, args: tuple) -> Config:
         return self.heuristic(args) if self.config is None else self.config
@@ -107,7 +99,7 @@ class Runner:
     :param heuristic: the config where ``config`` is None (a public function's default).
     """
 
-    __slots__ = ("impl", "config", "launches", "custom_op", "plain", "call")
+    __slots__ = ("impl", "config", "launches", "call")
 
     def __init__(self, impl: Implementation, config: Config | None, transform: PlanTransform | None = None,
                  guard: Guard | None = None, profile: DeviceProfile | None = None,
@@ -116,10 +108,6 @@ class Runner:
             raise ValueError("a runner without a config needs the heuristic that gives one")
         self.impl = impl
         self.config = config
-        #: the custom op's call where autograd or torch.compile must see it, else None
-        self.custom_op = impl.custom_op if isinstance(impl, CustomOpTritonImplementation) else None
-        #: a Triton implementation without a custom op: forward only by construction
-        self.plain = isinstance(impl, TritonImplementation) and self.custom_op is None
         if isinstance(impl, TritonImplementation):
             self.launches = launches(impl, config, transform, guard, profile, heuristic)
         else:
@@ -128,9 +116,9 @@ class Runner:
         self.call = self._routes()
 
     def _routes(self) -> Callable[[tuple], Any]:
-        impl, config, custom_op, launched = self.impl, self.config, self.custom_op, self.launches
-        if custom_op is not None:
-            check = launched.check
+        impl, config, launched = self.impl, self.config, self.launches
+        if isinstance(impl, CustomOpTritonImplementation):
+            custom_op, check = impl.custom_op, launched.check
 
             def call(args: tuple) -> Any:
                 if through_custom_op(impl, args):
@@ -139,7 +127,8 @@ class Runner:
                 return launched(args)
 
             return call
-        if self.plain:
+        if isinstance(impl, TritonImplementation):
+            # Built without the template: no custom op and no backward, so forward only by construction.
             def plain(args: tuple) -> Any:
                 warn_forward_only(impl, args)
                 return launched(args)
