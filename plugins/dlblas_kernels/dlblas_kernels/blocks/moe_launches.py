@@ -131,24 +131,23 @@ def forward_calls(args: tuple, config: Config, out: torch.Tensor, gate: torch.Te
     if gate is None and config.get("TMA", 0) and grouped_tma.fits(profile, w13, w2, config):
         rows = torch.empty(align.places, h, dtype=hidden.dtype, device=hidden.device)
         act = torch.empty(align.places, inter, dtype=hidden.dtype, device=hidden.device)
-        calls += [
+        gemms, held = [
             grouped.gather_call(align, hidden, rows, topk),
             grouped_tma.grouped_tma_call(align, rows, w13, act, up_config(config), profile.cores, swiglu=True,
                                          scatter=False, scale=False),
             grouped_tma.grouped_tma_call(align, act, w2, y, down_config(config), profile.cores, swiglu=False,
                                          scatter=True, scale=True),
-            sum_call(y, topk_ids, out, experts),
-        ]
-        return calls, (*scratch, *align.scratch(), rows, act, y)
-    act = torch.empty(tokens * topk, inter, dtype=hidden.dtype, device=hidden.device)
-    calls += [
-        grouped.grouped_call(align, hidden, w13, act, up_config(config), gather=True, scatter=True, a_div=topk,
-                             swiglu=True, pre=gate, pre3=up, input_precision=PRECISION),
-        grouped.grouped_call(align, act, w2, y, down_config(config), gather=True, scatter=True, scale=True,
-                             input_precision=PRECISION),
-        sum_call(y, topk_ids, out, experts),
-    ]
-    return calls, (*scratch, *align.scratch(), act, y)
+        ], (rows, act)
+    else:
+        act = torch.empty(tokens * topk, inter, dtype=hidden.dtype, device=hidden.device)
+        gemms, held = [
+            grouped.grouped_call(align, hidden, w13, act, up_config(config), gather=True, scatter=True, a_div=topk,
+                                 swiglu=True, pre=gate, pre3=up, input_precision=PRECISION),
+            grouped.grouped_call(align, act, w2, y, down_config(config), gather=True, scatter=True, scale=True,
+                                 input_precision=PRECISION),
+        ], (act,)
+    calls += [*gemms, sum_call(y, topk_ids, out, experts)]
+    return calls, (*scratch, *align.scratch(), *held, y)
 
 
 def backward_outputs(dout: torch.Tensor, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
