@@ -166,6 +166,13 @@ OP_MEASURED = {
         "134.4 against 133.9 at 16384 tokens.",
     ],
     "fused_moe": [
+        "The copy-engine path for few large experts (`blocks/grouped_tma.py`, a config's `TMA` 1; off by "
+        "default), Mixtral-8x7B's experts, bf16, 4096 tokens, torch 2.11 and triton 3.6.0, 2026-12-06, "
+        "against the grouped_mm composite (the probe now kept as `python3 .ci/probe_moe_tma.py 4096`): on an "
+        "H100 975 of 4096 token rows wrong (2287 with the persistent loop unflattened), the pointer kernels "
+        "none; 551 TFLOP/s (unflattened 637) against the pointer kernels' 510, grouped_mm's 433 and the dense "
+        "GEMM's 735. On an H200 543 against 496 at 4096 tokens and 569 against 533 at 16384 (dense 696 and "
+        "681).",
         "The bf16 heuristic (H200, Mixtral-8x7B's and DeepSeek-V3's experts, `.ci/bench_fused_moe.py`): at one "
         "row per expert or fewer, K steps of 256 in 3 stages, 200 against 207 us for Mixtral's token; decoding "
         "streams each activated expert's weights at 83 to 93% of the copy bandwidth, 128-column tiles 1 to 5% "
