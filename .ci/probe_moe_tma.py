@@ -5,7 +5,9 @@ persistent loop and not. Off by default (moe_tiles.TMA_BY_DEFAULT) while its row
     python3 .ci/probe_moe_tma.py [TOKENS ...]   (default 4096 16384)
 
 One JSON line per token count: each path's TFLOP/s (CUDA-graph replays, medians), its largest error against
-the composite and its rows off by more than 5% of the composite's largest output.
+the composite and its rows off by more than 5% of the composite's largest output. The copy-engine paths also
+say which stage's rows are off (``stages``): the gathered rows against the tokens, the SwiGLU product against
+float32 products of those rows, the down GEMM's rows against float32 products of that SwiGLU product.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from dlblas_kernels.kernels import fused_moe as M
 from dlcore.runtime.profile import device_profile
 
 H, INTER, E, K = 4096, 14336, 8, 2
+DEVICE = "cuda"
 PATHS = {"pointer": (0, True), "tma": (1, True), "tma_unflattened": (1, False)}
 
 
@@ -29,14 +32,44 @@ def bench(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
 
 
+def _off(got: torch.Tensor, want: torch.Tensor) -> int:
+    """Rows of ``got`` off by more than 2% of ``want``'s largest value."""
+    return int(((got.float() - want).abs().amax(1) > 0.02 * want.abs().max().clamp_min(1e-6)).sum())
+
+
+def stages(plan, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> dict:
+    """Rows off in each stage of a copy-engine plan, from its launches' own tensors (after a run)."""
+    up, down = (c for c in plan.calls if c.kernel is grouped_tma.grouped_tma_gemm_kernel)
+    rows, _, act, _, sorted_ids, block_expert, starts = up.args[:7]
+    y, weights, slots_total = down.args[2], down.args[3], down.args[7]
+    block_m, used = up.kwargs["BLOCK_M"], int(starts[E].item())
+    slot = sorted_ids[:used].long()
+    valid = slot < slots_total
+    want_rows = torch.zeros(used, H, device=DEVICE)
+    want_rows[valid] = x[slot[valid] // K].float()
+    found = {"used": used, "rows_off": _off(rows[:used], want_rows), "act_off": 0, "y_off": 0}
+    expert_of = block_expert[: used // block_m].long().repeat_interleave(block_m)
+    for e in range(E):
+        at = (expert_of == e).nonzero().squeeze(1)
+        if not len(at):
+            continue
+        r = rows[at].float()
+        want_act = torch.nn.functional.silu(r @ w13[e, :INTER].float().T) * (r @ w13[e, INTER:].float().T)
+        found["act_off"] += _off(act[at], want_act)
+        live = at[valid[at]]
+        want_y = (act[live].float() @ w2[e].float().T) * weights.view(-1)[slot[live]][:, None]
+        found["y_off"] += _off(y[slot[live]], want_y)
+    return found
+
+
 def main(token_counts: list[int]) -> None:
     profile = device_profile(torch.device("cuda"))
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    w13 = torch.randn(E, 2 * INTER, H, device="cuda", dtype=torch.bfloat16, generator=gen) * H ** -0.5
-    w2 = torch.randn(E, H, INTER, device="cuda", dtype=torch.bfloat16, generator=gen) * INTER ** -0.5
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    w13 = torch.randn(E, 2 * INTER, H, device=DEVICE, dtype=torch.bfloat16, generator=gen) * H ** -0.5
+    w2 = torch.randn(E, H, INTER, device=DEVICE, dtype=torch.bfloat16, generator=gen) * INTER ** -0.5
     for tokens in token_counts:
-        x = torch.randn(tokens, H, device="cuda", dtype=torch.bfloat16, generator=gen)
-        weights, ids = torch.randn(tokens, E, device="cuda", generator=gen).softmax(-1).topk(K)
+        x = torch.randn(tokens, H, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+        weights, ids = torch.randn(tokens, E, device=DEVICE, generator=gen).softmax(-1).topk(K)
         args = (x, w13, w2, weights, ids.to(torch.int32), None, None)
         flops = 6 * tokens * K * H * INTER
         base = M.heuristic(tokens, E, K, 2, profile)
@@ -48,11 +81,14 @@ def main(token_counts: list[int]) -> None:
             error = (plan.run().float() - reference).abs()
             row[name] = {"tflops": round(flops / bench(plan.run) / 1e9, 1), "max_error": round(error.max().item(), 5),
                          "bad_rows": int((error.amax(1) > 0.05 * reference.abs().max()).sum())}
+            if tma:
+                plan.run()
+                row[name]["stages"] = stages(plan, x, w13, w2)
         grouped_tma.FLATTEN = True
         row["grouped_mm_tflops"] = round(flops / triton.testing.do_bench(lambda args=args: vendor.fused_moe(*args),
                                                                          rep=30, return_mode="median") / 1e9, 1)
-        a = torch.randn(tokens * K, H, device="cuda", dtype=torch.bfloat16, generator=gen)
-        act = torch.randn(tokens * K, INTER, device="cuda", dtype=torch.bfloat16, generator=gen)
+        a = torch.randn(tokens * K, H, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+        act = torch.randn(tokens * K, INTER, device=DEVICE, dtype=torch.bfloat16, generator=gen)
         dense = lambda a=a, act=act: (a @ w13[0].T, act @ w2[0].T)  # noqa: E731 - the same FLOPs, one expert's weights
         row["dense_tflops"] = round(flops / bench(dense) / 1e9, 1)
         print(json.dumps(row), flush=True)

@@ -4,7 +4,8 @@ and a summary (GPU time of CUDA-graph replays, medians; bf16 out).
 
     python3 .ci/sweep_fp8_gemm.py [block|tensor|row ...]   (default: block tensor)
 
-SWEEP_M=128,4096 (default 128,4096,16384) picks the row counts. Each row also times bf16 cuBLAS
+SWEEP_M=128,4096 (default 128,4096,16384) picks the row counts; SWEEP_CONFIGS (a Python list of
+the tuples below) replaces every granularity's configs. Each row also times bf16 cuBLAS
 (``a @ b.T`` dequantised, what the fp8 targets are measured against) and the torch._scaled_mm
 candidate (``scaled_mm_tflops``; under block scales whatever its declines say, so that a host
 whose cuBLASLt takes blocks shows it).
@@ -12,6 +13,7 @@ whose cuBLASLt takes blocks shows it).
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import os
@@ -29,17 +31,24 @@ from dlcore.runtime.template import device_profile
 ROWS = tuple(int(m) for m in os.environ.get("SWEEP_M", "128,4096,16384").split(","))
 SHAPES = [(m, n, k) for m in ROWS for n, k in ((7168, 2048), (2112, 7168), (24576, 1536),
                                                             (7168, 16384), (4096, 7168))]
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K, TMA); never warp-specialised (fp8_gemm.space)
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K, TMA[, WARP_SPECIALIZE, OCCUPANCY]); never
+# warp-specialised (fp8_gemm.space); OCCUPANCY 2: two persistent programs a multiprocessor
 CONFIGS = {
     "block": [(128, 256, 128, 8, 3, 1, 1), (128, 256, 128, 16, 3, 1, 1), (64, 256, 128, 4, 3, 1, 1),
               (128, 128, 128, 8, 4, 1, 1), (128, 128, 128, 4, 4, 1, 1), (64, 128, 128, 4, 5, 1, 1),
               (128, 128, 128, 8, 5, 1, 1), (256, 128, 128, 8, 3, 1, 1), (128, 64, 128, 4, 5, 1, 1),
               (64, 128, 128, 4, 4, 2, 1), (128, 128, 64, 8, 6, 1, 1), (128, 128, 128, 16, 4, 1, 1),
-              (128, 128, 128, 16, 5, 1, 1), (256, 128, 128, 16, 3, 1, 1), (256, 128, 128, 16, 4, 1, 1)],
+              (128, 128, 128, 16, 5, 1, 1), (256, 128, 128, 16, 3, 1, 1), (256, 128, 128, 16, 4, 1, 1),
+              (64, 128, 128, 4, 3, 1, 1, 0, 2), (64, 128, 128, 4, 4, 1, 1, 0, 2), (64, 128, 128, 4, 4, 1, 0),
+              (64, 128, 64, 4, 6, 1, 1, 0, 2),
+              (64, 128, 128, 4, 2, 1, 1, 0, 2), (128, 64, 128, 4, 3, 1, 1, 0, 2), (128, 128, 128, 8, 4, 1, 0)],
     "tensor": [(128, 256, 128, 8, 3, 1, 1), (128, 128, 128, 8, 4, 1, 1), (256, 128, 128, 8, 3, 1, 1),
-               (64, 128, 128, 4, 5, 1, 1), (128, 256, 64, 8, 4, 1, 1), (64, 256, 128, 4, 4, 1, 1)],
+               (64, 128, 128, 4, 5, 1, 1), (128, 256, 64, 8, 4, 1, 1), (64, 256, 128, 4, 4, 1, 1),
+               (128, 128, 128, 8, 2, 1, 1, 0, 2), (64, 128, 128, 4, 3, 1, 1, 0, 2)],
 }
 CONFIGS["row"] = CONFIGS["tensor"]
+if os.environ.get("SWEEP_CONFIGS"):
+    CONFIGS = dict.fromkeys(CONFIGS, ast.literal_eval(os.environ["SWEEP_CONFIGS"]))
 QUANT = {"block": ("block", "block_128x128"), "row": ("row", "row"), "tensor": ("tensor", "tensor")}
 
 
@@ -47,7 +56,7 @@ def bench(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
 
 
-KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K", "TMA", "WARP_SPECIALIZE")
+KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SPLIT_K", "TMA", "WARP_SPECIALIZE", "OCCUPANCY")
 
 
 def config(t: tuple) -> dict:
@@ -88,7 +97,7 @@ def main(granularities: list[str]) -> None:
             row = {"granularity": gran, "m": m, "n": n, "k": k}
             heuristic = F.default_config(make_signature(F.OP, args, a.device), profile)
             found = {}
-            chosen = tuple(heuristic.get(key, 0) for key in KEYS)
+            chosen = tuple(heuristic.get(key, 1 if key == "OCCUPANCY" else 0) for key in KEYS)
             for t in dict.fromkeys([chosen, *CONFIGS[gran]]):
                 cfg = config(t)
                 try:

@@ -215,6 +215,26 @@ def test_space_never_warp_specialises(profile):
         assert "WARP_SPECIALIZE" in space.is_valid(dict(configs[0], WARP_SPECIALIZE=1))
 
 
+def test_occupancy_two_only_where_two_programs_fit(profile, gen):
+    """OCCUPANCY 2 is in the space only where two programs' shared memory and registers fit one
+    sm_90 multiprocessor, and it doubles the persistent grid (not past the tiles)."""
+    hopper = dataclasses.replace(profile, arch="sm_90", cores=132, shared_memory_per_program=227 * 1024,
+                                 registers_per_core=65536)
+    space = F.space(hopper)
+    base = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT_K": 1,
+            "TMA": 1, "WARP_SPECIALIZE": 0, "OCCUPANCY": 2}
+    assert space.is_valid(base) is None
+    assert space.is_valid({**base, "num_stages": 4}) is None  # 2 x (112 + 1) KiB of 228
+    assert "OCCUPANCY" in space.is_valid({**base, "num_stages": 5})  # 2 x 136 KiB of shared memory
+    assert "OCCUPANCY" in space.is_valid({**base, "BLOCK_M": 128, "num_warps": 8})  # 2 x 256 threads x 176 registers
+    assert "OCCUPANCY" in space.is_valid({**base, "TMA": 0})
+    assert any(c["OCCUPANCY"] == 2 for c in space.configs())
+    for m, programs in ((4096, 2 * 132), (128, 2 * 8)):
+        a, b, sa, sb = operands(gen, "block", m=m, n=1024, k=256)
+        grid = F.plan((a, b, sa, sb, torch.bfloat16), base, hopper).calls[0].grid
+        assert grid == (programs,)
+
+
 def test_scaled_mm_candidate_declines(profile, gen, monkeypatch):
     hopper = dataclasses.replace(profile, backend="cuda", vendor="nvidia", arch="sm_90", cores=132)
     ampere = dataclasses.replace(hopper, arch="sm_80")

@@ -7,7 +7,7 @@ K, chosen per call from the config and the device profile:
   "sm_90"``) when every operand suits the bulk tensor copy engine (16-byte aligned base, unit
   inner stride, other strides multiples of 16 bytes; ``a`` and ``b`` either way round: an
   nn.Linear weight's ``w.T`` is read through a ``[N, K]`` descriptor, a transposed ``a`` through
-  a ``[K, M]`` one). ``min(units, profile.cores)`` programs, each walking the output tiles
+  a ``[K, M]`` one). ``min(units, profile.cores * OCCUPANCY)`` programs, each walking the output tiles
   ``pid, pid + programs, ...`` in the grouped order, the tiles loaded
   through descriptors built on the device (``tl.make_tensor_descriptor``, which asks Triton's
   allocator for 128 bytes of global memory per descriptor and program: dlcore's
@@ -248,6 +248,37 @@ def kernel_constraints() -> list[Constraint]:
     ]
 
 
+#: shared memory the hardware keeps back per resident program on sm_90 (what two programs of one
+#: multiprocessor leave each other: 228 KiB a multiprocessor, 227 KiB a program at most)
+RESERVED_SHARED_BYTES = 1024
+#: registers a thread takes beside its accumulators (addresses, indices, scales; read off the
+#: compiled fp8 kernels: 175 registers at 64 float32 values of each of two accumulators a thread)
+OTHER_REGISTERS = 48
+
+
+def occupancy_constraints(profile: DeviceProfile | None, footprint: Callable[[Config], int],
+                          accumulators: int = 1) -> list[Constraint]:
+    """A persistent space's rule for ``OCCUPANCY`` (programs resident on one multiprocessor, see
+    :func:`gemm_calls`): above 1, that many programs' shared memory (``footprint``, plus what the
+    hardware keeps back for each) and registers (``accumulators`` float32 tiles a thread, beside
+    :data:`OTHER_REGISTERS`) fit on one multiprocessor, and the config is the descriptor kernel's
+    (the pointer kernel launches a program a tile: as many stay resident as fit)."""
+    shared = profile.shared_memory_per_program if profile is not None else 0
+    registers = profile.registers_per_core if profile is not None else 0
+
+    def fits(c: Config) -> bool:
+        occupancy = c.get("OCCUPANCY", 1)
+        if occupancy == 1:
+            return True
+        per_thread = accumulators * accumulator_per_thread(c) + OTHER_REGISTERS
+        return (c["TMA"] == 1 and (not shared or occupancy * (footprint(c) + RESERVED_SHARED_BYTES)
+                                   <= shared + RESERVED_SHARED_BYTES)
+                and (not registers or occupancy * 32 * c["num_warps"] * per_thread <= registers))
+    return [Constraint(f"OCCUPANCY == 1 or (TMA == 1 and OCCUPANCY programs' shared memory ({shared} bytes and "
+                       f"{RESERVED_SHARED_BYTES} kept back each) and registers ({registers}) fit one multiprocessor)",
+                       fits)]
+
+
 def warp_specialize_constraints(profile: DeviceProfile | None) -> list[Constraint]:
     """A space's rule for ``WARP_SPECIALIZE``: only where Triton specialises the loop (the
     descriptor kernel, so a profile of :data:`TMA_ARCHS` or none known; 4 warps; rows for two
@@ -348,7 +379,11 @@ def gemm_calls(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Config
         (default 1: the persistent tensor-descriptor kernel where :func:`takes_tma`, else the
         pointer kernel), ``FLATTEN`` (default 1: the persistent loop's tile and K loops
         software-pipelined as one), ``WARP_SPECIALIZE`` (default 0: the descriptor kernel's tile
-        loop warp-specialised, and then not flattened; not with pre-activations: :func:`loop_flags`).
+        loop warp-specialised, and then not flattened; not with pre-activations: :func:`loop_flags`),
+        ``OCCUPANCY`` (default 1: the descriptor kernel's persistent grid is ``OCCUPANCY`` programs a
+        multiprocessor, so that as many stay resident where they fit (:func:`occupancy_constraints`):
+        one program's wgmma then runs while another's scales or epilogue do, the ping-pong of
+        a warp-specialised loop by other means).
     :param profile: the device's: its architecture picks the kernel, its cores the persistent grid.
     :param b3: a second ``[K, N]`` operand (SwiGLU: ``c = silu(z) * z3``, ``z3`` from ``a @ b3``).
     :param epilogue: see :class:`Epilogue`.
@@ -390,7 +425,8 @@ def gemm_calls(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, config: Config
     tiles = cdiv(m, block_m) * cdiv(n, block_n)
     if config.get("TMA", 1) and takes_tma(profile, a, b, c, b3, e):
         gemm = _tma_call(a, b, c, (b3_, target, pre, pre3, dc, bias, scale, col), swiglu, e, config, tile,
-                         gemm_flags, scale_strides, min(tiles * split_k, profile.cores), profile)
+                         gemm_flags, scale_strides, min(tiles * split_k, profile.cores * config.get("OCCUPANCY", 1)),
+                         profile)
     else:
         stride_cm, stride_cn = (n, 1) if split_k > 1 else (c.stride(0), c.stride(1))
         gemm = KernelCall(gemm_kernel, (tiles, split_k), (

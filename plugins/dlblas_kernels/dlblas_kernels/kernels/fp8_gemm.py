@@ -132,7 +132,7 @@ def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
 
 def _tile(block_m: int, block_n: int, block_k: int, warps: int, stages: int, **extra: int) -> Config:
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages,
-            "SPLIT_K": 1, "TMA": 1, "WARP_SPECIALIZE": 0, **extra}
+            "SPLIT_K": 1, "TMA": 1, "WARP_SPECIALIZE": 0, "OCCUPANCY": 1, **extra}
 
 
 def heuristic(m: int, n: int, k: int, found: Granularity | None, profile: DeviceProfile | None) -> Config:
@@ -182,7 +182,9 @@ def space(profile: DeviceProfile) -> SearchSpace:
     specialised descriptor loop over fp8 operands gives wrong products at the DeepSeek-V3 shapes of
     ``.ci/sweep_fp8_gemm.py`` (block, row and tensor scales alike; docs/performance.md, Other
     measurements), where the same loop over bf16 operands is right. It compiles, so only a GPU run
-    shows it."""
+    shows it. ``OCCUPANCY`` 2 keeps two persistent programs on each multiprocessor where both fit
+    (:func:`~dlblas_kernels.blocks.gemm.occupancy_constraints`): one program's wgmma runs while the
+    other scales its last product, the overlap warp specialisation would give."""
     shared = profile.shared_memory_per_program
     fits = [Constraint(
         f"the pipelined fp8 a and b tiles and the staged 16-bit output tile fit in {shared} bytes of shared memory",
@@ -198,11 +200,14 @@ def space(profile: DeviceProfile) -> SearchSpace:
             Choice("SPLIT_K", (1, 2, 4)),
             Choice("TMA", (0, 1)),
             Choice("WARP_SPECIALIZE", (0,)),
+            Choice("OCCUPANCY", (1, 2)),
         ],
         [
             *fits,
             *gemm.accumulator_constraints(),
             *gemm.kernel_constraints(),
+            # block scales hold each step's product beside the accumulator: two tiles a thread
+            *gemm.occupancy_constraints(profile, _shared_memory_bytes, accumulators=2),
         ],
     )
 
