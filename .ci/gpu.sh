@@ -24,7 +24,7 @@
 #              in dlcore[triton]; fused_rotary_and_fa forward and backward against apply_rotary_pos_emb + the
 #              best SDPA (the Triton kernel alone in dlcore[triton]); softmax forward and backward at rows of
 #              4096 to 131072 against torch and torch.compile. docs/results/*.json as bench; not part of bench (not measured whole yet)
-#   bench-moe  issues #18 and #19: fp8_gemm (deepseek-fp8 preset, vs the dequantise path), topk_gating
+#   bench-moe  issues #18 and #19: fp8_gemm (deepseek-fp8 preset, vs the dequantise path, bf16 cuBLAS and per-tensor cuBLAS fp8), topk_gating
 #              forward + backward (gating preset, vs its torch reference), fused_moe forward and backward
 #              (moe preset, vs the grouped_mm composite, the Triton kernel alone beside get_op's choice), and
 #              fused_moe with fp8 weights (moe-fp8 preset, vs its own bf16 path): about 4 minutes
@@ -116,7 +116,7 @@ for stage in "$@"; do
       # issues #18 and #19: fp8_gemm on DeepSeek-V3's shapes against the dequantise-then-bf16 path,
       # topk_gating forward + backward against its torch reference, fused_moe against the grouped_mm composite
       # (forward and backward), and with fp8 weights against its own bf16 path
-      moe=(fp8_gemm:fwd:deepseek-fp8::dequant:triton,vendor topk_gating:fwd+bwd:gating::torch
+      moe=(fp8_gemm:fwd:deepseek-fp8::dequant,bf16,scaled_mm_tensor:triton,vendor topk_gating:fwd+bwd:gating::torch
            fused_moe:fwd:moe:1,64,4096,16384:torch:triton fused_moe:bwd:moe:1,64,4096,16384:torch:triton
            fused_moe:fwd:moe-fp8:64,4096,16384:bf16,torch:triton)
       # issue #42: the LM head's loss on LLaMA-3-8B and Qwen2.5-7B at 4096 and 16384 tokens, forward + backward (the

@@ -312,6 +312,19 @@ def test_dequantise_baseline(gen):
     assert_close(F.dequant_gemm(*args), reference(*args), torch.bfloat16, reduce_dim=160)
 
 
+def test_bf16_and_per_tensor_cublas_baselines(gen):
+    """The bench's ``bf16`` and ``scaled_mm_tensor`` columns: each prepared once (dequantised to
+    bfloat16; quantised again per tensor), then the product of what was prepared."""
+    args = (*operands(gen, "block", m=9, n=130, k=160), torch.bfloat16)
+    bf16 = F.bf16_inputs(args)
+    assert bf16[0].dtype == bf16[1].dtype == torch.bfloat16
+    assert_close(F.bf16_gemm(*bf16), reference(*args[:4]), torch.bfloat16, reduce_dim=160)
+    tensor = F.per_tensor_inputs(args)
+    assert tensor[0].dtype == F.FP8 and tensor[2].dim() == tensor[3].dim() == 0
+    assert_close(F.scaled_mm_tensor(*tensor), reference(*tensor[:4]), torch.bfloat16, reduce_dim=160)
+    assert set(F.OP.baselines) == {"dequant", "bf16", "scaled_mm_tensor"}
+
+
 def test_dlcore_ops_says_sm80_cannot_run_it(capsys):
     impl = F.KERNEL.implementation
     assert impl.limit("cuda", "gemm_tma_kernel", "80") is not None

@@ -29,8 +29,10 @@ bfloat16's tolerance whatever ``out_dtype``. Tiles of fewer than 64 rows run ``m
 interpreter ``tl.dot`` exactly in float32.
 
 Baselines: ``dequant``, what a user without an fp8 kernel runs (both operands dequantised to
-bfloat16, then a bfloat16 GEMM); the vendor candidate is ``torch._scaled_mm``
-(:mod:`dlblas_kernels.vendor`, per-tensor and per-row).
+bfloat16, then a bfloat16 GEMM); ``bf16``, that GEMM alone (the operands dequantised beforehand);
+``scaled_mm_tensor``, cuBLAS fp8 on the operands quantised again per tensor beforehand. The vendor
+candidate is ``torch._scaled_mm`` (:mod:`dlblas_kernels.vendor`: per-tensor, per-row, and block
+scales where cuBLASLt takes them).
 """
 
 from __future__ import annotations
@@ -104,6 +106,39 @@ def dequant_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scal
     then rounded), a bfloat16 GEMM, the result in ``out_dtype``."""
     a16, b16 = (t.to(torch.bfloat16) for t in dequantise(a, b, a_scale, b_scale, torch.float32))
     return torch.matmul(a16, b16.T).to(out_dtype)
+
+
+def bf16_inputs(args: tuple) -> tuple:
+    """``args`` with ``a`` and ``b`` dequantised to bfloat16 (what the ``bf16`` baseline multiplies)."""
+    a, b, a_scale, b_scale, out_dtype = args
+    a16, b16 = (t.to(torch.bfloat16) for t in dequantise(a, b, a_scale, b_scale, torch.float32))
+    return a16, b16, a_scale, b_scale, out_dtype
+
+
+def per_tensor_inputs(args: tuple) -> tuple:
+    """``args`` quantised again with one scale per tensor (what the ``scaled_mm_tensor`` baseline takes)."""
+    a, b, a_scale, b_scale, out_dtype = args
+    a32, b32 = dequantise(a, b, a_scale, b_scale, torch.float32)
+    (qa, sa), (qb, sb) = quantize_fp8_reference(a32, "tensor"), quantize_fp8_reference(b32, "tensor")
+    return qa, qb, sa, sb, out_dtype
+
+
+def bf16_gemm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+              out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """bf16 cuBLAS: ``a @ b.T`` on operands already dequantised to bfloat16 (once per shape, untimed:
+    :func:`bf16_inputs`), the rate fp8 is measured against."""
+    return torch.matmul(a, b.T).to(out_dtype)
+
+
+def scaled_mm_tensor(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
+                     out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """cuBLAS fp8 with one scale per tensor (``torch._scaled_mm``) on operands quantised so once per
+    shape, untimed (:func:`per_tensor_inputs`): the fp8 rate cuBLAS reaches without block scales."""
+    return torch._scaled_mm(a, b.T, scale_a=a_scale, scale_b=b_scale, out_dtype=out_dtype)
+
+
+bf16_gemm.prepare = bf16_inputs  # type: ignore[attr-defined]
+scaled_mm_tensor.prepare = per_tensor_inputs  # type: ignore[attr-defined]
 
 
 def output(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
@@ -273,7 +308,8 @@ OP = Op(
     example_paths={"split-K": {"tokens": 1, "hidden": 4096, "inter": 256},
                    "tiles": {"tokens": 300, "hidden": 512, "inter": 256}},
     cost=cost,
-    baselines={"dequant": lambda: dequant_gemm},
+    baselines={"dequant": lambda: dequant_gemm, "bf16": lambda: bf16_gemm,
+               "scaled_mm_tensor": lambda: scaled_mm_tensor},
 )
 
 KERNEL = define_kernel(
