@@ -33,7 +33,9 @@ OP_ORDER = ("rms_norm", "add_rms_norm", "silu_and_mul", "apply_rotary_pos_emb", 
             "flash_attention_v2", "fused_rotary_and_fa", "softmax")
 MODE_ORDER = ("fwd", "bwd", "fwd+bwd")
 BASELINE_NAMES = {"torch": "eager PyTorch", "compile": "torch.compile", "liger": "Liger-Kernel",
-                  "dequant": "dequantise to bf16, then torch.matmul"}
+                  "dequant": "dequantise to bf16, then torch.matmul",
+                  "bf16": "bf16 cuBLAS on operands dequantised beforehand",
+                  "scaled_mm_tensor": "cuBLAS fp8, one scale per tensor (torch._scaled_mm)"}
 #: the SDPA baselines of the attention ops: F.scaled_dot_product_attention with one backend each
 SDPA = ("sdpa_flash", "sdpa_cudnn")
 #: working sets from which the fraction of the copy bandwidth is summarized
@@ -49,8 +51,11 @@ OP_NOTES = {
                           "the shared key head; DeepSeek models).",
     "fp8_gemm": "`fp8_gemm(a, b, a_scale, b_scale)`: float8_e4m3fn a `[tokens, hidden]` @ b `[inter, hidden]`.T with "
                 "DeepSeek-V3's block scales (1x128 of a, 128x128 of b), bf16 out, at DeepSeek-V3's shapes "
-                "(`--shapes deepseek-fp8 --vs dequant`). `dequant`: both operands dequantised to bf16, then a "
-                "bf16 GEMM.",
+                "(`--shapes deepseek-fp8 --vs dequant,bf16,scaled_mm_tensor`). `dequant`: both operands dequantised "
+                "to bf16, then a bf16 GEMM; `bf16`: that GEMM alone (the operands dequantised once, untimed); "
+                "`scaled_mm_tensor`: cuBLAS fp8 on the operands quantised again with one scale per tensor (once, "
+                "untimed), the fp8 rate without block scales. `vendor` is cuBLASLt's blockwise GEMM where torch "
+                "reaches it.",
     "matmul": "`matmul(a, b, bias=None, activation=None, allow_tf32=False)`: a `[tokens, hidden]` @ b, b the `w.T` "
               "view of an nn.Linear weight `w [inter, hidden]` (no copy; M = tokens, K = hidden, N = inter), no bias "
               "or activation. A model marked (down) is its MLP's down projection: `hidden` (K) is then the model's "
