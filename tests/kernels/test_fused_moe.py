@@ -149,6 +149,18 @@ def test_forward_through_the_copy_engine(device, gen, profile, experts):
     check(plan.run(), args)
 
 
+def test_copy_engine_loops_flattened_unless_the_config_says_not(device, gen, profile):
+    """A config's FLATTEN (default 1) reaches both copy-engine GEMMs; unflattened, the output is the same."""
+    args = (*inputs(torch.float16, device, gen), None, None)
+    for flatten, expected in ((None, True), (0, False)):
+        config = TMA if flatten is None else {**TMA, "FLATTEN": flatten}
+        plan = moe.plan(args, config, _hopper(profile, device))
+        flags = [c.kwargs["FLATTEN"] for c in plan.calls if c.kernel.__name__ == "grouped_tma_gemm_kernel"]
+        assert flags == [expected, expected]
+        poison(plan.result)
+        check(plan.run(), args[:5])
+
+
 @pytest.mark.skipif(not ON_GPU, reason="Mixtral's width needs a GPU")
 @pytest.mark.xfail(strict=True, reason="the copy-engine GEMMs are wrong in some rows at Mixtral's 4096 tokens "
                    "(moe_tiles.TMA_BY_DEFAULT)")

@@ -82,8 +82,6 @@ def grouped_tma_gemm_kernel(
 
 
 KERNELS = (grouped_tma_gemm_kernel,)
-#: the persistent loop flattened (the K loop of each unit fused into the loop over units)
-FLATTEN = True
 
 
 def _rows_view(w: torch.Tensor) -> bool:
@@ -110,7 +108,8 @@ def grouped_tma_call(align: Alignment, a: torch.Tensor, b: torch.Tensor, c: torc
     :param a: ``[places, K]`` in sorted order (zeros at padding), unit K stride.
     :param b: ``[E, R, K]`` with ``R = 2N`` (``swiglu``: gate rows, then up rows) or ``N``.
     :param c: ``[places, N]`` (by place) or, with ``scatter``, ``[n_slots, N]`` (by slot); unit column stride.
-    :param tiles: ``BLOCK_N``, ``BLOCK_K``, ``GROUP_M``, ``num_warps``, ``num_stages`` (``BLOCK_M`` the alignment's).
+    :param tiles: ``BLOCK_N``, ``BLOCK_K``, ``GROUP_M``, ``num_warps``, ``num_stages`` (``BLOCK_M`` the alignment's);
+        optional ``FLATTEN`` (default 1: the K loop of each unit software-pipelined with the loop over units).
     :param programs: the persistent programs (the device's multiprocessors).
     :param scale: the routing weight of each slot as the row scale.
     """
@@ -123,4 +122,4 @@ def grouped_tma_call(align: Alignment, a: torch.Tensor, b: torch.Tensor, c: torc
         n, k, align.experts, b_rows, a.stride(0), b.stride(1), c.stride(0),
     ), {"BLOCK_M": align.block_m, "BLOCK_N": tiles["BLOCK_N"], "BLOCK_K": tiles["BLOCK_K"],
         "GROUP_M": tiles.get("GROUP_M", 8), "SWIGLU": swiglu, "SCATTER_C": scatter, "HAS_SCALE": scale,
-        "FLATTEN": FLATTEN, "num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]})
+        "FLATTEN": bool(tiles.get("FLATTEN", 1)), "num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]})

@@ -129,14 +129,16 @@ def forward_calls(args: tuple, config: Config, out: torch.Tensor, gate: torch.Te
     calls, align, scratch = grouped.align_calls(topk_ids, topk_weights, experts, config["BLOCK_M"])
     y = torch.empty(tokens * topk, h, dtype=hidden.dtype, device=hidden.device)
     if gate is None and config.get("TMA", 0) and grouped_tma.fits(profile, w13, w2, config):
+        # a config's optional FLATTEN (default 1): the persistent loops flattened
+        flatten = {"FLATTEN": config.get("FLATTEN", 1)}
         rows = torch.empty(align.places, h, dtype=hidden.dtype, device=hidden.device)
         act = torch.empty(align.places, inter, dtype=hidden.dtype, device=hidden.device)
         gemms, held = [
             grouped.gather_call(align, hidden, rows, topk),
-            grouped_tma.grouped_tma_call(align, rows, w13, act, up_config(config), profile.cores, swiglu=True,
-                                         scatter=False, scale=False),
-            grouped_tma.grouped_tma_call(align, act, w2, y, down_config(config), profile.cores, swiglu=False,
-                                         scatter=True, scale=True),
+            grouped_tma.grouped_tma_call(align, rows, w13, act, {**up_config(config), **flatten}, profile.cores,
+                                         swiglu=True, scatter=False, scale=False),
+            grouped_tma.grouped_tma_call(align, act, w2, y, {**down_config(config), **flatten}, profile.cores,
+                                         swiglu=False, scatter=True, scale=True),
         ], (rows, act)
     else:
         act = torch.empty(tokens * topk, inter, dtype=hidden.dtype, device=hidden.device)
