@@ -400,6 +400,27 @@ def test_fp8_forward_takes_any_strides_and_the_public_function(device, gen):
     assert "grouped_gemm_kernel" not in staged
 
 
+#: the fp8 copy-engine path's tiles: 128-column gate/up tiles (the SwiGLU output's quantisation group),
+#: 32-column down tiles (H = 160: one and a quarter scale blocks along K of the gate/up GEMM)
+FP8_TMA = dict(FP8_SMALL, BLOCK_N=128, DOWN_BLOCK_N=32, TMA=1)
+
+
+@pytest.mark.parametrize("experts", [E, 1])
+def test_fp8_forward_through_the_copy_engine(device, gen, profile, experts):
+    """fp8 weights through the copy engine: the quantised rows and their scales gathered, both
+    GEMMs block-scaled through tensor descriptors, the SwiGLU output quantised by place in the
+    gate/up epilogue; a K of 160 (a partial scale block), an empty expert, one expert alone."""
+    args = fp8_inputs(torch.float16, device, gen, hidden=160, inter=256, experts=experts, topk=min(K, experts))
+    plan = moe.plan(args, FP8_TMA, _hopper(profile, device))
+    kernels = _kernels(plan)
+    assert kernels.count("grouped_tma_gemm_kernel") == 2 and "grouped_fp8_gemm_kernel" not in kernels
+    poison(plan.result)
+    check_fp8(plan.run(), args)
+    # tiles the path cannot take (64-column gate/up tiles: no quantisation group) fall back to the pointer kernels
+    assert "grouped_tma_gemm_kernel" not in _kernels(moe.plan(args, {**FP8_TMA, "BLOCK_N": 64}, _hopper(profile,
+                                                                                                        device)))
+
+
 def test_fp8_nothing_routed(device, gen):
     x, w13, w2, weights, ids, w13_scale, w2_scale = fp8_inputs(torch.float32, device, gen, hidden=48, inter=32)
     assert (fused_moe(x, w13, w2, weights, torch.full_like(ids, -1), w13_scale, w2_scale) == 0).all()

@@ -127,7 +127,7 @@ ANY_LAYOUT = ("contiguous", "rows", "strided")
 def _forward(args: tuple, config: Config, out: torch.Tensor, gate: torch.Tensor | None = None,
              up: torch.Tensor | None = None, profile: DeviceProfile | None = None) -> tuple[list[KernelCall], tuple]:
     if args[1].dtype == FP8:
-        return fp8_forward_calls(args, config, out)
+        return fp8_forward_calls(args, config, out, profile)
     return forward_calls(args, config, out, gate, up, profile)
 
 

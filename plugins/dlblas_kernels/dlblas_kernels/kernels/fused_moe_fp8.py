@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from dlblas_kernels.blocks import grouped
+from dlblas_kernels.blocks import grouped, grouped_tma
 from dlblas_kernels.blocks.moe_launches import dims, down_config, sum_call, up_config
 from dlblas_kernels.kernels import quantize_fp8 as Q
-from dlcore.api import Config, InvalidInputError, KernelCall, Op, cdiv
+from dlcore.api import Config, DeviceProfile, InvalidInputError, KernelCall, Op, cdiv
 
 FP8 = torch.float8_e4m3fn
 #: the weights' other dtype: fp8 with DeepSeek-V3's 128x128 block scales (w13_scale, w2_scale)
@@ -85,19 +85,24 @@ def _quantize(x: torch.Tensor) -> tuple[list[KernelCall], torch.Tensor, torch.Te
     return found.calls, *found.result
 
 
-def fp8_forward_calls(args: tuple, config: Config, out: torch.Tensor) -> tuple[list[KernelCall], tuple]:
+def fp8_forward_calls(args: tuple, config: Config, out: torch.Tensor,
+                      profile: DeviceProfile | None = None) -> tuple[list[KernelCall], tuple]:
     """fp8 weights: ``hidden`` quantised per 1x128 (one launch), the gate/up GEMM on fp8 tiles with
     the SwiGLU output quantised per 1x128 in its epilogue (where its column tile is 128: I a
     multiple of 128; else stored in float32 and quantised by a launch of its own), the down GEMM
     on fp8 tiles, the sum over choices. The weight tiles load by pointers: through a tensor
-    descriptor over every expert's rows (K-major, made on the device) the fp8 path is no faster
-    than the bf16 one (docs/performance.md, fused_moe)."""
+    descriptor over every expert's rows (K-major, made on the device) with the rows gathered by
+    pointer the fp8 path is no faster than the bf16 one (docs/performance.md, fused_moe). A config
+    with ``TMA`` 1 takes the copy-engine path where it fits (:func:`_copy_engine_calls`)."""
     hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale = args
     tokens, h, experts, inter, topk = dims(hidden, w13, topk_ids)
     config = fp8_tiles(config, inter)
     calls, align, scratch = grouped.align_calls(topk_ids, topk_weights, experts, config["BLOCK_M"])
     quantized, hidden_q, hidden_scale = _quantize(hidden)
     calls += quantized
+    if config.get("TMA", 0) and grouped_tma.fits(profile, w13, w2, config):
+        gemms, held = _copy_engine_calls(args, config, out, align, hidden_q, hidden_scale, profile)
+        return calls + gemms, (*scratch, *align.scratch(), hidden_q, hidden_scale, *held)
     slots = tokens * topk
     up_tiles = up_config(config)
     gate_up = {"gather": True, "scatter": True, "a_div": topk, "swiglu": True,
@@ -120,6 +125,32 @@ def fp8_forward_calls(args: tuple, config: Config, out: torch.Tensor) -> tuple[l
         sum_call(y, topk_ids, out, experts),
     ]
     return calls, (*scratch, *align.scratch(), hidden_q, hidden_scale, *staged, act, act_scale, y)
+
+
+def _copy_engine_calls(args: tuple, config: Config, out: torch.Tensor, align: grouped.Alignment,
+                       hidden_q: torch.Tensor, hidden_scale: torch.Tensor,
+                       profile: DeviceProfile) -> tuple[list[KernelCall], tuple]:
+    """Both GEMMs through the copy engine (:mod:`dlblas_kernels.blocks.grouped_tma`): the quantised
+    rows and their scales gathered into sorted order, the gate/up GEMM storing its SwiGLU output
+    quantised per 1x128 by place, the down GEMM storing each slot's row; the sum over choices."""
+    hidden, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale = args
+    tokens, h, experts, inter, topk = dims(hidden, w13, topk_ids)
+    new = lambda *shape, dtype=FP8: torch.empty(shape, dtype=dtype, device=hidden.device)  # noqa: E731
+    rows, rows_scale = new(align.places, h), new(align.places, cdiv(h, SCALE_BLOCK), dtype=torch.float32)
+    act, act_scale = new(align.places, inter), new(align.places, inter // SCALE_BLOCK, dtype=torch.float32)
+    y = new(tokens * topk, h, dtype=hidden.dtype)
+    flatten = {"FLATTEN": config.get("FLATTEN", 1)}
+    calls = [
+        grouped.gather_call(align, hidden_q, rows, topk),
+        grouped.gather_call(align, hidden_scale, rows_scale, topk),
+        grouped_tma.grouped_tma_call(align, rows, w13, act, {**up_config(config), **flatten}, profile.cores,
+                                     swiglu=True, scatter=False, scale=False, block_scales=(rows_scale, w13_scale),
+                                     c_scale=act_scale),
+        grouped_tma.grouped_tma_call(align, act, w2, y, {**down_config(config), **flatten}, profile.cores,
+                                     swiglu=False, scatter=True, scale=True, block_scales=(act_scale, w2_scale)),
+        sum_call(y, topk_ids, out, experts),
+    ]
+    return calls, (rows, rows_scale, act, act_scale, y)
 
 
 def check_fp8(op: Op, args: dict[str, Any]) -> None:
