@@ -4,8 +4,10 @@ persistent loop and not. Off by default (moe_tiles.TMA_BY_DEFAULT) while its row
 
     python3 .ci/probe_moe_tma.py [TOKENS ...]   (default 4096 16384)
 
-One JSON line per token count: each path's TFLOP/s (CUDA-graph replays, medians), its largest error against
-the composite and its rows off by more than 5% of the composite's largest output. The copy-engine paths also
+A JSON line per token count: each path's TFLOP/s (CUDA-graph replays, medians), its largest error against the
+composite and its rows off by more than 5% of the composite's largest output. A second line (PROBE_FP8=0 leaves
+it out): the layer with fp8 weights, by the pointer kernels and through the copy engine (rows off by more than
+2% against the pointer kernels, which quantise alike). The copy-engine paths also
 say which stage's rows are off (``stages``): the gathered rows against the tokens, the SwiGLU product against
 float32 products of those rows, the down GEMM's rows against float32 products of that SwiGLU product.
 """
@@ -13,19 +15,23 @@ float32 products of those rows, the down GEMM's rows against float32 products of
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
 import triton.testing
 from dlblas_kernels import vendor
-from dlblas_kernels.blocks import grouped_tma
+from dlblas_kernels.blocks import grouped_tma, moe_tiles
 from dlblas_kernels.kernels import fused_moe as M
+from dlblas_kernels.kernels.fused_moe_fp8 import quantise_weight
 
 from dlcore.runtime.profile import device_profile
 
 H, INTER, E, K = 4096, 14336, 8, 2
 DEVICE = "cuda"
 PATHS = {"pointer": (0, True), "tma": (1, True), "tma_unflattened": (1, False)}
+#: fp8 weights through the copy engine: the fp8 heuristic's tiles, and others
+FP8_PATHS = {"fp8_tma": {}, "fp8_tma_unflattened": {"FLATTEN": 0}, "fp8_tma_8warps": {"num_warps": 8, "num_stages": 3}}
 
 
 def bench(fn) -> float:
@@ -91,6 +97,30 @@ def main(token_counts: list[int]) -> None:
         dense = lambda a=a, act=act: (a @ w13[0].T, act @ w2[0].T)  # noqa: E731 - the same FLOPs, one expert's weights
         row["dense_tflops"] = round(flops / bench(dense) / 1e9, 1)
         print(json.dumps(row), flush=True)
+        if os.environ.get("PROBE_FP8", "1") != "0":
+            print(json.dumps(fp8_row(args, tokens, flops, profile)), flush=True)
+
+
+def fp8_row(args: tuple, tokens: int, flops: int, profile) -> dict:
+    """The same layer with the weights in fp8 (128x128 block scales): the pointer kernels and the
+    copy-engine path (rows off against the pointer kernels' output, which quantises alike)."""
+    x, w13, w2, weights, ids = args[:5]
+    (q13, s13), (q2, s2) = quantise_weight(w13), quantise_weight(w2)
+    fp8_args = (x, q13, q2, weights, ids, s13, s2)
+    base = moe_tiles.heuristic(tokens, E, K, 1, profile, fp8=True)
+    row: dict = {"tokens": tokens, "fp8_config": base}
+    pointer = M.plan(fp8_args, base, profile)
+    want = pointer.run().float()
+    row["fp8_pointer_tflops"] = round(flops / bench(pointer.run) / 1e9, 1)
+    for name, extra in FP8_PATHS.items():
+        plan = M.plan(fp8_args, {**base, "TMA": 1, **extra}, profile)
+        if not any(c.kernel is grouped_tma.grouped_tma_gemm_kernel for c in plan.calls):
+            row[name] = "declined"
+            continue
+        error = (plan.run().float() - want).abs()
+        row[name] = {"tflops": round(flops / bench(plan.run) / 1e9, 1), "max_error": round(error.max().item(), 5),
+                     "bad_rows": int((error.amax(1) > 0.02 * want.abs().max()).sum())}
+    return row
 
 
 if __name__ == "__main__":
