@@ -153,6 +153,18 @@ OP_MEASURED = {
         "128-deep product before scaling it (`wgmma.wait_group 0` in every K step: the scaled sum is not a dot "
         "accumulator, so Triton 3.6 cannot keep two wgmma groups in flight); with per-tensor scales the same "
         "kernel reaches 1047 to 1314 TFLOP/s, 0.93x to 1.11x cuBLAS's per-tensor 1041 to 1188.",
+        "Two persistent programs a multiprocessor (`OCCUPANCY` 2: one program's wgmma runs while the other "
+        "scales its last product; H100, 2026-12-07, `SWEEP_M=4096 python3 .ci/sweep_fp8_gemm.py block` with "
+        "`SWEEP_CONFIGS`): 64 x 128 x 128 tiles, 4 warps, 3 stages (167 registers and 88 KiB each) ran 812, "
+        "798, 810, 809 and 589 TFLOP/s at N x K = 7168 x 2048, 24576 x 1536, 7168 x 16384, 4096 x 7168 and "
+        "2112 x 7168, against one program of 128 x 128 tiles (the heuristic's) at 794, 776, 821, 817 and "
+        "687: +2% to +3% on two shapes, -1% to -14% on the others. 4 stages, 128 x 64 tiles and the "
+        "pointer kernel's 64 x 128 tiles were slower still. It stays in the space for the tuner; the "
+        "heuristic keeps one program.",
+        "The same day's bench (table above, H100): cuBLASLt's blockwise candidate alone 1.33x to 1.78x bf16 "
+        "cuBLAS at 4096 and 16384 rows (geometric mean 1.57x), get_op's choice 1.31x to 1.66x (1.49x): "
+        "get_op picks the candidate at every such shape but its call took up to 9% longer than the "
+        "candidate's own in this run (839.9 against 766.9 us at 4096 x 7168 x 16384), not yet explained.",
     ],
     "apply_rotary_pos_emb": [
         "The default step of 2048 elements with one warp (`TILE`; H200, bf16, 4096 and 16384 tokens of "
@@ -172,12 +184,17 @@ OP_MEASURED = {
     ],
     "fused_moe": [
         "The copy-engine path for few large experts (`blocks/grouped_tma.py`, a config's `TMA` 1; off by "
-        "default), Mixtral-8x7B's experts, bf16, 4096 tokens, torch 2.11 and triton 3.6.0, 2026-12-06, "
-        "against the grouped_mm composite (the probe now kept as `python3 .ci/probe_moe_tma.py 4096`): on an "
-        "H100 975 of 4096 token rows wrong (2287 with the persistent loop unflattened), the pointer kernels "
-        "none; 551 TFLOP/s (unflattened 637) against the pointer kernels' 510, grouped_mm's 433 and the dense "
-        "GEMM's 735. On an H200 543 against 496 at 4096 tokens and 569 against 533 at 16384 (dense 696 and "
-        "681).",
+        "default), Mixtral-8x7B's experts, 4096 tokens, H100, torch 2.11 and triton 3.6.0, 2026-12-07, "
+        "`python3 .ci/probe_moe_tma.py 4096`: its rows are wrong in some calls and right in others. In two "
+        "runs of the probe 946 to 987 of 4096 token rows were off in the first two calls of a new plan (2820 "
+        "to 3242 with the persistent loop unflattened); in a third run, and in 23 calls of new plans in two "
+        "other processes, none. Each stage (the gathered rows, the SwiGLU product, the down GEMM's rows), "
+        "checked against its own inputs after a later call of the same plans, was right. Speed (bf16): 533 "
+        "to 548 TFLOP/s (unflattened 613 to 638) against the pointer kernels' 504 to 515, grouped_mm's 453 "
+        "to 466 and the dense GEMM's 707 to 739. fp8 weights through the copy engine (block-scaled "
+        "descriptor loops, the SwiGLU output quantised by place): 642 to 663 TFLOP/s with 16 gate/up warps "
+        "and 420 with 8, against the pointer kernels' 708 to 710; some calls wrong here too (2305 and 2708 "
+        "rows in two of six first calls). An earlier H100 run (2026-12-06): 975 rows off, 551 TFLOP/s.",
         "The bf16 heuristic (H200, Mixtral-8x7B's and DeepSeek-V3's experts, `.ci/bench_fused_moe.py`): at one "
         "row per expert or fewer, K steps of 256 in 3 stages, 200 against 207 us for Mixtral's token; decoding "
         "streams each activated expert's weights at 83 to 93% of the copy bandwidth, 128-column tiles 1 to 5% "

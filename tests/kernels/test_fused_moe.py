@@ -162,8 +162,8 @@ def test_copy_engine_loops_flattened_unless_the_config_says_not(device, gen, pro
 
 
 @pytest.mark.skipif(not ON_GPU, reason="Mixtral's width needs a GPU")
-@pytest.mark.xfail(strict=True, reason="the copy-engine GEMMs are wrong in some rows at Mixtral's 4096 tokens "
-                   "(moe_tiles.TMA_BY_DEFAULT)")
+@pytest.mark.xfail(reason="the copy-engine GEMMs are wrong in some rows at Mixtral's 4096 tokens in some calls and "
+                   "right in others on an H100 (moe_tiles.TMA_BY_DEFAULT): a pass shows no fix", strict=False)
 def test_copy_engine_at_mixtral_size_on_gpu(gen, profile):
     args = inputs(torch.bfloat16, "cuda", gen, tokens=4096, hidden=4096, inter=14336, experts=8, topk=2)
     plan = moe.plan((*args, None, None), {**moe.heuristic(4096, 8, 2, 2, profile), "TMA": 1}, profile)

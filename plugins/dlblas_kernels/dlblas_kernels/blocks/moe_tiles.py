@@ -14,11 +14,12 @@ DECODE_ROWS = 16
 FP8_WIDE_ROWS = 512
 # Few large experts (Mixtral's 8), many rows each: the GEMMs through the copy engine (blocks/grouped_tma.py)
 # where the device has it, the rows gathered once into expert order. Not taken by default, nor by the
-# tuner (TMA 0 only in the space): at Mixtral's 4096 tokens its output is wrong in about one row in
-# eight (H100: 975 of 8192 token rows off the grouped_mm composite by more than 5% of its largest
-# output, the loop unflattened 2287; the pointer kernels none), which the tests at small sizes, in the
-# interpreter and on the GPU, do not reproduce. A config may ask for it (test_fused_moe's GPU case
-# at Mixtral's size is an expected failure until it is found).
+# tuner (TMA 0 only in the space): at Mixtral's 4096 tokens on an H100 its output is wrong in some calls
+# and right in others (946 to 987 of 4096 token rows off the grouped_mm composite in the first calls of
+# new plans in two runs of .ci/probe_moe_tma.py, none in a third run nor in 23 calls in other processes;
+# the pointer kernels none; docs/performance.md, fused_moe), with 16-bit and fp8 weights alike. The tests
+# at small sizes, in the interpreter and on the GPU, do not reproduce it. A config may ask for it
+# (test_fused_moe's GPU case at Mixtral's size is an expected failure until it is found).
 TMA_BY_DEFAULT = False
 TMA_MAX_EXPERTS, TMA_ROWS = 16, 256
 # Declared for 16-bit inputs; a float32 config that overflows shared memory fails to compile and the
