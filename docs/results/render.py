@@ -161,10 +161,12 @@ OP_MEASURED = {
         "687: +2% to +3% on two shapes, -1% to -14% on the others. 4 stages, 128 x 64 tiles and the "
         "pointer kernel's 64 x 128 tiles were slower still. It stays in the space for the tuner; the "
         "heuristic keeps one program.",
-        "The same day's bench (table above, H100): cuBLASLt's blockwise candidate alone 1.33x to 1.78x bf16 "
-        "cuBLAS at 4096 and 16384 rows (geometric mean 1.57x), get_op's choice 1.31x to 1.66x (1.49x): "
-        "get_op picks the candidate at every such shape but its call took up to 9% longer than the "
-        "candidate's own in this run (839.9 against 766.9 us at 4096 x 7168 x 16384), not yet explained.",
+        "The same day's bench (table above, H100): at 4096 and 16384 rows get_op takes cuBLASLt's blockwise "
+        "candidate at every shape; 1.31x to 1.66x bf16 cuBLAS on the mean of two rounds (geometric mean "
+        "1.49x). Its column's second round ran up to 12% slower than its first (886.8 against 793.0 us at "
+        "4096 x 7168 x 16384) where the candidate's own column did not: the same call, the card's clock "
+        "under sustained fp8 load. By each column's faster round: get_op 1.30x to 1.74x (1.54x), the "
+        "candidate alone 1.31x to 1.79x (1.58x); per-tensor cuBLAS fp8 0.89x of get_op's block-scaled time.",
     ],
     "apply_rotary_pos_emb": [
         "The default step of 2048 elements with one warp (`TILE`; H200, bf16, 4096 and 16384 tokens of "
