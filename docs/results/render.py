@@ -166,7 +166,7 @@ OP_MEASURED = {
         "1.49x). Its column's second round ran up to 12% slower than its first (886.8 against 793.0 us at "
         "4096 x 7168 x 16384) where the candidate's own column did not: the same call, the card's clock "
         "under sustained fp8 load. By each column's faster round: get_op 1.30x to 1.74x (1.54x), the "
-        "candidate alone 1.31x to 1.79x (1.58x); per-tensor cuBLAS fp8 0.89x of get_op's block-scaled time.",
+        "candidate alone 1.31x to 1.79x (1.58x); get_op at 0.89x the speed of per-tensor cuBLAS fp8.",
     ],
     "apply_rotary_pos_emb": [
         "The default step of 2048 elements with one warp (`TILE`; H200, bf16, 4096 and 16384 tokens of "
