@@ -117,6 +117,25 @@ def sum_call(y: torch.Tensor, topk_ids: torch.Tensor, out: torch.Tensor, experts
     ), {"TOPK": topk_ids.shape[1], "BLOCK_H": block, "ZERO_DROPPED": dw is not None, "num_warps": 4})
 
 
+def copy_engine_gemms(align: grouped.Alignment, rows: torch.Tensor, w13: torch.Tensor, act: torch.Tensor,
+                      w2: torch.Tensor, y: torch.Tensor, config: Config, profile: DeviceProfile, *,
+                      up_scales: tuple[torch.Tensor, torch.Tensor] | None = None, act_scale: torch.Tensor | None = None,
+                      down_scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[KernelCall]:
+    """The gate/up and down GEMMs through the copy engine (:mod:`dlblas_kernels.blocks.grouped_tma`),
+    16-bit or fp8: ``rows`` (sorted order) -> SwiGLU ``act`` by place -> each slot's row of ``y``,
+    scaled by its routing weight. fp8: ``up_scales`` and ``down_scales`` are each GEMM's ``(a, b)``
+    block scales, ``act_scale`` the SwiGLU output's 1x128 scales. A config's optional ``FLATTEN``
+    (default 1) flattens both persistent loops."""
+    flatten = {"FLATTEN": config.get("FLATTEN", 1)}
+    return [
+        grouped_tma.grouped_tma_call(align, rows, w13, act, {**up_config(config), **flatten}, profile.cores,
+                                     swiglu=True, scatter=False, scale=False, block_scales=up_scales,
+                                     c_scale=act_scale),
+        grouped_tma.grouped_tma_call(align, act, w2, y, {**down_config(config), **flatten}, profile.cores,
+                                     swiglu=False, scatter=True, scale=True, block_scales=down_scales),
+    ]
+
+
 def forward_calls(args: tuple, config: Config, out: torch.Tensor, gate: torch.Tensor | None = None,
                   up: torch.Tensor | None = None,
                   profile: DeviceProfile | None = None) -> tuple[list[KernelCall], tuple]:
@@ -129,25 +148,20 @@ def forward_calls(args: tuple, config: Config, out: torch.Tensor, gate: torch.Te
     calls, align, scratch = grouped.align_calls(topk_ids, topk_weights, experts, config["BLOCK_M"])
     y = torch.empty(tokens * topk, h, dtype=hidden.dtype, device=hidden.device)
     if gate is None and config.get("TMA", 0) and grouped_tma.fits(profile, w13, w2, config):
-        # a config's optional FLATTEN (default 1): the persistent loops flattened
-        flatten = {"FLATTEN": config.get("FLATTEN", 1)}
         rows = torch.empty(align.places, h, dtype=hidden.dtype, device=hidden.device)
         act = torch.empty(align.places, inter, dtype=hidden.dtype, device=hidden.device)
-        gemms, held = [
-            grouped.gather_call(align, hidden, rows, topk),
-            grouped_tma.grouped_tma_call(align, rows, w13, act, {**up_config(config), **flatten}, profile.cores,
-                                         swiglu=True, scatter=False, scale=False),
-            grouped_tma.grouped_tma_call(align, act, w2, y, {**down_config(config), **flatten}, profile.cores,
-                                         swiglu=False, scatter=True, scale=True),
-        ], (rows, act)
+        gemms = [grouped.gather_call(align, hidden, rows, topk),
+                 *copy_engine_gemms(align, rows, w13, act, w2, y, config, profile)]
+        held: tuple = (rows, act)
     else:
         act = torch.empty(tokens * topk, inter, dtype=hidden.dtype, device=hidden.device)
-        gemms, held = [
+        gemms = [
             grouped.grouped_call(align, hidden, w13, act, up_config(config), gather=True, scatter=True, a_div=topk,
                                  swiglu=True, pre=gate, pre3=up, input_precision=PRECISION),
             grouped.grouped_call(align, act, w2, y, down_config(config), gather=True, scatter=True, scale=True,
                                  input_precision=PRECISION),
-        ], (act,)
+        ]
+        held = (act,)
     calls += [*gemms, sum_call(y, topk_ids, out, experts)]
     return calls, (*scratch, *align.scratch(), *held, y)
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from dlblas_kernels.blocks import grouped, grouped_tma
-from dlblas_kernels.blocks.moe_launches import dims, down_config, sum_call, up_config
+from dlblas_kernels.blocks.moe_launches import copy_engine_gemms, dims, down_config, sum_call, up_config
 from dlblas_kernels.kernels import quantize_fp8 as Q
 from dlcore.api import Config, DeviceProfile, InvalidInputError, KernelCall, Op, cdiv
 
@@ -139,15 +139,11 @@ def _copy_engine_calls(args: tuple, config: Config, out: torch.Tensor, align: gr
     rows, rows_scale = new(align.places, h), new(align.places, cdiv(h, SCALE_BLOCK), dtype=torch.float32)
     act, act_scale = new(align.places, inter), new(align.places, inter // SCALE_BLOCK, dtype=torch.float32)
     y = new(tokens * topk, h, dtype=hidden.dtype)
-    flatten = {"FLATTEN": config.get("FLATTEN", 1)}
     calls = [
         grouped.gather_call(align, hidden_q, rows, topk),
         grouped.gather_call(align, hidden_scale, rows_scale, topk),
-        grouped_tma.grouped_tma_call(align, rows, w13, act, {**up_config(config), **flatten}, profile.cores,
-                                     swiglu=True, scatter=False, scale=False, block_scales=(rows_scale, w13_scale),
-                                     c_scale=act_scale),
-        grouped_tma.grouped_tma_call(align, act, w2, y, {**down_config(config), **flatten}, profile.cores,
-                                     swiglu=False, scatter=True, scale=True, block_scales=(act_scale, w2_scale)),
+        *copy_engine_gemms(align, rows, w13, act, w2, y, config, profile, up_scales=(rows_scale, w13_scale),
+                           act_scale=act_scale, down_scales=(act_scale, w2_scale)),
         sum_call(y, topk_ids, out, experts),
     ]
     return calls, (rows, rows_scale, act, act_scale, y)
