@@ -49,7 +49,8 @@ def stages(plan, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> dict:
     """Rows off in each stage of a copy-engine plan, from its launches' own tensors (after a run)."""
     up, down = (c for c in plan.calls if c.kernel is grouped_tma.grouped_tma_gemm_kernel)
     rows, _, act, _, sorted_ids, block_expert, starts = up.args[:7]
-    y, weights, slots_total = down.args[2], down.args[3], down.args[10]
+    y, weights = down.args[2], down.args[3]
+    slots_total = y.shape[0]  # the down GEMM's output holds a row per slot
     block_m, used = up.kwargs["BLOCK_M"], int(starts[E].item())
     slot = sorted_ids[:used].long()
     valid = slot < slots_total

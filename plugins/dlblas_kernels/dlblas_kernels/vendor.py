@@ -29,10 +29,18 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend
 
-from dlblas_kernels.blocks.fp8_scales import Granularity, granularity, signature_granularity
+from dlblas_kernels.blocks.fp8_scales import BLOCK, Granularity, granularity, signature_granularity
 from dlblas_kernels.blocks.gemm import ACTIVATIONS
 from dlblas_kernels.blocks.sdpa import sdpa_attention
-from dlcore.api import DeviceProfile, Implementation, InvalidInputError, Signature, VendorImplementation, hookimpl
+from dlcore.api import (
+    DeviceProfile,
+    Implementation,
+    InvalidInputError,
+    Signature,
+    VendorImplementation,
+    cdiv,
+    hookimpl,
+)
 
 
 def _grad_wanted(*tensors: torch.Tensor) -> bool:
@@ -317,7 +325,7 @@ def _blockwise_scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale: torch.Tensor
     """cuBLASLt's blockwise product; ``a``'s rows padded with zeros to a multiple of 4 where they are
     not one (the M-major scales' column stride is M: 16-byte aligned only so)."""
     m = a.shape[0]
-    rows = -(-m // _SCALE_ALIGN) * _SCALE_ALIGN
+    rows = cdiv(m, _SCALE_ALIGN) * _SCALE_ALIGN
     if rows != m:
         a = torch.cat([a, a.new_zeros(rows - m, a.shape[1])])
         padded = a_scale.new_ones(a_scale.shape[1], rows)  # M-major as it is made: blockwise_scales keeps it
@@ -350,7 +358,7 @@ def _blockwise_declines(signature: Signature, profile: DeviceProfile) -> str | N
     if signature.scalar("out_dtype") != torch.bfloat16:
         return "torch._scaled_mm scales in blocks with a bfloat16 output only"
     k = signature.tensor("b").shape[1]
-    if -(-k // 128) % _SCALE_ALIGN:
+    if cdiv(k, BLOCK) % _SCALE_ALIGN:
         return (f"cuBLASLt's block scales need ceil(K/128) a multiple of {_SCALE_ALIGN} (K a multiple of 512; "
                 f"K is {k})")
     return None
