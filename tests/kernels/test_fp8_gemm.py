@@ -292,6 +292,21 @@ def test_blockwise_rows_padded_to_four(gen, monkeypatch):
     assert torch.equal(seen["scale_b"], b_scale.T)
 
 
+@pytest.mark.parametrize("m", [1, 37, 300])
+@pytest.mark.parametrize("granularity", ["block", "row", "tensor"])
+def test_signature_granularity_is_the_tensors(granularity, m, gen):
+    """The signature's rule (rows bucketed) names what the tensors' rule names, and None for
+    scales of neither shape."""
+    from dlblas_kernels.blocks import fp8_scales
+    a, b, a_scale, b_scale = operands(gen, granularity, m=m)
+    sig = make_signature(F.OP, (a, b, a_scale, b_scale, torch.bfloat16), torch.device("cpu"))
+    found = fp8_scales.signature_granularity(sig)
+    assert found is fp8_scales.granularity(a_scale, b_scale, m, N, K) is fp8_scales.Granularity(granularity)
+    wrong = torch.ones(*b_scale.shape[:-1], b_scale.shape[-1] + 1) if b_scale.dim() else torch.ones(2)
+    sig = make_signature(F.OP, (a, b, a_scale, wrong, torch.bfloat16), torch.device("cpu"))
+    assert fp8_scales.signature_granularity(sig) is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch._scaled_mm needs a GPU from sm_89")
 @pytest.mark.parametrize("granularity,m,n,k", [("row", 64, 256, 512), ("tensor", 64, 256, 512),
                                                 ("block", 64, 256, 512), ("block", 37, 272, 1536),

@@ -36,13 +36,9 @@ def granularity(a_scale: Any, b_scale: Any, m: int, n: int, k: int) -> Granulari
 
 
 def signature_granularity(sig: Signature) -> Granularity | None:
-    """:func:`granularity` from a signature (``a``'s rows are bucketed: the scales' own shapes tell)."""
-    sa, sb = sig.tensor("a_scale").shape, sig.tensor("b_scale").shape
+    """:func:`granularity` from a signature: ``a``'s rows are bucketed there, so the rows are the
+    scales' own."""
+    a_scale, b_scale = sig.tensor("a_scale"), sig.tensor("b_scale")
     n, k = sig.tensor("b").shape
-    if sa == () and sb == ():
-        return Granularity.TENSOR
-    if len(sa) == 2 and sa[1] == 1 and sb == (n, 1):
-        return Granularity.ROW
-    if len(sa) == 2 and sa[1] == cdiv(k, BLOCK) and sb == (cdiv(n, BLOCK), cdiv(k, BLOCK)):
-        return Granularity.BLOCK
-    return None
+    rows = a_scale.shape[0] if len(a_scale.shape) == 2 else 0
+    return granularity(a_scale, b_scale, rows, n, k)
