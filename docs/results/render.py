@@ -161,6 +161,12 @@ OP_MEASURED = {
         "687: +2% to +3% on two shapes, -1% to -14% on the others. 4 stages, 128 x 64 tiles and the "
         "pointer kernel's 64 x 128 tiles were slower still. It stays in the space for the tuner; the "
         "heuristic keeps one program.",
+        "Two other loop shapes, compiled for sm_90 with Triton 3.6.0 and 3.9.0 and read in the PTX (no GPU, "
+        "`python3 .ci/fp8_loop_waits.py`): "
+        "two K blocks a step (two products, then one promotion of both) and the promotion lagged a step (the "
+        "last step's product scaled after this step's wgmma is issued). Each emits `wgmma.wait_group 0` right "
+        "after every product, as the plain loop does: Triton keeps a wgmma in flight only where its result is "
+        "another wgmma's accumulator, and a scaled sum is not one.",
         "The same day's bench (table above, H100): at 4096 and 16384 rows get_op takes cuBLASLt's blockwise "
         "candidate at every shape; 1.31x to 1.66x bf16 cuBLAS on the mean of two rounds (geometric mean "
         "1.49x). Its column's second round ran up to 12% slower than its first (886.8 against 793.0 us at "
