@@ -12,6 +12,15 @@ line (PROBE_FP8=0 leaves it out): the layer with fp8 weights, by the pointer ker
 engine (rows off by more than 2% against the pointer kernels, which quantise alike). A third line: how many
 first calls of new copy-engine plans were wrong in PROBE_REPEATS tries, and the stages of each wrong call,
 checked right after it.
+
+Stages off are also broken down by row block of the SwiGLU product (``act_blocks_off``: block, expert,
+rows off, first and last column off), which tells one expert's tiles from scattered ones. Two knobs
+test what a wrong call depends on:
+
+- PROBE_KEEP_SCRATCH=1: Triton's allocator never hands out an address twice, so no two kernels build
+  their tensor descriptors in the same global scratch (a stale descriptor at a reused address);
+- PROBE_SYNC=1: the correctness runs synchronise the device after each launch (an order between
+  launches).
 """
 
 from __future__ import annotations
@@ -36,6 +45,31 @@ PATHS = {"pointer": (0, True), "tma": (1, True), "tma_unflattened": (1, False)}
 FP8_PATHS = {"fp8_tma": {}, "fp8_tma_unflattened": {"FLATTEN": 0}, "fp8_tma_8warps": {"num_warps": 8, "num_stages": 3}}
 
 
+def keep_scratch() -> None:
+    """PROBE_KEEP_SCRATCH: descriptor scratch from fresh memory, at an offset that cycles, on every launch."""
+    import triton
+
+    kept: list[torch.Tensor] = []
+
+    def allocate(size: int, alignment: int, stream) -> torch.Tensor:
+        kept.append(torch.empty(size + 4096 * (len(kept) % 7), dtype=torch.int8, device=DEVICE))
+        return kept[-1]
+
+    triton.set_allocator(allocate)
+
+
+def run(plan) -> torch.Tensor:
+    """A correctness run of ``plan``: with PROBE_SYNC, the device synchronised after each launch."""
+    if os.environ.get("PROBE_SYNC") != "1":
+        return plan.run()
+    from dlcore.runtime.launch import launch
+    for call in plan.calls:
+        launch(call)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    return plan.result
+
+
 def bench(fn) -> float:
     return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median")
 
@@ -58,6 +92,15 @@ def stages(plan, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> dict:
     want_rows[valid] = x[slot[valid] // K].float()
     found = {"used": used, "rows_off": _off(rows[:used], want_rows), "act_off": 0, "y_off": 0}
     expert_of = block_expert[: used // block_m].long().repeat_interleave(block_m)
+    found["act_blocks_off"] = []
+    for block in range(used // block_m):
+        e, r = int(block_expert[block]), rows[block * block_m:(block + 1) * block_m].float()
+        want = torch.nn.functional.silu(r @ w13[e, :INTER].float().T) * (r @ w13[e, INTER:].float().T)
+        got = act[block * block_m:(block + 1) * block_m].float()
+        off = (got - want).abs() > 0.02 * want.abs().max().clamp_min(1e-6)
+        if off.any():
+            cols = off.any(0).nonzero().squeeze(1)
+            found["act_blocks_off"].append([block, e, int(off.any(1).sum()), int(cols.min()), int(cols.max())])
     for e in range(E):
         at = (expert_of == e).nonzero().squeeze(1)
         if not len(at):
@@ -73,6 +116,8 @@ def stages(plan, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> dict:
 
 def main(token_counts: list[int]) -> None:
     profile = device_profile(torch.device("cuda"))
+    if os.environ.get("PROBE_KEEP_SCRATCH") == "1":
+        keep_scratch()
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     w13 = torch.randn(E, 2 * INTER, H, device=DEVICE, dtype=torch.bfloat16, generator=gen) * H ** -0.5
     w2 = torch.randn(E, H, INTER, device=DEVICE, dtype=torch.bfloat16, generator=gen) * INTER ** -0.5
@@ -87,9 +132,9 @@ def main(token_counts: list[int]) -> None:
         for name, (tma, flatten) in PATHS.items():
             plan = M.plan(args, base if not tma else {**base, "TMA": 1, "DOWN_STAGES": 3, "FLATTEN": int(flatten)},
                           profile)
-            error = (plan.run().float() - reference).abs()
+            error = (run(plan).float() - reference).abs()
             first_stages = stages(plan, x, w13, w2) if tma else None
-            again = (plan.run().float() - reference).abs()
+            again = (run(plan).float() - reference).abs()
             row[name] = {"tflops": round(flops / bench(plan.run) / 1e9, 1), "max_error": round(error.max().item(), 5),
                          "bad_rows": int((error.amax(1) > 0.05 * reference.abs().max()).sum()),
                          "bad_rows_second_run": int((again.amax(1) > 0.05 * reference.abs().max()).sum())}
@@ -121,7 +166,7 @@ def repeated(args: tuple, base: dict, reference: torch.Tensor, profile) -> dict:
         pointer.run()
         bench(pointer.run)
         plan = M.plan(args, {**base, "TMA": 1, "DOWN_STAGES": 3, "FLATTEN": i % 2}, profile)
-        bad = int(((plan.run().float() - reference).abs().amax(1) > 0.05 * reference.abs().max()).sum())
+        bad = int(((run(plan).float() - reference).abs().amax(1) > 0.05 * reference.abs().max()).sum())
         if bad:
             wrong.append({"call": i, "flatten": i % 2, "bad_rows": bad, "stages": stages(plan, x, w13, w2)})
     return {"tokens": x.shape[0], "repeats": count, "wrong_calls": len(wrong), "wrong": wrong}
@@ -143,8 +188,8 @@ def fp8_row(args: tuple, tokens: int, flops: int, profile) -> dict:
         if not any(c.kernel is grouped_tma.grouped_tma_gemm_kernel for c in plan.calls):
             row[name] = "declined"
             continue
-        error = (plan.run().float() - want).abs()
-        again = (plan.run().float() - want).abs()
+        error = (run(plan).float() - want).abs()
+        again = (run(plan).float() - want).abs()
         row[name] = {"tflops": round(flops / bench(plan.run) / 1e9, 1), "max_error": round(error.max().item(), 5),
                      "bad_rows": int((error.amax(1) > 0.02 * want.abs().max()).sum()),
                      "bad_rows_second_run": int((again.amax(1) > 0.02 * want.abs().max()).sum())}
