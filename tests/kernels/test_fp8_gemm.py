@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import ON_GPU
 from dlblas_kernels import fp8_gemm, vendor
-from dlblas_kernels.blocks import gemm
+from dlblas_kernels.blocks import fp8_scales, gemm
 from dlblas_kernels.kernels import fp8_gemm as F
 from dlblas_kernels.kernels.quantize_fp8 import quantize_fp8_reference
 
@@ -297,7 +297,6 @@ def test_blockwise_rows_padded_to_four(gen, monkeypatch):
 def test_signature_granularity_is_the_tensors(granularity, m, gen):
     """The signature's rule (rows bucketed) names what the tensors' rule names, and None for
     scales of neither shape."""
-    from dlblas_kernels.blocks import fp8_scales
     a, b, a_scale, b_scale = operands(gen, granularity, m=m)
     sig = make_signature(F.OP, (a, b, a_scale, b_scale, torch.bfloat16), torch.device("cpu"))
     found = fp8_scales.signature_granularity(sig)
