@@ -31,12 +31,17 @@ from triton.compiler import ASTSource
 
 
 @triton.jit
+def _scale(sa_ptr, sb_ptr, offs_m, pid_n, ki, ksteps):
+    """K block ``ki``'s per-row scale: a's row scale times b's block scale."""
+    return tl.load(sa_ptr + offs_m * ksteps + ki) * tl.load(sb_ptr + pid_n * ksteps + ki)
+
+
+@triton.jit
 def _scaled(a_desc, b_desc, sa_ptr, sb_ptr, off_m, off_n, offs_m, pid_n, ki, ksteps, BLOCK_K: tl.constexpr):
     """The K block ``ki``'s operands and its per-row scale (a's row scale times b's block scale)."""
     a = a_desc.load([off_m, ki * BLOCK_K])
     b = b_desc.load([off_n, ki * BLOCK_K]).T
-    scale = tl.load(sa_ptr + offs_m * ksteps + ki) * tl.load(sb_ptr + pid_n * ksteps + ki)
-    return a, b, scale
+    return a, b, _scale(sa_ptr, sb_ptr, offs_m, pid_n, ki, ksteps)
 
 
 @triton.jit
@@ -68,13 +73,13 @@ def loop_kernel(a_ptr, b_ptr, c_ptr, sa_ptr, sb_ptr, M, N, K, VARIANT: tl.conste
                 p1 = tl.dot(a1, b1)
                 acc += p0 * s0[:, None] + p1 * s1[:, None]
         elif VARIANT == 3:
-            a_scale = tl.load(sa_ptr + offs_m * ksteps) * tl.load(sb_ptr + pid_n * ksteps)
+            a_scale = _scale(sa_ptr, sb_ptr, offs_m, pid_n, 0, ksteps)
             for ki in range(ksteps):
                 a = a_desc.load([off_m, ki * BLOCK_K])
                 b = b_desc.load([off_n, ki * BLOCK_K]).T
                 s = a_scale
                 ahead = tl.minimum(ki + 1, ksteps - 1)
-                a_scale = tl.load(sa_ptr + offs_m * ksteps + ahead) * tl.load(sb_ptr + pid_n * ksteps + ahead)
+                a_scale = _scale(sa_ptr, sb_ptr, offs_m, pid_n, ahead, ksteps)
                 acc += tl.dot(a, b) * s[:, None]
         else:
             last = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
