@@ -170,10 +170,14 @@ def _specialize_by_rule(fn: Any, args: list, kwargs: dict, backend: Any) -> tupl
 
 
 def ast_source(call: KernelCall, target: Any, specialize: bool) -> tuple[Any, KernelSignature]:
-    from triton.compiler import ASTSource
-
+    """The source ``triton.compile`` takes for ``call``: a Gluon kernel's own (it starts at ttgir, its
+    layouts written by hand), any other's Triton source."""
     sig = launch_signature(call, target) if specialize else kernel_signature(call)
-    return ASTSource(call.kernel, sig.types, constexprs=sig.constexprs, attrs=sig.attrs), sig
+    if getattr(call.kernel, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as Source
+    else:
+        from triton.compiler import ASTSource as Source
+    return Source(call.kernel, sig.types, constexprs=sig.constexprs, attrs=sig.attrs), sig
 
 
 def compile_call(call: KernelCall, target: Any, specialize: bool = True) -> Any:

@@ -145,6 +145,49 @@ def test_block_scales_in_tiles_of_two_column_blocks(tma, profile, device, gen):
     assert_product(out, reference(*args), K)
 
 
+GLUON_TILE = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, TMA=1, SPLIT_K=1, OCCUPANCY=1, GLUON=1)
+
+
+@pytest.mark.parametrize("m, n, k, unroll, layout", [
+    (M, N, K, 4, "contiguous"),  # 3 K blocks: the tail alone; N 152: one full tile and a partial one
+    (300, 256, 7 * 128, 4, "padded rows"),  # one unrolled step and 3 tail blocks; a's rows 32 bytes apart
+    (129, 384, 6 * 128 + 16, 2, "contiguous"),  # 3 steps of 2 and a partial last block
+])
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_gluon_block_scaled(m, n, k, unroll, layout, out_dtype, profile, device, gen):
+    """GLUON 1 under block scales: on a GPU of sm_90 the Gluon kernel (one product in flight while the
+    last is scaled) against the float64 product, output poisoned; in the interpreter, which has no
+    Gluon, the plan runs the GEMM block's descriptor kernel with the same tiles."""
+    a, b, a_scale, b_scale = operands(gen, "block", m=m, n=n, k=k, device=device)
+    if layout == "padded rows":
+        wide = torch.zeros(m, k + 32, dtype=a.dtype, device=device)
+        wide[:, :k] = a
+        a = wide[:, :k]
+    hopper = dataclasses.replace(profile, arch="sm_90", cores=3 if device == "cpu" else profile.cores)
+    config = {**GLUON_TILE, "num_stages": 3, "UNROLL": unroll}
+    plan, out = run_plan((a, b, a_scale, b_scale, out_dtype), config, hopper)
+    gluon = ON_GPU and profile.arch == "sm_90"
+    assert plan.calls[0].kernel.__name__ == ("block_scaled_wgmma_kernel" if gluon else "gemm_tma_kernel")
+    if gluon:
+        assert plan.calls[0].kwargs["UNROLL"] == unroll and plan.calls[0].grid[0] <= profile.cores
+    assert_product(out, reference(a, b, a_scale, b_scale), k)
+
+
+def test_gluon_only_in_hopper_spaces_and_its_tile(profile):
+    """GLUON is a choice of sm_90's space alone, and only with the Gluon kernel's tile, warps and stages."""
+    hopper = dataclasses.replace(profile, arch="sm_90", cores=132, shared_memory_per_program=227 * 1024,
+                                 registers_per_core=65536)
+    config = {**GLUON_TILE, "num_stages": 4, "WARP_SPECIALIZE": 0}
+    assert F.space(hopper).is_valid(config) is None
+    for bad in ({"BLOCK_N": 256, "num_stages": 3}, {"BLOCK_M": 64}, {"num_warps": 4}, {"SPLIT_K": 2}, {"TMA": 0},
+                {"num_stages": 6}, {"OCCUPANCY": 2}):
+        assert "GLUON" in F.space(hopper).is_valid({**config, **bad})
+    assert any(c["GLUON"] for c in F.space(hopper).configs())
+    ampere = dataclasses.replace(hopper, arch="sm_80")
+    assert F.space(ampere).is_valid(config) is not None
+    assert not any(c["GLUON"] for c in F.space(ampere).configs())
+
+
 def test_block_scales_refuse_tiles_across_blocks(profile, gen):
     """The GEMM block refuses K steps or tiles that straddle scale blocks, and epilogue scales
     beside block scales."""
@@ -222,7 +265,7 @@ def test_occupancy_two_only_where_two_programs_fit(profile, gen):
                                  registers_per_core=65536)
     space = F.space(hopper)
     base = {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 4, "num_stages": 3, "SPLIT_K": 1,
-            "TMA": 1, "WARP_SPECIALIZE": 0, "OCCUPANCY": 2}
+            "TMA": 1, "WARP_SPECIALIZE": 0, "OCCUPANCY": 2, "GLUON": 0}
     assert space.is_valid(base) is None
     assert space.is_valid({**base, "num_stages": 4}) is None  # 2 x (112 + 1) KiB of 228
     assert "OCCUPANCY" in space.is_valid({**base, "num_stages": 5})  # 2 x 136 KiB of shared memory

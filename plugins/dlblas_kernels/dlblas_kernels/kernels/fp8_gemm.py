@@ -154,6 +154,11 @@ def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
     (m, k), n = a.shape, b.shape[0]
     found = granularity(a_scale, b_scale, m, n, k)
     epilogue, block_scales = gemm.Epilogue(), None
+    if found is Granularity.BLOCK and config.get("GLUON"):
+        from dlblas_kernels.blocks import fp8_wgmma  # Gluon: imported where a config asks for it
+
+        if fp8_wgmma.takes(profile, a, b, out):
+            return LaunchPlan(calls=[fp8_wgmma.wgmma_call(a, b, out, a_scale, b_scale, config, profile)], result=out)
     if found is Granularity.BLOCK:
         block_scales = gemm.BlockScales(a_scale, b_scale)
         config = {**config, "BLOCK_N": min(config["BLOCK_N"], 2 * BLOCK), "BLOCK_K": min(config["BLOCK_K"], BLOCK)}
@@ -167,7 +172,7 @@ def plan(args: tuple, config: Config, profile: DeviceProfile) -> LaunchPlan:
 
 def _tile(block_m: int, block_n: int, block_k: int, warps: int, stages: int, **extra: int) -> Config:
     return {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages,
-            "SPLIT_K": 1, "TMA": 1, "WARP_SPECIALIZE": 0, "OCCUPANCY": 1, **extra}
+            "SPLIT_K": 1, "TMA": 1, "WARP_SPECIALIZE": 0, "OCCUPANCY": 1, "GLUON": 0, **extra}
 
 
 def heuristic(m: int, n: int, k: int, found: Granularity | None, profile: DeviceProfile | None) -> Config:
@@ -219,7 +224,9 @@ def space(profile: DeviceProfile) -> SearchSpace:
     measurements), where the same loop over bf16 operands is right. It compiles, so only a GPU run
     shows it. ``OCCUPANCY`` 2 keeps two persistent programs on each multiprocessor where both fit
     (:func:`~dlblas_kernels.blocks.gemm.occupancy_constraints`): one program's wgmma runs while the
-    other scales its last product, the overlap warp specialisation would give."""
+    other scales its last product, the overlap warp specialisation would give. ``GLUON`` 1 (sm_90 only)
+    runs block scales through :mod:`dlblas_kernels.blocks.fp8_wgmma`, which keeps one product in
+    flight while it scales the last; other scales ignore it."""
     shared = profile.shared_memory_per_program
     fits = [Constraint(
         f"the pipelined fp8 a and b tiles and the staged 16-bit output tile fit in {shared} bytes of shared memory",
@@ -236,9 +243,15 @@ def space(profile: DeviceProfile) -> SearchSpace:
             Choice("TMA", (0, 1)),
             Choice("WARP_SPECIALIZE", (0,)),
             Choice("OCCUPANCY", (1, 2)),
+            Choice("GLUON", (0, 1) if profile.arch == "sm_90" else (0,)),
         ],
         [
             *fits,
+            Constraint("GLUON (the Gluon kernel under block scales) runs 128 x 128 x 128 tiles, 8 warps, one "
+                       "persistent program a multiprocessor, its copies in 3 to 5 stages",
+                       lambda c: not c.get("GLUON") or (
+                           (c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["num_warps"]) == (128, 128, 128, 8)
+                           and (c["TMA"], c["SPLIT_K"], c["OCCUPANCY"]) == (1, 1, 1) and 3 <= c["num_stages"] <= 5)),
             *gemm.accumulator_constraints(),
             *gemm.kernel_constraints(),
             # block scales hold each step's product beside the accumulator: two tiles a thread
