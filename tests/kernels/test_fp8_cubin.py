@@ -68,3 +68,45 @@ def test_sm80_takes_no_fp8_gemm(compiled):
     gemms = [key for key in compiled if key.endswith("/sm_80") and "_kernel/" in key and "gemm" in key
              and "reduce" not in key]
     assert gemms and all(compiled[key] < 0 for key in gemms)
+
+
+GLUON_SCRIPT = """
+import json, re, subprocess, tempfile, torch
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from dlcore.compiler.lowering import compile_call, target_profile
+from dlblas_kernels.blocks import fp8_wgmma as W
+
+def e(*shape, dtype=torch.float32):
+    return torch.empty(shape, device="meta", dtype=dtype)
+
+m, n, k = 300, 256, 512
+a, b = e(m, k, dtype=torch.float8_e4m3fn), e(n, k, dtype=torch.float8_e4m3fn)
+found = {}
+for unroll in (2, 4, 8):
+    for out in (torch.bfloat16, torch.float32):
+        call = W.wgmma_call(a, b, e(m, n, dtype=out), e(k // 128, m).T, e(n // 128, k // 128),
+                            {"num_stages": 4, "UNROLL": unroll}, target_profile("cuda:90"))
+        ptx = compile_call(call, GPUTarget("cuda", 90, 32)).asm["ptx"]
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx") as f:
+            f.write(ptx)
+            f.flush()
+            log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
+                                 capture_output=True, text=True).stderr
+        found[f"{unroll}/{out}"] = {"waits": re.findall(r"wgmma.wait_group.sync.aligned (\\d+)", ptx),
+                                    "spills": re.findall(r"(\\d+) bytes spill stores", log), "serialised": "C7514" in log,
+                                    "registers": re.findall(r"Used (\\d+) registers", log)}
+print(json.dumps(found))
+"""
+
+
+def test_gluon_kernel_keeps_a_product_in_flight():
+    """The Gluon block-scaled kernel, compiled for sm_90a here: every K step of UNROLL blocks waits
+    with one product still in flight (``wgmma.wait_group 1``) UNROLL - 1 times for the product and
+    as often for the pinned promotion, ptxas serialises no wgmma (its C7514 warning) and spills
+    nothing (blocks/fp8_wgmma.py's module doc says what each guards against)."""
+    found = run_json(GLUON_SCRIPT, None, TRITON_INTERPRET="0")
+    for key, got in found.items():
+        unroll = int(key.split("/")[0])
+        assert got["waits"].count("1") == 2 * (unroll - 1), (key, got)
+        assert got["spills"] == ["0"] and not got["serialised"] and int(got["registers"][0]) <= 255, (key, got)
