@@ -94,7 +94,8 @@ for unroll in (2, 4, 8):
             log = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", f.name, "-o", "/dev/null"],
                                  capture_output=True, text=True).stderr
         found[f"{unroll}/{out}"] = {"waits": re.findall(r"wgmma.wait_group.sync.aligned (\\d+)", ptx),
-                                    "spills": re.findall(r"(\\d+) bytes spill stores", log), "serialised": "C7514" in log,
+                                    "spills": re.findall(r"(\\d+) bytes spill stores", log),
+                                    "serialised": "C7514" in log,
                                     "registers": re.findall(r"Used (\\d+) registers", log)}
 print(json.dumps(found))
 """
