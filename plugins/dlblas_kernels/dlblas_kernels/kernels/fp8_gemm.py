@@ -69,6 +69,8 @@ from dlcore.api import (
 )
 
 FP8 = torch.float8_e4m3fn
+#: block scales with more than 128 rows on sm_90 run the Gluon kernel (:mod:`dlblas_kernels.blocks.fp8_wgmma`)
+GLUON_BY_DEFAULT = False
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: K must be a multiple of this (16-byte rows of fp8)
 K_MULTIPLE = 16
@@ -197,7 +199,9 @@ def heuristic(m: int, n: int, k: int, found: Granularity | None, profile: Device
         if found is Granularity.BLOCK and 2 * tiles <= 1.15 * profile.cores and k >= 2 * 8 * 128:
             return _tile(64, 128, 128, 4, 4, SPLIT_K=2)
         return _tile(64, 128, 128, 4, 5)
-    if found is Granularity.BLOCK or n % 256:
+    if found is Granularity.BLOCK:
+        return _tile(128, 128, 128, 8, 4, GLUON=int(GLUON_BY_DEFAULT and profile.arch == "sm_90"))
+    if n % 256:
         return _tile(128, 128, 128, 8, 4)
     return _tile(128, 256, 128, 8, 3)
 
