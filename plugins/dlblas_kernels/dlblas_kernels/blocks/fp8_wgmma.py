@@ -214,7 +214,7 @@ def takes(profile: DeviceProfile, a: torch.Tensor, b: torch.Tensor, c: torch.Ten
 def wgmma_call(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
                config: Config, profile: DeviceProfile) -> KernelCall:
     """The launch of :func:`block_scaled_wgmma_kernel`: ``config``'s ``num_stages`` (copies in flight),
-    ``UNROLL`` (K blocks a loop step, default 4) and ``GROUP_M``; the tile is :data:`TILE`'s."""
+    ``UNROLL`` (K blocks a loop step, default 8) and ``GROUP_M``; the tile is :data:`TILE`'s."""
     ensure_allocator()
     (m, k), n = a.shape, b.shape[0]
     tiles = cdiv(m, BLOCK) * cdiv(n, BLOCK)
@@ -222,4 +222,4 @@ def wgmma_call(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, a_scale: torch
         a, b, c, a_scale, b_scale, m, n, k, a.stride(0), b.stride(0), c.stride(0), a_scale.stride(0),
         a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
     ), {**{key: TILE[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}, "STAGES": config["num_stages"],
-        "GROUP_M": config.get("GROUP_M", 8), "UNROLL": config.get("UNROLL", 4), "num_warps": TILE["num_warps"]})
+        "GROUP_M": config.get("GROUP_M", 8), "UNROLL": config.get("UNROLL", 8), "num_warps": TILE["num_warps"]})

@@ -70,7 +70,7 @@ from dlcore.api import (
 
 FP8 = torch.float8_e4m3fn
 #: block scales with more than 128 rows on sm_90 run the Gluon kernel (:mod:`dlblas_kernels.blocks.fp8_wgmma`)
-GLUON_BY_DEFAULT = False
+GLUON_BY_DEFAULT = True
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: K must be a multiple of this (16-byte rows of fp8)
 K_MULTIPLE = 16
