@@ -167,6 +167,16 @@ OP_MEASURED = {
         "last step's product scaled after this step's wgmma is issued). Each emits `wgmma.wait_group 0` right "
         "after every product, as the plain loop does: Triton keeps a wgmma in flight only where its result is "
         "another wgmma's accumulator, and a scaled sum is not one.",
+        "A Gluon kernel for block scales (`GLUON` 1, blocks/fp8_wgmma.py; H100, torch 2.11, Triton 3.6.0, "
+        "`python3 .ci/probe_fp8_wgmma.py`, 2026-12-07): Gluon places the wgmma waits by hand, so each 128-deep "
+        "product runs while the one before it is scaled (`wgmma.wait_group 1`). At 4096 rows and N x K = 7168 x "
+        "2048, 2112 x 7168, 24576 x 1536, 7168 x 16384 and 4096 x 7168 it ran 903, 797, 854, 946 and 938 TFLOP/s "
+        "with 8 K blocks a loop step (the default; 4 a step: 853, 727, 862, 891, 898), against the Triton "
+        "loop's 788, 665, 788, 755 and 768 (1.08x to 1.25x) and cuBLASLt's blockwise 1086, 1021, 952, 1138 and "
+        "1088 (0.78x to 0.90x). One program per tile instead of persistent programs: 533 to 830. 3 stages 8% to "
+        "11% slower than 4; 5 no faster. Its 27 checks against the float64 product (odd shapes, K tails, padded "
+        "rows of a, bf16, fp16 and fp32 out, output poisoned) all passed. get_op still takes cuBLASLt's "
+        "candidate at these shapes; the heuristic gives the Triton implementation the Gluon kernel.",
         "The same day's bench (table above, H100): at 4096 and 16384 rows get_op takes cuBLASLt's blockwise "
         "candidate at every shape; 1.31x to 1.66x bf16 cuBLAS on the mean of two rounds (geometric mean "
         "1.49x). Its column's second round ran up to 12% slower than its first (886.8 against 793.0 us at "

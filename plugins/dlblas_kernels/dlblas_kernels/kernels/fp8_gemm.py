@@ -188,7 +188,9 @@ def heuristic(m: int, n: int, k: int, found: Granularity | None, profile: Device
       along K where the tiles fill under 1.15 waves of the multiprocessors even split and K
       gives each half 8 steps (the column tiles alone leave most multiprocessors idle).
     - Block scales, more rows: 128x128 tiles (BLOCK_N of 128: one b-scale per tile and step), K
-      steps of 128, 8 warps, 4 stages (5 stages, 256x128 and 64-row tiles are slower).
+      steps of 128, 8 warps, 4 stages (5 stages, 256x128 and 64-row tiles are slower); on sm_90 through
+      the Gluon kernel (``GLUON``, :data:`GLUON_BY_DEFAULT`): 1.08x to 1.25x the Triton loop at
+      DeepSeek-V3's shapes on the H100 (``python3 .ci/probe_fp8_wgmma.py``).
     - Per-row and per-tensor scales, more rows: 128x256x128 tiles, 8 warps, 3 stages; 128x128
       where N is no multiple of 256 (less of the last column tile wasted).
     """
