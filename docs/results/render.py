@@ -177,12 +177,12 @@ OP_MEASURED = {
         "11% slower than 4; 5 no faster. Its 27 checks against the float64 product (odd shapes, K tails, padded "
         "rows of a, bf16, fp16 and fp32 out, output poisoned) all passed. get_op still takes cuBLASLt's "
         "candidate at these shapes; the heuristic gives the Triton implementation the Gluon kernel.",
-        "The same day's bench (table above, H100): at 4096 and 16384 rows get_op takes cuBLASLt's blockwise "
-        "candidate at every shape; 1.31x to 1.66x bf16 cuBLAS on the mean of two rounds (geometric mean "
-        "1.49x). Its column's second round ran up to 12% slower than its first (886.8 against 793.0 us at "
-        "4096 x 7168 x 16384) where the candidate's own column did not: the same call, the card's clock "
-        "under sustained fp8 load. By each column's faster round: get_op 1.30x to 1.74x (1.54x), the "
-        "candidate alone 1.31x to 1.79x (1.58x); get_op at 0.89x the speed of per-tensor cuBLAS fp8.",
+        "The bench above (H100, 2026-12-07, the Gluon kernel in the Triton implementation): at 4096 and 16384 rows "
+        "get_op takes cuBLASLt's blockwise candidate at every shape: 1.32x to 1.58x bf16 cuBLAS (geometric mean "
+        "1.48x; the candidate alone 1.34x to 1.69x, 1.54x). The Triton implementation (Gluon) runs 790 to 923 "
+        "TFLOP/s there, 1.05x to 1.31x bf16 cuBLAS (1.17x), 0.73x to 0.83x the candidate; its second round ran up "
+        "to 9% slower than its first (1193 against 1091 us at 4096 x 7168 x 16384: the card's clock under "
+        "sustained fp8 load), where the probe's short runs saw 946 TFLOP/s at that shape.",
     ],
     "apply_rotary_pos_emb": [
         "The default step of 2048 elements with one warp (`TILE`; H200, bf16, 4096 and 16384 tokens of "
