@@ -20,7 +20,10 @@ scales are its epilogue's row and column scales (a 0-dim scale read with stride 
 scale each K step's product inside the loop (``BLOCK_SCALED``), so ``BLOCK_K`` must divide 128
 there and ``BLOCK_N`` divide 128 or be 256 (one or two b-scales per tile and K step: scalar loads,
 not a vector of per-column ones; a wider config runs as 256). fp8 ``tl.dot`` needs
-sm_89 or later: on sm_80 the kernels do not compile (``dlcore ops`` says so).
+sm_89 or later: on sm_80 the kernels do not compile (``dlcore ops`` says so). On sm_90 a config's
+``GLUON`` runs block scales through :mod:`dlblas_kernels.blocks.fp8_wgmma` instead, a Gluon kernel
+that scales one product while the next runs (the GEMM block's loop waits for each); the heuristic
+takes it above 128 rows.
 
 Precision: on Hopper, ``wgmma`` sums fp8 products inside the tensor cores with about 14
 significant bits before they reach the float32 accumulator (cuBLAS's "fast accumulation"; the
