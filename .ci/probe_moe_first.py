@@ -50,7 +50,8 @@ def main(modes: list[str]) -> None:
     (q13, s13), (q2, s2) = quantise_weight(w13), quantise_weight(w2)
     layers = {"fp8": ((x, q13, q2, weights, ids.to(torch.int32), s13, s2),
                       moe_tiles.heuristic(TOKENS, P.E, P.K, 1, profile, fp8=True)),
-              "bf16": ((x, w13, w2, weights, ids.to(torch.int32), None, None), M.heuristic(TOKENS, P.E, P.K, 2, profile))}
+              "bf16": ((x, w13, w2, weights, ids.to(torch.int32), None, None),
+                       M.heuristic(TOKENS, P.E, P.K, 2, profile))}
     wants = {name: M.plan(args, base, profile).run().float() for name, (args, base) in layers.items()}
     variants = {"fp8 16 warps": ("fp8", {}), "fp8 8 warps": ("fp8", {"num_warps": 8, "num_stages": 3}),
                 "bf16": ("bf16", {"DOWN_STAGES": 3})}
