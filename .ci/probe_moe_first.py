@@ -2,11 +2,13 @@
 each run poisoned first (probe_moe_tma.poison): which buffer still holds NaN after the first and the second run
 of a plan, and how many output rows are off.
 
-    python3 .ci/probe_moe_first.py [MODE ...]      (default: graph timing none)
+    python3 .ci/probe_moe_first.py [MODE ...]      (default: graph timing empty none)
 
 Before each new plan the pointer kernels' plan runs and is timed by MODE: ``graph`` (do_bench_cudagraph, as
-probe_moe_tma.py times), ``timing`` (do_bench, no graph), ``none``; ``keep`` as ``none`` with fresh scratch for
-every launch (probe_moe_tma.keep_scratch, for the rest of the process). Four plans per MODE and variant: fp8
+probe_moe_tma.py times), ``timing`` (do_bench, no graph), ``empty`` (no timing: torch.cuda.empty_cache() alone,
+which torch.cuda.graph calls as a capture starts, so that the plan after a graph bench gets memory fresh from
+cudaMalloc), ``none``; ``keep`` as ``none`` with fresh scratch for every launch (probe_moe_tma.keep_scratch, for
+the rest of the process). Four plans per MODE and variant: fp8
 weights with the heuristic's 16 warps, with 8 warps, and bf16 weights, the loop flattened and not in turn.
 """
 
@@ -67,6 +69,9 @@ def main(modes: list[str]) -> None:
                     triton.testing.do_bench_cudagraph(pointer.run, rep=30)
                 elif mode == "timing":
                     triton.testing.do_bench(pointer.run, rep=30)
+                elif mode == "empty":
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
                 plan = M.plan(args, {**base, "TMA": 1, "FLATTEN": i % 2, **extra}, profile)
                 first = _run(plan, wants[layer])
                 print(json.dumps({"mode": mode, "variant": variant, "flatten": i % 2, "first": first,
@@ -74,4 +79,4 @@ def main(modes: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["graph", "timing", "none"])
+    main(sys.argv[1:] or ["graph", "timing", "empty", "none"])
