@@ -213,6 +213,16 @@ OP_MEASURED = {
         "descriptor loops, the SwiGLU output quantised by place): 642 to 663 TFLOP/s with 16 gate/up warps "
         "and 420 with 8, against the pointer kernels' 708 to 710; some calls wrong here too (2305 and 2708 "
         "rows in two of six first calls). An earlier H100 run (2026-12-06): 975 rows off, 551 TFLOP/s.",
+        "The same probe with its buffers poisoned first (`PROBE_POISON=1`: a tile a call leaves unwritten "
+        "stays NaN; H100, 2026-12-07, two processes): bf16 right in every call (2 x 2 first runs, 9 new plans), "
+        "630 to 638 TFLOP/s unflattened (0.87x to 0.89x the dense GEMM's 716 to 722, 1.36x to 1.38x "
+        "grouped_mm's 462), "
+        "the pointer kernels 512 to 513. fp8 weights with 16 gate/up warps: the first run of a new plan, right "
+        "after the pointer kernels' CUDA-graph bench, left 2148 rows NaN (1584 unflattened): tiles never "
+        "written; its second run, poisoned again, was right, and so were both runs with 8 warps. New plans "
+        "without a bench before them (`.ci/probe_moe_first.py`'s modes none and keep, fp8 with 16 and 8 warps, 16 "
+        "plans): right, also with fresh scratch for every launch. A CUDA-graph capture starts with torch.cuda.empty_cache(); "
+        "`.ci/probe_moe_first.py` separates that from the graph bench (not run yet).",
         "The bf16 heuristic (H200, Mixtral-8x7B's and DeepSeek-V3's experts, `.ci/bench_fused_moe.py`): at one "
         "row per expert or fewer, K steps of 256 in 3 stages, 200 against 207 us for Mixtral's token; decoding "
         "streams each activated expert's weights at 83 to 93% of the copy bandwidth, 128-column tiles 1 to 5% "
