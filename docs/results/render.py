@@ -221,8 +221,8 @@ OP_MEASURED = {
         "after the pointer kernels' CUDA-graph bench, left 2148 rows NaN (1584 unflattened): tiles never "
         "written; its second run, poisoned again, was right, and so were both runs with 8 warps. New plans "
         "without a bench before them (`.ci/probe_moe_first.py`'s modes none and keep, fp8 with 16 and 8 warps, 16 "
-        "plans): right, also with fresh scratch for every launch. A CUDA-graph capture starts with torch.cuda.empty_cache(); "
-        "`.ci/probe_moe_first.py` separates that from the graph bench (not run yet).",
+        "plans): right, also with fresh scratch for every launch. A CUDA-graph capture starts with "
+        "torch.cuda.empty_cache(); `.ci/probe_moe_first.py` separates that from the graph bench (not run yet).",
         "The bf16 heuristic (H200, Mixtral-8x7B's and DeepSeek-V3's experts, `.ci/bench_fused_moe.py`): at one "
         "row per expert or fewer, K steps of 256 in 3 stages, 200 against 207 us for Mixtral's token; decoding "
         "streams each activated expert's weights at 83 to 93% of the copy bandwidth, 128-column tiles 1 to 5% "
