@@ -218,8 +218,8 @@ OP_MEASURED = {
         "630 to 638 TFLOP/s unflattened (0.87x to 0.89x the dense GEMM's 716 to 722, 1.36x to 1.38x "
         "grouped_mm's 462), "
         "the pointer kernels 512 to 513. fp8 weights with 16 gate/up warps: the first run of a new plan, right "
-        "after the pointer kernels' CUDA-graph bench, left 2148 rows NaN (1584 unflattened): tiles never "
-        "written; its second run, poisoned again, was right, and so were both runs with 8 warps. New plans "
+        "after the pointer kernels' CUDA-graph bench, left 2148 rows NaN (1584 unflattened): a tile never "
+        "written somewhere in the chain; its second run, poisoned again, was right, and so were both runs with 8 warps. New plans "
         "without a bench before them (`.ci/probe_moe_first.py`'s modes none and keep, fp8 with 16 and 8 warps, 16 "
         "plans): right, also with fresh scratch for every launch. A CUDA-graph capture starts with "
         "torch.cuda.empty_cache(); `.ci/probe_moe_first.py` separates that from the graph bench (not run yet).",
