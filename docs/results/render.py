@@ -219,7 +219,8 @@ OP_MEASURED = {
         "grouped_mm's 462), the pointer kernels 512 to 513. fp8 weights with 16 gate/up warps: the first run "
         "of a new plan, right after the pointer kernels' CUDA-graph bench, left 2148 rows NaN (1584 "
         "unflattened): a tile never written somewhere in the chain; its second run, poisoned again, was right, "
-        "and so were both runs with 8 warps. New plans without a bench before them (`.ci/probe_moe_first.py`'s modes none and keep, fp8 with 16 and 8 warps, 16 "
+        "and so were both runs with 8 warps. New plans without a bench before them "
+        "(`.ci/probe_moe_first.py`'s modes none and keep, fp8 with 16 and 8 warps, 16 "
         "plans): right, also with fresh scratch for every launch. A CUDA-graph capture starts with "
         "torch.cuda.empty_cache(); `.ci/probe_moe_first.py` separates that from the graph bench (not run yet).",
         "The bf16 heuristic (H200, Mixtral-8x7B's and DeepSeek-V3's experts, `.ci/bench_fused_moe.py`): at one "
