@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from dlblas_kernels.blocks.fp8_scales import BLOCK
-from dlblas_kernels.blocks.gemm import tma_aligned
+from dlblas_kernels.blocks.gemm import grouped_tile, tma_aligned
 from dlcore.api import Config, DeviceProfile, KernelCall, cdiv, ensure_allocator
 
 # the copy engine's entry points and the CTA barrier were renamed after Triton 3.6
@@ -63,14 +63,6 @@ TILE = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "num_warps": 8}
 
 
 @gluon.jit
-def _tile_of(tile, num_m, num_n, GROUP_M: gl.constexpr):
-    group = GROUP_M * num_n
-    first_m = (tile // group) * GROUP_M
-    size_m = gl.minimum(num_m - first_m, GROUP_M)
-    return first_m + (tile % group) % size_m, (tile % group) // size_m
-
-
-@gluon.jit
 def _load(a_desc, b_desc, a_s, b_s, ready, g, nk, start, step, num_tiles, num_m, num_n, STAGES: gl.constexpr,
           GROUP_M: gl.constexpr):
     """The copy of this program's block ``g`` (its tile ``g // nk``, K block ``g % nk``) into slot ``g % STAGES``."""
@@ -78,7 +70,7 @@ def _load(a_desc, b_desc, a_s, b_s, ready, g, nk, start, step, num_tiles, num_m,
     BLOCK_N: gl.constexpr = b_desc.block_type.shape[0]
     BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
     tile = start + (g // nk) * step
-    pid_m, pid_n = _tile_of(tile, num_m, num_n, GROUP_M)
+    pid_m, pid_n = grouped_tile(tile, num_m, num_n, GROUP_M)
     k = (g % nk) * BLOCK_K
     s = g % STAGES
     pred = tile < num_tiles
@@ -166,7 +158,7 @@ def block_scaled_wgmma_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K, stri
     t1 = zero
     g0 = 0  # this program's blocks before the tile's
     for tile in range(start, num_tiles, step):
-        pid_m, pid_n = _tile_of(tile, num_m, num_n, GROUP_M)
+        pid_m, pid_n = grouped_tile(tile, num_m, num_n, GROUP_M)
         offs_m = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_layout))
         m_mask = offs_m < M
         sa_ptrs = as_ptr + offs_m.to(gl.int64) * stride_asm
