@@ -74,6 +74,8 @@ from dlcore.api import (
 FP8 = torch.float8_e4m3fn
 #: block scales with more than 128 rows on sm_90 run the Gluon kernel (:mod:`dlblas_kernels.blocks.fp8_wgmma`)
 GLUON_BY_DEFAULT = True
+#: the architecture of that kernel's ``wgmma`` (its ``ARCH``, named here so that importing fp8_gemm loads no Gluon)
+GLUON_ARCH = "sm_90"
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 #: K must be a multiple of this (16-byte rows of fp8)
 K_MULTIPLE = 16
@@ -205,7 +207,7 @@ def heuristic(m: int, n: int, k: int, found: Granularity | None, profile: Device
             return _tile(64, 128, 128, 4, 4, SPLIT_K=2)
         return _tile(64, 128, 128, 4, 5)
     if found is Granularity.BLOCK:
-        return _tile(128, 128, 128, 8, 4, GLUON=int(GLUON_BY_DEFAULT and profile.arch == "sm_90"))
+        return _tile(128, 128, 128, 8, 4, GLUON=int(GLUON_BY_DEFAULT and profile.arch == GLUON_ARCH))
     if n % 256:
         return _tile(128, 128, 128, 8, 4)
     return _tile(128, 256, 128, 8, 3)
@@ -252,7 +254,7 @@ def space(profile: DeviceProfile) -> SearchSpace:
             Choice("TMA", (0, 1)),
             Choice("WARP_SPECIALIZE", (0,)),
             Choice("OCCUPANCY", (1, 2)),
-            Choice("GLUON", (0, 1) if profile.arch == "sm_90" else (0,)),
+            Choice("GLUON", (0, 1) if profile.arch == GLUON_ARCH else (0,)),
         ],
         [
             *fits,
