@@ -42,6 +42,13 @@ def operands(gen, granularity, m=M, n=N, k=K, device="cpu"):
     return tuple(t.to(device) for t in (a, b, a_scale, b_scale))
 
 
+def padded_rows(a):
+    """``a`` as a view of a wider buffer: its rows 32 bytes further apart than K."""
+    wide = torch.zeros(a.shape[0], a.shape[1] + 32, dtype=a.dtype, device=a.device)
+    wide[:, :a.shape[1]] = a
+    return wide[:, :a.shape[1]]
+
+
 def reference(a, b, a_scale, b_scale):
     return F.fp8_gemm_reference(a, b, a_scale, b_scale, torch.float64)
 
@@ -105,9 +112,7 @@ def test_non_contiguous_a_and_m_major_scales(layout, profile, device, gen):
     pointer kernel runs it); ``a_scale`` M-major, as quantize_fp8 lays it out."""
     a, b, a_scale, b_scale = operands(gen, "block", device=device)
     if layout == "padded rows":
-        wide = torch.zeros(M, K + 32, dtype=a.dtype, device=device)
-        wide[:, :K] = a
-        a = wide[:, :K]
+        a = padded_rows(a)
     else:
         a = a.T.contiguous().T
     a_scale = a_scale.T.contiguous().T
@@ -160,9 +165,7 @@ def test_gluon_block_scaled(m, n, k, unroll, layout, out_dtype, profile, device,
     Gluon, the plan runs the GEMM block's descriptor kernel with the same tiles."""
     a, b, a_scale, b_scale = operands(gen, "block", m=m, n=n, k=k, device=device)
     if layout == "padded rows":
-        wide = torch.zeros(m, k + 32, dtype=a.dtype, device=device)
-        wide[:, :k] = a
-        a = wide[:, :k]
+        a = padded_rows(a)
     hopper = dataclasses.replace(profile, arch="sm_90", cores=3 if device == "cpu" else profile.cores)
     config = {**GLUON_TILE, "num_stages": 3, "UNROLL": unroll}
     plan, out = run_plan((a, b, a_scale, b_scale, out_dtype), config, hopper)
