@@ -8,8 +8,8 @@ Before each new plan the pointer kernels' plan runs and is timed by MODE: ``grap
 probe_moe_tma.py times), ``timing`` (do_bench, no graph), ``empty`` (no timing: torch.cuda.empty_cache() alone,
 which torch.cuda.graph calls as a capture starts, so that the plan after a graph bench gets memory fresh from
 cudaMalloc), ``none``; ``keep`` as ``none`` with fresh scratch for every launch (probe_moe_tma.keep_scratch, for
-the rest of the process). Four plans per MODE and variant: fp8
-weights with the heuristic's 16 warps, with 8 warps, and bf16 weights, the loop flattened and not in turn.
+the rest of the process). Four plans per MODE and variant: fp8 weights with the heuristic's 16 warps, with 8
+warps, and bf16 weights, the loop flattened and not in turn.
 """
 
 from __future__ import annotations
