@@ -125,10 +125,11 @@ def test_honours_a_time_budget(strategy):
 
     result = strategy.search(space, slow, Budget(seconds=0.2), seed=0)
 
-    # An evaluation starts only inside the budget and is then finished.
-    assert 2 <= len(result.evaluations) <= 5
-    assert all(e.elapsed - 0.05 < 0.2 for e in result.evaluations)
-    assert result.evaluations[-1].elapsed < 0.2 + 0.05 + 0.1
+    # The search runs until the budget is spent (not a count: hyperopt's start-up time varies).
+    # After the first, an evaluation starts only inside the budget and is then finished.
+    assert 1 <= len(result.evaluations) <= 5
+    assert result.evaluations[-1].elapsed >= 0.2
+    assert all(e.elapsed - 0.05 < 0.2 for e in result.evaluations[1:])
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES, ids=lambda s: s.name)
@@ -302,6 +303,14 @@ def test_objective_receives_a_copy():
     assert [e.config for e in result.evaluations] == [{"a": 1}, {"a": 2}]
 
 
+def test_a_slow_start_still_measures_one_config():
+    # A strategy whose own start-up outlasts the time budget (hyperopt's, on a busy machine).
+    runner = Runner(kernel_space(), kernel_time, Budget(seconds=0.01))
+    time.sleep(0.05)
+    runner.evaluate_in_order(kernel_space().configs())
+    assert len(runner.evaluations) == 1
+
+
 def test_budget_needs_a_limit_and_stops_at_either():
     with pytest.raises(ValueError):
         Budget()
@@ -311,6 +320,8 @@ def test_budget_needs_a_limit_and_stops_at_either():
     assert not both.exhausted(9, 0.9)
     assert both.exhausted(10, 0.1)
     assert both.exhausted(1, 1.0)
+    # Time never ends a search before its first evaluation.
+    assert not both.exhausted(0, 5.0)
 
 
 def test_search_result_curves():

@@ -27,7 +27,9 @@ class Budget:
     """When a search stops: after ``evaluations`` objective calls, or ``seconds``, whichever first.
 
     An evaluation already started is finished, so a search may run over ``seconds`` by up to one
-    objective call.
+    objective call. ``seconds`` never ends a search before its first evaluation: a strategy's own
+    start-up (hyperopt's takes a few tenths of a second on a busy machine) must not leave a search
+    with nothing measured.
     """
 
     evaluations: int | None = None
@@ -45,7 +47,7 @@ class Budget:
         """Whether a search that made ``n_done`` evaluations in ``elapsed`` seconds must stop."""
         if self.evaluations is not None and n_done >= self.evaluations:
             return True
-        return self.seconds is not None and elapsed >= self.seconds
+        return self.seconds is not None and n_done >= 1 and elapsed >= self.seconds
 
 
 @dataclass(frozen=True)
