@@ -48,7 +48,8 @@ def gluon(args: tuple, stages: int = 4, unroll: int = 8, persistent: bool = True
     return c
 
 
-def check(m: int, n: int, k: int, out_dtype=torch.bfloat16, padded: bool = False, **variant) -> dict:
+def check(m: int, n: int, k: int, out_dtype=torch.bfloat16, padded: bool = False, launch=None, **variant) -> dict:
+    """One check of ``launch`` (default :func:`gluon`; called as it is, with ``out=`` and ``variant``)."""
     a, b, a_scale, b_scale, _ = inputs(m, n, k, seed=m + n + k)
     if padded:  # a's rows 32 bytes apart more than K
         wide = torch.zeros(m, k + 32, dtype=a.dtype, device=DEVICE)
@@ -56,7 +57,7 @@ def check(m: int, n: int, k: int, out_dtype=torch.bfloat16, padded: bool = False
         a = wide[:, :k]
     want = F.fp8_gemm_reference(a, b, a_scale, b_scale, torch.float64)
     got = torch.full((m, n), float("nan"), dtype=out_dtype, device=DEVICE)
-    gluon((a, b, a_scale, b_scale, out_dtype), out=got, **variant)
+    (launch or gluon)((a, b, a_scale, b_scale, out_dtype), out=got, **variant)
     error = (got.double() - want).abs()
     bad = ~(error <= 1e-2 * want.abs() + 1e-2 * want.abs().max())
     return {"check": [m, n, k], "out": str(out_dtype), "padded": padded, **variant,
