@@ -183,6 +183,13 @@ OP_MEASURED = {
         "TFLOP/s there, 1.05x to 1.31x bf16 cuBLAS (1.17x), 0.73x to 0.83x the candidate; its second round ran up "
         "to 9% slower than its first (1193 against 1091 us at 4096 x 7168 x 16384: the card's clock under "
         "sustained fp8 load), where the probe's short runs saw 946 TFLOP/s at that shape.",
+        "What keeps the Gluon kernel from cuBLASLt's rate, read in its PTX: about three CTA barriers per K block "
+        "(one after the wait, so that both warpgroups are done with the slot, and two that Triton's shared-memory "
+        "analysis puts before each copy into it), which hold the two warpgroups in step; and one promotion in 8 "
+        "not overlapped. A warp-specialised candidate drops the barriers: a copy warp fills the slots and the two "
+        "warpgroups give a slot back by an mbarrier arrival each (`.ci/probe_fp8_ws.py`). Compiled for sm_90a "
+        "with Triton 3.6.0 and 3.9.0 it needs 232 registers a warpgroup thread and 40 for the copy warp, with no "
+        "spill, and keeps only warpgroup barriers in its K loop. It has not run on a GPU yet.",
     ],
     "apply_rotary_pos_emb": [
         "The default step of 2048 elements with one warp (`TILE`; H200, bf16, 4096 and 16384 tokens of "
