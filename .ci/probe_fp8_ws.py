@@ -16,6 +16,7 @@ cuBLASLt. ``check``: the checks of probe_fp8_wgmma.py. ``bench``: its shapes, st
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -23,7 +24,6 @@ import probe_fp8_wgmma as P
 import torch
 from dlblas_kernels import vendor
 from dlblas_kernels.blocks import fp8_wgmma
-from dlblas_kernels.blocks.fp8_scales import BLOCK
 from dlblas_kernels.blocks.gemm import grouped_tile
 from dlblas_kernels.kernels import fp8_gemm as F
 from triton.experimental import gluon
@@ -36,7 +36,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from dlcore.api import Config, DeviceProfile, KernelCall, cdiv, ensure_allocator
+from dlcore.api import Config, DeviceProfile, KernelCall
 
 # Triton 3.6's names or later ones, as fp8_wgmma picks them
 _tma_load, _tma_store, _cta_barrier = fp8_wgmma._tma_load, fp8_wgmma._tma_store, fp8_wgmma._cta_barrier
@@ -197,17 +197,12 @@ def block_scaled_ws_kernel(a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K, stride_
 
 def ws_call(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, a_scale: torch.Tensor, b_scale: torch.Tensor,
             config: Config, profile: DeviceProfile) -> KernelCall:
-    ensure_allocator()
-    (m, k), n = a.shape, b.shape[0]
-    tiles = cdiv(m, BLOCK) * cdiv(n, BLOCK)
-    return KernelCall(block_scaled_ws_kernel, (max(1, min(tiles, profile.cores)),), (
-        a, b, c, a_scale, b_scale, m, n, k, a.stride(0), b.stride(0), c.stride(0), a_scale.stride(0),
-        a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
-    ), {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 128, "STAGES": config["num_stages"],
-        "GROUP_M": config.get("GROUP_M", 8), "UNROLL": config.get("UNROLL", 8),
-        "CONSUMER_REGS": config.get("CONSUMER_REGS", 232), "PRODUCER_REGS": config.get("PRODUCER_REGS", 40),
-        "num_warps": 4, "maxnreg": config.get("maxnreg", 168)})
-
+    """fp8_wgmma's launch (its arguments, grid and tile) of this kernel: one warpgroup in the default partition,
+    ``config``'s register split (``CONSUMER_REGS``, ``PRODUCER_REGS`` under ``maxnreg``)."""
+    call = fp8_wgmma.wgmma_call(a, b, c, a_scale, b_scale, config, profile)
+    return dataclasses.replace(call, kernel=block_scaled_ws_kernel, kwargs={
+        **call.kwargs, "num_warps": 4, "CONSUMER_REGS": config.get("CONSUMER_REGS", 232),
+        "PRODUCER_REGS": config.get("PRODUCER_REGS", 40), "maxnreg": config.get("maxnreg", 168)})
 
 
 def run_ws(args: tuple, out=None, **config) -> torch.Tensor:
